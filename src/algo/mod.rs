@@ -1,0 +1,1 @@
+//! Advantage estimators, reward normalisation, filters, losses, optimiser (issue 6).

@@ -1,0 +1,1 @@
+//! The YAML run configuration (issue 7).

@@ -1,0 +1,1 @@
+//! Environments and the agent text protocol (issue 2).

@@ -1,0 +1,1 @@
+//! KV slot pool and radix-tree prefix cache (issues 4 and 5).

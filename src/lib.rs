@@ -1,0 +1,19 @@
+//! stepppo: step-level PPO (StepPO) for LLM agents.
+//!
+//! The crate is organised along the data flow of a training run:
+//! environments ([`env`]) produce text observations; the rollout engine ([`rollout`]) renders
+//! them through the tokenizer ([`tokenizer`]) and generates with the model ([`model`]) over a
+//! radix-tree KV cache ([`kv`]); every interaction round becomes a [`store::StepRecord`] in a
+//! memory-mapped segment store ([`store`]); credit assignment and PPO-family losses live in
+//! [`algo`]; the trainer ([`train`]) ties them together under a YAML config ([`config`]).
+
+pub mod algo;
+pub mod config;
+pub mod env;
+pub mod kv;
+pub mod model;
+pub mod rollout;
+pub mod seed;
+pub mod store;
+pub mod tokenizer;
+pub mod train;

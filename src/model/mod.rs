@@ -1,0 +1,1 @@
+//! Qwen2-family policy and critic models (issue 4).

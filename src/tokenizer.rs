@@ -1,0 +1,1 @@
+//! Tokenizer wrapper, built-in vocabulary and chat template (issue 4).

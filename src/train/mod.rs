@@ -1,0 +1,1 @@
+//! The training loop, checkpoints, metrics and evaluation (issue 7).
