@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Installs a CUDA 13.0 build toolchain without a system CUDA toolkit or a GPU, from PyPI
+# wheels only, and prints the environment a `--features cuda` build needs.
+#
+#   source <(bash kernels/toolchain.sh [DIR])   # default DIR: $HOME/.cache/stepppo-cuda
+#   cargo build --release --features cuda
+#
+# Every wheel is pinned to one CUDA 13.0 release: a newer nvvm emits PTX that the 13.0
+# ptxas rejects and that driver 580 (the lent H200 machines) cannot load. The link folder
+# holds unversioned symlinks to the wheels' libraries and a link-time stand-in libcuda.so
+# (SONAME libcuda.so.1) whose symbols are the driver entry points cudarc binds; at run time
+# the GPU machine's real driver library is loaded instead. The stand-in is never shipped.
+set -euo pipefail
+dir=${1:-${STEPPPO_CUDA_HOME:-$HOME/.cache/stepppo-cuda}}
+mkdir -p "$dir"
+dir=$(cd "$dir" && pwd)
+venv=$dir/venv
+wheels=(
+  nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88
+  nvidia-cuda-cccl==13.0.85 nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88
+  nvidia-cublas==13.0.2.14 nvidia-curand==10.4.0.35
+)
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv" >&2
+fi
+"$venv/bin/python" -m pip install -q --disable-pip-version-check "${wheels[@]}" >&2
+cu13=$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13"))')
+[ -x "$cu13/bin/nvcc" ] || { echo "toolchain.sh: nvcc not found under $cu13/bin" >&2; exit 1; }
+
+root=$dir/cuda-root
+mkdir -p "$root/lib"
+ln -sfn "$cu13/bin" "$root/bin"
+ln -sfn "$cu13/include" "$root/include"
+ln -sfn "$cu13/nvvm" "$root/nvvm"
+for lib in "$cu13"/lib/lib*.so.*; do
+  base=$(basename "$lib")
+  ln -sfn "$lib" "$root/lib/${base%%.so.*}.so"
+done
+
+# Link-time stand-in for the driver library: one dummy definition per cu* symbol that
+# cudarc's driver bindings declare (read from the cudarc sources cargo downloaded).
+cudarc_src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* 2>/dev/null | sort -V | tail -n 1 || true)
+if [ -z "$cudarc_src" ]; then
+  (cd "$(dirname "$0")/.." && cargo fetch -q >&2)
+  cudarc_src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* | sort -V | tail -n 1)
+fi
+grep -hoE 'fn cu[A-Za-z0-9_]+\(' "$cudarc_src/src/driver/sys/mod.rs" \
+  | sed -e 's/^fn //' -e 's/($//' | sort -u | sed 's/.*/void &(void) {}/' > "$dir/libcuda_stub.c"
+gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$root/lib/libcuda.so" "$dir/libcuda_stub.c"
+
+cat <<ENV
+export PATH="$root/bin:\$PATH"
+export CUDA_ROOT="$root"
+export CUDA_PATH="$root"
+export CUDA_COMPUTE_CAP=90
+export CUDAFORGE_THREADS=\${CUDAFORGE_THREADS:-2}
+export LIBRARY_PATH="$root/lib\${LIBRARY_PATH:+:\$LIBRARY_PATH}"
+ENV
