@@ -5,7 +5,7 @@
 // so every kernel here reads K/V *through* those indices: no phase gathers a context into a
 // contiguous copy.
 //
-//   stepppo_kv_scatter_bf16         new K/V rows -> their pool slots
+//   stepppo_kv_scatter_bf16         new K (or V) rows -> their pool slots
 //   stepppo_paged_prefill_bf16_dD   new tokens attend to cached prefix + themselves
 //                                   (causal, bottom-right aligned), GQA
 //   stepppo_paged_decode_bf16_dD    one query per sequence, context split in chunks
@@ -39,20 +39,15 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 extern "C" __global__ void stepppo_kv_scatter_bf16(
-    const __nv_bfloat16* __restrict__ k_new,  // [n_tokens, row_elems]
-    const __nv_bfloat16* __restrict__ v_new,  // [n_tokens, row_elems]
-    const uint32_t* __restrict__ slots,       // [n_tokens]
-    __nv_bfloat16* __restrict__ k_pool,       // [num_slots, row_elems]
-    __nv_bfloat16* __restrict__ v_pool,       // [num_slots, row_elems]
+    const __nv_bfloat16* __restrict__ rows,  // [n_tokens, row_elems]: new K (or V) rows
+    const uint32_t* __restrict__ slots,      // [n_tokens]
+    __nv_bfloat16* __restrict__ pool,        // [num_slots, row_elems]
     int n_tokens, int row_elems) {
     const int t = blockIdx.x;
     if (t >= n_tokens) return;
     const size_t dst = (size_t)slots[t] * row_elems;
     const size_t src = (size_t)t * row_elems;
-    for (int i = threadIdx.x; i < row_elems; i += blockDim.x) {
-        k_pool[dst + i] = k_new[src + i];
-        v_pool[dst + i] = v_new[src + i];
-    }
+    for (int i = threadIdx.x; i < row_elems; i += blockDim.x) pool[dst + i] = rows[src + i];
 }
 
 // Running online-softmax state of one warp for one query row.

@@ -2,15 +2,21 @@
 //! values by token slot, and the CPU attention kernel that reads them by slot index
 //! ([`pool`]). The radix-tree prefix cache over these slots lives beside it.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod pool;
 
-pub use pool::{KvPool, SeqSlots};
+pub use pool::{AttentionPlan, KvPool, SeqSlots};
 
 /// Errors of the KV cache.
 #[derive(Debug, thiserror::Error)]
 pub enum KvError {
-    #[error("KV pool on {device}: only CPU storage is built")]
-    UnsupportedDevice { device: String },
+    #[error("KV pool on {device}: {reason}")]
+    UnsupportedDevice { device: String, reason: String },
+    #[error("KV pool: {op} does not match this pool's storage")]
+    WrongStorage { op: &'static str },
+    #[error("KV pool tensor op: {0}")]
+    Tensor(#[from] candle_core::Error),
     #[error("slot {slot} is outside the pool of {capacity} slots")]
     SlotOutOfRange { slot: u32, capacity: usize },
     #[error("KV pool holds {pool}, the call needs {wanted}")]

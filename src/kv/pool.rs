@@ -4,15 +4,33 @@
 //! nothing about sequences or prefixes: callers (a per-sequence buffer for `generate`, the radix
 //! tree for rollouts) own slot lists and pass them in.
 
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 
 use super::KvError;
 use crate::model::ModelConfig;
 
 /// Where the K/V rows live. CPU rows are plain `f32` vectors so the attention loop reads them in
-/// place; a CUDA (bf16 tensor) storage would be a second variant.
+/// place; CUDA rows are bf16 device tensors read by our kernels (`super::cuda`).
 enum KvStorage {
     Cpu(Vec<CpuLayerKv>),
+    #[cfg(feature = "cuda")]
+    Cuda(Vec<CudaLayerKv>),
+}
+
+/// One layer's keys and values on a CUDA device, `[capacity, kv_heads, head_dim]` bf16 each.
+#[cfg(feature = "cuda")]
+struct CudaLayerKv {
+    k: Tensor,
+    v: Tensor,
+}
+
+/// What one incremental forward needs on every layer, prepared once per call: the sequences'
+/// slot lists and, on CUDA, their device copies.
+pub struct AttentionPlan<'a> {
+    seqs: &'a [SeqSlots<'a>],
+    new_slots: Vec<u32>,
+    #[cfg(feature = "cuda")]
+    cuda: Option<(super::cuda::PagedAttention, Tensor)>,
 }
 
 /// One layer's keys and values, `capacity × row` floats each.
@@ -39,6 +57,7 @@ impl SeqSlots<'_> {
 /// Per-layer K/V storage for a fixed number of token slots, with a free list.
 pub struct KvPool {
     storage: KvStorage,
+    num_layers: usize,
     kv_heads: usize,
     head_dim: usize,
     capacity: usize,
@@ -48,27 +67,56 @@ pub struct KvPool {
 }
 
 impl KvPool {
-    /// A pool of `num_slots` slots for a model of `cfg`'s shape, on `device` (CPU only for now).
+    /// A pool of `num_slots` slots for a model of `cfg`'s shape, on `device`: f32 rows on the CPU,
+    /// bf16 rows on a CUDA device (feature `cuda`).
     pub fn new(cfg: &ModelConfig, num_slots: usize, device: &Device) -> Result<Self, KvError> {
-        if !device.is_cpu() {
-            return Err(KvError::UnsupportedDevice {
-                device: format!("{device:?}"),
-            });
-        }
         let row = cfg.num_key_value_heads * cfg.head_dim();
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|_| CpuLayerKv {
-                k: vec![0.0; num_slots * row],
-                v: vec![0.0; num_slots * row],
-            })
-            .collect();
+        let storage = if device.is_cpu() {
+            KvStorage::Cpu(
+                (0..cfg.num_hidden_layers)
+                    .map(|_| CpuLayerKv {
+                        k: vec![0.0; num_slots * row],
+                        v: vec![0.0; num_slots * row],
+                    })
+                    .collect(),
+            )
+        } else {
+            Self::device_storage(cfg, num_slots, device)?
+        };
         Ok(Self {
-            storage: KvStorage::Cpu(layers),
+            storage,
+            num_layers: cfg.num_hidden_layers,
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim(),
             capacity: num_slots,
             free: (0..num_slots as u32).rev().collect(),
             in_use: vec![false; num_slots],
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn device_storage(cfg: &ModelConfig, num_slots: usize, device: &Device) -> Result<KvStorage, KvError> {
+        if !device.is_cuda() {
+            return Err(KvError::UnsupportedDevice {
+                device: format!("{device:?}"),
+                reason: "only CPU and CUDA storage are built".into(),
+            });
+        }
+        let shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim());
+        let layer = || -> Result<CudaLayerKv, KvError> {
+            Ok(CudaLayerKv {
+                k: Tensor::zeros(shape, candle_core::DType::BF16, device)?,
+                v: Tensor::zeros(shape, candle_core::DType::BF16, device)?,
+            })
+        };
+        Ok(KvStorage::Cuda((0..cfg.num_hidden_layers).map(|_| layer()).collect::<Result<_, _>>()?))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn device_storage(_: &ModelConfig, _: usize, device: &Device) -> Result<KvStorage, KvError> {
+        Err(KvError::UnsupportedDevice {
+            device: format!("{device:?}"),
+            reason: "stepppo was built without the `cuda` feature".into(),
         })
     }
 
@@ -132,8 +180,7 @@ impl KvPool {
 
     /// Fails unless the pool was built for `cfg`'s layer count and K/V row shape.
     pub fn check_shape(&self, cfg: &ModelConfig) -> Result<(), KvError> {
-        let KvStorage::Cpu(layers) = &self.storage;
-        let have = (layers.len(), self.kv_heads, self.head_dim);
+        let have = (self.num_layers, self.kv_heads, self.head_dim);
         let want = (
             cfg.num_hidden_layers,
             cfg.num_key_value_heads,
@@ -152,11 +199,10 @@ impl KvPool {
     }
 
     fn check_rows(&self, layer: usize, rows: usize, floats: &[usize]) -> Result<(), KvError> {
-        let KvStorage::Cpu(layers) = &self.storage;
         let row = self.row();
-        if layer >= layers.len() || floats.iter().any(|&f| f != rows * row) {
+        if layer >= self.num_layers || floats.iter().any(|&f| f != rows * row) {
             return Err(KvError::ShapeMismatch {
-                pool: format!("{} layers of rows of {row} floats", layers.len()),
+                pool: format!("{} layers of rows of {row} floats", self.num_layers),
                 wanted: format!("layer {layer}, {rows} rows, buffers of {floats:?} floats"),
             });
         }
@@ -174,8 +220,11 @@ impl KvPool {
         let row = self.row();
         self.check(&[SeqSlots { slots, num_new: 0 }])?;
         self.check_rows(layer, slots.len(), &[k.len(), v.len()])?;
-        let KvStorage::Cpu(layers) = &mut self.storage;
-        let dst = &mut layers[layer];
+        let dst = match &mut self.storage {
+            KvStorage::Cpu(layers) => &mut layers[layer],
+            #[cfg(feature = "cuda")]
+            KvStorage::Cuda(_) => return Err(KvError::WrongStorage { op: "write(f32 rows)" }),
+        };
         for (i, &slot) in slots.iter().enumerate() {
             let at = slot as usize * row;
             dst.k[at..at + row].copy_from_slice(&k[i * row..(i + 1) * row]);
@@ -209,8 +258,11 @@ impl KvPool {
         }
         self.check_rows(layer, new_tokens * num_heads / self.kv_heads, &[q.len()])?;
         let rep = num_heads / self.kv_heads;
-        let KvStorage::Cpu(layers) = &self.storage;
-        let kv = &layers[layer];
+        let kv = match &self.storage {
+            KvStorage::Cpu(layers) => &layers[layer],
+            #[cfg(feature = "cuda")]
+            KvStorage::Cuda(_) => return Err(KvError::WrongStorage { op: "attend(f32 rows)" }),
+        };
         let mut out = vec![0.0f32; q.len()];
         let mut token = 0usize;
         for seq in seqs {
@@ -234,6 +286,75 @@ impl KvPool {
         }
         Ok(out)
     }
+
+    /// Prepares an incremental forward over `seqs` (on CUDA: uploads the slot tables once).
+    pub fn plan<'a>(&self, seqs: &'a [SeqSlots<'a>], scale: f32) -> Result<AttentionPlan<'a>, KvError> {
+        self.check(seqs)?;
+        let new_slots: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| s.slots[s.context_len()..].iter().copied())
+            .collect();
+        #[cfg(feature = "cuda")]
+        let cuda = match &self.storage {
+            KvStorage::Cuda(layers) => {
+                let dev = layers[0].k.device();
+                let slots = Tensor::new(new_slots.as_slice(), dev)?;
+                Some((super::cuda::PagedAttention::new(seqs, scale), slots))
+            }
+            KvStorage::Cpu(_) => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let _ = scale;
+        Ok(AttentionPlan {
+            seqs,
+            new_slots,
+            #[cfg(feature = "cuda")]
+            cuda,
+        })
+    }
+
+    /// Writes the new tokens' K and V rows (`[n, kv_heads, head_dim]` tensors) of `layer`.
+    pub fn write_rows(&mut self, layer: usize, plan: &AttentionPlan, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
+        match &self.storage {
+            KvStorage::Cpu(_) => {
+                let (k, v) = (flat_f32(k)?, flat_f32(v)?);
+                self.write(layer, &plan.new_slots, &k, &v)
+            }
+            #[cfg(feature = "cuda")]
+            KvStorage::Cuda(layers) => {
+                let (_, slots) = plan.cuda.as_ref().ok_or(KvError::WrongStorage { op: "write_rows(cpu plan)" })?;
+                let kv = layers.get(layer).ok_or(KvError::ShapeMismatch {
+                    pool: format!("{} layers", self.num_layers),
+                    wanted: format!("layer {layer}"),
+                })?;
+                super::cuda::scatter_rows(&kv.k, &k.to_dtype(candle_core::DType::BF16)?, slots)?;
+                super::cuda::scatter_rows(&kv.v, &v.to_dtype(candle_core::DType::BF16)?, slots)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Causal attention of the plan's new tokens over their slots in `layer`; `q` is
+    /// `[n, num_heads, head_dim]`, the result has the same shape, dtype and device.
+    pub fn attend_rows(&self, layer: usize, q: &Tensor, plan: &AttentionPlan, num_heads: usize, scale: f32) -> Result<Tensor, KvError> {
+        match &self.storage {
+            KvStorage::Cpu(_) => {
+                let out = self.attend(layer, &flat_f32(q)?, plan.seqs, num_heads, scale)?;
+                Ok(Tensor::from_vec(out, q.shape(), q.device())?)
+            }
+            #[cfg(feature = "cuda")]
+            KvStorage::Cuda(layers) => {
+                let (op, _) = plan.cuda.as_ref().ok_or(KvError::WrongStorage { op: "attend_rows(cpu plan)" })?;
+                let kv = &layers[layer];
+                let dtype = q.dtype();
+                Ok(op.apply(&q.to_dtype(candle_core::DType::BF16)?, &kv.k, &kv.v)?.to_dtype(dtype)?)
+            }
+        }
+    }
+}
+
+fn flat_f32(t: &Tensor) -> Result<Vec<f32>, KvError> {
+    Ok(t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 /// `out = Σ_j softmax_j(scale · q·k_j) v_j` over the rows starting at `row_starts`, in one pass.

@@ -103,6 +103,15 @@ impl PaddedBatch {
     }
 }
 
+/// Dtype of the incremental (rollout) path: f32 on the CPU, bf16 on an accelerator.
+fn rollout_dtype(device: &Device) -> DType {
+    if device.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    }
+}
+
 /// The policy: decoder trunk + LM head over `Var`s in a `VarMap`.
 pub struct Model {
     cfg: ModelConfig,
@@ -140,16 +149,27 @@ impl Model {
             get("lm_head.weight")?
         };
         let value_head = ValueHead::from_varmap(&varmap)?;
+        let rollout_dtype = rollout_dtype(device);
         Ok(Self {
             cfg: cfg.clone(),
-            frozen_trunk: trunk.detached(),
-            frozen_lm_head: lm_head.detach(),
+            frozen_trunk: trunk.rollout_copy(rollout_dtype)?,
+            frozen_lm_head: qwen2::rollout_tensor(&lm_head, rollout_dtype)?,
             trunk,
             lm_head,
             varmap,
             device: device.clone(),
             value_head,
         })
+    }
+
+    /// Re-reads the incremental path's weights from the trained ones. Needed after an optimizer
+    /// step only where the rollout weights are a copy (bf16 on CUDA); on the CPU they share
+    /// storage and this is cheap.
+    pub fn refresh_rollout_weights(&mut self) -> Result<()> {
+        let dtype = rollout_dtype(&self.device);
+        self.frozen_trunk = self.trunk.rollout_copy(dtype)?;
+        self.frozen_lm_head = qwen2::rollout_tensor(&self.lm_head, dtype)?;
+        Ok(())
     }
 
     /// HF names and shapes of every parameter (the trunk and, when untied, `lm_head.weight`).
@@ -210,7 +230,9 @@ impl Model {
                 hidden.index_select(&Tensor::new(last.as_slice(), &self.device)?, 0)?
             }
         };
-        Ok(hidden.matmul(&self.frozen_lm_head.t()?)?)
+        Ok(hidden
+            .matmul(&self.frozen_lm_head.t()?)?
+            .to_dtype(DType::F32)?)
     }
 
     /// Final hidden states `[B, T, hidden]` of a padded batch (differentiable).

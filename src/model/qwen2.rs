@@ -51,11 +51,11 @@ impl Linear {
         Ok(y.reshape(out_dims)?)
     }
 
-    fn detached(&self) -> Self {
-        Self {
-            weight: self.weight.detach(),
-            bias: self.bias.as_ref().map(Tensor::detach),
-        }
+    fn rollout_copy(&self, dtype: DType) -> Result<Self> {
+        Ok(Self {
+            weight: rollout_tensor(&self.weight, dtype)?,
+            bias: self.bias.as_ref().map(|b| rollout_tensor(b, dtype)).transpose()?,
+        })
     }
 }
 
@@ -138,28 +138,35 @@ impl Trunk {
         })
     }
 
-    /// The same weights (shared storage) with no autograd tracking.
-    pub(crate) fn detached(&self) -> Self {
-        Self {
-            cfg: self.cfg.clone(),
-            embed: self.embed.detach(),
-            blocks: self
-                .blocks
-                .iter()
-                .map(|b| Block {
-                    input_norm: b.input_norm.detach(),
-                    q: b.q.detached(),
-                    k: b.k.detached(),
-                    v: b.v.detached(),
-                    o: b.o.detached(),
-                    post_norm: b.post_norm.detach(),
-                    gate: b.gate.detached(),
-                    up: b.up.detached(),
-                    down: b.down.detached(),
+    /// The weights for the incremental path: detached from autograd, in `dtype`. In the
+    /// weights' own dtype (f32 on CPU) they share storage with the trained `Var`s, so updates
+    /// show through; in another dtype (bf16 on CUDA) they are a copy, refreshed after updates
+    /// by [`crate::model::Model::refresh_rollout_weights`].
+    pub(crate) fn rollout_copy(&self, dtype: DType) -> Result<Self> {
+        let t = |x: &Tensor| rollout_tensor(x, dtype);
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|b| {
+                Ok(Block {
+                    input_norm: t(&b.input_norm)?,
+                    q: b.q.rollout_copy(dtype)?,
+                    k: b.k.rollout_copy(dtype)?,
+                    v: b.v.rollout_copy(dtype)?,
+                    o: b.o.rollout_copy(dtype)?,
+                    post_norm: t(&b.post_norm)?,
+                    gate: b.gate.rollout_copy(dtype)?,
+                    up: b.up.rollout_copy(dtype)?,
+                    down: b.down.rollout_copy(dtype)?,
                 })
-                .collect(),
-            norm: self.norm.detach(),
-        }
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            cfg: self.cfg.clone(),
+            embed: t(&self.embed)?,
+            blocks,
+            norm: t(&self.norm)?,
+        })
     }
 
     fn eps(&self) -> f64 {
@@ -257,21 +264,18 @@ impl Trunk {
             .iter()
             .flat_map(|s| (s.context_len()..s.slots.len()).map(|p| p as u32))
             .collect();
-        let new_slots: Vec<u32> = seqs
-            .iter()
-            .flat_map(|s| s.slots[s.context_len()..].iter().copied())
-            .collect();
-        let (cos, sin) = rope_tensors(cfg, &positions, (n, 1, hd), dev)?;
-        let mut x = self.embed.index_select(&Tensor::new(ids, dev)?, 0)?;
         let scale = 1.0 / (hd as f32).sqrt();
+        let plan = pool.plan(seqs, scale)?;
+        let (cos, sin) = rope_tensors(cfg, &positions, (n, 1, hd), dev)?;
+        let (cos, sin) = (cos.to_dtype(self.embed.dtype())?, sin.to_dtype(self.embed.dtype())?);
+        let mut x = self.embed.index_select(&Tensor::new(ids, dev)?, 0)?;
         for (layer, b) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &b.input_norm, self.eps())?;
             let q = apply_rope(&b.q.forward(&h)?.reshape((n, nh, hd))?, &cos, &sin)?;
             let k = apply_rope(&b.k.forward(&h)?.reshape((n, nkv, hd))?, &cos, &sin)?;
-            let v = b.v.forward(&h)?;
-            pool.write(layer, &new_slots, &flat_f32(&k)?, &flat_f32(&v)?)?;
-            let o = pool.attend(layer, &flat_f32(&q)?, seqs, nh, scale)?;
-            let o = Tensor::from_vec(o, (n, nh * hd), dev)?;
+            let v = b.v.forward(&h)?.reshape((n, nkv, hd))?;
+            pool.write_rows(layer, &plan, &k, &v)?;
+            let o = pool.attend_rows(layer, &q, &plan, nh, scale)?.reshape((n, nh * hd))?;
             x = (x + b.o.forward(&o)?)?;
             x = self.mlp(b, &x)?;
         }
@@ -279,8 +283,9 @@ impl Trunk {
     }
 }
 
-fn flat_f32(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+/// `x` detached from autograd, in `dtype` (sharing storage when the dtype is unchanged).
+pub(crate) fn rollout_tensor(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    Ok(x.detach().to_dtype(dtype)?)
 }
 
 /// `x / sqrt(mean(x²) + eps) * w` over the last dimension, from differentiable ops.
