@@ -33,7 +33,11 @@ fn solvable_within(room: Room, depth: usize, memo: &mut HashMap<(u128, usize), u
     if room.solved() {
         return true;
     }
-    if depth == 0 || memo.get(&(room.boxes, room.player)).is_some_and(|&d| d >= depth) {
+    if depth == 0
+        || memo
+            .get(&(room.boxes, room.player))
+            .is_some_and(|&d| d >= depth)
+    {
         return false;
     }
     memo.insert((room.boxes, room.player), depth);
@@ -52,7 +56,10 @@ fn sokoban_oracle_solves_every_room_in_the_optimal_number_of_steps() {
         let room = *env.room();
         if seed < 30 {
             assert!(solvable_within(room, optimum, &mut HashMap::new()));
-            assert!(!solvable_within(room, optimum - 1, &mut HashMap::new()), "seed {seed}");
+            assert!(
+                !solvable_within(room, optimum - 1, &mut HashMap::new()),
+                "seed {seed}"
+            );
         }
         let mut session = AgentSession::new(Box::new(env), ProtocolConfig::default_for("sokoban"));
         let mut agent = Agent::new(AgentKind::Oracle, seed);
@@ -102,7 +109,10 @@ fn thinking_agents_pass_the_think_format() {
         let mut session = build_session(name, &json!({"enable_think": true})).unwrap();
         let mut agent = Agent::new(AgentKind::Oracle, 1);
         let episode = play_episode(&mut session, 3, &mut |s| agent.respond(s));
-        assert!(episode.turns.iter().all(|t| t.outcome.info.action_is_valid), "{name}");
+        assert!(
+            episode.turns.iter().all(|t| t.outcome.info.action_is_valid),
+            "{name}"
+        );
         assert!(episode.turns[0].response.starts_with("<think>"));
         assert!(session.env().tag() == name);
     }

@@ -16,19 +16,33 @@ fn stepppo(args: &[&str]) -> (bool, String, String) {
 }
 
 fn json_lines(stdout: &str) -> Vec<serde_json::Value> {
-    stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 #[test]
 fn list_names_every_env() {
     let (ok, out, _) = stepppo(&["env", "list"]);
     assert!(ok);
-    assert_eq!(out.lines().collect::<Vec<_>>(), ["frozen_lake", "sokoban", "bandit", "hotpotqa"]);
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        ["frozen_lake", "sokoban", "bandit", "hotpotqa"]
+    );
 }
 
 #[test]
 fn play_json_reports_one_object_per_episode() {
-    let args = ["env", "play", "frozen_lake", "--agent", "oracle", "--episodes", "200"];
+    let args = [
+        "env",
+        "play",
+        "frozen_lake",
+        "--agent",
+        "oracle",
+        "--episodes",
+        "200",
+    ];
     let (ok, out, err) = stepppo(&[&args[..], &["--set", "is_slippery=false", "--json"]].concat());
     assert!(ok, "{err}");
     let episodes = json_lines(&out);
@@ -39,7 +53,16 @@ fn play_json_reports_one_object_per_episode() {
         assert_eq!(e["success"], true);
         assert!(e["steps"].as_u64().unwrap() >= 1 && e["reward"] == 1.0);
     }
-    let (ok, out, _) = stepppo(&["env", "play", "sokoban", "--agent", "oracle", "--episodes", "100", "--json"]);
+    let (ok, out, _) = stepppo(&[
+        "env",
+        "play",
+        "sokoban",
+        "--agent",
+        "oracle",
+        "--episodes",
+        "100",
+        "--json",
+    ]);
     assert!(ok);
     assert!(json_lines(&out).iter().all(|e| e["success"] == true));
 }
@@ -50,7 +73,10 @@ fn play_transcript_and_bad_settings() {
     assert!(ok);
     assert!(out.contains("[assistant]\n<answer>") && out.contains("success rate"));
     let (ok, _, err) = stepppo(&["env", "play", "sokoban", "--set", "boxes=2"]);
-    assert!(!ok && err.contains("boxes") && err.contains("sokoban"), "{err}");
+    assert!(
+        !ok && err.contains("boxes") && err.contains("sokoban"),
+        "{err}"
+    );
     let (ok, _, err) = stepppo(&["env", "play", "bandit", "--agent", "genius"]);
     assert!(!ok && err.contains("genius"), "{err}");
 }

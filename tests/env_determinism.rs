@@ -8,9 +8,7 @@ fn transcript(env: &str, seed: u64) -> String {
     let mut session = build_session(env, &json!({"max_actions_per_turn": 2})).unwrap();
     let mut agent = Agent::new(AgentKind::Random, seed);
     (0..3)
-        .map(|i| {
-            play_episode(&mut session, seed + i, &mut |s| agent.respond(s)).transcript()
-        })
+        .map(|i| play_episode(&mut session, seed + i, &mut |s| agent.respond(s)).transcript())
         .collect()
 }
 

@@ -22,11 +22,17 @@ fn invalid_turn_costs_the_penalty_without_stepping_and_counts_as_a_turn() {
     assert_eq!(session.state_text(), state, "state unchanged");
     assert_eq!(session.state_hash(), hash);
     let message = outcome.next_user_message.unwrap();
-    assert!(message.starts_with("Reward: -0.25 (invalid answer)\nTurn 2:"), "{message}");
+    assert!(
+        message.starts_with("Reward: -0.25 (invalid answer)\nTurn 2:"),
+        "{message}"
+    );
     let outcome = session.act("<answer>Jump</answer>");
     assert!(outcome.truncated && !outcome.terminated && outcome.next_user_message.is_none());
     let after = session.act("<answer>Left</answer>");
-    assert!(after.next_user_message.is_none() && after.reward == 0.0, "acting after the end is inert");
+    assert!(
+        after.next_user_message.is_none() && after.reward == 0.0,
+        "acting after the end is inert"
+    );
 }
 
 #[test]
@@ -46,7 +52,11 @@ fn several_actions_per_turn_run_until_done() {
     text.push("Left");
     let outcome = session.act(&format!("<answer>{}</answer>", text.join(" || ")));
     assert!(outcome.terminated && outcome.info.success);
-    assert_eq!(outcome.info.num_actions as usize, text.len() - 1, "stops at done");
+    assert_eq!(
+        outcome.info.num_actions as usize,
+        text.len() - 1,
+        "stops at done"
+    );
 }
 
 #[test]
@@ -74,5 +84,8 @@ fn state_hash_depends_only_on_the_observation() {
     assert_eq!(a.state_hash(), b.state_hash());
     a.reset(6);
     assert_ne!(a.state_hash(), b.state_hash());
-    assert_eq!(a.state_hash(), stepppo::env::stable_hash(a.state_text().as_bytes()));
+    assert_eq!(
+        a.state_hash(),
+        stepppo::env::stable_hash(a.state_text().as_bytes())
+    );
 }

@@ -150,7 +150,9 @@ fn reverse_play(params: &GenParams, solved: Room) -> Option<(Room, usize)> {
     };
     let mut boxes = origins;
     search.visit(solved, &mut boxes, 0, None, params.search_depth);
-    search.best.map(|(_, room, displacement)| (room, displacement))
+    search
+        .best
+        .map(|(_, room, displacement)| (room, displacement))
 }
 
 struct ReverseSearch {
@@ -262,6 +264,9 @@ mod tests {
 
     #[test]
     fn opposite_pairs_up_down_and_left_right() {
-        assert_eq!([opposite(0), opposite(1), opposite(2), opposite(3)], [1, 0, 3, 2]);
+        assert_eq!(
+            [opposite(0), opposite(1), opposite(2), opposite(3)],
+            [1, 0, 3, 2]
+        );
     }
 }
