@@ -43,11 +43,7 @@ pub fn solve(room: &Room, max_states: usize) -> Option<Vec<usize>> {
     None
 }
 
-fn unwind(
-    parent: &HashMap<Key, (Key, usize)>,
-    start: Key,
-    mut at: Key,
-) -> Vec<usize> {
+fn unwind(parent: &HashMap<Key, (Key, usize)>, start: Key, mut at: Key) -> Vec<usize> {
     let mut path = Vec::new();
     while at != start {
         let (prev, dir) = parent[&at];
