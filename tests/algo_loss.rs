@@ -28,19 +28,37 @@ fn every_loss_agg_mode() {
     close(agg(LossAggMode::TokenMean, None), 10.0 / 4.0);
     close(agg(LossAggMode::SeqMeanTokenSum, None), (6.0 + 4.0) / 2.0);
     close(agg(LossAggMode::SeqMeanTokenMean, None), (2.0 + 4.0) / 2.0);
-    close(agg(LossAggMode::SeqMeanTokenSumNorm, None), (6.0 + 4.0) / 2.0 / 3.0);
-    close(agg(LossAggMode::SeqMeanTokenSumNorm, Some(5)), (6.0 + 4.0) / 2.0 / 5.0);
+    close(
+        agg(LossAggMode::SeqMeanTokenSumNorm, None),
+        (6.0 + 4.0) / 2.0 / 3.0,
+    );
+    close(
+        agg(LossAggMode::SeqMeanTokenSumNorm, Some(5)),
+        (6.0 + 4.0) / 2.0 / 5.0,
+    );
 }
 
 fn token_cfg() -> LossConfig {
-    LossConfig { loss_agg_mode: LossAggMode::TokenMean, ..Default::default() }
+    LossConfig {
+        loss_agg_mode: LossAggMode::TokenMean,
+        ..Default::default()
+    }
 }
 
 /// Loss of single tokens with the given log-ratio and advantage.
 fn single_token(log_ratio: f64, adv: f64, cfg: &LossConfig) -> (f64, stepppo::algo::PolicyMetrics) {
     let lp = t(&[&[log_ratio]]);
     let old = t(&[&[0.0]]);
-    let (loss, m) = policy_loss(&lp, &old, &t(&[&[adv]]), &t(&[&[1.0]]), None, &t(&[&[0.0]]), cfg).unwrap();
+    let (loss, m) = policy_loss(
+        &lp,
+        &old,
+        &t(&[&[adv]]),
+        &t(&[&[1.0]]),
+        None,
+        &t(&[&[0.0]]),
+        cfg,
+    )
+    .unwrap();
     (scalar(&loss), m)
 }
 
@@ -50,9 +68,15 @@ fn clipped_surrogate_symmetric_and_asymmetric() {
     // A = 1, ρ = 1.5, ε 0.2 → max(−1.5, −1.2) = −1.2
     let (l, m) = single_token(ln(1.5), 1.0, &token_cfg());
     close(l, -1.2);
-    assert_eq!((m.clipfrac, m.clipfrac_high, m.clipfrac_low), (1.0, 1.0, 0.0));
+    assert_eq!(
+        (m.clipfrac, m.clipfrac_high, m.clipfrac_low),
+        (1.0, 1.0, 0.0)
+    );
     // ε_high 0.28 → −1.28
-    let asym = LossConfig { pg_clip_high: Some(0.28), ..token_cfg() };
+    let asym = LossConfig {
+        pg_clip_high: Some(0.28),
+        ..token_cfg()
+    };
     close(single_token(ln(1.5), 1.0, &asym).0, -1.28);
     // A = −1, ρ = 0.5 → max(0.5, 0.8) = 0.8
     let (l, m) = single_token(ln(0.5), -1.0, &token_cfg());
@@ -65,7 +89,11 @@ fn clipped_surrogate_symmetric_and_asymmetric() {
 #[test]
 fn dual_clip_bounds_negative_advantages_only() {
     let ln = f64::ln;
-    let dual = LossConfig { dual_clip_loss: true, dual_clip_c: Some(3.0), ..token_cfg() };
+    let dual = LossConfig {
+        dual_clip_loss: true,
+        dual_clip_c: Some(3.0),
+        ..token_cfg()
+    };
     // A = −1, ρ = 5: max(5, 1.2) = 5 → min(5, 3) = 3
     let (l, m) = single_token(ln(5.0), -1.0, &dual);
     close(l, 3.0);
@@ -76,7 +104,10 @@ fn dual_clip_bounds_negative_advantages_only() {
     close(l, -1.2);
     assert_eq!(m.clipfrac_lower, 0.0);
     // default c = 1 + 2·0.2 = 1.4
-    let roll = LossConfig { dual_clip_loss: true, ..token_cfg() };
+    let roll = LossConfig {
+        dual_clip_loss: true,
+        ..token_cfg()
+    };
     close(single_token(ln(5.0), -2.0, &roll).0, 2.8);
 }
 
@@ -85,8 +116,21 @@ fn gspo_segment_ratio_is_the_geometric_mean_of_token_ratios() {
     let lp = t(&[&[-1.0, -0.5, -2.0, 0.0]]);
     let old = t(&[&[-1.2, -0.3, -2.05, 0.0]]);
     let mask = t(&[&[1.0, 1.0, 1.0, 0.0]]);
-    let cfg = LossConfig { ratio_type: RatioType::Segment, pg_clip: 10.0, ..Default::default() };
-    let (loss, m) = policy_loss(&lp, &old, &t(&[&[1.0; 4]]), &mask, None, &t(&[&[0.0; 4]]), &cfg).unwrap();
+    let cfg = LossConfig {
+        ratio_type: RatioType::Segment,
+        pg_clip: 10.0,
+        ..Default::default()
+    };
+    let (loss, m) = policy_loss(
+        &lp,
+        &old,
+        &t(&[&[1.0; 4]]),
+        &mask,
+        None,
+        &t(&[&[0.0; 4]]),
+        &cfg,
+    )
+    .unwrap();
     // token ratios e^{0.2}, e^{−0.2}, e^{0.05}: geometric mean = (Π ρ)^{1/3}
     let geo = (0.2f64.exp() * (-0.2f64).exp() * 0.05f64.exp()).powf(1.0 / 3.0);
     close(m.ratio_mean, geo);
@@ -102,12 +146,25 @@ fn kl_loss_and_entropy_bonus() {
     let ent = t(&[&[0.3, 0.5]]);
     let cfg = LossConfig {
         loss_agg_mode: LossAggMode::TokenMean,
-        kl: KlConfig { coef: 0.1, estimator: KlEstimator::K3, mode: KlMode::Loss },
+        kl: KlConfig {
+            coef: 0.1,
+            estimator: KlEstimator::K3,
+            mode: KlMode::Loss,
+        },
         entropy_loss_coef: 0.01,
         ..Default::default()
     };
     let zeros = t(&[&[0.0, 0.0]]);
-    let (loss, m) = policy_loss(&lp, &lp, &zeros, &t(&[&[1.0, 1.0]]), Some(&reference), &ent, &cfg).unwrap();
+    let (loss, m) = policy_loss(
+        &lp,
+        &lp,
+        &zeros,
+        &t(&[&[1.0, 1.0]]),
+        Some(&reference),
+        &ent,
+        &cfg,
+    )
+    .unwrap();
     // lr = 0.5, −1: k3 = e^{−lr} + lr − 1
     let k3 = |x: f64| (-x).exp() + x - 1.0;
     let kl = (k3(0.5) + k3(-1.0)) / 2.0;
@@ -117,7 +174,13 @@ fn kl_loss_and_entropy_bonus() {
     // a KL coefficient without a reference is an error
     assert!(policy_loss(&lp, &lp, &zeros, &t(&[&[1.0, 1.0]]), None, &ent, &cfg).is_err());
     // KL in reward: coef · k1(old − ref)
-    let pen = kl_reward_penalty(&[vec![-1.0, -2.0]], &[vec![-1.5, -1.0]], 0.2, KlEstimator::K1).unwrap();
+    let pen = kl_reward_penalty(
+        &[vec![-1.0, -2.0]],
+        &[vec![-1.5, -1.0]],
+        0.2,
+        KlEstimator::K1,
+    )
+    .unwrap();
     assert!((pen[0][0] - 0.1).abs() < 1e-6 && (pen[0][1] + 0.2).abs() < 1e-6);
 }
 
@@ -131,11 +194,21 @@ fn shape_mismatch_is_an_error_naming_the_tensor() {
 
 #[test]
 fn value_loss_clipping_and_explained_variance() {
-    let cfg = LossConfig { value_clip: Some(0.5), loss_agg_mode: LossAggMode::TokenMean, ..Default::default() };
+    let cfg = LossConfig {
+        value_clip: Some(0.5),
+        loss_agg_mode: LossAggMode::TokenMean,
+        ..Default::default()
+    };
     // row 1: V 2, old 1, R 0 → V_clip 1.5; max(4, 2.25) = 4 (not clipped)
     // row 2: V 1, old 0, R 1 → V_clip 0.5; max(0, 0.25) = 0.25 (clipped term active)
-    let (loss, m) = value_loss(&t(&[&[2.0], &[1.0]]), &t(&[&[1.0], &[0.0]]), &t(&[&[0.0], &[1.0]]), &t(&[&[1.0], &[1.0]]), &cfg)
-        .unwrap();
+    let (loss, m) = value_loss(
+        &t(&[&[2.0], &[1.0]]),
+        &t(&[&[1.0], &[0.0]]),
+        &t(&[&[0.0], &[1.0]]),
+        &t(&[&[1.0], &[1.0]]),
+        &cfg,
+    )
+    .unwrap();
     close(scalar(&loss), 0.5 * (4.0 + 0.25) / 2.0);
     close(m.vf_clipfrac, 0.5);
     // residuals R − V = [−2, 0]: var 2; Var(R) = 0.5 → 1 − 4 = −3
@@ -150,7 +223,9 @@ const ROWS: usize = 2;
 const LEN: usize = 3;
 
 fn inputs() -> (Tensor, Tensor) {
-    let x: Vec<f64> = (0..ROWS * LEN * DIM).map(|i| ((i * 7 % 11) as f64 - 5.0) / 5.0).collect();
+    let x: Vec<f64> = (0..ROWS * LEN * DIM)
+        .map(|i| ((i * 7 % 11) as f64 - 5.0) / 5.0)
+        .collect();
     let x = Tensor::from_vec(x, (ROWS * LEN, DIM), &Device::Cpu).unwrap();
     let targets = Tensor::new(&[1u32, 4, 0, 2, 3, 1], &Device::Cpu).unwrap();
     (x, targets)
@@ -161,13 +236,27 @@ fn policy_outputs(w: &Tensor) -> (Tensor, Tensor) {
     let (x, targets) = inputs();
     let logits = x.matmul(&w.t().unwrap()).unwrap();
     let logp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
-    let picked = logp.gather(&targets.unsqueeze(1).unwrap(), 1).unwrap().squeeze(1).unwrap();
-    let entropy = (logp.exp().unwrap() * &logp).unwrap().sum(1).unwrap().neg().unwrap();
-    (picked.reshape((ROWS, LEN)).unwrap(), entropy.reshape((ROWS, LEN)).unwrap())
+    let picked = logp
+        .gather(&targets.unsqueeze(1).unwrap(), 1)
+        .unwrap()
+        .squeeze(1)
+        .unwrap();
+    let entropy = (logp.exp().unwrap() * &logp)
+        .unwrap()
+        .sum(1)
+        .unwrap()
+        .neg()
+        .unwrap();
+    (
+        picked.reshape((ROWS, LEN)).unwrap(),
+        entropy.reshape((ROWS, LEN)).unwrap(),
+    )
 }
 
 fn initial_w() -> Tensor {
-    let w: Vec<f64> = (0..VOCAB * DIM).map(|i| ((i * 5 % 13) as f64 - 6.0) / 8.0).collect();
+    let w: Vec<f64> = (0..VOCAB * DIM)
+        .map(|i| ((i * 5 % 13) as f64 - 6.0) / 8.0)
+        .collect();
     Tensor::from_vec(w, (VOCAB, DIM), &Device::Cpu).unwrap()
 }
 
@@ -176,7 +265,13 @@ fn check_gradient(f: impl Fn(&Tensor) -> Tensor) {
     let w0 = initial_w();
     let var = Var::from_tensor(&w0).unwrap();
     let grads = f(var.as_tensor()).backward().unwrap();
-    let analytic = grads.get(&var).expect("gradient reaches W").flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let analytic = grads
+        .get(&var)
+        .expect("gradient reaches W")
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
     let base = w0.flatten_all().unwrap().to_vec1::<f64>().unwrap();
     let h = 1e-6;
     for (k, &g) in analytic.iter().enumerate() {
@@ -186,9 +281,15 @@ fn check_gradient(f: impl Fn(&Tensor) -> Tensor) {
             scalar(&f(&Tensor::from_vec(w, (VOCAB, DIM), &Device::Cpu).unwrap()))
         };
         let numeric = (at(h) - at(-h)) / (2.0 * h);
-        assert!((numeric - g).abs() < 1e-6 * (1.0 + g.abs()), "dW[{k}]: backward {g}, finite difference {numeric}");
+        assert!(
+            (numeric - g).abs() < 1e-6 * (1.0 + g.abs()),
+            "dW[{k}]: backward {g}, finite difference {numeric}"
+        );
     }
-    assert!(analytic.iter().any(|g| g.abs() > 1e-4), "gradient must not vanish");
+    assert!(
+        analytic.iter().any(|g| g.abs() > 1e-4),
+        "gradient must not vanish"
+    );
 }
 
 /// Old log-probs = current − offsets: ratios e^{offset}, some outside [0.8, 1.2], none near the bounds.
@@ -213,13 +314,19 @@ fn policy_loss_gradient_matches_finite_differences_in_every_mode() {
             loss_agg_mode: mode,
             pg_clip_high: Some(0.28),
             dual_clip_loss: true,
-            kl: KlConfig { coef: 0.1, estimator: KlEstimator::K3, mode: KlMode::Loss },
+            kl: KlConfig {
+                coef: 0.1,
+                estimator: KlEstimator::K3,
+                mode: KlMode::Loss,
+            },
             entropy_loss_coef: 0.01,
             ..Default::default()
         };
         check_gradient(|w| {
             let (lp, ent) = policy_outputs(w);
-            policy_loss(&lp, &old, &adv, &mask, Some(&reference), &ent, &cfg).unwrap().0
+            policy_loss(&lp, &old, &adv, &mask, Some(&reference), &ent, &cfg)
+                .unwrap()
+                .0
         });
     }
 }
@@ -231,10 +338,16 @@ fn gspo_token_gradient_matches_the_sequence_objective() {
     let old = old_logprobs();
     let adv = t(&[&[1.0, 1.0, 1.0], &[-0.8, -0.8, -0.8]]);
     let mask = t(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]);
-    let cfg = LossConfig { ratio_type: RatioType::Segment, pg_clip: 0.5, ..Default::default() };
+    let cfg = LossConfig {
+        ratio_type: RatioType::Segment,
+        pg_clip: 0.5,
+        ..Default::default()
+    };
     check_gradient(|w| {
         let (lp, ent) = policy_outputs(w);
-        policy_loss(&lp, &old, &adv, &mask, None, &ent, &cfg).unwrap().0
+        policy_loss(&lp, &old, &adv, &mask, None, &ent, &cfg)
+            .unwrap()
+            .0
     });
 }
 
@@ -243,11 +356,21 @@ fn value_loss_gradient_matches_finite_differences() {
     // values = x · W[0] (a linear value head), clipped around old values
     let values_of = |w: &Tensor| {
         let (x, _) = inputs();
-        x.matmul(&w.i(0..1).unwrap().t().unwrap()).unwrap().reshape((ROWS, LEN)).unwrap()
+        x.matmul(&w.i(0..1).unwrap().t().unwrap())
+            .unwrap()
+            .reshape((ROWS, LEN))
+            .unwrap()
     };
     let old = (values_of(&initial_w()) + t(&[&[0.3, -0.9, 0.0], &[1.2, 0.2, -0.6]])).unwrap();
     let returns = t(&[&[1.0, -1.0, 0.5], &[0.0, 2.0, 0.3]]);
     let mask = t(&[&[1.0, 1.0, 1.0], &[1.0, 0.0, 1.0]]);
-    let cfg = LossConfig { value_clip: Some(0.5), ..Default::default() };
-    check_gradient(|w| value_loss(&values_of(w), &old, &returns, &mask, &cfg).unwrap().0);
+    let cfg = LossConfig {
+        value_clip: Some(0.5),
+        ..Default::default()
+    };
+    check_gradient(|w| {
+        value_loss(&values_of(w), &old, &returns, &mask, &cfg)
+            .unwrap()
+            .0
+    });
 }
