@@ -21,9 +21,11 @@
 //! segments stay readable.
 
 use std::borrow::Cow;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use super::error::StoreError;
 use super::record::{StepInfo, StepRecord};
 
 /// Bytes of the fixed header at the start of every payload.
@@ -268,6 +270,9 @@ pub struct StepView<'a> {
     pub obs_ids: Cow<'a, [u32]>,
     pub response_ids: Cow<'a, [u32]>,
     pub response_logprobs: Cow<'a, [f32]>,
+    /// Segment file and frame offset the record was read from (empty path, 0 for a bare payload).
+    pub path: &'a Path,
+    pub offset: u64,
     meta_bytes: &'a [u8],
     format_version: u32,
 }
@@ -276,6 +281,8 @@ impl<'a> StepView<'a> {
     /// Views a payload whose `layout` came from [`parse_layout`] on the same bytes.
     pub fn new(payload: &'a [u8], layout: &PayloadLayout, format_version: u32) -> Self {
         Self {
+            path: Path::new(""),
+            offset: 0,
             traj_id: layout.traj_id,
             group_id: layout.group_id,
             step_index: layout.step_index,
@@ -294,13 +301,26 @@ impl<'a> StepView<'a> {
         Ok(Self::new(payload, &layout, format_version))
     }
 
+    /// Records where the viewed payload lives, for error messages.
+    pub fn at(self, path: &'a Path, offset: u64) -> Self {
+        Self {
+            path,
+            offset,
+            ..self
+        }
+    }
+
     /// Decodes the metadata block (env tag, seed, rewards, flags, texts).
-    pub fn meta(&self) -> Result<StepMeta, CodecError> {
-        decode_meta(self.format_version, self.meta_bytes)
+    pub fn meta(&self) -> Result<StepMeta, StoreError> {
+        decode_meta(self.format_version, self.meta_bytes).map_err(|e| StoreError::Corrupt {
+            path: self.path.to_path_buf(),
+            offset: self.offset,
+            reason: e.0,
+        })
     }
 
     /// Copies everything into an owned [`StepRecord`].
-    pub fn to_record(&self) -> Result<StepRecord, CodecError> {
+    pub fn to_record(&self) -> Result<StepRecord, StoreError> {
         let meta = self.meta()?;
         Ok(StepRecord {
             traj_id: self.traj_id,
