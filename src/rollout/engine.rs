@@ -199,6 +199,12 @@ pub struct CacheCounters {
     /// Tokens sampled.
     pub decode_tokens: u64,
     pub forward_calls: u64,
+    /// Tokens fed through the model (prefill and decode).
+    pub tokens_computed: u64,
+    /// Σ over computed tokens of the positions they attend to (attention work).
+    pub attended_pairs: u64,
+    /// Logits rows produced (one per sequence per forward call).
+    pub logit_rows: u64,
     pub peak_slots_used: u64,
     pub evictions: u64,
     pub evicted_tokens: u64,
@@ -540,12 +546,14 @@ impl Engine {
         let rows = logits.to_vec2::<f32>()?;
         self.counters.forward_s += t0.elapsed().as_secs_f64();
         self.counters.forward_calls += 1;
+        self.counters.logit_rows += plan.len() as u64;
         for (&(i, _), row) in plan.iter().zip(&rows) {
             if seqs[i].slots.len() < seqs[i].tokens.len() {
                 continue; // mid-prefill chunk: no token to sample yet
             }
             let prompt_done = seqs[i].generated().is_empty();
-            self.sample_into(tok, &mut seqs[i], &reqs[seqs[i].req], row);
+            let req = &reqs[seqs[i].req];
+            self.sample_into(tok, &mut seqs[i], req, row);
             if prompt_done {
                 self.on_prompt_done(tok, seqs, reqs, i, row)?;
             }
@@ -575,6 +583,8 @@ impl Engine {
                 .min(self.cfg.prefill_chunk)
                 .min(budget);
             let new_slots = alloc_slots(&mut self.pool, &mut self.tree, &mut self.counters, n)?;
+            self.counters.tokens_computed += n as u64;
+            self.counters.attended_pairs += ((start + 1)..=(start + n)).map(|p| p as u64).sum::<u64>();
             s.slots.extend(new_slots);
             if s.generated().is_empty() {
                 s.prefilled += n;
