@@ -36,7 +36,10 @@ fn every_cache_mode_generates_the_same_tokens_and_logprobs() {
                     .zip(&gb.logprobs)
                     .map(|(x, y)| (x - y).abs())
                     .fold(0.0f32, f32::max);
-                assert!(worst < 1e-4, "{mode:?} turn {turn} trajectory {i}: |Δlogprob| {worst}");
+                assert!(
+                    worst < 1e-4,
+                    "{mode:?} turn {turn} trajectory {i}: |Δlogprob| {worst}"
+                );
             }
         }
     }
@@ -49,14 +52,21 @@ fn prefill_counts_match_the_theory_of_each_arm() {
     let expected = [
         (CacheMode::None, w.stateless_total()),
         (CacheMode::PerTraj, groups * g * (p + (t - 1) * (o + 1))),
-        (CacheMode::GroupPrompt, groups * (p + g * (r + o) * t * (t - 1) / 2)),
+        (
+            CacheMode::GroupPrompt,
+            groups * (p + g * (r + o) * t * (t - 1) / 2),
+        ),
         (CacheMode::Radix, w.radix_expected()),
     ];
     for (mode, prefilled) in expected {
         let c = run(mode, &w, 4096).counters;
         assert_eq!(c.tokens_prefilled, prefilled, "{mode:?}");
         assert_eq!(c.prompt_tokens, w.stateless_total(), "{mode:?}");
-        assert_eq!(c.tokens_prefilled + c.tokens_from_cache, c.prompt_tokens, "{mode:?}");
+        assert_eq!(
+            c.tokens_prefilled + c.tokens_from_cache,
+            c.prompt_tokens,
+            "{mode:?}"
+        );
         assert_eq!(c.decode_tokens, groups * g * t * r, "{mode:?}");
     }
 }
@@ -73,4 +83,34 @@ fn a_small_pool_evicts_and_still_generates_the_same() {
             assert_eq!(ga.tokens, gb.tokens);
         }
     }
+}
+
+#[test]
+fn requests_arriving_together_share_an_uncached_head() {
+    use stepppo::rollout::engine::GenRequest;
+    use stepppo::rollout::sampling::SamplingParams;
+    let tok = Tokenizer::builtin();
+    let cfg = ModelConfig::tiny(tok.vocab_size());
+    let model = Model::new(&cfg, 11, &Device::Cpu).unwrap();
+    let mut engine = Engine::new(&cfg, EngineConfig::default(), &Device::Cpu).unwrap();
+    let head: Vec<u32> = (0..60).map(|i| 100 + i).collect();
+    let requests: Vec<GenRequest> = (0..3u32)
+        .map(|i| GenRequest {
+            tokens: head.iter().copied().chain([500 + i, 600 + i]).collect(),
+            traj: i as u64,
+            group: i as u64,
+            turn: 0,
+            params: SamplingParams::default(),
+            seed: i as u64,
+            max_new_tokens: 3,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+        })
+        .collect();
+    let gens = engine.generate(&model, &tok, &requests).unwrap();
+    assert_eq!(gens[0].prefilled, 62);
+    for g in &gens[1..] {
+        assert_eq!((g.from_cache, g.prefilled), (60, 2));
+    }
+    assert_eq!(engine.counters().tokens_prefilled, 66);
 }
