@@ -190,3 +190,23 @@ impl Critic {
         write_dir(dir, self.config(), self.varmap(), None)
     }
 }
+
+/// Seed of the built-in policy (`--model builtin`).
+pub const BUILTIN_SEED: u64 = 0;
+
+/// The built-in policy: a freshly initialised `small` model over the built-in tokenizer.
+pub fn builtin_policy(device: &Device) -> Result<(Model, Tokenizer)> {
+    let tok = Tokenizer::builtin();
+    let model = Model::new(&ModelConfig::small(tok.vocab_size()), BUILTIN_SEED, device)?;
+    Ok((model, tok))
+}
+
+/// `builtin` or an HF-layout directory with `tokenizer.json`.
+pub fn load_policy(spec: &str, device: &Device) -> Result<(Model, Tokenizer)> {
+    if spec == "builtin" {
+        return builtin_policy(device);
+    }
+    let dir = Path::new(spec);
+    let tok = Tokenizer::from_file(dir.join(TOKENIZER_FILE))?;
+    Ok((Model::load(dir, device)?, tok))
+}

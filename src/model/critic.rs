@@ -118,8 +118,7 @@ impl Critic {
 
     /// Values `[B, T]`: the head on the final hidden state of each position (differentiable).
     pub fn values(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
-        let mask = super::qwen2::mask_rows(attention_mask)?;
         self.head
-            .forward(&self.trunk.forward_train(input_ids, &mask)?)
+            .forward(&self.trunk.forward_train(input_ids, attention_mask)?)
     }
 }

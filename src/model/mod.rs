@@ -195,7 +195,7 @@ impl Model {
             .iter()
             .flat_map(|c| c.new_tokens.iter().copied())
             .collect();
-        self.check_ids(&ids)?;
+        qwen2::check_ids(&ids, self.cfg.vocab_size)?;
         let hidden = self.frozen_trunk.forward_incremental(&ids, &seqs, pool)?;
         let hidden = match logits {
             LogitsWanted::All => hidden,
@@ -215,27 +215,17 @@ impl Model {
 
     /// Final hidden states `[B, T, hidden]` of a padded batch (differentiable).
     pub fn hidden_train(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
-        let mask = qwen2::mask_rows(attention_mask)?;
-        if mask.len() != input_ids.dim(0)? || mask.first().map(Vec::len) != Some(input_ids.dim(1)?)
-        {
-            return Err(ModelError::Input(format!(
-                "attention_mask {:?} does not match input_ids {:?}",
-                attention_mask.dims(),
-                input_ids.dims()
-            )));
-        }
-        self.check_ids(&input_ids.flatten_all()?.to_vec1::<u32>()?)?;
-        self.trunk.forward_train(input_ids, &mask)
+        self.trunk.forward_train(input_ids, attention_mask)
     }
 
     /// Logits `[B, T, vocab]` of a padded batch with a causal + padding mask (differentiable).
     pub fn forward_train(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         let hidden = self.hidden_train(input_ids, attention_mask)?;
-        Ok(Linear {
+        Linear {
             weight: self.lm_head.clone(),
             bias: None,
         }
-        .forward(&hidden)?)
+        .forward(&hidden)
     }
 
     /// Per position: log-prob of `targets[b, t]` and entropy, both `[B, T]`, under the logits
@@ -277,16 +267,6 @@ impl Model {
             .as_ref()
             .ok_or_else(|| ModelError::Input("this policy has no shared value head".into()))?;
         head.forward(&self.hidden_train(input_ids, attention_mask)?)
-    }
-
-    fn check_ids(&self, ids: &[u32]) -> Result<()> {
-        match ids.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
-            Some(id) => Err(ModelError::Input(format!(
-                "token id {id} ≥ vocab_size {}",
-                self.cfg.vocab_size
-            ))),
-            None => Ok(()),
-        }
     }
 }
 

@@ -11,7 +11,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use super::{ModelConfig, Result};
+use super::{ModelConfig, ModelError, Result};
 use crate::kv::{KvPool, SeqSlots};
 
 /// Weights of one decoder block.
@@ -172,10 +172,27 @@ impl Trunk {
         Ok((x + b.down.forward(&act)?)?)
     }
 
-    /// Final hidden states `[B, T, hidden]` of a padded batch. `mask[b][t]` is 1 for real tokens;
-    /// positions count real tokens only, so left and right padding both work.
-    pub(crate) fn forward_train(&self, input_ids: &Tensor, mask: &[Vec<u32>]) -> Result<Tensor> {
+    /// Final hidden states `[B, T, hidden]` of a padded batch `input_ids [B, T]` (u32) with
+    /// `attention_mask [B, T]` (1 = real token, any dtype); positions count real tokens only, so
+    /// left and right padding both work.
+    pub(crate) fn forward_train(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+    ) -> Result<Tensor> {
         let (b_sz, t_len) = input_ids.dims2()?;
+        if attention_mask.dims() != input_ids.dims() {
+            return Err(ModelError::Input(format!(
+                "attention_mask {:?} does not match input_ids {:?}",
+                attention_mask.dims(),
+                input_ids.dims()
+            )));
+        }
+        check_ids(
+            &input_ids.flatten_all()?.to_vec1::<u32>()?,
+            self.cfg.vocab_size,
+        )?;
+        let mask = attention_mask.to_dtype(DType::U32)?.to_vec2::<u32>()?;
         let cfg = &self.cfg;
         let (nh, nkv, hd) = (
             cfg.num_attention_heads,
@@ -188,7 +205,7 @@ impl Trunk {
             .flat_map(|row| positions_from_mask(row))
             .collect();
         let (cos, sin) = rope_tensors(cfg, &positions, (b_sz, 1, t_len, hd), dev)?;
-        let bias = attention_bias(mask, dev)?;
+        let bias = attention_bias(&mask, dev)?;
         let mut x = self
             .embed
             .index_select(&input_ids.flatten_all()?, 0)?
@@ -227,6 +244,7 @@ impl Trunk {
         pool: &mut KvPool,
     ) -> Result<Tensor> {
         pool.check(seqs)?;
+        pool.check_shape(&self.cfg)?;
         let cfg = &self.cfg;
         let (nh, nkv, hd) = (
             cfg.num_attention_heads,
@@ -355,9 +373,14 @@ fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
         .reshape((b, kv * rep, t, d))?)
 }
 
-/// Mask rows as `u32` (1 = real token) from a `[B, T]` tensor of any dtype.
-pub(crate) fn mask_rows(mask: &Tensor) -> Result<Vec<Vec<u32>>> {
-    Ok(mask.to_dtype(DType::U32)?.to_vec2::<u32>()?)
+/// Fails on the first id outside the vocabulary.
+pub(crate) fn check_ids(ids: &[u32], vocab_size: usize) -> Result<()> {
+    match ids.iter().find(|&&id| id as usize >= vocab_size) {
+        Some(id) => Err(ModelError::Input(format!(
+            "token id {id} ≥ vocab_size {vocab_size}"
+        ))),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
