@@ -9,6 +9,7 @@
 
 pub mod algo;
 pub mod config;
+pub mod device;
 pub mod env;
 pub mod kv;
 pub mod model;

@@ -1,8 +1,9 @@
 //! `stepppo bench prefix`: the prefix-reuse workloads over the four cache arms, with the
-//! built-in tokenizer and a freshly initialised built-in model, printed as a table or JSON lines.
+//! built-in tokenizer and a freshly initialised model (built-in size or an HF config.json),
+//! printed as a table or JSON lines. `stepppo bench kernels`: the CUDA decode kernel's achieved
+//! bandwidth next to a device-to-device copy (feature `cuda`).
 
 use anyhow::Context;
-use candle_core::Device;
 use clap::{Args, Subcommand};
 
 use stepppo::model::{Model, ModelConfig};
@@ -14,6 +15,30 @@ use stepppo::tokenizer::Tokenizer;
 pub enum BenchCommand {
     /// Prefix-reuse workloads over the four cache arms (none, per_traj, group_prompt, radix).
     Prefix(PrefixArgs),
+    /// CUDA decode-attention bandwidth against a device copy (needs `--features cuda` and a GPU).
+    Kernels(KernelArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct KernelArgs {
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// Context length of every sequence.
+    #[arg(long, default_value_t = 4096)]
+    context: usize,
+    /// Model shape: `tiny`, `small` or an HF config.json (default: Qwen2.5-0.5B's shape).
+    #[arg(long, default_value = "configs/models/qwen2.5-0.5b.json")]
+    model: String,
+    /// Timed repetitions.
+    #[arg(long, default_value_t = 50)]
+    iters: usize,
+    /// `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -21,12 +46,18 @@ pub struct PrefixArgs {
     /// One JSON object per line per workload and arm.
     #[arg(long)]
     json: bool,
-    /// Built-in model size (`tiny` or `small`).
+    /// Model shape: built-in `tiny` or `small`, or an HF config.json (random weights).
     #[arg(long, default_value = "small")]
     model: String,
-    /// Run only these workloads (repeatable); default: all.
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Run only these workloads (repeatable); default: all standard ones.
     #[arg(long = "workload")]
     workloads: Vec<String>,
+    /// A custom workload `NAME:groups,G,T,P,O,R` (repeatable), e.g. `gpu_group:8,8,4,1024,64,64`.
+    #[arg(long = "spec")]
+    specs: Vec<String>,
     /// Seed of the model weights, prompts and sampling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -35,15 +66,33 @@ pub struct PrefixArgs {
 pub fn run(c: BenchCommand) -> anyhow::Result<()> {
     match c {
         BenchCommand::Prefix(a) => prefix(a),
+        BenchCommand::Kernels(a) => kernels::run(a),
+    }
+}
+
+/// A model shape by built-in name or config.json path.
+fn model_config(name: &str, tok: &Tokenizer) -> anyhow::Result<ModelConfig> {
+    match ModelConfig::named(name, tok) {
+        Some(cfg) => Ok(cfg),
+        None => ModelConfig::from_file(name.as_ref()).with_context(|| {
+            format!("--model `{name}`: expected tiny, small or an HF config.json")
+        }),
     }
 }
 
 fn prefix(a: PrefixArgs) -> anyhow::Result<()> {
     let tok = Tokenizer::builtin();
-    let cfg = ModelConfig::named(&a.model, &tok)
-        .with_context(|| format!("--model `{}`: expected tiny or small", a.model))?;
-    let model = Model::new(&cfg, a.seed, &Device::Cpu)?;
-    let workloads = selected(&a.workloads)?;
+    let cfg = model_config(&a.model, &tok)?;
+    let device = stepppo::device::parse_device(&a.device)?;
+    let model = Model::new(&cfg, a.seed, &device)?;
+    let mut workloads = if a.specs.is_empty() || !a.workloads.is_empty() {
+        selected(&a.workloads)?
+    } else {
+        Vec::new()
+    };
+    for spec in &a.specs {
+        workloads.push(parse_spec(spec)?);
+    }
     if !a.json {
         println!("{}", header());
     }
@@ -59,6 +108,19 @@ fn prefix(a: PrefixArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `NAME:groups,G,T,P,O,R` → a workload.
+fn parse_spec(spec: &str) -> anyhow::Result<Workload> {
+    let bad = || format!("--spec `{spec}`: expected NAME:groups,G,T,P,O,R with positive integers");
+    let (name, numbers) = spec.split_once(':').with_context(bad)?;
+    let n: Vec<usize> = numbers
+        .split(',')
+        .map(|x| x.trim().parse::<usize>().ok().filter(|&v| v > 0))
+        .collect::<Option<_>>()
+        .with_context(bad)?;
+    anyhow::ensure!(n.len() == 6 && !name.is_empty(), bad());
+    Ok(Workload::new(name, n[0], n[1], n[2], n[3], n[4], n[5]))
 }
 
 fn selected(names: &[String]) -> anyhow::Result<Vec<Workload>> {
@@ -113,4 +175,119 @@ fn table_row(r: &ArmReport) -> String {
         r.speedup_vs_none,
         r.flop_ratio_vs_none
     )
+}
+
+#[cfg(feature = "cuda")]
+mod kernels {
+    //! Decode attention over the KV pool on the GPU: bytes of K and V the kernel must read per
+    //! call, divided by its time, next to the bandwidth of a plain device-to-device copy.
+
+    use std::time::Instant;
+
+    use anyhow::Context;
+    use candle_core::{DType, Device, Tensor};
+    use stepppo::kv::{KvPool, SeqSlots};
+    use stepppo::tokenizer::Tokenizer;
+
+    use super::{model_config, KernelArgs};
+
+    pub fn run(a: KernelArgs) -> anyhow::Result<()> {
+        let device = stepppo::device::parse_device(&a.device)?;
+        anyhow::ensure!(
+            device.is_cuda(),
+            "`bench kernels` measures CUDA kernels: pass --device cuda"
+        );
+        let mut cfg = model_config(&a.model, &Tokenizer::builtin())?;
+        cfg.num_hidden_layers = 1;
+        let (heads, kv_heads, hd) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim(),
+        );
+        let slots_total = a.batch * a.context;
+        let mut pool = KvPool::new(&cfg, slots_total, &device)?;
+        let all: Vec<u32> = pool.alloc(slots_total).context("pool allocation")?;
+        fill_pool(&mut pool, &all, kv_heads, hd, &device)?;
+        let seqs: Vec<SeqSlots> = all
+            .chunks(a.context)
+            .map(|slots| SeqSlots { slots, num_new: 1 })
+            .collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let plan = pool.plan(&seqs, scale)?;
+        let q = Tensor::randn(0f32, 1.0, (a.batch, heads, hd), &device)?.to_dtype(DType::BF16)?;
+        let decode_s = time(&device, a.iters, || {
+            Ok(pool.attend_rows(0, &q, &plan, heads, scale)?)
+        })?;
+        let kv_bytes = 2.0 * (slots_total * kv_heads * hd * 2) as f64;
+        let copy_src = Tensor::zeros(slots_total * kv_heads * hd * 2, DType::BF16, &device)?;
+        let copy_s = time(&device, a.iters, || Ok(copy_src.copy()?))?;
+        let copy_bytes = 2.0 * (copy_src.elem_count() * 2) as f64;
+        let decode_gbs = kv_bytes / decode_s / 1e9;
+        let copy_gbs = copy_bytes / copy_s / 1e9;
+        let report = serde_json::json!({
+            "batch": a.batch, "context": a.context, "q_heads": heads, "kv_heads": kv_heads, "head_dim": hd,
+            "decode_ms": decode_s * 1e3, "decode_gb_s": decode_gbs, "copy_gb_s": copy_gbs,
+            "fraction_of_copy": decode_gbs / copy_gbs,
+        });
+        if a.json {
+            println!("{report}");
+        } else {
+            println!(
+                "decode: batch {} × context {} ({heads} q / {kv_heads} kv heads, head_dim {hd}): {:.3} ms, {:.0} GB/s; device copy {:.0} GB/s; {:.0}% of copy",
+                a.batch, a.context, decode_s * 1e3, decode_gbs, copy_gbs, 100.0 * decode_gbs / copy_gbs
+            );
+        }
+        Ok(())
+    }
+
+    /// Random K/V rows in every slot, written through the scatter kernel.
+    fn fill_pool(
+        pool: &mut KvPool,
+        slots: &[u32],
+        kv_heads: usize,
+        hd: usize,
+        dev: &Device,
+    ) -> anyhow::Result<()> {
+        for chunk in slots.chunks(1 << 16) {
+            let seq = [SeqSlots {
+                slots: chunk,
+                num_new: chunk.len(),
+            }];
+            let plan = pool.plan(&seq, 1.0)?;
+            let k = Tensor::randn(0f32, 1.0, (chunk.len(), kv_heads, hd), dev)?;
+            let v = Tensor::randn(0f32, 1.0, (chunk.len(), kv_heads, hd), dev)?;
+            pool.write_rows(0, &plan, &k, &v)?;
+        }
+        Ok(())
+    }
+
+    /// Mean seconds per call after a warm-up call, with the device synchronised around the loop.
+    fn time(
+        dev: &Device,
+        iters: usize,
+        mut f: impl FnMut() -> anyhow::Result<Tensor>,
+    ) -> anyhow::Result<f64> {
+        f()?;
+        dev.synchronize()?;
+        let start = Instant::now();
+        for _ in 0..iters.max(1) {
+            f()?;
+        }
+        dev.synchronize()?;
+        Ok(start.elapsed().as_secs_f64() / iters.max(1) as f64)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod kernels {
+    use super::KernelArgs;
+
+    pub fn run(a: KernelArgs) -> anyhow::Result<()> {
+        Err(stepppo::device::parse_device(&a.device)
+            .err()
+            .map(anyhow::Error::from)
+            .unwrap_or_else(|| {
+                anyhow::anyhow!("`bench kernels` measures CUDA kernels: pass --device cuda")
+            }))
+    }
 }

@@ -48,6 +48,9 @@ pub struct GenerateArgs {
     /// Print one JSON object with prompt_ids, output_ids, output_text, logprobs.
     #[arg(long)]
     json: bool,
+    /// `cpu`, `cuda` or `cuda:N` (CUDA needs a `--features cuda` build).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(Args, Debug)]
@@ -91,7 +94,7 @@ fn prompt_ids(a: &GenerateArgs, tok: &Tokenizer) -> Vec<u32> {
 
 pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let params = sampling_params(&a)?;
-    let device = Device::Cpu;
+    let device = stepppo::device::parse_device(&a.device)?;
     let (model, tok) =
         load_policy(&a.model, &device).with_context(|| format!("loading model {}", a.model))?;
     let prompt = prompt_ids(&a, &tok);

@@ -52,7 +52,9 @@ impl InplaceOp3 for ScatterRows {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<()> {
-        candle_core::bail!("stepppo-kv-scatter runs on CUDA only; the CPU pool writes rows directly")
+        candle_core::bail!(
+            "stepppo-kv-scatter runs on CUDA only; the CPU pool writes rows directly"
+        )
     }
 
     fn cuda_fwd(
@@ -68,7 +70,9 @@ impl InplaceOp3 for ScatterRows {
         let (n, row_elems) = rows_l.shape().dims3().map(|(n, h, d)| (n, h * d))?;
         let func = dev.get_or_load_custom_func("stepppo_kv_scatter_bf16", MODULE, PTX)?;
         let rows = rows.as_cuda_slice::<bf16>()?.slice(rows_l.start_offset()..);
-        let slots = slots.as_cuda_slice::<u32>()?.slice(slots_l.start_offset()..);
+        let slots = slots
+            .as_cuda_slice::<u32>()?
+            .slice(slots_l.start_offset()..);
         let pool = pool.as_cuda_slice_mut::<bf16>()?;
         let mut pool = pool.slice_mut(pool_l.start_offset()..);
         let cfg = LaunchConfig {
@@ -78,7 +82,11 @@ impl InplaceOp3 for ScatterRows {
         };
         let (n, row_elems) = (n as i32, row_elems as i32);
         let mut b = func.builder();
-        b.arg(&rows).arg(&slots).arg(&mut pool).arg(&n).arg(&row_elems);
+        b.arg(&rows)
+            .arg(&slots)
+            .arg(&mut pool)
+            .arg(&n)
+            .arg(&row_elems);
         unsafe { b.launch(cfg) }.w()?;
         Ok(())
     }
@@ -129,7 +137,12 @@ impl PagedAttention {
     /// Causal attention of every sequence's new tokens over its slots: `q` is
     /// `[n_new, q_heads, head_dim]` bf16 (sequences in batch order), pools are
     /// `[slots, kv_heads, head_dim]` bf16. Returns `[n_new, q_heads, head_dim]` bf16.
-    pub fn apply(&self, q: &Tensor, k_pool: &Tensor, v_pool: &Tensor) -> candle_core::Result<Tensor> {
+    pub fn apply(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+    ) -> candle_core::Result<Tensor> {
         q.contiguous()?.apply_op3_no_bwd(k_pool, v_pool, self)
     }
 
@@ -175,7 +188,9 @@ impl CustomOp3 for PagedAttention {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("stepppo-paged-attention runs on CUDA only; the CPU pool has its own kernel")
+        candle_core::bail!(
+            "stepppo-paged-attention runs on CUDA only; the CPU pool has its own kernel"
+        )
     }
 
     fn cuda_fwd(
@@ -194,7 +209,11 @@ impl CustomOp3 for PagedAttention {
                 "paged attention: head_dim {head_dim} (supported {SUPPORTED_HEAD_DIMS:?}), {q_heads} query heads over {kv_heads} kv heads"
             );
         }
-        for (dt, what) in [(q.dtype(), "q"), (k.dtype(), "k pool"), (v.dtype(), "v pool")] {
+        for (dt, what) in [
+            (q.dtype(), "q"),
+            (k.dtype(), "k pool"),
+            (v.dtype(), "v pool"),
+        ] {
             if dt != DType::BF16 {
                 candle_core::bail!("paged attention: {what} is {dt:?}, the kernels take bf16");
             }
@@ -234,7 +253,11 @@ impl PagedAttention {
         head_dim: usize,
     ) -> candle_core::Result<DeviceSlice<bf16>> {
         let n = *self.cu_q.last().unwrap_or(&0) as usize;
-        let func = dev.get_or_load_custom_func(&format!("stepppo_paged_prefill_bf16_d{head_dim}"), MODULE, PTX)?;
+        let func = dev.get_or_load_custom_func(
+            &format!("stepppo_paged_prefill_bf16_d{head_dim}"),
+            MODULE,
+            PTX,
+        )?;
         let tables = self.tables(dev)?;
         let mut out = unsafe { dev.alloc::<bf16>(n * q_heads * head_dim)? };
         let cfg = LaunchConfig {
@@ -248,7 +271,12 @@ impl PagedAttention {
         };
         let (qh, kvh, scale) = (q_heads as i32, kv_heads as i32, self.scale);
         let mut b = func.builder();
-        b.arg(&t.q).arg(&t.k).arg(&t.v).arg(&tables.slots).arg(&tables.slot_ptr).arg(&tables.cu_q);
+        b.arg(&t.q)
+            .arg(&t.k)
+            .arg(&t.v)
+            .arg(&tables.slots)
+            .arg(&tables.slot_ptr)
+            .arg(&tables.cu_q);
         b.arg(&mut out).arg(&qh).arg(&kvh).arg(&scale);
         unsafe { b.launch(cfg) }.w()?;
         Ok(out)
@@ -265,24 +293,47 @@ impl PagedAttention {
         let batch = self.batch();
         let splits = self.decode_splits(q_heads);
         let chunk = self.max_ctx.div_ceil(splits).max(1);
-        let decode = dev.get_or_load_custom_func(&format!("stepppo_paged_decode_bf16_d{head_dim}"), MODULE, PTX)?;
-        let combine = dev.get_or_load_custom_func(&format!("stepppo_decode_combine_bf16_d{head_dim}"), MODULE, PTX)?;
+        let decode = dev.get_or_load_custom_func(
+            &format!("stepppo_paged_decode_bf16_d{head_dim}"),
+            MODULE,
+            PTX,
+        )?;
+        let combine = dev.get_or_load_custom_func(
+            &format!("stepppo_decode_combine_bf16_d{head_dim}"),
+            MODULE,
+            PTX,
+        )?;
         let tables = self.tables(dev)?;
         let rows = batch * q_heads * splits;
         let mut part_m = unsafe { dev.alloc::<f32>(rows)? };
         let mut part_l = unsafe { dev.alloc::<f32>(rows)? };
         let mut part_acc = unsafe { dev.alloc::<f32>(rows * head_dim)? };
         let mut out = unsafe { dev.alloc::<bf16>(batch * q_heads * head_dim)? };
-        let (qh, kvh, chunk_i, splits_i, scale) =
-            (q_heads as i32, kv_heads as i32, chunk as i32, splits as i32, self.scale);
+        let (qh, kvh, chunk_i, splits_i, scale) = (
+            q_heads as i32,
+            kv_heads as i32,
+            chunk as i32,
+            splits as i32,
+            self.scale,
+        );
         let cfg = LaunchConfig {
             grid_dim: (splits as u32, q_heads as u32, batch as u32),
             block_dim: (DECODE_WARPS * WARP, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = decode.builder();
-        b.arg(&t.q).arg(&t.k).arg(&t.v).arg(&tables.slots).arg(&tables.slot_ptr);
-        b.arg(&mut part_m).arg(&mut part_l).arg(&mut part_acc).arg(&qh).arg(&kvh).arg(&chunk_i).arg(&scale);
+        b.arg(&t.q)
+            .arg(&t.k)
+            .arg(&t.v)
+            .arg(&tables.slots)
+            .arg(&tables.slot_ptr);
+        b.arg(&mut part_m)
+            .arg(&mut part_l)
+            .arg(&mut part_acc)
+            .arg(&qh)
+            .arg(&kvh)
+            .arg(&chunk_i)
+            .arg(&scale);
         unsafe { b.launch(cfg) }.w()?;
         let cfg = LaunchConfig {
             grid_dim: (q_heads as u32, batch as u32, 1),
@@ -290,7 +341,12 @@ impl PagedAttention {
             shared_mem_bytes: 0,
         };
         let mut b = combine.builder();
-        b.arg(&part_m).arg(&part_l).arg(&part_acc).arg(&mut out).arg(&qh).arg(&splits_i);
+        b.arg(&part_m)
+            .arg(&part_l)
+            .arg(&part_acc)
+            .arg(&mut out)
+            .arg(&qh)
+            .arg(&splits_i);
         unsafe { b.launch(cfg) }.w()?;
         Ok(out)
     }

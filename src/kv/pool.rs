@@ -95,11 +95,25 @@ impl KvPool {
     }
 
     #[cfg(feature = "cuda")]
-    fn device_storage(cfg: &ModelConfig, num_slots: usize, device: &Device) -> Result<KvStorage, KvError> {
+    fn device_storage(
+        cfg: &ModelConfig,
+        num_slots: usize,
+        device: &Device,
+    ) -> Result<KvStorage, KvError> {
         if !device.is_cuda() {
             return Err(KvError::UnsupportedDevice {
                 device: format!("{device:?}"),
                 reason: "only CPU and CUDA storage are built".into(),
+            });
+        }
+        if !super::cuda::SUPPORTED_HEAD_DIMS.contains(&cfg.head_dim()) {
+            return Err(KvError::UnsupportedDevice {
+                device: format!("{device:?}"),
+                reason: format!(
+                    "the CUDA kernels are built for head_dim {:?}, the model has {}",
+                    super::cuda::SUPPORTED_HEAD_DIMS,
+                    cfg.head_dim()
+                ),
             });
         }
         let shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim());
@@ -109,7 +123,11 @@ impl KvPool {
                 v: Tensor::zeros(shape, candle_core::DType::BF16, device)?,
             })
         };
-        Ok(KvStorage::Cuda((0..cfg.num_hidden_layers).map(|_| layer()).collect::<Result<_, _>>()?))
+        Ok(KvStorage::Cuda(
+            (0..cfg.num_hidden_layers)
+                .map(|_| layer())
+                .collect::<Result<_, _>>()?,
+        ))
     }
 
     #[cfg(not(feature = "cuda"))]
@@ -223,7 +241,11 @@ impl KvPool {
         let dst = match &mut self.storage {
             KvStorage::Cpu(layers) => &mut layers[layer],
             #[cfg(feature = "cuda")]
-            KvStorage::Cuda(_) => return Err(KvError::WrongStorage { op: "write(f32 rows)" }),
+            KvStorage::Cuda(_) => {
+                return Err(KvError::WrongStorage {
+                    op: "write(f32 rows)",
+                })
+            }
         };
         for (i, &slot) in slots.iter().enumerate() {
             let at = slot as usize * row;
@@ -261,7 +283,11 @@ impl KvPool {
         let kv = match &self.storage {
             KvStorage::Cpu(layers) => &layers[layer],
             #[cfg(feature = "cuda")]
-            KvStorage::Cuda(_) => return Err(KvError::WrongStorage { op: "attend(f32 rows)" }),
+            KvStorage::Cuda(_) => {
+                return Err(KvError::WrongStorage {
+                    op: "attend(f32 rows)",
+                })
+            }
         };
         let mut out = vec![0.0f32; q.len()];
         let mut token = 0usize;
@@ -288,7 +314,11 @@ impl KvPool {
     }
 
     /// Prepares an incremental forward over `seqs` (on CUDA: uploads the slot tables once).
-    pub fn plan<'a>(&self, seqs: &'a [SeqSlots<'a>], scale: f32) -> Result<AttentionPlan<'a>, KvError> {
+    pub fn plan<'a>(
+        &self,
+        seqs: &'a [SeqSlots<'a>],
+        scale: f32,
+    ) -> Result<AttentionPlan<'a>, KvError> {
         self.check(seqs)?;
         let new_slots: Vec<u32> = seqs
             .iter()
@@ -314,7 +344,13 @@ impl KvPool {
     }
 
     /// Writes the new tokens' K and V rows (`[n, kv_heads, head_dim]` tensors) of `layer`.
-    pub fn write_rows(&mut self, layer: usize, plan: &AttentionPlan, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
+    pub fn write_rows(
+        &mut self,
+        layer: usize,
+        plan: &AttentionPlan,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(), KvError> {
         match &self.storage {
             KvStorage::Cpu(_) => {
                 let (k, v) = (flat_f32(k)?, flat_f32(v)?);
@@ -322,7 +358,9 @@ impl KvPool {
             }
             #[cfg(feature = "cuda")]
             KvStorage::Cuda(layers) => {
-                let (_, slots) = plan.cuda.as_ref().ok_or(KvError::WrongStorage { op: "write_rows(cpu plan)" })?;
+                let (_, slots) = plan.cuda.as_ref().ok_or(KvError::WrongStorage {
+                    op: "write_rows(cpu plan)",
+                })?;
                 let kv = layers.get(layer).ok_or(KvError::ShapeMismatch {
                     pool: format!("{} layers", self.num_layers),
                     wanted: format!("layer {layer}"),
@@ -336,7 +374,14 @@ impl KvPool {
 
     /// Causal attention of the plan's new tokens over their slots in `layer`; `q` is
     /// `[n, num_heads, head_dim]`, the result has the same shape, dtype and device.
-    pub fn attend_rows(&self, layer: usize, q: &Tensor, plan: &AttentionPlan, num_heads: usize, scale: f32) -> Result<Tensor, KvError> {
+    pub fn attend_rows(
+        &self,
+        layer: usize,
+        q: &Tensor,
+        plan: &AttentionPlan,
+        num_heads: usize,
+        scale: f32,
+    ) -> Result<Tensor, KvError> {
         match &self.storage {
             KvStorage::Cpu(_) => {
                 let out = self.attend(layer, &flat_f32(q)?, plan.seqs, num_heads, scale)?;
@@ -344,17 +389,23 @@ impl KvPool {
             }
             #[cfg(feature = "cuda")]
             KvStorage::Cuda(layers) => {
-                let (op, _) = plan.cuda.as_ref().ok_or(KvError::WrongStorage { op: "attend_rows(cpu plan)" })?;
+                let (op, _) = plan.cuda.as_ref().ok_or(KvError::WrongStorage {
+                    op: "attend_rows(cpu plan)",
+                })?;
                 let kv = &layers[layer];
                 let dtype = q.dtype();
-                Ok(op.apply(&q.to_dtype(candle_core::DType::BF16)?, &kv.k, &kv.v)?.to_dtype(dtype)?)
+                Ok(op
+                    .apply(&q.to_dtype(candle_core::DType::BF16)?, &kv.k, &kv.v)?
+                    .to_dtype(dtype)?)
             }
         }
     }
 }
 
 fn flat_f32(t: &Tensor) -> Result<Vec<f32>, KvError> {
-    Ok(t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    Ok(t.to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?)
 }
 
 /// `out = Σ_j softmax_j(scale · q·k_j) v_j` over the rows starting at `row_starts`, in one pass.

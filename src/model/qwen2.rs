@@ -54,7 +54,11 @@ impl Linear {
     fn rollout_copy(&self, dtype: DType) -> Result<Self> {
         Ok(Self {
             weight: rollout_tensor(&self.weight, dtype)?,
-            bias: self.bias.as_ref().map(|b| rollout_tensor(b, dtype)).transpose()?,
+            bias: self
+                .bias
+                .as_ref()
+                .map(|b| rollout_tensor(b, dtype))
+                .transpose()?,
         })
     }
 }
@@ -267,7 +271,10 @@ impl Trunk {
         let scale = 1.0 / (hd as f32).sqrt();
         let plan = pool.plan(seqs, scale)?;
         let (cos, sin) = rope_tensors(cfg, &positions, (n, 1, hd), dev)?;
-        let (cos, sin) = (cos.to_dtype(self.embed.dtype())?, sin.to_dtype(self.embed.dtype())?);
+        let (cos, sin) = (
+            cos.to_dtype(self.embed.dtype())?,
+            sin.to_dtype(self.embed.dtype())?,
+        );
         let mut x = self.embed.index_select(&Tensor::new(ids, dev)?, 0)?;
         for (layer, b) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &b.input_norm, self.eps())?;
@@ -275,7 +282,9 @@ impl Trunk {
             let k = apply_rope(&b.k.forward(&h)?.reshape((n, nkv, hd))?, &cos, &sin)?;
             let v = b.v.forward(&h)?.reshape((n, nkv, hd))?;
             pool.write_rows(layer, &plan, &k, &v)?;
-            let o = pool.attend_rows(layer, &q, &plan, nh, scale)?.reshape((n, nh * hd))?;
+            let o = pool
+                .attend_rows(layer, &q, &plan, nh, scale)?
+                .reshape((n, nh * hd))?;
             x = (x + b.o.forward(&o)?)?;
             x = self.mlp(b, &x)?;
         }
