@@ -11,14 +11,22 @@
 //! | 20..24 | `context_len: u32` |
 //! | 24..40 | counts `n_obs, n_response, n_logprobs, meta_len: u32` |
 //! | 40.. | `obs_ids: [u32; n_obs]`, `response_ids: [u32; n_response]`, `response_logprobs: [f32; n_logprobs]` |
-//! | then | `meta_len` bytes of bincode (`config::standard`, serde) holding every other field ([`StepMeta`]) |
+//! | then | `meta_len` bytes of bincode (`config::standard`, serde) holding every other field (see below) |
 //! | then | zero padding to a multiple of 4 |
 //!
 //! Ids and counts come first so that readers can index and group records without decoding the
 //! metadata; the arrays are viewed in place (`bytemuck`) and copied only when the bytes are
 //! misaligned or the host is big-endian. The metadata layout is fixed per segment format
-//! version: a later version adds a new metadata struct and a branch in [`decode_meta`], so older
-//! segments stay readable.
+//! version, and every version this build writes or wrote stays readable:
+//!
+//! - version 1: [`StepMeta`] as is (texts inline);
+//! - version 2: `StoredMeta` — the same fields with `info` flattened, and `observation_text` /
+//!   `action_text` each either inline or a backward reference: the byte offset of an earlier
+//!   frame of the same segment whose same field holds the identical text inline (the writer
+//!   keeps a text → offset table per segment and compares texts, not hashes). A reader resolves
+//!   a reference by validating the referenced frame (framing, crc, counts) between the segment
+//!   header and the referencing frame; when that fails the referencing record reports an error
+//!   naming both offsets and never a wrong text.
 
 use std::borrow::Cow;
 use std::path::Path;
@@ -33,7 +41,7 @@ pub const PAYLOAD_HEADER_LEN: usize = 40;
 /// Largest metadata block accepted on write and on read (guards allocations from bad bytes).
 pub const MAX_META_LEN: usize = 64 << 20;
 /// Segment format versions whose payloads this build decodes.
-pub const SUPPORTED_VERSIONS: std::ops::RangeInclusive<u32> = 1..=1;
+pub const SUPPORTED_VERSIONS: std::ops::RangeInclusive<u32> = 1..=2;
 
 type MetaConfig = bincode::config::Configuration<
     bincode::config::LittleEndian,
@@ -63,9 +71,23 @@ pub struct StepMeta {
     pub info: StepInfo,
 }
 
-/// Borrowing twin of [`StepMeta`] for encoding without cloning strings (same field order).
-#[derive(Serialize)]
-struct StepMetaRef<'a> {
+/// A text of a version-2 record: inline, or the offset of an earlier frame of the same segment
+/// holding the same field's identical text inline.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+enum StoredText<'a> {
+    Inline(&'a str),
+    Earlier(u64),
+}
+
+impl<'a> StoredText<'a> {
+    fn new(text: &'a str, earlier: Option<u64>) -> Self {
+        earlier.map_or(StoredText::Inline(text), StoredText::Earlier)
+    }
+}
+
+/// The metadata block of format version 2 (borrowing its strings from the payload).
+#[derive(Serialize, Deserialize)]
+struct StoredMeta<'a> {
     env_tag: &'a str,
     seed: u64,
     policy_version: u64,
@@ -73,8 +95,55 @@ struct StepMetaRef<'a> {
     terminated: bool,
     truncated: bool,
     state_hash: u64,
-    info: &'a StepInfo,
+    success: bool,
+    action_is_valid: bool,
+    action_is_effective: bool,
+    format_penalty: f32,
+    num_actions: u32,
+    #[serde(borrow)]
+    observation_text: StoredText<'a>,
+    #[serde(borrow)]
+    action_text: StoredText<'a>,
 }
+
+impl<'a> StoredMeta<'a> {
+    fn text(&self, field: TextField) -> StoredText<'a> {
+        match field {
+            TextField::Observation => self.observation_text,
+            TextField::Action => self.action_text,
+        }
+    }
+}
+
+/// The two texts of a record that may be stored as backward references.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TextField {
+    Observation,
+    Action,
+}
+
+impl TextField {
+    pub const ALL: [TextField; 2] = [TextField::Observation, TextField::Action];
+
+    fn name(self) -> &'static str {
+        match self {
+            TextField::Observation => "observation_text",
+            TextField::Action => "action_text",
+        }
+    }
+
+    /// This field's text in `info`.
+    pub fn of(self, info: &StepInfo) -> &str {
+        match self {
+            TextField::Observation => &info.observation_text,
+            TextField::Action => &info.action_text,
+        }
+    }
+}
+
+/// Frame offsets of earlier frames holding a record's texts (`None`: store the text inline),
+/// indexed like [`TextField::ALL`].
+pub type TextRefs = [Option<u64>; 2];
 
 /// Offsets of the parts of a validated payload; produced by [`parse_layout`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,9 +184,15 @@ pub fn align4(n: usize) -> usize {
     (n + 3) & !3
 }
 
-/// Appends the payload of `record` (padded to a multiple of 4) to `out`.
-pub fn encode_payload(record: &StepRecord, out: &mut Vec<u8>) -> Result<(), CodecError> {
-    let meta = StepMetaRef {
+/// Appends the version-2 payload of `record` (padded to a multiple of 4) to `out`, storing each
+/// text with a `refs` entry as a reference. On error `out` may hold a partial payload.
+pub fn encode_payload(
+    record: &StepRecord,
+    refs: TextRefs,
+    out: &mut Vec<u8>,
+) -> Result<(), CodecError> {
+    let info = &record.info;
+    let meta = StoredMeta {
         env_tag: &record.env_tag,
         seed: record.seed,
         policy_version: record.policy_version,
@@ -125,16 +200,14 @@ pub fn encode_payload(record: &StepRecord, out: &mut Vec<u8>) -> Result<(), Code
         terminated: record.terminated,
         truncated: record.truncated,
         state_hash: record.state_hash,
-        info: &record.info,
+        success: info.success,
+        action_is_valid: info.action_is_valid,
+        action_is_effective: info.action_is_effective,
+        format_penalty: info.format_penalty,
+        num_actions: info.num_actions,
+        observation_text: StoredText::new(&info.observation_text, refs[0]),
+        action_text: StoredText::new(&info.action_text, refs[1]),
     };
-    let meta_bytes = bincode::serde::encode_to_vec(&meta, meta_config())
-        .map_err(|e| CodecError(format!("metadata does not encode: {e}")))?;
-    if meta_bytes.len() > MAX_META_LEN {
-        return Err(CodecError(format!(
-            "metadata is {} bytes, more than the {MAX_META_LEN} allowed",
-            meta_bytes.len()
-        )));
-    }
     let count = |n: usize, what: &str| {
         u32::try_from(n).map_err(|_| CodecError(format!("{what} has {n} elements, more than u32")))
     };
@@ -148,11 +221,18 @@ pub fn encode_payload(record: &StepRecord, out: &mut Vec<u8>) -> Result<(), Code
     out.extend_from_slice(
         &count(record.response_logprobs.len(), "response_logprobs")?.to_le_bytes(),
     );
-    out.extend_from_slice(&count(meta_bytes.len(), "metadata")?.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes()); // meta_len, patched below
     extend_le_u32(out, &record.obs_ids);
     extend_le_u32(out, &record.response_ids);
     extend_le_f32(out, &record.response_logprobs);
-    out.extend_from_slice(&meta_bytes);
+    let meta_len = bincode::serde::encode_into_std_write(&meta, out, meta_config())
+        .map_err(|e| CodecError(format!("metadata does not encode: {e}")))?;
+    if meta_len > MAX_META_LEN {
+        return Err(CodecError(format!(
+            "metadata is {meta_len} bytes, more than the {MAX_META_LEN} allowed"
+        )));
+    }
+    out[start + 36..start + 40].copy_from_slice(&(meta_len as u32).to_le_bytes());
     out.resize(start + align4(out.len() - start), 0);
     Ok(())
 }
@@ -238,25 +318,32 @@ fn view_f32(bytes: &[u8]) -> Cow<'_, [f32]> {
     }
 }
 
-/// Decodes the metadata block written under segment format `version`.
-pub fn decode_meta(version: u32, bytes: &[u8]) -> Result<StepMeta, CodecError> {
-    match version {
-        1 => {
-            let (meta, used): (StepMeta, usize) =
-                bincode::serde::decode_from_slice(bytes, meta_config())
-                    .map_err(|e| CodecError(format!("metadata does not decode: {e}")))?;
-            if used != bytes.len() {
-                return Err(CodecError(format!(
-                    "metadata has {} trailing bytes",
-                    bytes.len() - used
-                )));
-            }
-            Ok(meta)
-        }
-        other => Err(CodecError(format!(
-            "segment format version {other} is not supported by this build"
-        ))),
+fn decode_exact<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError> {
+    let (value, used): (T, usize) = bincode::serde::borrow_decode_from_slice(bytes, meta_config())
+        .map_err(|e| CodecError(format!("metadata does not decode: {e}")))?;
+    if used != bytes.len() {
+        return Err(CodecError(format!(
+            "metadata has {} trailing bytes",
+            bytes.len() - used
+        )));
     }
+    Ok(value)
+}
+
+/// Decodes a version-1 metadata block (texts inline).
+pub fn decode_meta_v1(bytes: &[u8]) -> Result<StepMeta, CodecError> {
+    decode_exact(bytes)
+}
+
+/// The texts a version-2 payload stores inline (`None` for references), indexed like
+/// [`TextField::ALL`]; used to rebuild a writer's text table when it resumes a segment.
+pub fn inline_texts(payload: &[u8]) -> Result<[Option<&str>; 2], CodecError> {
+    let layout = parse_layout(payload)?;
+    let meta: StoredMeta<'_> = decode_exact(&payload[layout.meta_range()])?;
+    Ok(TextField::ALL.map(|field| match meta.text(field) {
+        StoredText::Inline(text) => Some(text),
+        StoredText::Earlier(_) => None,
+    }))
 }
 
 /// A record read in place: ids and token arrays borrowed from the mapped segment, the rest
@@ -275,6 +362,8 @@ pub struct StepView<'a> {
     pub offset: u64,
     meta_bytes: &'a [u8],
     format_version: u32,
+    /// Bytes of the whole segment (empty for a bare payload): where references are resolved.
+    segment: &'a [u8],
 }
 
 impl<'a> StepView<'a> {
@@ -292,6 +381,7 @@ impl<'a> StepView<'a> {
             response_logprobs: view_f32(&payload[layout.logprob_range()]),
             meta_bytes: &payload[layout.meta_range()],
             format_version,
+            segment: &[],
         }
     }
 
@@ -310,13 +400,80 @@ impl<'a> StepView<'a> {
         }
     }
 
-    /// Decodes the metadata block (env tag, seed, rewards, flags, texts).
-    pub fn meta(&self) -> Result<StepMeta, StoreError> {
-        decode_meta(self.format_version, self.meta_bytes).map_err(|e| StoreError::Corrupt {
+    /// Places the view in its segment (`segment` = the segment's bytes, `offset` = the frame's):
+    /// needed to resolve the text references of format version 2.
+    pub fn in_segment(self, segment: &'a [u8], offset: u64) -> Self {
+        Self {
+            segment,
+            offset,
+            ..self
+        }
+    }
+
+    fn corrupt(&self, reason: String) -> StoreError {
+        StoreError::Corrupt {
             path: self.path.to_path_buf(),
             offset: self.offset,
-            reason: e.0,
-        })
+            reason,
+        }
+    }
+
+    /// Decodes the metadata block (env tag, seed, rewards, flags, texts), resolving text
+    /// references against earlier frames of the segment.
+    pub fn meta(&self) -> Result<StepMeta, StoreError> {
+        match self.format_version {
+            1 => decode_meta_v1(self.meta_bytes).map_err(|e| self.corrupt(e.0)),
+            2 => {
+                let meta: StoredMeta<'_> =
+                    decode_exact(self.meta_bytes).map_err(|e| self.corrupt(e.0))?;
+                let [observation_text, action_text] =
+                    TextField::ALL.map(|field| self.resolve(meta.text(field), field));
+                Ok(StepMeta {
+                    env_tag: meta.env_tag.to_string(),
+                    seed: meta.seed,
+                    policy_version: meta.policy_version,
+                    reward: meta.reward,
+                    terminated: meta.terminated,
+                    truncated: meta.truncated,
+                    state_hash: meta.state_hash,
+                    info: StepInfo {
+                        success: meta.success,
+                        action_is_valid: meta.action_is_valid,
+                        action_is_effective: meta.action_is_effective,
+                        format_penalty: meta.format_penalty,
+                        num_actions: meta.num_actions,
+                        observation_text: observation_text?,
+                        action_text: action_text?,
+                    },
+                })
+            }
+            other => Err(self.corrupt(format!(
+                "segment format version {other} is not supported by this build"
+            ))),
+        }
+    }
+
+    /// The text `stored` stands for: itself when inline, else the same field of the earlier frame.
+    fn resolve(&self, stored: StoredText<'_>, field: TextField) -> Result<String, StoreError> {
+        let at = match stored {
+            StoredText::Inline(text) => return Ok(text.to_string()),
+            StoredText::Earlier(at) => at,
+        };
+        let broken = |why: &str| {
+            self.corrupt(format!(
+                "{} refers to the record at byte {at}, which {why}",
+                field.name()
+            ))
+        };
+        let payload = super::segment::earlier_payload(self.segment, at, self.offset)
+            .ok_or_else(|| broken("is not a valid earlier record of this segment"))?;
+        let layout = parse_layout(payload).map_err(|e| broken(&e.0))?;
+        let meta: StoredMeta<'_> =
+            decode_exact(&payload[layout.meta_range()]).map_err(|e| broken(&e.0))?;
+        match meta.text(field) {
+            StoredText::Inline(text) => Ok(text.to_string()),
+            StoredText::Earlier(_) => Err(broken("holds a reference, not the text")),
+        }
     }
 
     /// Copies everything into an owned [`StepRecord`].
@@ -377,9 +534,9 @@ mod tests {
     #[test]
     fn payload_round_trips_and_is_aligned() {
         let mut bytes = Vec::new();
-        encode_payload(&sample(), &mut bytes).unwrap();
+        encode_payload(&sample(), [None, None], &mut bytes).unwrap();
         assert_eq!(bytes.len() % 4, 0);
-        let view = StepView::parse(&bytes, 1).unwrap();
+        let view = StepView::parse(&bytes, 2).unwrap();
         assert_eq!(&*view.obs_ids, &[1, 2, 3]);
         assert_eq!(view.to_record().unwrap(), sample());
     }
@@ -387,7 +544,7 @@ mod tests {
     #[test]
     fn inconsistent_counts_are_rejected() {
         let mut bytes = Vec::new();
-        encode_payload(&sample(), &mut bytes).unwrap();
+        encode_payload(&sample(), [None, None], &mut bytes).unwrap();
         bytes[24] = 200;
         assert!(parse_layout(&bytes).is_err());
         assert!(parse_layout(&bytes[..10]).is_err());
@@ -395,15 +552,33 @@ mod tests {
 
     #[test]
     fn garbage_metadata_is_an_error() {
-        assert!(decode_meta(1, &[0xFF; 9]).is_err());
-        assert!(decode_meta(2, &[]).is_err());
+        assert!(decode_meta_v1(&[0xFF; 9]).is_err());
+        let mut bytes = Vec::new();
+        encode_payload(&sample(), [None, None], &mut bytes).unwrap();
+        assert!(StepView::parse(&bytes, 3).unwrap().meta().is_err());
+    }
+
+    #[test]
+    fn a_reference_without_its_segment_is_an_error_naming_both_offsets() {
+        let mut bytes = Vec::new();
+        encode_payload(&sample(), [None, Some(16)], &mut bytes).unwrap();
+        assert_eq!(inline_texts(&bytes).unwrap(), [Some("_P_\nG__"), None]);
+        let view = StepView::parse(&bytes, 2)
+            .unwrap()
+            .at(Path::new("s.stp"), 96);
+        let err = view.to_record().unwrap_err().to_string();
+        assert!(
+            err.contains("s.stp at byte 96")
+                && err.contains("action_text refers to the record at byte 16"),
+            "{err}"
+        );
     }
 
     #[test]
     fn misaligned_bytes_are_copied() {
         let mut bytes = vec![0u8];
-        encode_payload(&sample(), &mut bytes).unwrap();
-        let view = StepView::parse(&bytes[1..], 1).unwrap();
+        encode_payload(&sample(), [None, None], &mut bytes).unwrap();
+        let view = StepView::parse(&bytes[1..], 2).unwrap();
         assert_eq!(view.to_record().unwrap(), sample());
     }
 }
