@@ -24,8 +24,8 @@
 //!   `action_text` each either inline or a backward reference: the byte offset of an earlier
 //!   frame of the same segment whose same field holds the identical text inline (the writer
 //!   keeps a text → offset table per segment and compares texts, not hashes). A reader resolves
-//!   a reference by validating the referenced frame (framing, crc, counts) between the segment
-//!   header and the referencing frame; when that fails the referencing record reports an error
+//!   a reference only to a frame its scan validated (framing, crc, counts) that starts before
+//!   the referencing frame; when that fails the referencing record reports an error
 //!   naming both offsets and never a wrong text.
 
 use std::borrow::Cow;
@@ -35,6 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::StoreError;
 use super::record::{StepInfo, StepRecord};
+use super::segment::Frame;
 
 /// Bytes of the fixed header at the start of every payload.
 pub const PAYLOAD_HEADER_LEN: usize = 40;
@@ -362,8 +363,10 @@ pub struct StepView<'a> {
     pub offset: u64,
     meta_bytes: &'a [u8],
     format_version: u32,
-    /// Bytes of the whole segment (empty for a bare payload): where references are resolved.
+    /// Bytes of the whole segment and its validated frames (empty for a bare payload): where
+    /// text references are resolved.
     segment: &'a [u8],
+    frames: &'a [Frame],
 }
 
 impl<'a> StepView<'a> {
@@ -382,6 +385,7 @@ impl<'a> StepView<'a> {
             meta_bytes: &payload[layout.meta_range()],
             format_version,
             segment: &[],
+            frames: &[],
         }
     }
 
@@ -400,11 +404,12 @@ impl<'a> StepView<'a> {
         }
     }
 
-    /// Places the view in its segment (`segment` = the segment's bytes, `offset` = the frame's):
-    /// needed to resolve the text references of format version 2.
-    pub fn in_segment(self, segment: &'a [u8], offset: u64) -> Self {
+    /// Places the view in its segment (the segment's bytes, its validated frames in offset
+    /// order, this frame's offset): needed to resolve the text references of format version 2.
+    pub(crate) fn in_segment(self, segment: &'a [u8], frames: &'a [Frame], offset: u64) -> Self {
         Self {
             segment,
+            frames,
             offset,
             ..self
         }
@@ -465,11 +470,14 @@ impl<'a> StepView<'a> {
                 field.name()
             ))
         };
-        let payload = super::segment::earlier_payload(self.segment, at, self.offset)
+        let frame = (at < self.offset)
+            .then(|| self.frames.binary_search_by_key(&at, |f| f.offset).ok())
+            .flatten()
+            .map(|i| self.frames[i])
             .ok_or_else(|| broken("is not a valid earlier record of this segment"))?;
-        let layout = parse_layout(payload).map_err(|e| broken(&e.0))?;
+        let payload = frame.payload(self.segment);
         let meta: StoredMeta<'_> =
-            decode_exact(&payload[layout.meta_range()]).map_err(|e| broken(&e.0))?;
+            decode_exact(&payload[frame.layout.meta_range()]).map_err(|e| broken(&e.0))?;
         match meta.text(field) {
             StoredText::Inline(text) => Ok(text.to_string()),
             StoredText::Earlier(_) => Err(broken("holds a reference, not the text")),

@@ -146,6 +146,14 @@ impl Default for WriterOptions {
     }
 }
 
+/// Where [`DatasetWriter::append`] put a record: segment number (file `seg-NNNNNN.stp`) and
+/// frame offset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordLocation {
+    pub segment: u64,
+    pub offset: u64,
+}
+
 /// Appends records to a dataset, rolling segments at `roll_bytes`; seals the active segment
 /// on [`DatasetWriter::seal`] or drop. The manifest is written on create, when a segment starts
 /// and when one is sealed, never per record.
@@ -155,7 +163,8 @@ pub struct DatasetWriter {
     manifest: Manifest,
     roll_bytes: u64,
     durable: bool,
-    active: Option<SegmentWriter>,
+    /// The segment being written and its number.
+    active: Option<(u64, SegmentWriter)>,
     next_number: u64,
 }
 
@@ -200,7 +209,7 @@ impl DatasetWriter {
                 if seg.scan.footer.is_none()
                     && seg.scan.format_version == segment::FORMAT_VERSION =>
             {
-                Some(SegmentWriter::resume(seg, opts.durable)?)
+                Some((next_number - 1, SegmentWriter::resume(seg, opts.durable)?))
             }
             _ => None,
         };
@@ -224,29 +233,33 @@ impl DatasetWriter {
         &self.dir
     }
 
-    /// Appends one record; returns (segment file, frame offset).
-    pub fn append(&mut self, record: &StepRecord) -> Result<(PathBuf, u64), StoreError> {
-        let mut writer = match self.active.take() {
-            Some(writer) => writer,
+    /// Appends one record (encoded straight into the active segment's buffer).
+    pub fn append(&mut self, record: &StepRecord) -> Result<RecordLocation, StoreError> {
+        let (mut segment, mut writer) = match self.active.take() {
+            Some(active) => active,
             None => self.start_segment()?,
         };
         let mut appended = writer.append(record, self.roll_bytes);
         if matches!(appended, Ok(None)) {
             self.seal_writer(writer)?;
-            writer = self.start_segment()?;
+            (segment, writer) = self.start_segment()?;
             appended = writer.append(record, u64::MAX);
         }
-        let path = writer.path().to_path_buf();
-        self.active = Some(writer);
-        let offset = appended?.ok_or_else(|| StoreError::Invalid {
-            path: path.clone(),
+        let refused = || StoreError::Invalid {
+            path: writer.path().to_path_buf(),
             reason: "a fresh segment refused a record".into(),
-        })?;
-        Ok((path, offset))
+        };
+        let offset = appended.and_then(|a| a.ok_or_else(refused));
+        self.active = Some((segment, writer));
+        Ok(RecordLocation {
+            segment,
+            offset: offset?,
+        })
     }
 
-    fn start_segment(&mut self) -> Result<SegmentWriter, StoreError> {
-        let file = segment_file_name(self.next_number);
+    fn start_segment(&mut self) -> Result<(u64, SegmentWriter), StoreError> {
+        let number = self.next_number;
+        let file = segment_file_name(number);
         self.next_number += 1;
         let writer = SegmentWriter::create(&self.dir.join(&file), self.durable)?;
         self.manifest.segments.push(SegmentEntry {
@@ -256,12 +269,12 @@ impl DatasetWriter {
             bytes: 0,
         });
         self.manifest.replace(&self.dir, self.durable)?;
-        Ok(writer)
+        Ok((number, writer))
     }
 
     fn seal_active(&mut self) -> Result<(), StoreError> {
         match self.active.take() {
-            Some(writer) => self.seal_writer(writer),
+            Some((_, writer)) => self.seal_writer(writer),
             None => Ok(()),
         }
     }
@@ -288,13 +301,13 @@ impl DatasetWriter {
 
     /// Makes every appended record visible to readers (no fsync).
     pub fn flush(&mut self) -> Result<(), StoreError> {
-        self.active.as_mut().map_or(Ok(()), |w| w.flush())
+        self.active.as_mut().map_or(Ok(()), |(_, w)| w.flush())
     }
 
     /// Seals the active segment and writes the manifest.
     pub fn seal(mut self) -> Result<(), StoreError> {
         match self.active.take() {
-            Some(writer) => self.seal_writer(writer),
+            Some((_, writer)) => self.seal_writer(writer),
             None => self.manifest.replace(&self.dir, self.durable),
         }
     }

@@ -44,7 +44,7 @@ const TRAILER_LEN: usize = 12;
 const INDEX_ENTRY_LEN: usize = 16;
 const MAX_PAYLOAD: usize = 1 << 30;
 /// Bytes the segment writer buffers before handing them to the OS.
-pub const WRITE_BUFFER_BYTES: usize = 4 << 20;
+pub const WRITE_BUFFER_BYTES: usize = 1 << 20;
 
 fn read_u32(bytes: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
@@ -103,7 +103,7 @@ pub struct Frame {
 }
 
 impl Frame {
-    fn payload<'a>(&self, bytes: &'a [u8]) -> &'a [u8] {
+    pub(crate) fn payload<'a>(&self, bytes: &'a [u8]) -> &'a [u8] {
         let start = self.offset as usize + FRAME_HEADER_LEN;
         &bytes[start..start + self.payload_len as usize]
     }
@@ -166,10 +166,14 @@ pub struct SegmentScan {
 }
 
 impl SegmentScan {
-    /// Views the frame `frame` of this scan over the same `bytes`.
-    pub fn view<'a>(&self, bytes: &'a [u8], frame: &Frame) -> StepView<'a> {
-        StepView::new(frame.payload(bytes), &frame.layout, self.format_version)
-            .in_segment(bytes, frame.offset)
+    /// Views the frame `frame` of this scan over the same `bytes` (text references resolve
+    /// against the other frames of this scan).
+    pub fn view<'a>(&'a self, bytes: &'a [u8], frame: &Frame) -> StepView<'a> {
+        StepView::new(frame.payload(bytes), &frame.layout, self.format_version).in_segment(
+            bytes,
+            &self.frames,
+            frame.offset,
+        )
     }
 }
 
@@ -193,17 +197,6 @@ fn frame_at(bytes: &[u8], pos: usize, end: usize) -> Option<Frame> {
         payload_len: len_field,
         layout,
     })
-}
-
-/// The payload of the valid frame at `at` when it lies between the header and `before`
-/// (where a text reference of the frame at `before` may point).
-pub(crate) fn earlier_payload(bytes: &[u8], at: u64, before: u64) -> Option<&[u8]> {
-    let (at, before) = (usize::try_from(at).ok()?, usize::try_from(before).ok()?);
-    if at < HEADER_LEN || at >= before || !at.is_multiple_of(4) || before > bytes.len() {
-        return None;
-    }
-    let frame = frame_at(bytes, at, before)?;
-    Some(frame.payload(bytes))
 }
 
 fn next_valid_frame(bytes: &[u8], from: usize, end: usize) -> Option<Frame> {
@@ -365,10 +358,40 @@ impl MappedSegment {
     }
 }
 
+/// FxHash (rotate, xor, multiply per 8 bytes): the writer hashes its own texts, so a fast
+/// non-keyed hash is enough; the table still compares the texts themselves.
+#[derive(Clone, Copy, Debug, Default)]
+struct FxBuild;
+
+struct FxHasher(u64);
+
+impl std::hash::BuildHasher for FxBuild {
+    type Hasher = FxHasher;
+
+    fn build_hasher(&self) -> FxHasher {
+        FxHasher(0)
+    }
+}
+
+impl std::hash::Hasher for FxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = (self.0.rotate_left(5) ^ u64::from_le_bytes(word))
+                .wrapping_mul(0x517c_c1b7_2722_0a95);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 /// Per segment: each distinct text written inline, by field, with the offset of its frame.
 #[derive(Debug, Default)]
 struct TextTable {
-    by_field: [HashMap<String, u64>; 2],
+    by_field: [HashMap<String, u64, FxBuild>; 2],
 }
 
 impl TextTable {
@@ -415,7 +438,7 @@ impl SegmentWriter {
             .create_new(true)
             .open(path)
             .map_err(StoreError::io(path))?;
-        let mut buffer = Vec::with_capacity(WRITE_BUFFER_BYTES + (64 << 10));
+        let mut buffer = Vec::with_capacity(WRITE_BUFFER_BYTES * 2);
         buffer.extend_from_slice(&SEGMENT_MAGIC);
         buffer.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
         buffer.extend_from_slice(&0u32.to_le_bytes());
@@ -450,7 +473,7 @@ impl SegmentWriter {
         let mut writer = Self {
             path: path.clone(),
             file,
-            buffer: Vec::with_capacity(WRITE_BUFFER_BYTES + (64 << 10)),
+            buffer: Vec::with_capacity(WRITE_BUFFER_BYTES * 2),
             written: segment.bytes().len() as u64,
             index: Vec::new(),
             texts: TextTable::default(),
