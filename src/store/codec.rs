@@ -20,9 +20,11 @@
 //! version, and every version this build writes or wrote stays readable:
 //!
 //! - version 1: [`StepMeta`] as is (texts inline);
-//! - version 2: `StoredMeta` — the same fields with `info` flattened, and `observation_text` /
-//!   `action_text` each either inline or a backward reference: the byte offset of an earlier
-//!   frame of the same segment whose same field holds the identical text inline (the writer
+//! - version 2: two text entries, `observation_text` then `action_text`, then bincode of
+//!   `StoredFields` (every other field, `info` flattened). A text entry is a `u32` LE word: bit 31
+//!   clear = the text inline, its byte length in bits 0..31 followed by the UTF-8 bytes; bit 31
+//!   set (other bits 0) = a backward reference, followed by a `u64` LE: the byte offset of an
+//!   earlier frame of the same segment whose same field holds the identical text inline (the writer
 //!   keeps a text → offset table per segment and compares texts, not hashes). A reader resolves
 //!   a reference only to a frame its scan validated (framing, crc, counts) that starts before
 //!   the referencing frame; when that fails the referencing record reports an error
@@ -74,21 +76,70 @@ pub struct StepMeta {
 
 /// A text of a version-2 record: inline, or the offset of an earlier frame of the same segment
 /// holding the same field's identical text inline.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum StoredText<'a> {
     Inline(&'a str),
     Earlier(u64),
 }
 
-impl<'a> StoredText<'a> {
-    fn new(text: &'a str, earlier: Option<u64>) -> Self {
-        earlier.map_or(StoredText::Inline(text), StoredText::Earlier)
+const REFERENCE_FLAG: u32 = 1 << 31;
+
+fn encode_text(text: &str, earlier: Option<u64>, out: &mut Vec<u8>) -> Result<(), CodecError> {
+    match earlier {
+        Some(offset) => {
+            out.extend_from_slice(&REFERENCE_FLAG.to_le_bytes());
+            out.extend_from_slice(&offset.to_le_bytes());
+        }
+        None => {
+            let len = u32::try_from(text.len())
+                .ok()
+                .filter(|&n| n < REFERENCE_FLAG)
+                .ok_or_else(|| CodecError(format!("text of {} bytes is too long", text.len())))?;
+            out.extend_from_slice(&len.to_le_bytes());
+            out.extend_from_slice(text.as_bytes());
+        }
     }
+    Ok(())
 }
 
-/// The metadata block of format version 2 (borrowing its strings from the payload).
+/// Reads the text entry at the start of `bytes`; returns it and the bytes after it.
+fn decode_text(bytes: &[u8]) -> Result<(StoredText<'_>, &[u8]), CodecError> {
+    let short = || CodecError("metadata ends inside a text entry".into());
+    let word = u32::from_le_bytes(
+        bytes
+            .get(..4)
+            .ok_or_else(short)?
+            .try_into()
+            .map_err(|_| short())?,
+    );
+    let rest = &bytes[4..];
+    if word == REFERENCE_FLAG {
+        let offset = rest.get(..8).ok_or_else(short)?;
+        let offset = u64::from_le_bytes(offset.try_into().map_err(|_| short())?);
+        return Ok((StoredText::Earlier(offset), &rest[8..]));
+    }
+    if word & REFERENCE_FLAG != 0 {
+        return Err(CodecError(format!(
+            "text entry word {word:#x} is neither text nor reference"
+        )));
+    }
+    let text = rest.get(..word as usize).ok_or_else(short)?;
+    let text =
+        std::str::from_utf8(text).map_err(|e| CodecError(format!("text is not UTF-8: {e}")))?;
+    Ok((StoredText::Inline(text), &rest[word as usize..]))
+}
+
+/// The two text entries at the start of a version-2 metadata block (indexed like
+/// [`TextField::ALL`]) and the bincode bytes after them.
+fn decode_texts(meta: &[u8]) -> Result<([StoredText<'_>; 2], &[u8]), CodecError> {
+    let (observation, rest) = decode_text(meta)?;
+    let (action, rest) = decode_text(rest)?;
+    Ok(([observation, action], rest))
+}
+
+/// The bincode part of a version-2 metadata block (borrowing its string from the payload).
 #[derive(Serialize, Deserialize)]
-struct StoredMeta<'a> {
+struct StoredFields<'a> {
     env_tag: &'a str,
     seed: u64,
     policy_version: u64,
@@ -101,19 +152,6 @@ struct StoredMeta<'a> {
     action_is_effective: bool,
     format_penalty: f32,
     num_actions: u32,
-    #[serde(borrow)]
-    observation_text: StoredText<'a>,
-    #[serde(borrow)]
-    action_text: StoredText<'a>,
-}
-
-impl<'a> StoredMeta<'a> {
-    fn text(&self, field: TextField) -> StoredText<'a> {
-        match field {
-            TextField::Observation => self.observation_text,
-            TextField::Action => self.action_text,
-        }
-    }
 }
 
 /// The two texts of a record that may be stored as backward references.
@@ -193,7 +231,7 @@ pub fn encode_payload(
     out: &mut Vec<u8>,
 ) -> Result<(), CodecError> {
     let info = &record.info;
-    let meta = StoredMeta {
+    let fields = StoredFields {
         env_tag: &record.env_tag,
         seed: record.seed,
         policy_version: record.policy_version,
@@ -206,8 +244,6 @@ pub fn encode_payload(
         action_is_effective: info.action_is_effective,
         format_penalty: info.format_penalty,
         num_actions: info.num_actions,
-        observation_text: StoredText::new(&info.observation_text, refs[0]),
-        action_text: StoredText::new(&info.action_text, refs[1]),
     };
     let count = |n: usize, what: &str| {
         u32::try_from(n).map_err(|_| CodecError(format!("{what} has {n} elements, more than u32")))
@@ -226,8 +262,13 @@ pub fn encode_payload(
     extend_le_u32(out, &record.obs_ids);
     extend_le_u32(out, &record.response_ids);
     extend_le_f32(out, &record.response_logprobs);
-    let meta_len = bincode::serde::encode_into_std_write(&meta, out, meta_config())
+    let meta_start = out.len();
+    for (field, earlier) in TextField::ALL.into_iter().zip(refs) {
+        encode_text(field.of(info), earlier, out)?;
+    }
+    bincode::serde::encode_into_std_write(&fields, out, meta_config())
         .map_err(|e| CodecError(format!("metadata does not encode: {e}")))?;
+    let meta_len = out.len() - meta_start;
     if meta_len > MAX_META_LEN {
         return Err(CodecError(format!(
             "metadata is {meta_len} bytes, more than the {MAX_META_LEN} allowed"
@@ -340,8 +381,8 @@ pub fn decode_meta_v1(bytes: &[u8]) -> Result<StepMeta, CodecError> {
 /// [`TextField::ALL`]; used to rebuild a writer's text table when it resumes a segment.
 pub fn inline_texts(payload: &[u8]) -> Result<[Option<&str>; 2], CodecError> {
     let layout = parse_layout(payload)?;
-    let meta: StoredMeta<'_> = decode_exact(&payload[layout.meta_range()])?;
-    Ok(TextField::ALL.map(|field| match meta.text(field) {
+    let (texts, _) = decode_texts(&payload[layout.meta_range()])?;
+    Ok(texts.map(|text| match text {
         StoredText::Inline(text) => Some(text),
         StoredText::Earlier(_) => None,
     }))
@@ -429,10 +470,11 @@ impl<'a> StepView<'a> {
         match self.format_version {
             1 => decode_meta_v1(self.meta_bytes).map_err(|e| self.corrupt(e.0)),
             2 => {
-                let meta: StoredMeta<'_> =
-                    decode_exact(self.meta_bytes).map_err(|e| self.corrupt(e.0))?;
+                let (texts, fields) =
+                    decode_texts(self.meta_bytes).map_err(|e| self.corrupt(e.0))?;
+                let meta: StoredFields<'_> = decode_exact(fields).map_err(|e| self.corrupt(e.0))?;
                 let [observation_text, action_text] =
-                    TextField::ALL.map(|field| self.resolve(meta.text(field), field));
+                    [0, 1].map(|i| self.resolve(texts[i], TextField::ALL[i]));
                 Ok(StepMeta {
                     env_tag: meta.env_tag.to_string(),
                     seed: meta.seed,
@@ -476,9 +518,9 @@ impl<'a> StepView<'a> {
             .map(|i| self.frames[i])
             .ok_or_else(|| broken("is not a valid earlier record of this segment"))?;
         let payload = frame.payload(self.segment);
-        let meta: StoredMeta<'_> =
-            decode_exact(&payload[frame.layout.meta_range()]).map_err(|e| broken(&e.0))?;
-        match meta.text(field) {
+        let (texts, _) =
+            decode_texts(&payload[frame.layout.meta_range()]).map_err(|e| broken(&e.0))?;
+        match texts[field as usize] {
             StoredText::Inline(text) => Ok(text.to_string()),
             StoredText::Earlier(_) => Err(broken("holds a reference, not the text")),
         }
