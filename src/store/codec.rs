@@ -21,10 +21,10 @@
 //!
 //! - version 1: [`StepMeta`] as is (texts inline);
 //! - version 2: two text entries, `observation_text` then `action_text`, then bincode of
-//!   `StoredFields` (every other field, `info` flattened). A text entry is a `u32` LE word: bit 31
-//!   clear = the text inline, its byte length in bits 0..31 followed by the UTF-8 bytes; bit 31
-//!   set (other bits 0) = a backward reference, followed by a `u64` LE: the byte offset of an
-//!   earlier frame of the same segment whose same field holds the identical text inline (the writer
+//!   `StoredFields` (every other field, `info` flattened). A text entry starts with a LEB128
+//!   varint `v`: even = the text inline, `v / 2` UTF-8 bytes following; odd = a backward
+//!   reference to byte offset `v / 2`: an earlier frame of the same segment whose same field
+//!   holds the identical text inline (the writer
 //!   keeps a text → offset table per segment and compares texts, not hashes). A reader resolves
 //!   a reference only to a frame its scan validated (framing, crc, counts) that starts before
 //!   the referencing frame; when that fails the referencing record reports an error
@@ -82,20 +82,36 @@ enum StoredText<'a> {
     Earlier(u64),
 }
 
-const REFERENCE_FLAG: u32 = 1 << 31;
+fn encode_varint(mut v: u64, out: &mut Vec<u8>) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// Reads a LEB128 varint of at most 10 bytes; returns it and the bytes after it.
+fn decode_varint(bytes: &[u8]) -> Result<(u64, &[u8]), CodecError> {
+    let mut v = 0u64;
+    for (i, &b) in bytes.iter().enumerate().take(10) {
+        v |= u64::from(b & 0x7F).checked_shl(7 * i as u32).unwrap_or(0);
+        if b & 0x80 == 0 {
+            return Ok((v, &bytes[i + 1..]));
+        }
+    }
+    Err(CodecError("metadata ends inside a text entry".into()))
+}
 
 fn encode_text(text: &str, earlier: Option<u64>, out: &mut Vec<u8>) -> Result<(), CodecError> {
+    let tag = |n: u64, odd: u64| {
+        n.checked_mul(2)
+            .map(|v| v | odd)
+            .ok_or_else(|| CodecError(format!("text entry value {n} is too large")))
+    };
     match earlier {
-        Some(offset) => {
-            out.extend_from_slice(&REFERENCE_FLAG.to_le_bytes());
-            out.extend_from_slice(&offset.to_le_bytes());
-        }
+        Some(offset) => encode_varint(tag(offset, 1)?, out),
         None => {
-            let len = u32::try_from(text.len())
-                .ok()
-                .filter(|&n| n < REFERENCE_FLAG)
-                .ok_or_else(|| CodecError(format!("text of {} bytes is too long", text.len())))?;
-            out.extend_from_slice(&len.to_le_bytes());
+            encode_varint(tag(text.len() as u64, 0)?, out);
             out.extend_from_slice(text.as_bytes());
         }
     }
@@ -104,29 +120,17 @@ fn encode_text(text: &str, earlier: Option<u64>, out: &mut Vec<u8>) -> Result<()
 
 /// Reads the text entry at the start of `bytes`; returns it and the bytes after it.
 fn decode_text(bytes: &[u8]) -> Result<(StoredText<'_>, &[u8]), CodecError> {
-    let short = || CodecError("metadata ends inside a text entry".into());
-    let word = u32::from_le_bytes(
-        bytes
-            .get(..4)
-            .ok_or_else(short)?
-            .try_into()
-            .map_err(|_| short())?,
-    );
-    let rest = &bytes[4..];
-    if word == REFERENCE_FLAG {
-        let offset = rest.get(..8).ok_or_else(short)?;
-        let offset = u64::from_le_bytes(offset.try_into().map_err(|_| short())?);
-        return Ok((StoredText::Earlier(offset), &rest[8..]));
+    let (v, rest) = decode_varint(bytes)?;
+    if v & 1 == 1 {
+        return Ok((StoredText::Earlier(v >> 1), rest));
     }
-    if word & REFERENCE_FLAG != 0 {
-        return Err(CodecError(format!(
-            "text entry word {word:#x} is neither text nor reference"
-        )));
-    }
-    let text = rest.get(..word as usize).ok_or_else(short)?;
-    let text =
-        std::str::from_utf8(text).map_err(|e| CodecError(format!("text is not UTF-8: {e}")))?;
-    Ok((StoredText::Inline(text), &rest[word as usize..]))
+    let len = usize::try_from(v >> 1)
+        .ok()
+        .filter(|&n| n <= rest.len())
+        .ok_or_else(|| CodecError(format!("text of {} bytes runs past the metadata", v >> 1)))?;
+    let text = std::str::from_utf8(&rest[..len])
+        .map_err(|e| CodecError(format!("text is not UTF-8: {e}")))?;
+    Ok((StoredText::Inline(text), &rest[len..]))
 }
 
 /// The two text entries at the start of a version-2 metadata block (indexed like
