@@ -10,13 +10,15 @@
 //! segments stay readable. `WriterOptions::durable` (default true) decides whether sealing and
 //! manifest replacement fsync.
 //!
-//! Fuzzing: `fuzz/` is a cargo-fuzz crate (its own workspace) whose `segment_reader` target feeds
+//! Fuzzing: `fuzz/` is a cargo-fuzz crate (its own workspace); `framed_payloads` wraps arbitrary
+//! payloads in valid frames (past the crc gate); `segment_reader` feeds
 //! arbitrary bytes to the segment scanner and every view and record decode over it (references
 //! included). cargo-fuzz needs nightly flags; on stable, `RUSTC_BOOTSTRAP=1` enables them:
 //!
 //! ```text
 //! cargo install cargo-fuzz --locked
 //! RUSTC_BOOTSTRAP=1 cargo fuzz run segment_reader fuzz/corpus/segment_reader fuzz/seeds/segment_reader -- -max_total_time=120
+//! RUSTC_BOOTSTRAP=1 cargo fuzz run framed_payloads fuzz/corpus/framed_payloads -- -max_total_time=120
 //! ```
 //!
 //! (`fuzz/seeds/segment_reader` holds the pinned v1 and v2 segments of `tests/store_format.rs`;
