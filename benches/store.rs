@@ -1,8 +1,14 @@
-//! Step store throughput against JSONL (serde_json) on the same realistic records, and a plain
-//! sequential read of a file of the store's size (the physical limit of this machine).
+//! Step store throughput and size against JSONL (serde_json) on the same realistic records, and a
+//! plain sequential read of a file of the store's size (the physical limit of this machine).
 //!
-//! Records: 1000 trajectories × 8 turns, each turn 64 new observation tokens, 64 response tokens
-//! with full-precision log-probs (ln of a uniform draw, as sampled log-probs are), ~200 characters of observation text and ~60 of action text.
+//! Records: real FrozenLake episodes (default config) played through `stepppo::env` by the random
+//! agent, in groups of 8 same-seed trajectories (group g: env seed `seed::derive(1, [g])`, member
+//! m: agent seed `seed::derive(env_seed, [m])`), until 8000 steps. Each step keeps the env's
+//! reward, flags, state hash and its real observation and action texts; its token arrays are 64
+//! observation tokens and 64 response tokens drawn uniformly from a 151 000-id vocabulary, with
+//! full-precision log-probs (ln of a uniform draw, as sampled log-probs are).
+//! Writes are measured twice: into the OS page cache (both writers end with a flush to the OS, no
+//! fsync; the store with `durable: false`) and durably (both end with fsync).
 //! Run: `cargo bench --bench store`.
 
 use std::fs::File;
@@ -12,67 +18,88 @@ use std::path::Path;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use stepppo::store::{Dataset, DatasetWriter, StepInfo, StepRecord, WriterOptions};
+use stepppo::env::{self, Agent, AgentKind};
+use stepppo::seed;
+use stepppo::store::{Dataset, DatasetWriter, StepRecord, WriterOptions};
 
-const TRAJECTORIES: u64 = 1000;
-const TURNS: u32 = 8;
+const RECORDS: usize = 8000;
+const GROUP_SIZE: u64 = 8;
 const NEW_TOKENS: u32 = 64;
+const VOCAB: u64 = 151_000;
 
 fn records() -> Vec<StepRecord> {
-    let mut out = Vec::new();
+    let mut session = env::build_session("frozen_lake", &serde_json::json!({})).unwrap();
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
     let mut next = move || {
-        state = stepppo::seed::splitmix64(state);
+        state = seed::splitmix64(state);
         state
     };
-    for traj_id in 0..TRAJECTORIES {
-        for t in 0..TURNS {
+    let mut out = Vec::with_capacity(RECORDS);
+    for traj_id in 0.. {
+        let group_id = traj_id / GROUP_SIZE;
+        let env_seed = seed::derive(1, &[group_id]);
+        let mut agent = Agent::new(
+            AgentKind::Random,
+            seed::derive(env_seed, &[traj_id % GROUP_SIZE]),
+        );
+        session.reset(env_seed);
+        for step_index in 0u32.. {
+            if out.len() == RECORDS {
+                return out;
+            }
+            let state_hash = session.state_hash();
+            let response = agent.respond(&session);
+            let outcome = session.act(&response);
             out.push(StepRecord {
                 traj_id,
-                group_id: traj_id / 8,
-                step_index: t,
-                env_tag: "frozen_lake".into(),
-                seed: traj_id / 8,
+                group_id,
+                step_index,
+                env_tag: session.env().tag().to_string(),
+                seed: env_seed,
                 policy_version: 12,
-                context_len: t * 2 * NEW_TOKENS,
-                obs_ids: (0..NEW_TOKENS).map(|_| (next() % 151_000) as u32).collect(),
-                response_ids: (0..NEW_TOKENS).map(|_| (next() % 151_000) as u32).collect(),
-                response_logprobs: (0..NEW_TOKENS).map(|_| (next() as f32 / u64::MAX as f32).ln()).collect(),
-                reward: if t + 1 == TURNS { 1.0 } else { 0.0 },
-                terminated: t + 1 == TURNS,
-                truncated: false,
-                state_hash: next(),
-                info: StepInfo {
-                    success: t + 1 == TURNS,
-                    action_is_valid: true,
-                    action_is_effective: t % 3 != 0,
-                    format_penalty: 0.0,
-                    num_actions: 1,
-                    observation_text: "Turn 3:\nState:\n_P__\n_O__\n__OG\n____\nYou have 5 actions left. Always output: <think> [Your thoughts] </think> <answer> [your answer] </answer> with no extra text.".into(),
-                    action_text: "<think>The goal is down and right.</think><answer>Right</answer>".into(),
-                },
+                context_len: step_index * 2 * NEW_TOKENS,
+                obs_ids: (0..NEW_TOKENS).map(|_| (next() % VOCAB) as u32).collect(),
+                response_ids: (0..NEW_TOKENS).map(|_| (next() % VOCAB) as u32).collect(),
+                response_logprobs: (0..NEW_TOKENS)
+                    .map(|_| (next() as f32 / u64::MAX as f32).ln())
+                    .collect(),
+                reward: outcome.reward,
+                terminated: outcome.terminated,
+                truncated: outcome.truncated,
+                state_hash,
+                info: outcome.info,
             });
+            if outcome.next_user_message.is_none() {
+                break;
+            }
         }
     }
     out
 }
 
-fn write_store(dir: &Path, records: &[StepRecord]) {
-    let mut writer = DatasetWriter::create(dir, WriterOptions::default()).unwrap();
+fn write_store(dir: &Path, records: &[StepRecord], durable: bool) {
+    let opts = WriterOptions {
+        durable,
+        ..WriterOptions::default()
+    };
+    let mut writer = DatasetWriter::create(dir, opts).unwrap();
     for record in records {
         writer.append(record).unwrap();
     }
     writer.seal().unwrap();
 }
 
-fn write_jsonl(path: &Path, records: &[StepRecord]) {
+fn write_jsonl(path: &Path, records: &[StepRecord], durable: bool) {
     let file = File::create(path).unwrap();
     let mut out = BufWriter::with_capacity(1 << 20, file);
     for record in records {
         serde_json::to_writer(&mut out, record).unwrap();
         out.write_all(b"\n").unwrap();
     }
-    out.into_inner().unwrap().sync_all().unwrap();
+    let file = out.into_inner().unwrap();
+    if durable {
+        file.sync_all().unwrap();
+    }
 }
 
 /// Full scan over views: every token and log-prob touched, every metadata block decoded.
@@ -145,8 +172,18 @@ fn bench_store(c: &mut Criterion) {
     let tmp = tempfile::tempdir().unwrap();
     let store_dir = tmp.path().join("store");
     let jsonl_path = tmp.path().join("steps.jsonl");
-    write_store(&store_dir, &records);
-    write_jsonl(&jsonl_path, &records);
+    write_store(&store_dir, &records, true);
+    write_jsonl(&jsonl_path, &records, true);
+    let text_bytes: usize = records
+        .iter()
+        .map(|r| r.info.observation_text.len() + r.info.action_text.len())
+        .sum();
+    let trajectories = records.last().map_or(0, |r| r.traj_id + 1);
+    eprintln!(
+        "{trajectories} trajectories, {:.1} steps each, {:.0} text bytes per record",
+        records.len() as f64 / trajectories as f64,
+        text_bytes as f64 / records.len() as f64
+    );
     let store_bytes = dir_bytes(&store_dir);
     let jsonl_bytes = std::fs::metadata(&jsonl_path).unwrap().len();
     let segment = store_dir.join("seg-000000.stp");
@@ -162,15 +199,26 @@ fn bench_store(c: &mut Criterion) {
         .sample_size(10)
         .measurement_time(Duration::from_secs(4))
         .throughput(Throughput::Elements(n));
-    group.bench_function("write_store", |b| {
-        b.iter_with_setup(
-            || tempfile::tempdir_in(tmp.path()).unwrap(),
-            |dir| write_store(&dir.path().join("d"), &records),
-        )
-    });
-    group.bench_function("write_jsonl", |b| {
-        b.iter(|| write_jsonl(&tmp.path().join("w.jsonl"), &records))
-    });
+    for (name, durable) in [("page_cache", false), ("durable", true)] {
+        group.bench_function(format!("write_store_{name}"), |b| {
+            b.iter_with_setup(
+                || tempfile::tempdir_in(tmp.path()).unwrap(),
+                |dir| {
+                    write_store(&dir.path().join("d"), &records, durable);
+                    dir // removed outside the timing
+                },
+            )
+        });
+        group.bench_function(format!("write_jsonl_{name}"), |b| {
+            b.iter_with_setup(
+                || tempfile::tempdir_in(tmp.path()).unwrap(),
+                |dir| {
+                    write_jsonl(&dir.path().join("w.jsonl"), &records, durable);
+                    dir
+                },
+            )
+        });
+    }
     group.bench_function("scan_store_views", |b| {
         b.iter(|| black_box(scan_store(&store_dir)))
     });

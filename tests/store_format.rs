@@ -1,5 +1,6 @@
-//! The on-disk format stays readable: a segment written by format version 1 is pinned here byte
-//! for byte; arbitrary or mutated bytes never make the reader panic.
+//! The on-disk format stays readable: segments written by format versions 1 and 2 are pinned here
+//! byte for byte; arbitrary or mutated bytes never make the reader panic or return a changed record
+//! (format 2's backward text references included).
 
 use proptest::prelude::*;
 use stepppo::store::{scan_segment, StepInfo, StepRecord, FORMAT_VERSION};
@@ -32,6 +33,18 @@ fn pinned_record() -> StepRecord {
     }
 }
 
+/// The records of the pinned version-2 segment: the second repeats both texts of the first
+/// (stored as references to it).
+fn pinned_records_v2() -> Vec<StepRecord> {
+    let second = StepRecord {
+        traj_id: 6,
+        reward: 1.0,
+        obs_ids: vec![12],
+        ..pinned_record()
+    };
+    vec![pinned_record(), second]
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -44,10 +57,12 @@ fn unhex(text: &str) -> Vec<u8> {
         .collect()
 }
 
-fn written_segment() -> Vec<u8> {
+fn written_segment(records: &[StepRecord]) -> Vec<u8> {
     let dir = tempfile::tempdir().unwrap();
     let mut writer = stepppo::store::DatasetWriter::create(dir.path(), Default::default()).unwrap();
-    writer.append(&pinned_record()).unwrap();
+    for record in records {
+        writer.append(record).unwrap();
+    }
     writer.seal().unwrap();
     std::fs::read(dir.path().join("seg-000000.stp")).unwrap()
 }
@@ -76,9 +91,53 @@ fn version_1_segments_stay_readable_and_are_still_written_identically() {
     );
     if FORMAT_VERSION == 1 {
         assert_eq!(
-            hex(&written_segment()),
+            hex(&written_segment(&[pinned_record()])),
             hex(&bytes),
             "format 1 changed: bump FORMAT_VERSION and keep reading 1"
+        );
+    }
+}
+
+/// `seg-000000.stp` holding [`pinned_records_v2`], as written by format version 2.
+const V2_SEGMENT: &str = "\
+    535450504f53454702000000000000005354504680000000fc7c6b6d05000000\
+    0000000002000000000000000100000009000000030000000200000002000000\
+    3a0000000a0000000b0000005b5002002a0000005d500200000000bf000000c0\
+    0823505f23263c616e737765723e55703c2f616e737765723e07736f6b6f6261\
+    6e4d03cdccccbd0001fdefcdab8967452301000101cdccccbd02000053545046\
+    60000000e83c3fcc060000000000000002000000000000000100000009000000\
+    010000000200000002000000230000000c0000002a0000005d500200000000bf\
+    000000c0212107736f6b6f62616e4d030000803f0001fdefcdab896745230100\
+    0101cdccccbd0200535450530200000000000000050000000000000010000000\
+    0000000006000000000000009c0000000000000099b791b82800000053545045\
+";
+
+fn read_all(bytes: &[u8]) -> Vec<Result<StepRecord, String>> {
+    let scan = scan_segment(bytes);
+    let views = scan.frames.iter().map(|f| scan.view(bytes, f));
+    views
+        .map(|v| v.to_record().map_err(|e| e.to_string()))
+        .collect()
+}
+
+#[test]
+fn version_2_segments_stay_readable_and_are_still_written_identically() {
+    let bytes = unhex(V2_SEGMENT);
+    let scan = scan_segment(&bytes);
+    assert!(scan.problems.is_empty(), "{:?}", scan.problems);
+    assert_eq!(scan.format_version, 2);
+    let read: Vec<StepRecord> = read_all(&bytes).into_iter().map(Result::unwrap).collect();
+    assert_eq!(read, pinned_records_v2());
+    let frame_bytes: Vec<u64> = scan.frames.iter().map(|f| f.end() - f.offset).collect();
+    assert!(
+        frame_bytes[1] < frame_bytes[0],
+        "texts of the second record are references: {frame_bytes:?}"
+    );
+    if FORMAT_VERSION == 2 {
+        assert_eq!(
+            hex(&written_segment(&pinned_records_v2())),
+            hex(&bytes),
+            "format 2 changed: bump FORMAT_VERSION and keep reading 2"
         );
     }
 }
@@ -114,6 +173,23 @@ proptest! {
         }
         if let Some(footer) = scan.footer {
             let _ = footer.lookup(&bytes, 5);
+        }
+    }
+
+    #[test]
+    fn mutated_version_2_segments_never_return_a_changed_record(
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let mut bytes = unhex(V2_SEGMENT);
+        for (at, value) in edits {
+            let i = at.index(bytes.len());
+            bytes[i] = value;
+        }
+        bytes.truncate(cut.index(bytes.len() + 1));
+        let originals = pinned_records_v2();
+        for record in read_all(&bytes).into_iter().flatten() {
+            prop_assert!(originals.contains(&record), "{record:?}");
         }
     }
 }

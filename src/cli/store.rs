@@ -1,13 +1,18 @@
 //! `stepppo collect`, `stepppo replay`, `stepppo dataset verify|repair`: argument parsing and
-//! printing over `stepppo::store`.
+//! printing over `stepppo::store`; `replay --advantages` re-scores a dataset with
+//! `stepppo::algo` (critic values from `--critic`, else zero values, said on stderr).
 
 use std::io::{BufWriter, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand, ValueEnum};
+use serde_json::Value;
+use stepppo::algo::{self, AdvantageConfig, AdvantageInputs};
 use stepppo::env::{self, AgentKind};
-use stepppo::store::{self, Dataset};
+use stepppo::model::Critic;
+use stepppo::store::{self, Dataset, Trajectory};
 use stepppo::tokenizer::Tokenizer;
 
 #[derive(Args, Debug)]
@@ -56,14 +61,34 @@ pub struct ReplayArgs {
     /// Only this trajectory (found through the segment index).
     #[arg(long)]
     pub traj: Option<u64>,
-    #[arg(long, value_enum, default_value_t = ReplayFormat::Text)]
-    pub format: ReplayFormat,
+    /// Output format: `text` by default, `jsonl` (the only one) with --advantages.
+    #[arg(long, value_enum)]
+    pub format: Option<ReplayFormat>,
     /// Print statistics (trajectories, steps, success rate, reward, steps per trajectory, per env).
     #[arg(long)]
     pub stats: bool,
     /// With --stats: print one JSON object.
     #[arg(long, requires = "stats")]
     pub json: bool,
+    /// Re-score the dataset with this advantage estimator (`adv_estimator` names: step_gae,
+    /// token_gae, grpo, reinforce, dr_grpo, rloo, gigpo, step_reinforce, ...) and print one JSONL
+    /// row per step: traj_id, group_id, step_index, reward, value, advantage_raw, advantage, return.
+    #[arg(long, conflicts_with = "stats")]
+    pub advantages: Option<String>,
+    /// Discount γ (`gamma`).
+    #[arg(long, requires = "advantages")]
+    pub gamma: Option<f32>,
+    /// GAE λ (`lambd`).
+    #[arg(long, requires = "advantages")]
+    pub lam: Option<f32>,
+    /// Any other `AdvantageConfig` key, dotted for nested ones (e.g.
+    /// `reward_normalization.method=mean`); the value is read as JSON when it parses.
+    #[arg(long = "set", value_name = "KEY=VALUE", requires = "advantages")]
+    pub set: Vec<String>,
+    /// Critic directory (HF layout; a policy directory gets a fresh value head): values at each
+    /// step's last pre-response token. Without it, critic-based estimators use zero values.
+    #[arg(long, requires = "advantages")]
+    pub critic: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -128,6 +153,10 @@ pub fn replay(a: ReplayArgs) -> anyhow::Result<()> {
         }
         return Ok(out.flush()?);
     }
+    if let Some(estimator) = &a.advantages {
+        let cfg = advantage_config(estimator, &a)?;
+        return replay_advantages(&dataset, &cfg, &a, &mut out);
+    }
     let trajectories = match a.traj {
         Some(id) => vec![dataset
             .trajectory(id)
@@ -135,7 +164,7 @@ pub fn replay(a: ReplayArgs) -> anyhow::Result<()> {
         None => dataset.trajectories(),
     };
     for traj in &trajectories {
-        match a.format {
+        match a.format.unwrap_or(ReplayFormat::Text) {
             ReplayFormat::Text => writeln!(out, "{}", store::transcript(traj)?)?,
             ReplayFormat::Jsonl => {
                 for record in store::decode_trajectory(traj)? {
@@ -176,4 +205,170 @@ pub fn dataset(c: DatasetCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `AdvantageConfig` from its defaults, `--advantages`, `--gamma`, `--lam` and every `--set`,
+/// applied in that order; an error names the option and the key.
+fn advantage_config(estimator: &str, a: &ReplayArgs) -> anyhow::Result<AdvantageConfig> {
+    let mut overrides = vec![(
+        format!("--advantages {estimator}"),
+        "adv_estimator".to_string(),
+        Value::String(estimator.to_string()),
+    )];
+    if let Some(gamma) = a.gamma {
+        overrides.push((format!("--gamma {gamma}"), "gamma".into(), gamma.into()));
+    }
+    if let Some(lam) = a.lam {
+        overrides.push((format!("--lam {lam}"), "lambd".into(), lam.into()));
+    }
+    for pair in &a.set {
+        let (key, value) =
+            env::parse_set(pair).with_context(|| format!("--set `{pair}`: expected KEY=VALUE"))?;
+        overrides.push((format!("--set `{pair}`"), key, value));
+    }
+    let mut tree = serde_json::to_value(AdvantageConfig::default())?;
+    for (option, key, value) in overrides {
+        set_config_key(&mut tree, &key, value).with_context(|| option.clone())?;
+        serde_json::from_value::<AdvantageConfig>(tree.clone())
+            .map_err(|e| anyhow::anyhow!("{option}: key `{key}`: {e}"))?;
+    }
+    let cfg: AdvantageConfig = serde_json::from_value(tree)?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Replaces the value at dotted `key` (`lam` is read as `lambd`); unknown keys are errors
+/// listing the known ones.
+fn set_config_key(tree: &mut Value, key: &str, value: Value) -> anyhow::Result<()> {
+    let key = if key == "lam" { "lambd" } else { key };
+    let pointer = format!("/{}", key.replace('.', "/"));
+    if let Some(slot) = tree.pointer_mut(&pointer) {
+        *slot = value;
+        return Ok(());
+    }
+    let (section, known) = match key.rsplit_once('.') {
+        Some((parent, _)) => (
+            parent,
+            tree.pointer(&format!("/{}", parent.replace('.', "/"))),
+        ),
+        None => ("", Some(&*tree)),
+    };
+    let known: Vec<&str> = known
+        .and_then(Value::as_object)
+        .map(|o| o.keys().map(String::as_str).collect())
+        .unwrap_or_default();
+    anyhow::bail!(
+        "unknown key `{key}` (keys of {}: {})",
+        if section.is_empty() {
+            "the advantage config"
+        } else {
+            section
+        },
+        known.join(", ")
+    )
+}
+
+/// Critic values read from one forward per context window (a whole trajectory in the
+/// concatenated layout): `steps[i]` at the last token before record i's response, `tokens[i]`
+/// before each of its response tokens. Aligned with the records of `trajectories` in order.
+#[derive(Default)]
+struct CriticValues {
+    steps: Vec<f32>,
+    tokens: Vec<Vec<f32>>,
+}
+
+fn critic_values(dir: &Path, trajectories: &[Trajectory<'_>]) -> anyhow::Result<CriticValues> {
+    let critic = Critic::load(dir, &Device::Cpu, 0)
+        .with_context(|| format!("--critic {}", dir.display()))?;
+    let mut out = CriticValues::default();
+    for traj in trajectories {
+        let starts: Vec<usize> = (0..traj.steps.len())
+            .filter(|&t| t == 0 || traj.steps[t].context_len == 0)
+            .collect();
+        let ends = starts.iter().skip(1).copied().chain([traj.steps.len()]);
+        for (start, end) in starts.iter().copied().zip(ends) {
+            let mut tokens = traj.context(end - 1);
+            tokens.extend_from_slice(&traj.steps[end - 1].response_ids);
+            let values = critic_forward(&critic, &tokens)
+                .with_context(|| format!("critic on trajectory {}", traj.traj_id))?;
+            let mut offset = 0;
+            for step in &traj.steps[start..end] {
+                let response_start = offset + step.obs_ids.len();
+                anyhow::ensure!(
+                    response_start > 0,
+                    "trajectory {} step {}: no token before the response to read a value at",
+                    traj.traj_id,
+                    step.step_index
+                );
+                let before = response_start - 1;
+                out.steps.push(values[before]);
+                out.tokens
+                    .push(values[before..before + step.response_ids.len()].to_vec());
+                offset = response_start + step.response_ids.len();
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn critic_forward(critic: &Critic, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+    let ids = Tensor::new(tokens, &Device::Cpu)?.unsqueeze(0)?;
+    let mask = Tensor::ones((1, tokens.len()), DType::U32, &Device::Cpu)?;
+    Ok(critic.values(&ids, &mask)?.squeeze(0)?.to_vec1::<f32>()?)
+}
+
+fn replay_advantages(
+    dataset: &Dataset,
+    cfg: &AdvantageConfig,
+    a: &ReplayArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !matches!(a.format, Some(ReplayFormat::Text)),
+        "--advantages prints JSONL rows: use `--format jsonl` (or no --format)"
+    );
+    let trajectories = dataset.trajectories();
+    if let Some(id) = a.traj {
+        anyhow::ensure!(
+            trajectories.iter().any(|t| t.traj_id == id),
+            "{}: no trajectory {id}",
+            a.dataset.display()
+        );
+    }
+    let mut records = Vec::new();
+    for traj in &trajectories {
+        records.extend(store::decode_trajectory(traj)?);
+    }
+    let values = match &a.critic {
+        Some(dir) => Some(critic_values(dir, &trajectories)?),
+        None => None,
+    };
+    let inputs = AdvantageInputs {
+        values: values.as_ref().map(|v| v.steps.as_slice()),
+        token_values: values.as_ref().map(|v| v.tokens.as_slice()),
+        ..AdvantageInputs::default()
+    };
+    let export = algo::replay_rows(&records, &inputs, cfg)?;
+    if export.zero_values {
+        eprintln!(
+            "note: `{}` reads critic values and no --critic was given: every value is 0",
+            a.advantages.as_deref().unwrap_or_default()
+        );
+    }
+    let missing = export
+        .metrics
+        .get("advantage/bootstrap_missing")
+        .copied()
+        .unwrap_or(0.0);
+    if missing > 0.0 {
+        eprintln!("note: {missing} truncated trajectories bootstrap from V = 0 (no value after their last step)");
+    }
+    let selected = export
+        .rows
+        .iter()
+        .filter(|r| a.traj.is_none_or(|id| r.traj_id == id));
+    for row in selected {
+        writeln!(out, "{}", serde_json::to_string(row)?)?;
+    }
+    Ok(out.flush()?)
 }

@@ -65,8 +65,13 @@ impl Manifest {
         })
     }
 
-    /// Replaces `dir/manifest.json` atomically.
+    /// Replaces `dir/manifest.json` atomically and durably.
     pub fn write(&self, dir: &Path) -> Result<(), StoreError> {
+        self.replace(dir, true)
+    }
+
+    /// Replaces `dir/manifest.json` atomically (temp file + rename), with fsyncs when `durable`.
+    fn replace(&self, dir: &Path, durable: bool) -> Result<(), StoreError> {
         let path = dir.join(MANIFEST_FILE);
         let tmp = dir.join(format!("{MANIFEST_FILE}.tmp"));
         let text = serde_json::to_string_pretty(self).map_err(|e| StoreError::Invalid {
@@ -75,9 +80,12 @@ impl Manifest {
         })?;
         let mut file = fs::File::create(&tmp).map_err(StoreError::io(&tmp))?;
         file.write_all(text.as_bytes())
-            .and_then(|_| file.sync_all())
+            .and_then(|_| if durable { file.sync_all() } else { Ok(()) })
             .map_err(StoreError::io(&tmp))?;
         fs::rename(&tmp, &path).map_err(StoreError::io(&path))?;
+        if !durable {
+            return Ok(());
+        }
         fs::File::open(dir)
             .and_then(|d| d.sync_all())
             .map_err(StoreError::io(dir))
@@ -122,6 +130,9 @@ pub struct WriterOptions {
     pub created_by: String,
     /// Merged into the manifest's `metadata` map.
     pub metadata: BTreeMap<String, serde_json::Value>,
+    /// fsync sealed segments and every manifest replacement (default). `false` leaves the bytes
+    /// in the OS page cache: readable at once, lost on a power cut (not on a process crash).
+    pub durable: bool,
 }
 
 impl Default for WriterOptions {
@@ -130,20 +141,31 @@ impl Default for WriterOptions {
             roll_bytes: DEFAULT_ROLL_BYTES,
             created_by: format!("stepppo {}", env!("CARGO_PKG_VERSION")),
             metadata: BTreeMap::new(),
+            durable: true,
         }
     }
 }
 
+/// Where [`DatasetWriter::append`] put a record: segment number (file `seg-NNNNNN.stp`) and
+/// frame offset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordLocation {
+    pub segment: u64,
+    pub offset: u64,
+}
+
 /// Appends records to a dataset, rolling segments at `roll_bytes`; seals the active segment
-/// on [`DatasetWriter::seal`] or drop.
+/// on [`DatasetWriter::seal`] or drop. The manifest is written on create, when a segment starts
+/// and when one is sealed, never per record.
 #[derive(Debug)]
 pub struct DatasetWriter {
     dir: PathBuf,
     manifest: Manifest,
     roll_bytes: u64,
-    active: Option<SegmentWriter>,
+    durable: bool,
+    /// The segment being written and its number.
+    active: Option<(u64, SegmentWriter)>,
     next_number: u64,
-    frame: Vec<u8>,
 }
 
 impl DatasetWriter {
@@ -157,19 +179,20 @@ impl DatasetWriter {
             });
         }
         let manifest = Manifest::new(opts.created_by, opts.metadata);
-        manifest.write(dir)?;
+        manifest.replace(dir, opts.durable)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             manifest,
             roll_bytes: opts.roll_bytes,
+            durable: opts.durable,
             active: None,
             next_number: 0,
-            frame: Vec::new(),
         })
     }
 
     /// Opens an existing, undamaged dataset to append more records (its last segment is resumed
-    /// when unsealed). `opts.metadata` is merged into the manifest.
+    /// when unsealed and of the current format version; otherwise a new segment is started).
+    /// `opts.metadata` is merged into the manifest.
     pub fn open_append(dir: &Path, opts: WriterOptions) -> Result<Self, StoreError> {
         let dataset = Dataset::open(dir)?;
         if let Some(problem) = dataset.problems().first() {
@@ -182,17 +205,22 @@ impl DatasetWriter {
         let last = dataset.segments.last();
         let next_number = last.map_or(0, |(n, _)| n + 1);
         let active = match last {
-            Some((_, seg)) if seg.scan.footer.is_none() => Some(SegmentWriter::resume(seg)?),
+            Some((_, seg))
+                if seg.scan.footer.is_none()
+                    && seg.scan.format_version == segment::FORMAT_VERSION =>
+            {
+                Some((next_number - 1, SegmentWriter::resume(seg, opts.durable)?))
+            }
             _ => None,
         };
-        manifest.write(dir)?;
+        manifest.replace(dir, opts.durable)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             manifest,
             roll_bytes: opts.roll_bytes,
+            durable: opts.durable,
             active,
             next_number,
-            frame: Vec::new(),
         })
     }
 
@@ -205,84 +233,83 @@ impl DatasetWriter {
         &self.dir
     }
 
-    /// Appends one record; returns (segment file, frame offset).
-    pub fn append(&mut self, record: &StepRecord) -> Result<(PathBuf, u64), StoreError> {
-        segment::encode_frame(record, &mut self.frame).map_err(|e| StoreError::Encode {
-            path: self.dir.clone(),
-            traj_id: record.traj_id,
-            step_index: record.step_index,
-            reason: e.0,
-        })?;
-        let frame_len = self.frame.len() as u64;
-        let full = self
-            .active
-            .as_ref()
-            .is_some_and(|w| w.records() > 0 && w.len() + frame_len > self.roll_bytes);
-        if full {
-            self.seal_active()?;
-        }
-        let mut writer = match self.active.take() {
-            Some(writer) => writer,
+    /// Appends one record (encoded straight into the active segment's buffer).
+    pub fn append(&mut self, record: &StepRecord) -> Result<RecordLocation, StoreError> {
+        let (mut segment, mut writer) = match self.active.take() {
+            Some(active) => active,
             None => self.start_segment()?,
         };
-        let offset = writer.append_frame(&self.frame, record.traj_id);
-        let path = writer.path().to_path_buf();
-        self.active = Some(writer);
-        Ok((path, offset?))
+        let mut appended = writer.append(record, self.roll_bytes);
+        if matches!(appended, Ok(None)) {
+            self.seal_writer(writer)?;
+            (segment, writer) = self.start_segment()?;
+            appended = writer.append(record, u64::MAX);
+        }
+        let refused = || StoreError::Invalid {
+            path: writer.path().to_path_buf(),
+            reason: "a fresh segment refused a record".into(),
+        };
+        let offset = appended.and_then(|a| a.ok_or_else(refused));
+        self.active = Some((segment, writer));
+        Ok(RecordLocation {
+            segment,
+            offset: offset?,
+        })
     }
 
-    fn start_segment(&mut self) -> Result<SegmentWriter, StoreError> {
-        let file = segment_file_name(self.next_number);
+    fn start_segment(&mut self) -> Result<(u64, SegmentWriter), StoreError> {
+        let number = self.next_number;
+        let file = segment_file_name(number);
         self.next_number += 1;
-        let writer = SegmentWriter::create(&self.dir.join(&file))?;
+        let writer = SegmentWriter::create(&self.dir.join(&file), self.durable)?;
         self.manifest.segments.push(SegmentEntry {
             file,
             sealed: false,
             records: 0,
             bytes: 0,
         });
-        self.manifest.write(&self.dir)?;
-        Ok(writer)
+        self.manifest.replace(&self.dir, self.durable)?;
+        Ok((number, writer))
     }
 
     fn seal_active(&mut self) -> Result<(), StoreError> {
-        let Some(writer) = self.active.take() else {
-            return Ok(());
-        };
+        match self.active.take() {
+            Some((_, writer)) => self.seal_writer(writer),
+            None => Ok(()),
+        }
+    }
+
+    fn seal_writer(&mut self, writer: SegmentWriter) -> Result<(), StoreError> {
         let file = writer
             .path()
             .file_name()
-            .map(|n| n.to_string_lossy().into_owned());
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let (records, bytes) = writer.seal()?;
-        let file = file.unwrap_or_default();
+        let entry = SegmentEntry {
+            file: file.clone(),
+            sealed: true,
+            records,
+            bytes,
+        };
         match self.manifest.entry_mut(&file) {
-            Some(entry) => {
-                *entry = SegmentEntry {
-                    file,
-                    sealed: true,
-                    records,
-                    bytes,
-                }
-            }
-            None => self.manifest.segments.push(SegmentEntry {
-                file,
-                sealed: true,
-                records,
-                bytes,
-            }),
+            Some(listed) => *listed = entry,
+            None => self.manifest.segments.push(entry),
         }
-        self.manifest.write(&self.dir)
+        self.manifest.replace(&self.dir, self.durable)
     }
 
     /// Makes every appended record visible to readers (no fsync).
     pub fn flush(&mut self) -> Result<(), StoreError> {
-        self.active.as_mut().map_or(Ok(()), |w| w.flush())
+        self.active.as_mut().map_or(Ok(()), |(_, w)| w.flush())
     }
 
     /// Seals the active segment and writes the manifest.
     pub fn seal(mut self) -> Result<(), StoreError> {
-        self.seal_active()?;
-        self.manifest.write(&self.dir)
+        match self.active.take() {
+            Some((_, writer)) => self.seal_writer(writer),
+            None => self.manifest.replace(&self.dir, self.durable),
+        }
     }
 }
 

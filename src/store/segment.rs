@@ -12,21 +12,27 @@
 //! bounds, crc, payload counts); a bad frame is reported with its offset and the scan resumes at the
 //! next valid frame, so one flipped byte never hides other records. Bytes after the last valid frame
 //! of an unsealed segment are a torn tail (a crash mid-write, or a write still in progress).
+//!
+//! The writer encodes each frame straight into one large in-memory buffer (no per-record
+//! allocation or system call), hands the buffer to the OS when it passes [`WRITE_BUFFER_BYTES`]
+//! or on flush/seal, and keeps the per-segment text table behind the backward text references of
+//! format version 2 (see `codec`).
 
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use super::codec::{self, PayloadLayout, StepView};
+use super::codec::{self, PayloadLayout, StepView, TextField, TextRefs};
 use super::error::{ProblemKind, StoreError};
-use super::record::StepRecord;
+use super::record::{StepInfo, StepRecord};
 
 /// First eight bytes of every segment file.
 pub const SEGMENT_MAGIC: [u8; 8] = *b"STPPOSEG";
 /// Format version written by this build (see `codec::SUPPORTED_VERSIONS` for what it reads).
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// Bytes of the segment header.
 pub const HEADER_LEN: usize = 16;
 /// Bytes before the payload of every frame.
@@ -37,6 +43,8 @@ const TRAILER_MAGIC: u32 = u32::from_le_bytes(*b"STPE");
 const TRAILER_LEN: usize = 12;
 const INDEX_ENTRY_LEN: usize = 16;
 const MAX_PAYLOAD: usize = 1 << 30;
+/// Bytes the segment writer buffers before handing them to the OS.
+pub const WRITE_BUFFER_BYTES: usize = 1 << 20;
 
 fn read_u32(bytes: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
@@ -53,22 +61,35 @@ fn frame_crc(len_field: u32, payload: &[u8]) -> u32 {
     hasher.finalize()
 }
 
-/// Encodes `record` as one complete frame into `out` (cleared first).
-pub fn encode_frame(record: &StepRecord, out: &mut Vec<u8>) -> Result<(), codec::CodecError> {
-    out.clear();
-    out.resize(FRAME_HEADER_LEN, 0);
-    codec::encode_payload(record, out)?;
-    let payload_len = out.len() - FRAME_HEADER_LEN;
-    if payload_len > MAX_PAYLOAD {
-        return Err(codec::CodecError(format!(
-            "record is {payload_len} bytes, more than the {MAX_PAYLOAD} a frame holds"
-        )));
-    }
-    let len_field = payload_len as u32;
-    let crc = frame_crc(len_field, &out[FRAME_HEADER_LEN..]);
-    out[0..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
-    out[4..8].copy_from_slice(&len_field.to_le_bytes());
-    out[8..12].copy_from_slice(&crc.to_le_bytes());
+/// Appends `record` as one complete frame to `out`; on error `out` is left as it was.
+fn encode_frame(
+    record: &StepRecord,
+    refs: TextRefs,
+    out: &mut Vec<u8>,
+) -> Result<(), codec::CodecError> {
+    let start = out.len();
+    out.extend_from_slice(&[0; FRAME_HEADER_LEN]);
+    let encoded = codec::encode_payload(record, refs, out).and_then(|()| {
+        let payload_len = out.len() - start - FRAME_HEADER_LEN;
+        if payload_len > MAX_PAYLOAD {
+            return Err(codec::CodecError(format!(
+                "record is {payload_len} bytes, more than the {MAX_PAYLOAD} a frame holds"
+            )));
+        }
+        Ok(payload_len as u32)
+    });
+    let len_field = match encoded {
+        Ok(len) => len,
+        Err(e) => {
+            out.truncate(start);
+            return Err(e);
+        }
+    };
+    let crc = frame_crc(len_field, &out[start + FRAME_HEADER_LEN..]);
+    let header = &mut out[start..start + FRAME_HEADER_LEN];
+    header[0..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
+    header[4..8].copy_from_slice(&len_field.to_le_bytes());
+    header[8..12].copy_from_slice(&crc.to_le_bytes());
     Ok(())
 }
 
@@ -82,7 +103,7 @@ pub struct Frame {
 }
 
 impl Frame {
-    fn payload<'a>(&self, bytes: &'a [u8]) -> &'a [u8] {
+    pub(crate) fn payload<'a>(&self, bytes: &'a [u8]) -> &'a [u8] {
         let start = self.offset as usize + FRAME_HEADER_LEN;
         &bytes[start..start + self.payload_len as usize]
     }
@@ -145,9 +166,14 @@ pub struct SegmentScan {
 }
 
 impl SegmentScan {
-    /// Views the frame `frame` of this scan over the same `bytes`.
-    pub fn view<'a>(&self, bytes: &'a [u8], frame: &Frame) -> StepView<'a> {
-        StepView::new(frame.payload(bytes), &frame.layout, self.format_version)
+    /// Views the frame `frame` of this scan over the same `bytes` (text references resolve
+    /// against the other frames of this scan).
+    pub fn view<'a>(&'a self, bytes: &'a [u8], frame: &Frame) -> StepView<'a> {
+        StepView::new(frame.payload(bytes), &frame.layout, self.format_version).in_segment(
+            bytes,
+            &self.frames,
+            frame.offset,
+        )
     }
 }
 
@@ -332,123 +358,210 @@ impl MappedSegment {
     }
 }
 
+/// FxHash (rotate, xor, multiply per 8 bytes): the writer hashes its own texts, so a fast
+/// non-keyed hash is enough; the table still compares the texts themselves.
+#[derive(Clone, Copy, Debug, Default)]
+struct FxBuild;
+
+struct FxHasher(u64);
+
+impl std::hash::BuildHasher for FxBuild {
+    type Hasher = FxHasher;
+
+    fn build_hasher(&self) -> FxHasher {
+        FxHasher(0)
+    }
+}
+
+impl std::hash::Hasher for FxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = (self.0.rotate_left(5) ^ u64::from_le_bytes(word))
+                .wrapping_mul(0x517c_c1b7_2722_0a95);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// Per segment: each distinct text written inline, by field, with the offset of its frame.
+#[derive(Debug, Default)]
+struct TextTable {
+    by_field: [HashMap<String, u64, FxBuild>; 2],
+}
+
+impl TextTable {
+    /// Offsets of earlier frames holding `info`'s texts (equal texts, not just equal hashes).
+    fn refs(&self, info: &StepInfo) -> TextRefs {
+        let [observation, action] = &self.by_field;
+        [
+            observation.get(TextField::Observation.of(info)).copied(),
+            action.get(TextField::Action.of(info)).copied(),
+        ]
+    }
+
+    /// Records the texts that the frame at `offset` stored inline.
+    fn remember(&mut self, texts: [Option<&str>; 2], offset: u64) {
+        for (table, text) in self.by_field.iter_mut().zip(texts) {
+            if let Some(text) = text {
+                table.entry(text.to_string()).or_insert(offset);
+            }
+        }
+    }
+}
+
 /// Appends frames to one segment file and seals it with its footer.
 #[derive(Debug)]
 pub struct SegmentWriter {
     path: PathBuf,
-    out: BufWriter<File>,
-    len: u64,
+    file: File,
+    /// Encoded bytes not yet handed to the OS.
+    buffer: Vec<u8>,
+    /// Bytes already in the file.
+    written: u64,
     index: Vec<(u64, u64)>,
+    texts: TextTable,
+    /// Whether `seal` fsyncs the file.
+    durable: bool,
 }
 
 impl SegmentWriter {
-    /// Creates a new segment file (it must not exist) and writes its header.
-    pub fn create(path: &Path) -> Result<Self, StoreError> {
+    /// Creates a new segment file (it must not exist) and writes its header; `durable`: whether
+    /// sealing fsyncs the file.
+    pub fn create(path: &Path, durable: bool) -> Result<Self, StoreError> {
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)
             .open(path)
             .map_err(StoreError::io(path))?;
-        let mut writer = Self {
+        let mut buffer = Vec::with_capacity(WRITE_BUFFER_BYTES * 2);
+        buffer.extend_from_slice(&SEGMENT_MAGIC);
+        buffer.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        buffer.extend_from_slice(&0u32.to_le_bytes());
+        Ok(Self {
             path: path.to_path_buf(),
-            out: BufWriter::with_capacity(1 << 20, file),
-            len: 0,
+            file,
+            buffer,
+            written: 0,
             index: Vec::new(),
-        };
-        let mut header = SEGMENT_MAGIC.to_vec();
-        header.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        header.extend_from_slice(&0u32.to_le_bytes());
-        writer.write(&header)?;
-        Ok(writer)
+            texts: TextTable::default(),
+            durable,
+        })
     }
 
     /// Reopens an unsealed, undamaged segment of the current format to append to it.
-    pub fn resume(segment: &MappedSegment) -> Result<Self, StoreError> {
+    pub fn resume(segment: &MappedSegment, durable: bool) -> Result<Self, StoreError> {
         let path = &segment.path;
-        let invalid = |reason: &str| StoreError::Invalid {
-            path: path.clone(),
-            reason: reason.into(),
-        };
         if segment.scan.footer.is_some() || segment.scan.format_version != FORMAT_VERSION {
-            return Err(invalid("segment is sealed or of another format version"));
+            return Err(StoreError::Invalid {
+                path: path.clone(),
+                reason: "segment is sealed or of another format version".into(),
+            });
         }
         if segment.bytes().is_empty() {
             std::fs::remove_file(path).map_err(StoreError::io(path))?;
-            return Self::create(path);
+            return Self::create(path, durable);
         }
         let file = OpenOptions::new()
             .append(true)
             .open(path)
             .map_err(StoreError::io(path))?;
-        let len = segment.bytes().len() as u64;
-        let frames = &segment.scan.frames;
-        let index = frames
-            .iter()
-            .map(|f| (f.layout.traj_id, f.offset))
-            .collect();
-        Ok(Self {
+        let mut writer = Self {
             path: path.clone(),
-            out: BufWriter::with_capacity(1 << 20, file),
-            len,
-            index,
-        })
-    }
-
-    fn write(&mut self, bytes: &[u8]) -> Result<(), StoreError> {
-        self.out
-            .write_all(bytes)
-            .map_err(StoreError::io(&self.path))?;
-        self.len += bytes.len() as u64;
-        Ok(())
+            file,
+            buffer: Vec::with_capacity(WRITE_BUFFER_BYTES * 2),
+            written: segment.bytes().len() as u64,
+            index: Vec::new(),
+            texts: TextTable::default(),
+            durable,
+        };
+        for frame in &segment.scan.frames {
+            let texts = codec::inline_texts(frame.payload(segment.bytes())).map_err(|e| {
+                StoreError::Corrupt {
+                    path: path.clone(),
+                    offset: frame.offset,
+                    reason: e.0,
+                }
+            })?;
+            writer.texts.remember(texts, frame.offset);
+            writer.index.push((frame.layout.traj_id, frame.offset));
+        }
+        Ok(writer)
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Bytes written so far (header included).
+    /// Bytes written so far (header included, buffered bytes included).
     pub fn len(&self) -> u64 {
-        self.len
+        self.written + self.buffer.len() as u64
     }
 
-    pub fn records(&self) -> u64 {
-        self.index.len() as u64
-    }
-
-    /// Appends one frame made by [`encode_frame`]; returns its offset.
-    pub fn append_frame(&mut self, frame: &[u8], traj_id: u64) -> Result<u64, StoreError> {
-        let offset = self.len;
-        self.write(frame)?;
-        self.index.push((traj_id, offset));
-        Ok(offset)
+    /// Encodes `record` as a frame at the end of the segment and returns its offset, or `None`
+    /// (nothing written) when the segment already holds records and would grow past `max_len`.
+    pub fn append(&mut self, record: &StepRecord, max_len: u64) -> Result<Option<u64>, StoreError> {
+        if self.buffer.len() >= WRITE_BUFFER_BYTES {
+            self.flush()?;
+        }
+        let offset = self.len();
+        let start = self.buffer.len();
+        let refs = self.texts.refs(&record.info);
+        encode_frame(record, refs, &mut self.buffer).map_err(|e| StoreError::Encode {
+            path: self.path.clone(),
+            traj_id: record.traj_id,
+            step_index: record.step_index,
+            reason: e.0,
+        })?;
+        if !self.index.is_empty() && self.len() > max_len {
+            self.buffer.truncate(start);
+            return Ok(None);
+        }
+        let inline = TextField::ALL.map(|field| {
+            let i = field as usize;
+            refs[i].is_none().then(|| field.of(&record.info))
+        });
+        self.texts.remember(inline, offset);
+        self.index.push((record.traj_id, offset));
+        Ok(Some(offset))
     }
 
     /// Hands buffered frames to the OS: from now on readers see them.
     pub fn flush(&mut self) -> Result<(), StoreError> {
-        self.out.flush().map_err(StoreError::io(&self.path))
+        self.file
+            .write_all(&self.buffer)
+            .map_err(StoreError::io(&self.path))?;
+        self.written += self.buffer.len() as u64;
+        self.buffer.clear();
+        Ok(())
     }
 
-    /// Writes the footer, flushes and syncs; returns (records, bytes).
+    /// Writes the footer, flushes and (when durable) syncs; returns (records, bytes).
     pub fn seal(mut self) -> Result<(u64, u64), StoreError> {
         self.index.sort_unstable();
-        let mut body = Vec::with_capacity(8 + self.index.len() * INDEX_ENTRY_LEN);
-        body.extend_from_slice(&(self.index.len() as u64).to_le_bytes());
+        let body_len = 8 + self.index.len() * INDEX_ENTRY_LEN;
+        self.buffer.extend_from_slice(&SEAL_MARK.to_le_bytes());
+        let body_start = self.buffer.len();
+        self.buffer
+            .extend_from_slice(&(self.index.len() as u64).to_le_bytes());
         for (traj_id, offset) in &self.index {
-            body.extend_from_slice(&traj_id.to_le_bytes());
-            body.extend_from_slice(&offset.to_le_bytes());
+            self.buffer.extend_from_slice(&traj_id.to_le_bytes());
+            self.buffer.extend_from_slice(&offset.to_le_bytes());
         }
-        let mut footer = SEAL_MARK.to_le_bytes().to_vec();
-        footer.extend_from_slice(&body);
-        footer.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
-        footer.extend_from_slice(&(body.len() as u32).to_le_bytes());
-        footer.extend_from_slice(&TRAILER_MAGIC.to_le_bytes());
-        self.write(&footer)?;
+        let crc = crc32fast::hash(&self.buffer[body_start..]);
+        self.buffer.extend_from_slice(&crc.to_le_bytes());
+        self.buffer
+            .extend_from_slice(&(body_len as u32).to_le_bytes());
+        self.buffer.extend_from_slice(&TRAILER_MAGIC.to_le_bytes());
         self.flush()?;
-        self.out
-            .get_ref()
-            .sync_all()
-            .map_err(StoreError::io(&self.path))?;
-        Ok((self.index.len() as u64, self.len))
+        if self.durable {
+            self.file.sync_all().map_err(StoreError::io(&self.path))?;
+        }
+        Ok((self.index.len() as u64, self.len()))
     }
 }
 
@@ -471,11 +584,9 @@ mod tests {
     fn segment_bytes(records: &[StepRecord], seal: bool) -> Vec<u8> {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("seg.stp");
-        let mut writer = SegmentWriter::create(&path).unwrap();
-        let mut frame = Vec::new();
+        let mut writer = SegmentWriter::create(&path, false).unwrap();
         for r in records {
-            encode_frame(r, &mut frame).unwrap();
-            writer.append_frame(&frame, r.traj_id).unwrap();
+            writer.append(r, u64::MAX).unwrap();
         }
         if seal {
             writer.seal().unwrap();
@@ -495,6 +606,58 @@ mod tests {
         let footer = scan.footer.unwrap();
         assert_eq!(footer.lookup(&bytes, 1), vec![scan.frames[2].offset]);
         assert!(footer.lookup(&bytes, 9).is_empty());
+    }
+
+    fn with_texts(traj_id: u64, observation: &str, action: &str) -> StepRecord {
+        let mut r = record(traj_id, 0);
+        r.info.observation_text = observation.into();
+        r.info.action_text = action.into();
+        r
+    }
+
+    #[test]
+    fn repeated_texts_become_references_and_read_back_identical() {
+        let long = "_P_\n_O_\n__G\n".repeat(8);
+        let records = vec![
+            with_texts(0, &long, "<answer>Up</answer>"),
+            with_texts(1, &long, "<answer>Left</answer>"),
+            with_texts(2, "other", "<answer>Up</answer>"),
+            with_texts(3, "<answer>Up</answer>", "other"),
+        ];
+        let bytes = segment_bytes(&records, true);
+        let scan = scan(&bytes);
+        assert!(scan.problems.is_empty(), "{:?}", scan.problems);
+        let read: Vec<StepRecord> = (scan.frames.iter())
+            .map(|f| scan.view(&bytes, f).to_record().unwrap())
+            .collect();
+        assert_eq!(read, records);
+        let sizes: Vec<u64> = scan.frames.iter().map(|f| f.end() - f.offset).collect();
+        assert!(sizes[1] + long.len() as u64 - 20 < sizes[0], "{sizes:?}");
+        // Texts are compared per field: record 3's observation equals an action text, stored inline.
+        let texts = codec::inline_texts(scan.frames[3].payload(&bytes)).unwrap();
+        assert_eq!(texts, [Some("<answer>Up</answer>"), Some("other")]);
+    }
+
+    #[test]
+    fn a_corrupt_referenced_frame_fails_the_dependent_record_naming_both_offsets() {
+        let long = "x".repeat(100);
+        let records = vec![with_texts(0, &long, "a"), with_texts(1, &long, "b")];
+        let mut bytes = segment_bytes(&records, false);
+        let first = scan(&bytes).frames[0];
+        bytes[first.offset as usize + FRAME_HEADER_LEN + 2] ^= 1;
+        let scan = scan(&bytes);
+        assert_eq!(scan.frames.len(), 1);
+        let second = scan.frames[0];
+        let err = scan
+            .view(&bytes, &second)
+            .to_record()
+            .unwrap_err()
+            .to_string();
+        let both = format!(
+            "at byte {}: observation_text refers to the record at byte {}",
+            second.offset, first.offset
+        );
+        assert!(err.contains(&both), "{err}");
     }
 
     #[test]

@@ -96,7 +96,8 @@ enum Fix {
 }
 
 /// Repairs `dir`: a torn tail (or torn footer) at the end of a segment is truncated; a segment
-/// with corrupt or undecodable records is rewritten (sealed) with its valid records only; the
+/// with corrupt or undecodable records (a record whose text reference points at a corrupt
+/// frame included) is rewritten (sealed, current format) with its valid records only; the
 /// manifest is rebuilt from the segment files. Must not run while the dataset is in use.
 pub fn repair(dir: &Path) -> Result<RepairReport, StoreError> {
     let mut actions = Vec::new();
@@ -159,15 +160,12 @@ fn plan_fix(seg: &MappedSegment, problems: &[&Problem]) -> Result<Option<Fix>, S
     }
     let tmp = seg.path.with_extension("stp.tmp");
     let _ = fs::remove_file(&tmp);
-    let mut writer = SegmentWriter::create(&tmp)?;
-    let bytes = seg.bytes();
+    let mut writer = SegmentWriter::create(&tmp, true)?;
     let mut records = 0;
     for frame in &seg.scan.frames {
-        if seg.view(frame).meta().is_ok() {
-            writer.append_frame(
-                &bytes[frame.offset as usize..frame.end() as usize],
-                frame.layout.traj_id,
-            )?;
+        // Re-encoded (not copied): frame offsets change, and text references with them.
+        if let Ok(record) = seg.view(frame).to_record() {
+            writer.append(&record, u64::MAX)?;
             records += 1;
         }
     }
