@@ -12,8 +12,9 @@ pub fn splitmix64(x: u64) -> u64 {
 
 /// Derives a child seed from `base` and a path of integers, e.g. `derive(run_seed, &[group, episode])`.
 pub fn derive(base: u64, path: &[u64]) -> u64 {
-    path.iter()
-        .fold(splitmix64(base), |acc, &part| splitmix64(acc ^ splitmix64(part)))
+    path.iter().fold(splitmix64(base), |acc, &part| {
+        splitmix64(acc ^ splitmix64(part))
+    })
 }
 
 #[cfg(test)]
