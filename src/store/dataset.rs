@@ -1,0 +1,490 @@
+//! A dataset: a directory of segment files `seg-NNNNNN.stp` plus `manifest.json`; the writer that
+//! appends records and rolls segments, and the reader that iterates records, trajectories and
+//! groups (reassembled across segments) and finds trajectories by id through the footer index.
+//!
+//! The manifest (format version, creator, the segment list with per-segment state, a free-form
+//! `metadata` map for env config / tokenizer / run info) is replaced atomically: temp file in the
+//! same directory, fsync, rename. The segment files themselves are the truth for the records: a
+//! reader opens every `seg-*.stp` of the directory and reports disagreements with the manifest.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::codec::StepView;
+use super::error::{Problem, ProblemKind, StoreError};
+use super::record::StepRecord;
+use super::segment::{self, Frame, MappedSegment, SegmentWriter};
+
+/// Name of the manifest file inside a dataset directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// Default segment size at which the writer rolls to a new segment.
+pub const DEFAULT_ROLL_BYTES: u64 = 64 << 20;
+
+/// State of one segment as recorded in the manifest.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SegmentEntry {
+    pub file: String,
+    pub sealed: bool,
+    /// Record count and file size when sealed (0 while the segment is active).
+    pub records: u64,
+    pub bytes: u64,
+}
+
+/// `manifest.json`: small, human-readable description of a dataset.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format_version: u32,
+    pub created_by: String,
+    pub segments: Vec<SegmentEntry>,
+    /// Free-form run information (env config, tokenizer, agent, seed, ...).
+    #[serde(default)]
+    pub metadata: BTreeMap<String, serde_json::Value>,
+}
+
+impl Manifest {
+    pub(crate) fn new(created_by: String, metadata: BTreeMap<String, serde_json::Value>) -> Self {
+        Self {
+            format_version: segment::FORMAT_VERSION,
+            created_by,
+            segments: Vec::new(),
+            metadata,
+        }
+    }
+
+    /// Reads `dir/manifest.json`.
+    pub fn read(dir: &Path) -> Result<Self, StoreError> {
+        let path = dir.join(MANIFEST_FILE);
+        let text = fs::read_to_string(&path).map_err(StoreError::io(&path))?;
+        serde_json::from_str(&text).map_err(|e| StoreError::Invalid {
+            path,
+            reason: format!("manifest does not parse: {e}"),
+        })
+    }
+
+    /// Replaces `dir/manifest.json` atomically.
+    pub fn write(&self, dir: &Path) -> Result<(), StoreError> {
+        let path = dir.join(MANIFEST_FILE);
+        let tmp = dir.join(format!("{MANIFEST_FILE}.tmp"));
+        let text = serde_json::to_string_pretty(self).map_err(|e| StoreError::Invalid {
+            path: path.clone(),
+            reason: format!("manifest does not serialise: {e}"),
+        })?;
+        let mut file = fs::File::create(&tmp).map_err(StoreError::io(&tmp))?;
+        file.write_all(text.as_bytes())
+            .and_then(|_| file.sync_all())
+            .map_err(StoreError::io(&tmp))?;
+        fs::rename(&tmp, &path).map_err(StoreError::io(&path))?;
+        fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(StoreError::io(dir))
+    }
+
+    fn entry_mut(&mut self, file: &str) -> Option<&mut SegmentEntry> {
+        self.segments.iter_mut().find(|s| s.file == file)
+    }
+}
+
+fn segment_file_name(number: u64) -> String {
+    format!("seg-{number:06}.stp")
+}
+
+fn segment_number(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("seg-")?.strip_suffix(".stp")?;
+    (digits.len() >= 6 && digits.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| digits.parse().ok())
+        .flatten()
+}
+
+/// Segment files of `dir`, ordered by number.
+pub fn segment_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>, StoreError> {
+    let mut found = Vec::new();
+    for entry in fs::read_dir(dir).map_err(StoreError::io(dir))? {
+        let entry = entry.map_err(StoreError::io(dir))?;
+        let name = entry.file_name();
+        if let Some(number) = name.to_str().and_then(segment_number) {
+            found.push((number, entry.path()));
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// Options of [`DatasetWriter`].
+#[derive(Clone, Debug)]
+pub struct WriterOptions {
+    /// Roll to a new segment before a segment would exceed this many bytes.
+    pub roll_bytes: u64,
+    /// Written into the manifest on create.
+    pub created_by: String,
+    /// Merged into the manifest's `metadata` map.
+    pub metadata: BTreeMap<String, serde_json::Value>,
+}
+
+impl Default for WriterOptions {
+    fn default() -> Self {
+        Self {
+            roll_bytes: DEFAULT_ROLL_BYTES,
+            created_by: format!("stepppo {}", env!("CARGO_PKG_VERSION")),
+            metadata: BTreeMap::new(),
+        }
+    }
+}
+
+/// Appends records to a dataset, rolling segments at `roll_bytes`; seals the active segment
+/// on [`DatasetWriter::seal`] or drop.
+#[derive(Debug)]
+pub struct DatasetWriter {
+    dir: PathBuf,
+    manifest: Manifest,
+    roll_bytes: u64,
+    active: Option<SegmentWriter>,
+    next_number: u64,
+    frame: Vec<u8>,
+}
+
+impl DatasetWriter {
+    /// Creates a new dataset in `dir` (created if missing; it must not hold a dataset yet).
+    pub fn create(dir: &Path, opts: WriterOptions) -> Result<Self, StoreError> {
+        fs::create_dir_all(dir).map_err(StoreError::io(dir))?;
+        if dir.join(MANIFEST_FILE).exists() || !segment_files(dir)?.is_empty() {
+            return Err(StoreError::Invalid {
+                path: dir.to_path_buf(),
+                reason: "already holds a dataset".into(),
+            });
+        }
+        let manifest = Manifest::new(opts.created_by, opts.metadata);
+        manifest.write(dir)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            manifest,
+            roll_bytes: opts.roll_bytes,
+            active: None,
+            next_number: 0,
+            frame: Vec::new(),
+        })
+    }
+
+    /// Opens an existing, undamaged dataset to append more records (its last segment is resumed
+    /// when unsealed). `opts.metadata` is merged into the manifest.
+    pub fn open_append(dir: &Path, opts: WriterOptions) -> Result<Self, StoreError> {
+        let dataset = Dataset::open(dir)?;
+        if let Some(problem) = dataset.problems().first() {
+            return Err(StoreError::Damaged {
+                problem: problem.clone(),
+            });
+        }
+        let mut manifest = dataset.manifest.clone();
+        manifest.metadata.extend(opts.metadata);
+        let last = dataset.segments.last();
+        let next_number = last.map_or(0, |(n, _)| n + 1);
+        let active = match last {
+            Some((_, seg)) if seg.scan.footer.is_none() => Some(SegmentWriter::resume(seg)?),
+            _ => None,
+        };
+        manifest.write(dir)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            manifest,
+            roll_bytes: opts.roll_bytes,
+            active,
+            next_number,
+            frame: Vec::new(),
+        })
+    }
+
+    /// Sets one entry of the manifest's `metadata` map (written at the next roll or seal).
+    pub fn set_metadata(&mut self, key: &str, value: serde_json::Value) {
+        self.manifest.metadata.insert(key.to_string(), value);
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Appends one record; returns (segment file, frame offset).
+    pub fn append(&mut self, record: &StepRecord) -> Result<(PathBuf, u64), StoreError> {
+        segment::encode_frame(record, &mut self.frame).map_err(|e| StoreError::Encode {
+            path: self.dir.clone(),
+            traj_id: record.traj_id,
+            step_index: record.step_index,
+            reason: e.0,
+        })?;
+        let frame_len = self.frame.len() as u64;
+        let full = self
+            .active
+            .as_ref()
+            .is_some_and(|w| w.records() > 0 && w.len() + frame_len > self.roll_bytes);
+        if full {
+            self.seal_active()?;
+        }
+        let mut writer = match self.active.take() {
+            Some(writer) => writer,
+            None => self.start_segment()?,
+        };
+        let offset = writer.append_frame(&self.frame, record.traj_id);
+        let path = writer.path().to_path_buf();
+        self.active = Some(writer);
+        Ok((path, offset?))
+    }
+
+    fn start_segment(&mut self) -> Result<SegmentWriter, StoreError> {
+        let file = segment_file_name(self.next_number);
+        self.next_number += 1;
+        let writer = SegmentWriter::create(&self.dir.join(&file))?;
+        self.manifest.segments.push(SegmentEntry {
+            file,
+            sealed: false,
+            records: 0,
+            bytes: 0,
+        });
+        self.manifest.write(&self.dir)?;
+        Ok(writer)
+    }
+
+    fn seal_active(&mut self) -> Result<(), StoreError> {
+        let Some(writer) = self.active.take() else {
+            return Ok(());
+        };
+        let file = writer
+            .path()
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
+        let (records, bytes) = writer.seal()?;
+        let file = file.unwrap_or_default();
+        match self.manifest.entry_mut(&file) {
+            Some(entry) => {
+                *entry = SegmentEntry {
+                    file,
+                    sealed: true,
+                    records,
+                    bytes,
+                }
+            }
+            None => self.manifest.segments.push(SegmentEntry {
+                file,
+                sealed: true,
+                records,
+                bytes,
+            }),
+        }
+        self.manifest.write(&self.dir)
+    }
+
+    /// Makes every appended record visible to readers (no fsync).
+    pub fn flush(&mut self) -> Result<(), StoreError> {
+        self.active.as_mut().map_or(Ok(()), |w| w.flush())
+    }
+
+    /// Seals the active segment and writes the manifest.
+    pub fn seal(mut self) -> Result<(), StoreError> {
+        self.seal_active()?;
+        self.manifest.write(&self.dir)
+    }
+}
+
+impl Drop for DatasetWriter {
+    fn drop(&mut self) {
+        // Best effort: an unsealed segment stays fully readable, so an error here loses nothing.
+        let _ = self.seal_active();
+    }
+}
+
+/// The steps of one trajectory, ordered by `step_index`.
+#[derive(Clone, Debug)]
+pub struct Trajectory<'a> {
+    pub traj_id: u64,
+    pub group_id: u64,
+    pub steps: Vec<StepView<'a>>,
+}
+
+/// The trajectories of one group, ordered by `traj_id`.
+#[derive(Clone, Debug)]
+pub struct Group<'a> {
+    pub group_id: u64,
+    pub trajectories: Vec<Trajectory<'a>>,
+}
+
+/// A read-only snapshot of a dataset: every segment mapped and scanned at open.
+#[derive(Debug)]
+pub struct Dataset {
+    dir: PathBuf,
+    manifest: Manifest,
+    segments: Vec<(u64, MappedSegment)>,
+    problems: Vec<Problem>,
+}
+
+impl Dataset {
+    /// Maps and validates every segment of `dir`. Damage does not fail the open: it is listed
+    /// in [`Dataset::problems`] and every valid record stays readable.
+    pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        let manifest = Manifest::read(dir)?;
+        let mut segments = Vec::new();
+        let mut problems = Vec::new();
+        for (number, path) in segment_files(dir)? {
+            let seg = MappedSegment::open(&path)?;
+            problems.extend(seg.scan.problems.iter().map(|(offset, kind)| Problem {
+                path: path.clone(),
+                offset: *offset,
+                kind: kind.clone(),
+            }));
+            segments.push((number, seg));
+        }
+        problems.extend(manifest_problems(dir, &manifest, &segments));
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            manifest,
+            segments,
+            problems,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Torn tails, corrupt frames and manifest disagreements found at open.
+    pub fn problems(&self) -> &[Problem] {
+        &self.problems
+    }
+
+    /// The mapped segments in file order.
+    pub fn segments(&self) -> impl Iterator<Item = &MappedSegment> {
+        self.segments.iter().map(|(_, s)| s)
+    }
+
+    /// Number of valid records.
+    pub fn len(&self) -> usize {
+        self.segments().map(|s| s.scan.frames.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every valid record in file order, viewed in place.
+    pub fn records(&self) -> impl Iterator<Item = StepView<'_>> {
+        self.segments()
+            .flat_map(|seg| seg.scan.frames.iter().map(move |f| seg.view(f)))
+    }
+
+    /// All trajectories ordered by `traj_id`, each with its steps ordered by `step_index`.
+    pub fn trajectories(&self) -> Vec<Trajectory<'_>> {
+        let mut located: Vec<(u64, u32, usize, &Frame)> = self
+            .segments()
+            .enumerate()
+            .flat_map(|(i, seg)| {
+                seg.scan
+                    .frames
+                    .iter()
+                    .map(move |f| (f.layout.traj_id, f.layout.step_index, i, f))
+            })
+            .collect();
+        located.sort_by_key(|&(traj, step, seg, f)| (traj, step, seg, f.offset));
+        let segs: Vec<&MappedSegment> = self.segments().collect();
+        let mut out: Vec<Trajectory<'_>> = Vec::new();
+        for (traj_id, _, seg, frame) in located {
+            let view = segs[seg].view(frame);
+            match out.last_mut() {
+                Some(t) if t.traj_id == traj_id => t.steps.push(view),
+                _ => out.push(Trajectory {
+                    traj_id,
+                    group_id: view.group_id,
+                    steps: vec![view],
+                }),
+            }
+        }
+        out
+    }
+
+    /// All groups ordered by `group_id`, each with its trajectories ordered by `traj_id`.
+    pub fn groups(&self) -> Vec<Group<'_>> {
+        let mut by_group: BTreeMap<u64, Vec<Trajectory<'_>>> = BTreeMap::new();
+        for traj in self.trajectories() {
+            by_group.entry(traj.group_id).or_default().push(traj);
+        }
+        by_group
+            .into_iter()
+            .map(|(group_id, trajectories)| Group {
+                group_id,
+                trajectories,
+            })
+            .collect()
+    }
+
+    /// One trajectory by id: through the footer index of sealed segments, by scanning the
+    /// frames of unsealed ones.
+    pub fn trajectory(&self, traj_id: u64) -> Option<Trajectory<'_>> {
+        let mut steps: Vec<StepView<'_>> = Vec::new();
+        for seg in self.segments() {
+            let frames = seg.lookup(traj_id).unwrap_or_else(|| {
+                let all = seg.scan.frames.iter();
+                all.filter(|f| f.layout.traj_id == traj_id)
+                    .copied()
+                    .collect()
+            });
+            steps.extend(frames.iter().map(|f| seg.view(f)));
+        }
+        steps.sort_by_key(|s| s.step_index);
+        let group_id = steps.first()?.group_id;
+        Some(Trajectory {
+            traj_id,
+            group_id,
+            steps,
+        })
+    }
+}
+
+fn manifest_problems(
+    dir: &Path,
+    manifest: &Manifest,
+    segments: &[(u64, MappedSegment)],
+) -> Vec<Problem> {
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let problem = |why: String| Problem {
+        path: manifest_path.clone(),
+        offset: 0,
+        kind: ProblemKind::Manifest(why),
+    };
+    let mut problems = Vec::new();
+    if manifest.format_version > segment::FORMAT_VERSION {
+        let v = manifest.format_version;
+        problems.push(problem(format!(
+            "format version {v} is newer than this build"
+        )));
+    }
+    for entry in &manifest.segments {
+        let on_disk = segments
+            .iter()
+            .find(|(_, s)| s.path.file_name().is_some_and(|n| n == entry.file.as_str()));
+        match on_disk {
+            None => problems.push(problem(format!("lists {} which is missing", entry.file))),
+            Some((_, seg)) if entry.sealed && seg.scan.frames.len() as u64 != entry.records => {
+                let (listed, found) = (entry.records, seg.scan.frames.len());
+                problems.push(problem(format!(
+                    "{} lists {listed} records, {found} are valid",
+                    entry.file
+                )));
+            }
+            Some(_) => {}
+        }
+    }
+    for (_, seg) in segments {
+        let name = seg
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if !manifest.segments.iter().any(|e| e.file == name) {
+            problems.push(problem(format!("does not list {name}")));
+        }
+    }
+    problems
+}

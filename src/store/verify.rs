@@ -1,0 +1,230 @@
+//! `verify` (every problem of a dataset, with file and offset) and `repair` (truncate torn
+//! tails, rewrite damaged segments with their valid records, rebuild the manifest).
+
+use std::collections::BTreeSet;
+use std::fs::{self, OpenOptions};
+use std::path::{Path, PathBuf};
+
+use super::dataset::{Dataset, Manifest, SegmentEntry};
+use super::error::{Problem, ProblemKind, StoreError};
+use super::segment::{MappedSegment, SegmentWriter};
+
+/// What `verify` found.
+#[derive(Clone, Debug)]
+pub struct VerifyReport {
+    pub segments: usize,
+    pub records: usize,
+    pub problems: Vec<Problem>,
+}
+
+impl VerifyReport {
+    pub fn is_sound(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// Checks every frame, every record's metadata, each footer index against its frames, and the
+/// manifest against the segment files.
+pub fn verify(dir: &Path) -> Result<VerifyReport, StoreError> {
+    let dataset = Dataset::open(dir)?;
+    let mut problems = dataset.problems().to_vec();
+    for seg in dataset.segments() {
+        problems.extend(undecodable_records(seg));
+        problems.extend(index_mismatch(seg));
+    }
+    problems.sort_by(|a, b| (&a.path, a.offset).cmp(&(&b.path, b.offset)));
+    Ok(VerifyReport {
+        segments: dataset.segments().count(),
+        records: dataset.len(),
+        problems,
+    })
+}
+
+fn undecodable_records(seg: &MappedSegment) -> impl Iterator<Item = Problem> + '_ {
+    seg.scan.frames.iter().filter_map(|frame| {
+        let why = seg.view(frame).meta().err()?;
+        Some(Problem {
+            path: seg.path.clone(),
+            offset: frame.offset,
+            kind: ProblemKind::Undecodable(why.0),
+        })
+    })
+}
+
+fn index_mismatch(seg: &MappedSegment) -> Option<Problem> {
+    let footer = seg.scan.footer?;
+    let indexed: BTreeSet<(u64, u64)> = footer.entries(seg.bytes()).collect();
+    let scanned: BTreeSet<(u64, u64)> = seg
+        .scan
+        .frames
+        .iter()
+        .map(|f| (f.layout.traj_id, f.offset))
+        .collect();
+    (indexed != scanned).then(|| Problem {
+        path: seg.path.clone(),
+        offset: footer.seal_offset,
+        kind: ProblemKind::BadFooter(format!(
+            "index lists {} records, {} valid frames found",
+            indexed.len(),
+            scanned.len()
+        )),
+    })
+}
+
+/// What `repair` did.
+#[derive(Clone, Debug, Default)]
+pub struct RepairReport {
+    /// One line per action, naming the file.
+    pub actions: Vec<String>,
+    /// Records that remain readable after the repair.
+    pub records: usize,
+}
+
+enum Fix {
+    Truncate {
+        path: PathBuf,
+        at: u64,
+    },
+    Replace {
+        path: PathBuf,
+        tmp: PathBuf,
+        records: usize,
+    },
+}
+
+/// Repairs `dir`: a torn tail (or torn footer) at the end of a segment is truncated; a segment
+/// with corrupt or undecodable records is rewritten (sealed) with its valid records only; the
+/// manifest is rebuilt from the segment files. Must not run while the dataset is in use.
+pub fn repair(dir: &Path) -> Result<RepairReport, StoreError> {
+    let mut actions = Vec::new();
+    if let Err(e) = Manifest::read(dir) {
+        Manifest::new("stepppo dataset repair".into(), Default::default()).write(dir)?;
+        actions.push(format!("replaced the manifest ({e})"));
+    }
+    let report = verify(dir)?;
+    let dataset = Dataset::open(dir)?;
+    let mut fixes = Vec::new();
+    for seg in dataset.segments() {
+        let problems: Vec<&Problem> = report
+            .problems
+            .iter()
+            .filter(|p| p.path == seg.path)
+            .collect();
+        if let Some(fix) = plan_fix(seg, &problems)? {
+            fixes.push(fix);
+        }
+    }
+    drop(dataset);
+    for fix in fixes {
+        actions.push(apply_fix(fix)?);
+    }
+    let manifest_problem = report
+        .problems
+        .iter()
+        .any(|p| matches!(p.kind, ProblemKind::Manifest(_)));
+    if manifest_problem || !actions.is_empty() {
+        rebuild_manifest(dir)?;
+        actions.push(format!(
+            "{}: rebuilt from the segment files",
+            dir.join(super::dataset::MANIFEST_FILE).display()
+        ));
+    }
+    let records = Dataset::open(dir)?.len();
+    Ok(RepairReport { actions, records })
+}
+
+fn plan_fix(seg: &MappedSegment, problems: &[&Problem]) -> Result<Option<Fix>, StoreError> {
+    let [.., last] = problems else {
+        return Ok(None);
+    };
+    let unreadable = problems.iter().any(|p| matches!(&p.kind, ProblemKind::BadHeader(why) if why.contains("not supported") || why.contains("flags")));
+    if unreadable {
+        return Err(StoreError::Invalid {
+            path: seg.path.clone(),
+            reason: "segment header is of an unknown version or flags; repair leaves it alone"
+                .into(),
+        });
+    }
+    let tail_only = problems.len() == 1
+        && matches!(last.kind, ProblemKind::TornTail | ProblemKind::BadFooter(_))
+        && seg.scan.footer.is_none();
+    if tail_only {
+        return Ok(Some(Fix::Truncate {
+            path: seg.path.clone(),
+            at: last.offset,
+        }));
+    }
+    let tmp = seg.path.with_extension("stp.tmp");
+    let _ = fs::remove_file(&tmp);
+    let mut writer = SegmentWriter::create(&tmp)?;
+    let bytes = seg.bytes();
+    let mut records = 0;
+    for frame in &seg.scan.frames {
+        if seg.view(frame).meta().is_ok() {
+            writer.append_frame(
+                &bytes[frame.offset as usize..frame.end() as usize],
+                frame.layout.traj_id,
+            )?;
+            records += 1;
+        }
+    }
+    writer.seal()?;
+    Ok(Some(Fix::Replace {
+        path: seg.path.clone(),
+        tmp,
+        records,
+    }))
+}
+
+fn apply_fix(fix: Fix) -> Result<String, StoreError> {
+    match fix {
+        Fix::Truncate { path, at } => {
+            let file = OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .map_err(StoreError::io(&path))?;
+            let at = if at < super::segment::HEADER_LEN as u64 {
+                0
+            } else {
+                at
+            };
+            file.set_len(at)
+                .and_then(|_| file.sync_all())
+                .map_err(StoreError::io(&path))?;
+            Ok(format!("{}: truncated at byte {at}", path.display()))
+        }
+        Fix::Replace { path, tmp, records } => {
+            fs::rename(&tmp, &path).map_err(StoreError::io(&path))?;
+            Ok(format!(
+                "{}: rewritten with its {records} valid records",
+                path.display()
+            ))
+        }
+    }
+}
+
+fn rebuild_manifest(dir: &Path) -> Result<(), StoreError> {
+    let mut manifest = Manifest::read(dir)?;
+    let dataset = Dataset::open(dir)?;
+    manifest.segments = dataset
+        .segments()
+        .map(|seg| {
+            let sealed = seg.scan.footer.is_some();
+            SegmentEntry {
+                file: seg
+                    .path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                sealed,
+                records: if sealed {
+                    seg.scan.frames.len() as u64
+                } else {
+                    0
+                },
+                bytes: if sealed { seg.bytes().len() as u64 } else { 0 },
+            }
+        })
+        .collect();
+    manifest.write(dir)
+}
