@@ -8,8 +8,9 @@
 //! | 0..8 | `traj_id: u64` |
 //! | 8..16 | `group_id: u64` |
 //! | 16..20 | `step_index: u32` |
-//! | 20..36 | counts `n_obs, n_response, n_logprobs, meta_len: u32` |
-//! | 36.. | `obs_ids: [u32; n_obs]`, `response_ids: [u32; n_response]`, `response_logprobs: [f32; n_logprobs]` |
+//! | 20..24 | `context_len: u32` |
+//! | 24..40 | counts `n_obs, n_response, n_logprobs, meta_len: u32` |
+//! | 40.. | `obs_ids: [u32; n_obs]`, `response_ids: [u32; n_response]`, `response_logprobs: [f32; n_logprobs]` |
 //! | then | `meta_len` bytes of bincode (`config::standard`, serde) holding every other field ([`StepMeta`]) |
 //! | then | zero padding to a multiple of 4 |
 //!
@@ -20,13 +21,15 @@
 //! segments stay readable.
 
 use std::borrow::Cow;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use super::error::StoreError;
 use super::record::{StepInfo, StepRecord};
 
 /// Bytes of the fixed header at the start of every payload.
-pub const PAYLOAD_HEADER_LEN: usize = 36;
+pub const PAYLOAD_HEADER_LEN: usize = 40;
 /// Largest metadata block accepted on write and on read (guards allocations from bad bytes).
 pub const MAX_META_LEN: usize = 64 << 20;
 /// Segment format versions whose payloads this build decodes.
@@ -53,7 +56,6 @@ pub struct StepMeta {
     pub env_tag: String,
     pub seed: u64,
     pub policy_version: u64,
-    pub context_len: u32,
     pub reward: f32,
     pub terminated: bool,
     pub truncated: bool,
@@ -67,7 +69,6 @@ struct StepMetaRef<'a> {
     env_tag: &'a str,
     seed: u64,
     policy_version: u64,
-    context_len: u32,
     reward: f32,
     terminated: bool,
     truncated: bool,
@@ -81,6 +82,7 @@ pub struct PayloadLayout {
     pub traj_id: u64,
     pub group_id: u64,
     pub step_index: u32,
+    pub context_len: u32,
     n_obs: u32,
     n_response: u32,
     n_logprobs: u32,
@@ -119,7 +121,6 @@ pub fn encode_payload(record: &StepRecord, out: &mut Vec<u8>) -> Result<(), Code
         env_tag: &record.env_tag,
         seed: record.seed,
         policy_version: record.policy_version,
-        context_len: record.context_len,
         reward: record.reward,
         terminated: record.terminated,
         truncated: record.truncated,
@@ -141,6 +142,7 @@ pub fn encode_payload(record: &StepRecord, out: &mut Vec<u8>) -> Result<(), Code
     out.extend_from_slice(&record.traj_id.to_le_bytes());
     out.extend_from_slice(&record.group_id.to_le_bytes());
     out.extend_from_slice(&record.step_index.to_le_bytes());
+    out.extend_from_slice(&record.context_len.to_le_bytes());
     out.extend_from_slice(&count(record.obs_ids.len(), "obs_ids")?.to_le_bytes());
     out.extend_from_slice(&count(record.response_ids.len(), "response_ids")?.to_le_bytes());
     out.extend_from_slice(
@@ -195,10 +197,11 @@ pub fn parse_layout(payload: &[u8]) -> Result<PayloadLayout, CodecError> {
         traj_id: read_u64(payload, 0),
         group_id: read_u64(payload, 8),
         step_index: read_u32(payload, 16),
-        n_obs: read_u32(payload, 20),
-        n_response: read_u32(payload, 24),
-        n_logprobs: read_u32(payload, 28),
-        meta_len: read_u32(payload, 32),
+        context_len: read_u32(payload, 20),
+        n_obs: read_u32(payload, 24),
+        n_response: read_u32(payload, 28),
+        n_logprobs: read_u32(payload, 32),
+        meta_len: read_u32(payload, 36),
     };
     let arrays = 4 * (layout.n_obs as u64 + layout.n_response as u64 + layout.n_logprobs as u64);
     let expected = PAYLOAD_HEADER_LEN as u64 + arrays + layout.meta_len as u64;
@@ -263,9 +266,13 @@ pub struct StepView<'a> {
     pub traj_id: u64,
     pub group_id: u64,
     pub step_index: u32,
+    pub context_len: u32,
     pub obs_ids: Cow<'a, [u32]>,
     pub response_ids: Cow<'a, [u32]>,
     pub response_logprobs: Cow<'a, [f32]>,
+    /// Segment file and frame offset the record was read from (empty path, 0 for a bare payload).
+    pub path: &'a Path,
+    pub offset: u64,
     meta_bytes: &'a [u8],
     format_version: u32,
 }
@@ -274,9 +281,12 @@ impl<'a> StepView<'a> {
     /// Views a payload whose `layout` came from [`parse_layout`] on the same bytes.
     pub fn new(payload: &'a [u8], layout: &PayloadLayout, format_version: u32) -> Self {
         Self {
+            path: Path::new(""),
+            offset: 0,
             traj_id: layout.traj_id,
             group_id: layout.group_id,
             step_index: layout.step_index,
+            context_len: layout.context_len,
             obs_ids: view_u32(&payload[layout.obs_range()]),
             response_ids: view_u32(&payload[layout.response_range()]),
             response_logprobs: view_f32(&payload[layout.logprob_range()]),
@@ -291,13 +301,26 @@ impl<'a> StepView<'a> {
         Ok(Self::new(payload, &layout, format_version))
     }
 
+    /// Records where the viewed payload lives, for error messages.
+    pub fn at(self, path: &'a Path, offset: u64) -> Self {
+        Self {
+            path,
+            offset,
+            ..self
+        }
+    }
+
     /// Decodes the metadata block (env tag, seed, rewards, flags, texts).
-    pub fn meta(&self) -> Result<StepMeta, CodecError> {
-        decode_meta(self.format_version, self.meta_bytes)
+    pub fn meta(&self) -> Result<StepMeta, StoreError> {
+        decode_meta(self.format_version, self.meta_bytes).map_err(|e| StoreError::Corrupt {
+            path: self.path.to_path_buf(),
+            offset: self.offset,
+            reason: e.0,
+        })
     }
 
     /// Copies everything into an owned [`StepRecord`].
-    pub fn to_record(&self) -> Result<StepRecord, CodecError> {
+    pub fn to_record(&self) -> Result<StepRecord, StoreError> {
         let meta = self.meta()?;
         Ok(StepRecord {
             traj_id: self.traj_id,
@@ -306,7 +329,7 @@ impl<'a> StepView<'a> {
             env_tag: meta.env_tag,
             seed: meta.seed,
             policy_version: meta.policy_version,
-            context_len: meta.context_len,
+            context_len: self.context_len,
             obs_ids: self.obs_ids.to_vec(),
             response_ids: self.response_ids.to_vec(),
             response_logprobs: self.response_logprobs.to_vec(),
@@ -365,7 +388,7 @@ mod tests {
     fn inconsistent_counts_are_rejected() {
         let mut bytes = Vec::new();
         encode_payload(&sample(), &mut bytes).unwrap();
-        bytes[20] = 200;
+        bytes[24] = 200;
         assert!(parse_layout(&bytes).is_err());
         assert!(parse_layout(&bytes[..10]).is_err());
     }

@@ -301,6 +301,29 @@ pub struct Trajectory<'a> {
     pub steps: Vec<StepView<'a>>,
 }
 
+impl Trajectory<'_> {
+    /// The full token context in front of step `t`'s response: the `obs_ids ++ response_ids`
+    /// of the earlier steps of its context (from the last step with `context_len == 0`, the
+    /// start of a re-rendered window) followed by step `t`'s `obs_ids`. Empty when `t` is out
+    /// of range.
+    pub fn context(&self, t: usize) -> Vec<u32> {
+        let Some(step) = self.steps.get(t) else {
+            return Vec::new();
+        };
+        let start = self.steps[..=t]
+            .iter()
+            .rposition(|s| s.context_len == 0)
+            .unwrap_or(0);
+        let mut tokens = Vec::with_capacity(step.context_len as usize + step.obs_ids.len());
+        for earlier in &self.steps[start..t] {
+            tokens.extend_from_slice(&earlier.obs_ids);
+            tokens.extend_from_slice(&earlier.response_ids);
+        }
+        tokens.extend_from_slice(&step.obs_ids);
+        tokens
+    }
+}
+
 /// The trajectories of one group, ordered by `traj_id`.
 #[derive(Clone, Debug)]
 pub struct Group<'a> {

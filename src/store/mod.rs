@@ -9,6 +9,7 @@ mod codec;
 mod dataset;
 mod error;
 mod record;
+mod replay;
 mod segment;
 mod verify;
 
@@ -19,5 +20,6 @@ pub use dataset::{
 };
 pub use error::{Problem, ProblemKind, StoreError};
 pub use record::{StepInfo, StepRecord};
+pub use replay::{decode_trajectory, jsonl_line, transcript, DatasetStats, Stats, Summary};
 pub use segment::{scan as scan_segment, SegmentScan, FORMAT_VERSION, SEGMENT_MAGIC};
 pub use verify::{repair, verify, RepairReport, VerifyReport};

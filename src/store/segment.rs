@@ -312,7 +312,9 @@ impl MappedSegment {
 
     /// The record of one validated frame, viewed in place.
     pub fn view(&self, frame: &Frame) -> StepView<'_> {
-        self.scan.view(self.bytes(), frame)
+        self.scan
+            .view(self.bytes(), frame)
+            .at(&self.path, frame.offset)
     }
 
     /// Frames of `traj_id` found through the footer index (sealed segments only).

@@ -42,11 +42,14 @@ pub fn verify(dir: &Path) -> Result<VerifyReport, StoreError> {
 
 fn undecodable_records(seg: &MappedSegment) -> impl Iterator<Item = Problem> + '_ {
     seg.scan.frames.iter().filter_map(|frame| {
-        let why = seg.view(frame).meta().err()?;
+        let why = match seg.view(frame).meta().err()? {
+            StoreError::Corrupt { reason, .. } => reason,
+            other => other.to_string(),
+        };
         Some(Problem {
             path: seg.path.clone(),
             offset: frame.offset,
-            kind: ProblemKind::Undecodable(why.0),
+            kind: ProblemKind::Undecodable(why),
         })
     })
 }

@@ -1,0 +1,230 @@
+//! Reading a dataset back for people and tools: a text transcript per trajectory, the JSONL
+//! export, and summary statistics (`stepppo replay`).
+//!
+//! JSONL export: one JSON object per step, in trajectory order, with exactly the fields of
+//! [`StepRecord`]: `traj_id`, `group_id`, `step_index`, `env_tag`, `seed`, `policy_version`,
+//! `context_len` (tokens before this step's `obs_ids`), `obs_ids`, `response_ids`,
+//! `response_logprobs` (behaviour log-probs; 0.0 for model-free agents), `reward`,
+//! `terminated`, `truncated`, `state_hash`, and `info` = {`success`, `action_is_valid`,
+//! `action_is_effective`, `format_penalty`, `num_actions`, `observation_text`, `action_text`}.
+//! Each line parses back into a `StepRecord` with serde_json.
+
+use std::collections::BTreeMap;
+use std::fmt::{self, Write as _};
+
+use serde::Serialize;
+
+use super::dataset::{Dataset, Trajectory};
+use super::error::StoreError;
+use super::record::StepRecord;
+
+/// The steps of a trajectory decoded into records.
+pub fn decode_trajectory(traj: &Trajectory<'_>) -> Result<Vec<StepRecord>, StoreError> {
+    traj.steps.iter().map(|s| s.to_record()).collect()
+}
+
+fn flags(info: &super::record::StepInfo) -> String {
+    let mut parts = Vec::new();
+    parts.push(if info.action_is_valid {
+        "valid"
+    } else {
+        "invalid"
+    });
+    if info.action_is_effective {
+        parts.push("effective");
+    }
+    if info.success {
+        parts.push("success");
+    }
+    parts.join(", ")
+}
+
+/// A readable transcript of one trajectory: observation, action, reward and flags per step.
+pub fn transcript(traj: &Trajectory<'_>) -> Result<String, StoreError> {
+    let steps = decode_trajectory(traj)?;
+    let mut out = String::new();
+    let ret: f32 = steps.iter().map(|s| s.reward).sum();
+    let success = steps.iter().any(|s| s.info.success);
+    let first = steps.first().cloned().unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "=== trajectory {} | group {} | {} | seed {} | policy v{} | {} steps | return {ret:.3} | {} ===",
+        traj.traj_id,
+        traj.group_id,
+        first.env_tag,
+        first.seed,
+        first.policy_version,
+        steps.len(),
+        if success { "success" } else { "no success" }
+    );
+    for step in &steps {
+        let _ = writeln!(
+            out,
+            "--- step {} | reward {:.3} (format penalty {:.3}) | {} | {} actions | tokens: context {}, obs {}, response {} ---",
+            step.step_index,
+            step.reward,
+            step.info.format_penalty,
+            flags(&step.info),
+            step.info.num_actions,
+            step.context_len,
+            step.obs_ids.len(),
+            step.response_ids.len()
+        );
+        let _ = writeln!(
+            out,
+            "[observation]\n{}",
+            step.info.observation_text.trim_end()
+        );
+        let _ = writeln!(out, "[action]\n{}", step.info.action_text.trim_end());
+        match (step.terminated, step.truncated) {
+            (true, _) => out.push_str("[end: terminated]\n"),
+            (false, true) => out.push_str("[end: truncated]\n"),
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// One JSONL line (no newline) for a step; see the module documentation for the fields.
+pub fn jsonl_line(record: &StepRecord) -> Result<String, serde_json::Error> {
+    serde_json::to_string(record)
+}
+
+/// Mean, standard deviation (population), minimum and maximum of a sample.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Summary {
+    pub mean: f64,
+    pub std: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Summary {
+    fn of(values: &[f64]) -> Self {
+        if values.is_empty() {
+            return Self::default();
+        }
+        let n = values.len() as f64;
+        let mean = values.iter().sum::<f64>() / n;
+        let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+        Self {
+            mean,
+            std: var.sqrt(),
+            min: values.iter().copied().fold(f64::INFINITY, f64::min),
+            max: values.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        }
+    }
+}
+
+/// Statistics over a set of trajectories.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Stats {
+    pub trajectories: usize,
+    pub steps: usize,
+    /// Fraction of trajectories with a successful step.
+    pub success_rate: f64,
+    /// Per-trajectory return (sum of step rewards).
+    pub return_stats: Summary,
+    /// Per-step reward.
+    pub reward: Summary,
+    pub steps_per_trajectory: Summary,
+    /// Fraction of steps whose actions were all valid.
+    pub valid_action_rate: f64,
+}
+
+/// `replay --stats`: overall statistics, the same per env tag, and the number of problems.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DatasetStats {
+    #[serde(flatten)]
+    pub overall: Stats,
+    pub per_env: BTreeMap<String, Stats>,
+    pub problems: usize,
+}
+
+#[derive(Default)]
+struct Accumulator {
+    returns: Vec<f64>,
+    rewards: Vec<f64>,
+    lengths: Vec<f64>,
+    successes: usize,
+    valid_steps: usize,
+}
+
+impl Accumulator {
+    fn add(&mut self, steps: &[StepRecord]) {
+        self.returns
+            .push(steps.iter().map(|s| s.reward as f64).sum());
+        self.rewards.extend(steps.iter().map(|s| s.reward as f64));
+        self.lengths.push(steps.len() as f64);
+        self.successes += usize::from(steps.iter().any(|s| s.info.success));
+        self.valid_steps += steps.iter().filter(|s| s.info.action_is_valid).count();
+    }
+
+    fn finish(&self) -> Stats {
+        let ratio = |a: usize, b: usize| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        Stats {
+            trajectories: self.returns.len(),
+            steps: self.rewards.len(),
+            success_rate: ratio(self.successes, self.returns.len()),
+            return_stats: Summary::of(&self.returns),
+            reward: Summary::of(&self.rewards),
+            steps_per_trajectory: Summary::of(&self.lengths),
+            valid_action_rate: ratio(self.valid_steps, self.rewards.len()),
+        }
+    }
+}
+
+impl DatasetStats {
+    /// Decodes every trajectory of `dataset` and summarises it.
+    pub fn compute(dataset: &Dataset) -> Result<Self, StoreError> {
+        let mut overall = Accumulator::default();
+        let mut per_env: BTreeMap<String, Accumulator> = BTreeMap::new();
+        for traj in dataset.trajectories() {
+            let steps = decode_trajectory(&traj)?;
+            let tag = steps.first().map(|s| s.env_tag.clone()).unwrap_or_default();
+            overall.add(&steps);
+            per_env.entry(tag).or_default().add(&steps);
+        }
+        Ok(Self {
+            overall: overall.finish(),
+            per_env: per_env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.finish()))
+                .collect(),
+            problems: dataset.problems().len(),
+        })
+    }
+}
+
+fn write_stats_line(f: &mut fmt::Formatter<'_>, name: &str, s: &Stats) -> fmt::Result {
+    writeln!(
+        f,
+        "{name:<16} {:>6} {:>7} {:>8.3} {:>8.3} ± {:<7.3} {:>7.2} [{}..{}] {:>6.3}",
+        s.trajectories,
+        s.steps,
+        s.success_rate,
+        s.return_stats.mean,
+        s.return_stats.std,
+        s.steps_per_trajectory.mean,
+        s.steps_per_trajectory.min,
+        s.steps_per_trajectory.max,
+        s.valid_action_rate
+    )
+}
+
+impl fmt::Display for DatasetStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{:<16} {:>6} {:>7} {:>8} {:>18} {:>16} {:>6}",
+            "env", "trajs", "steps", "success", "return mean ± std", "steps/traj", "valid"
+        )?;
+        for (tag, stats) in &self.per_env {
+            write_stats_line(f, tag, stats)?;
+        }
+        write_stats_line(f, "all", &self.overall)?;
+        let r = &self.overall.reward;
+        writeln!(f, "step reward: mean {:.4}, std {:.4}", r.mean, r.std)?;
+        writeln!(f, "problems: {}", self.problems)
+    }
+}

@@ -1,0 +1,113 @@
+//! `stepppo replay` and `stepppo dataset verify|repair` on a dataset written through the library.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use stepppo::store::{DatasetWriter, StepInfo, StepRecord, WriterOptions};
+
+fn stepppo(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_stepppo"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// Two trajectories: traj 0 succeeds in two steps, traj 1 fails in one.
+fn records() -> Vec<StepRecord> {
+    let step = |traj_id, step_index, reward, success, last| StepRecord {
+        traj_id,
+        group_id: 4,
+        step_index,
+        env_tag: "frozen_lake".into(),
+        seed: 11,
+        context_len: step_index * 6,
+        obs_ids: vec![1, 2, 3, 4],
+        response_ids: vec![5, 6],
+        response_logprobs: vec![0.0, 0.0],
+        reward,
+        terminated: last,
+        info: StepInfo {
+            success,
+            action_is_valid: true,
+            observation_text: format!("obs {traj_id}/{step_index}"),
+            action_text: format!("<answer>Down</answer> {traj_id}/{step_index}"),
+            ..StepInfo::default()
+        },
+        ..StepRecord::default()
+    };
+    vec![
+        step(0, 0, 0.0, false, false),
+        step(0, 1, 1.0, true, true),
+        step(1, 0, 0.0, false, true),
+    ]
+}
+
+fn write(dir: &Path) {
+    let mut writer = DatasetWriter::create(dir, WriterOptions::default()).unwrap();
+    records().iter().for_each(|r| {
+        writer.append(r).unwrap();
+    });
+    writer.seal().unwrap();
+}
+
+#[test]
+fn replay_prints_transcripts_jsonl_and_stats() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path());
+    let path = dir.path().to_str().unwrap();
+
+    let text = stepppo(&["replay", path, "--traj", "0"]);
+    assert!(text.status.success());
+    let text = stdout(&text);
+    assert!(
+        text.contains("trajectory 0")
+            && text.contains("obs 0/1")
+            && text.contains("[end: terminated]"),
+        "{text}"
+    );
+    assert!(!text.contains("obs 1/0"));
+
+    let jsonl = stdout(&stepppo(&["replay", path, "--format", "jsonl"]));
+    let parsed: Vec<StepRecord> = jsonl
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(parsed, records());
+
+    let stats = stepppo(&["replay", path, "--stats", "--json"]);
+    let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert_eq!(stats["trajectories"], 2);
+    assert_eq!(stats["steps"], 3);
+    assert_eq!(stats["success_rate"], 0.5);
+    assert_eq!(stats["per_env"]["frozen_lake"]["trajectories"], 2);
+    assert!(stdout(&stepppo(&["replay", path, "--stats"])).contains("frozen_lake"));
+}
+
+#[test]
+fn verify_fails_on_damage_naming_file_and_offset_and_repair_fixes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path());
+    let path = dir.path().to_str().unwrap();
+    assert!(stepppo(&["dataset", "verify", path]).status.success());
+
+    let seg = dir.path().join("seg-000000.stp");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    bytes[40] ^= 1; // inside the first record
+    std::fs::write(&seg, bytes).unwrap();
+    let verify = stepppo(&["dataset", "verify", path]);
+    assert!(!verify.status.success());
+    let listed = stdout(&verify);
+    assert!(
+        listed.contains("seg-000000.stp at byte 16: corrupt record"),
+        "{listed}"
+    );
+
+    assert!(stepppo(&["dataset", "repair", path]).status.success());
+    assert!(stepppo(&["dataset", "verify", path]).status.success());
+    let jsonl = stdout(&stepppo(&["replay", path, "--format", "jsonl"]));
+    assert_eq!(jsonl.lines().count(), 2);
+}
