@@ -1,13 +1,146 @@
-//! `stepppo env list | play`.
+//! `stepppo env list | play | synth-hotpotqa`: list the registered environments, play them with
+//! a model-free agent (or a person on stdin), and regenerate the synthetic HotpotQA fixture.
 
-use clap::Subcommand;
+use std::io::{BufRead, Write};
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+use serde_json::{json, Map, Value};
+
+use stepppo::env::{self, hotpotqa, Agent, AgentKind, AgentSession, Episode};
 
 #[derive(Subcommand, Debug)]
 pub enum EnvCommand {
     /// List registered environments.
     List,
+    /// Play episodes with a model-free agent (random, oracle) or from stdin.
+    Play(PlayArgs),
+    /// Write the synthetic HotpotQA records (official JSON schema).
+    SynthHotpotqa(SynthArgs),
 }
 
-pub fn run(_cmd: EnvCommand) -> anyhow::Result<()> {
-    anyhow::bail!("`stepppo env` is not built yet (issue 2)")
+#[derive(Args, Debug)]
+pub struct PlayArgs {
+    /// Environment name (see `stepppo env list`).
+    env: String,
+    /// random | oracle | stdin.
+    #[arg(long, default_value = "random")]
+    agent: String,
+    /// Seed of the first episode; episode i uses seed + i.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, default_value_t = 1)]
+    episodes: u64,
+    /// Env or protocol setting; the value is read as JSON when it parses, else as a string.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// One JSON object per episode instead of a transcript.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct SynthArgs {
+    #[arg(long, default_value_t = hotpotqa::synthetic::FIXTURE_RECORDS)]
+    records: usize,
+    #[arg(long, default_value_t = hotpotqa::synthetic::FIXTURE_SEED)]
+    seed: u64,
+    #[arg(long, default_value = "data/hotpotqa/synthetic_dev.json")]
+    out: String,
+}
+
+pub fn run(cmd: EnvCommand) -> anyhow::Result<()> {
+    match cmd {
+        EnvCommand::List => {
+            for name in env::registry() {
+                println!("{name}");
+            }
+            Ok(())
+        }
+        EnvCommand::Play(args) => play(args),
+        EnvCommand::SynthHotpotqa(args) => {
+            let records = hotpotqa::synthetic::synthetic_records(args.records, args.seed);
+            std::fs::write(&args.out, hotpotqa::data::to_json(&records))
+                .with_context(|| format!("writing {}", args.out))?;
+            eprintln!("wrote {} records to {}", records.len(), args.out);
+            Ok(())
+        }
+    }
+}
+
+fn config_from_sets(sets: &[String]) -> anyhow::Result<Value> {
+    let mut map = Map::new();
+    for pair in sets {
+        let Some((key, value)) = env::parse_set(pair) else {
+            bail!("--set `{pair}`: expected KEY=VALUE");
+        };
+        map.insert(key, value);
+    }
+    Ok(Value::Object(map))
+}
+
+fn play(args: PlayArgs) -> anyhow::Result<()> {
+    let config = config_from_sets(&args.set)?;
+    let mut session = env::build_session(&args.env, &config)?;
+    let mut successes = 0u64;
+    for episode in 0..args.episodes {
+        let seed = args.seed.wrapping_add(episode);
+        let played = match args.agent.as_str() {
+            "stdin" => env::play_episode(&mut session, seed, &mut stdin_response),
+            name => {
+                let kind: AgentKind = name.parse().map_err(anyhow::Error::msg)?;
+                let mut agent = Agent::new(kind, stepppo::seed::derive(seed, &[0xA6E7]));
+                env::play_episode(&mut session, seed, &mut |s| agent.respond(s))
+            }
+        };
+        successes += u64::from(played.success());
+        if args.json {
+            println!("{}", episode_json(&played));
+        } else {
+            print!("{}", played.transcript());
+        }
+    }
+    if !args.json {
+        println!(
+            "success rate {:.3} over {} episodes",
+            successes as f64 / args.episodes.max(1) as f64,
+            args.episodes
+        );
+    }
+    Ok(())
+}
+
+fn episode_json(episode: &Episode) -> Value {
+    let metrics: Map<String, Value> = episode
+        .turns
+        .last()
+        .map(|t| t.outcome.metrics.as_slice())
+        .unwrap_or_default()
+        .iter()
+        .map(|(name, value)| (name.to_string(), json!(value)))
+        .collect();
+    json!({
+        "env": episode.env,
+        "seed": episode.seed,
+        "success": episode.success(),
+        "reward": episode.reward(),
+        "steps": episode.steps(),
+        "turns": episode.turns.len(),
+        "invalid_turns": episode.turns.iter().filter(|t| !t.outcome.info.action_is_valid).count(),
+        "metrics": metrics,
+    })
+}
+
+/// Shows the current prompt and reads one line: a bare action (wrapped in `<answer>`) or tagged text.
+fn stdin_response(session: &AgentSession) -> String {
+    print!("{}> ", session.window_user_message(0));
+    let _ = std::io::stdout().flush();
+    let mut line = String::new();
+    let _ = std::io::stdin().lock().read_line(&mut line);
+    let line = line.trim();
+    if line.contains('<') {
+        line.to_string()
+    } else {
+        format!("<answer>{line}</answer>")
+    }
 }

@@ -1,1 +1,329 @@
 //! Environments and the agent text protocol (issue 2).
+//!
+//! This module owns the [`Env`] trait (reset by seed, step by a parsed [`Action`], text
+//! observations), the registry that builds an env plus its [`ProtocolConfig`] from a JSON config
+//! (defaults merged with overrides, unknown keys rejected by name), the four envs
+//! (`frozen_lake`, `sokoban`, `bandit`, `hotpotqa`), the agent text protocol ([`AgentSession`]:
+//! prompts, parsing of model text, format penalty) and the model-free agents ([`Agent`]).
+//! It does not tokenize, generate or store anything: rollout and store consume its text.
+//!
+//! Every env owns its RNG, seeded only from the `reset` seed through [`crate::seed`], so two
+//! envs built from the same config and reset with the same seed produce identical episodes on
+//! any thread.
+
+mod agents;
+mod bandit;
+mod frozen_lake;
+pub mod hotpotqa;
+mod protocol;
+pub mod sokoban;
+
+use serde::{de::DeserializeOwned, Serialize};
+use serde_json::{Map, Value};
+
+pub use agents::{play_episode, response_text, Agent, AgentKind, Episode, TurnLog};
+pub use bandit::{BanditConfig, BanditEnv};
+pub use frozen_lake::{FrozenLakeConfig, FrozenLakeEnv};
+pub use hotpotqa::{HotpotQaConfig, HotpotQaEnv};
+pub use protocol::{AgentSession, ProtocolConfig, TurnOutcome};
+pub use sokoban::{SokobanConfig, SokobanEnv};
+
+/// One parsed agent action.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// A grid move or bandit arm, in the env's canonical spelling.
+    Move(String),
+    /// A search query (QA envs).
+    Search(String),
+    /// A final answer (QA envs).
+    Answer(String),
+}
+
+/// Per-step facts reported by an env.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EnvInfo {
+    /// The episode is solved.
+    pub success: bool,
+    /// The env accepted the action.
+    pub action_is_valid: bool,
+    /// The action changed the env state (e.g. the player moved).
+    pub action_is_effective: bool,
+    /// Env-specific metrics (e.g. `f1` for QA), in a fixed order.
+    pub metrics: Vec<(&'static str, f32)>,
+}
+
+/// Result of one env step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Transition {
+    /// Raw observation after the step (for QA: the `<information>` block or the verdict).
+    pub observation: String,
+    pub reward: f32,
+    /// The episode reached a terminal state.
+    pub terminated: bool,
+    /// The episode was cut by the env's step limit.
+    pub truncated: bool,
+    pub info: EnvInfo,
+}
+
+/// What an agent may say to an env.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ActionSpace {
+    /// `<answer>name</answer>` with one of these names (matched case-insensitively).
+    Named(Vec<String>),
+    /// `<search>query</search>` or `<answer>text</answer>`.
+    SearchOrAnswer,
+}
+
+/// A text environment. See the module doc for the determinism contract.
+pub trait Env: Send {
+    /// Registry name, e.g. `frozen_lake`.
+    fn tag(&self) -> &str;
+    /// Starts a new episode determined only by the config and `seed`; returns the raw state text.
+    fn reset(&mut self, seed: u64) -> String;
+    /// Applies one action. Actions outside the action space are reported as invalid, never panic.
+    fn step(&mut self, action: &Action) -> Transition;
+    /// Task instruction for the first user message (symbols, actions, goal).
+    fn instruction(&self) -> String;
+    /// Raw current observation (the GiGPO anchor).
+    fn state_text(&self) -> String;
+    /// The actions this env understands.
+    fn action_space(&self) -> ActionSpace;
+    /// Env actions allowed per episode (`usize::MAX` when only the turn limit applies).
+    fn max_steps(&self) -> usize;
+    /// Best next action from the current state (what the oracle agent plays).
+    fn oracle_action(&self) -> Action;
+    /// A uniformly random action (what the random agent plays).
+    fn random_action(&self, rng: &mut rand_chacha::ChaCha8Rng) -> Action;
+}
+
+/// Errors of env construction and data loading.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvError {
+    #[error("unknown environment `{0}` (known: {known})", known = registry().join(", "))]
+    UnknownEnv(String),
+    #[error("env `{env}`: the config must be a JSON object, got `{got}`")]
+    NotAnObject { env: String, got: String },
+    #[error("env `{env}`: unknown config key `{key}` (known: {known})")]
+    UnknownKey {
+        env: String,
+        key: String,
+        known: String,
+    },
+    #[error("env `{env}`: bad value for key `{key}`: {reason}")]
+    BadValue {
+        env: String,
+        key: String,
+        reason: String,
+    },
+    #[error("hotpotqa data `{source_name}`: {reason}")]
+    BadData { source_name: String, reason: String },
+    #[error("hotpotqa data `{source_name}`, record {index}: {reason}")]
+    MalformedRecord {
+        source_name: String,
+        index: usize,
+        reason: String,
+    },
+    #[error("reading `{path}`: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// Names of the registered environments.
+pub fn registry() -> &'static [&'static str] {
+    &["frozen_lake", "sokoban", "bandit", "hotpotqa"]
+}
+
+/// Builds an env and its protocol from `config`: an object whose keys are env keys or protocol
+/// keys (`max_turns`, `max_actions_per_turn`, `enable_think`, `format_penalty`); `null` means
+/// all defaults.
+pub fn build_env(
+    env_name: &str,
+    config: &Value,
+) -> Result<(Box<dyn Env>, ProtocolConfig), EnvError> {
+    let overrides = config_object(env_name, config)?;
+    let (protocol_overrides, env_overrides): (Map<_, _>, Map<_, _>) = overrides
+        .into_iter()
+        .partition(|(k, _)| ProtocolConfig::KEYS.contains(&k.as_str()));
+    let env: Box<dyn Env> = match env_name {
+        "frozen_lake" => Box::new(FrozenLakeEnv::new(merge_config(
+            env_name,
+            FrozenLakeConfig::default(),
+            &env_overrides,
+        )?)?),
+        "sokoban" => Box::new(SokobanEnv::new(merge_config(
+            env_name,
+            SokobanConfig::default(),
+            &env_overrides,
+        )?)?),
+        "bandit" => Box::new(BanditEnv::new(merge_config(
+            env_name,
+            BanditConfig::default(),
+            &env_overrides,
+        )?)?),
+        "hotpotqa" => Box::new(HotpotQaEnv::new(merge_config(
+            env_name,
+            HotpotQaConfig::default(),
+            &env_overrides,
+        )?)?),
+        other => return Err(EnvError::UnknownEnv(other.to_string())),
+    };
+    let protocol = merge_config(
+        env_name,
+        ProtocolConfig::default_for(env_name),
+        &protocol_overrides,
+    )?;
+    protocol.validate(env_name)?;
+    Ok((env, protocol))
+}
+
+/// Builds the agent session (env + text protocol) for `env_name` from `config`.
+pub fn build_session(env_name: &str, config: &Value) -> Result<AgentSession, EnvError> {
+    let (env, protocol) = build_env(env_name, config)?;
+    Ok(AgentSession::new(env, protocol))
+}
+
+/// Parses a `--set key=value` pair: the value is JSON when it parses (numbers, booleans,
+/// quoted strings), else a plain string.
+pub fn parse_set(pair: &str) -> Option<(String, Value)> {
+    let (key, raw) = pair.split_once('=')?;
+    let key = key.trim();
+    if key.is_empty() {
+        return None;
+    }
+    let value = serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string()));
+    Some((key.to_string(), value))
+}
+
+/// Stable 64-bit FNV-1a hash of bytes (not std's randomized hasher): identical across runs.
+pub fn stable_hash(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// A fresh RNG owned by one env, determined by `seed` and a purpose tag.
+pub(crate) fn env_rng(seed: u64, purpose: u64) -> rand_chacha::ChaCha8Rng {
+    use rand::SeedableRng;
+    rand_chacha::ChaCha8Rng::seed_from_u64(crate::seed::derive(seed, &[purpose]))
+}
+
+/// All keys an env accepts (its own and the protocol's), for error messages.
+fn known_keys(env_keys: &Map<String, Value>) -> String {
+    let mut keys: Vec<&str> = env_keys.keys().map(String::as_str).collect();
+    keys.extend(ProtocolConfig::KEYS);
+    keys.join(", ")
+}
+
+fn config_object(env_name: &str, config: &Value) -> Result<Map<String, Value>, EnvError> {
+    match config {
+        Value::Null => Ok(Map::new()),
+        Value::Object(map) => Ok(map.clone()),
+        other => Err(EnvError::NotAnObject {
+            env: env_name.to_string(),
+            got: other.to_string(),
+        }),
+    }
+}
+
+/// Merges `overrides` over the serialized `defaults`; each override is type-checked on its own
+/// so that an error names the offending key.
+fn merge_config<T: Serialize + DeserializeOwned>(
+    env_name: &str,
+    defaults: T,
+    overrides: &Map<String, Value>,
+) -> Result<T, EnvError> {
+    let base = match serde_json::to_value(&defaults) {
+        Ok(Value::Object(map)) => map,
+        _ => unreachable!("env configs serialize to JSON objects"),
+    };
+    let bad_value = |key: &str, reason: String| EnvError::BadValue {
+        env: env_name.to_string(),
+        key: key.to_string(),
+        reason,
+    };
+    for (key, value) in overrides {
+        if !base.contains_key(key) {
+            return Err(EnvError::UnknownKey {
+                env: env_name.to_string(),
+                key: key.clone(),
+                known: known_keys(&base),
+            });
+        }
+        let mut trial = base.clone();
+        trial.insert(key.clone(), value.clone());
+        serde_json::from_value::<T>(Value::Object(trial))
+            .map_err(|e| bad_value(key, e.to_string()))?;
+    }
+    let mut merged = base;
+    merged.extend(overrides.clone());
+    serde_json::from_value(Value::Object(merged)).map_err(|e| bad_value("(combined)", e.to_string()))
+}
+
+/// Shorthand for a [`EnvError::BadValue`] raised by an env's semantic validation.
+pub(crate) fn bad_value(env: &str, key: &str, reason: impl Into<String>) -> EnvError {
+    EnvError::BadValue {
+        env: env.to_string(),
+        key: key.to_string(),
+        reason: reason.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn registry_builds_every_env_with_defaults() {
+        for name in registry() {
+            let session = build_session(name, &Value::Null).unwrap();
+            assert_eq!(session.env().tag(), *name);
+        }
+    }
+
+    #[test]
+    fn unknown_env_and_key_are_named() {
+        let err = build_session("chess", &Value::Null).err().unwrap().to_string();
+        assert!(err.contains("chess"), "{err}");
+        let err = build_session("frozen_lake", &json!({"sizee": 5}))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("sizee") && err.contains("frozen_lake"), "{err}");
+        let err = build_session("sokoban", &json!({"num_boxes": "two"}))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("num_boxes"), "{err}");
+        let err = build_session("bandit", &json!([1])).err().unwrap().to_string();
+        assert!(err.contains("JSON object"), "{err}");
+    }
+
+    #[test]
+    fn overrides_reach_env_and_protocol() {
+        let session =
+            build_session("frozen_lake", &json!({"size": 6, "max_turns": 3, "enable_think": true}))
+                .unwrap();
+        assert_eq!(session.protocol().max_turns, 3);
+        assert!(session.protocol().enable_think);
+        let mut session = session;
+        let first = session.reset(1);
+        assert!(first.contains("______") || first.lines().any(|l| l.chars().count() == 6));
+    }
+
+    #[test]
+    fn parse_set_reads_json_or_string() {
+        assert_eq!(parse_set("is_slippery=false"), Some(("is_slippery".into(), json!(false))));
+        assert_eq!(parse_set("p=0.5"), Some(("p".into(), json!(0.5))));
+        assert_eq!(parse_set("name=dragon"), Some(("name".into(), json!("dragon"))));
+        assert_eq!(parse_set("novalue"), None);
+    }
+
+    #[test]
+    fn stable_hash_is_fnv1a() {
+        assert_eq!(stable_hash(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(stable_hash(b"a"), 0xaf63_dc4c_8601_ec8c);
+    }
+}

@@ -1,0 +1,161 @@
+//! Model-free agents and the episode loop. Agents answer with response *text* (e.g.
+//! `<answer>Left</answer>`, `<search>q</search>`) that goes through the same
+//! [`AgentSession::act`] parser as model output. `random` plays a uniform action; `oracle` plays
+//! the env's best action (FrozenLake: BFS on the non-slippery map; Sokoban: the BFS solver;
+//! Bandit: the better arm; QA: search the question, then answer the gold answer).
+
+use std::str::FromStr;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use super::{Action, AgentSession, TurnOutcome};
+
+/// Which model-free policy to play.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AgentKind {
+    Random,
+    Oracle,
+}
+
+impl FromStr for AgentKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "random" => Ok(AgentKind::Random),
+            "oracle" => Ok(AgentKind::Oracle),
+            other => Err(format!("unknown agent `{other}` (known: random, oracle)")),
+        }
+    }
+}
+
+/// A model-free agent with its own RNG.
+pub struct Agent {
+    kind: AgentKind,
+    rng: ChaCha8Rng,
+}
+
+impl Agent {
+    pub fn new(kind: AgentKind, seed: u64) -> Self {
+        Agent {
+            kind,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+        }
+    }
+
+    /// The response text for the session's current turn.
+    pub fn respond(&mut self, session: &AgentSession) -> String {
+        let action = match self.kind {
+            AgentKind::Oracle => session.env().oracle_action(),
+            AgentKind::Random => session.env().random_action(&mut self.rng),
+        };
+        response_text(&action, session.protocol().enable_think)
+    }
+}
+
+/// The tagged text that expresses `action`.
+pub fn response_text(action: &Action, enable_think: bool) -> String {
+    let think = if enable_think {
+        "<think>Choose the next action.</think>"
+    } else {
+        ""
+    };
+    match action {
+        Action::Move(text) | Action::Answer(text) => format!("{think}<answer>{text}</answer>"),
+        Action::Search(query) => format!("{think}<search>{query}</search>"),
+    }
+}
+
+/// One turn of a played episode.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TurnLog {
+    pub user_message: String,
+    pub response: String,
+    pub outcome: TurnOutcome,
+}
+
+/// A played episode.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Episode {
+    pub env: String,
+    pub seed: u64,
+    pub system_prompt: String,
+    pub turns: Vec<TurnLog>,
+}
+
+impl Episode {
+    /// Whether the last turn ended in success.
+    pub fn success(&self) -> bool {
+        self.turns.last().is_some_and(|t| t.outcome.info.success)
+    }
+
+    /// Sum of turn rewards.
+    pub fn reward(&self) -> f32 {
+        self.turns.iter().map(|t| t.outcome.reward).sum()
+    }
+
+    /// Env actions executed.
+    pub fn steps(&self) -> usize {
+        self.turns
+            .iter()
+            .map(|t| t.outcome.info.num_actions as usize)
+            .sum()
+    }
+
+    /// Human-readable transcript: observation, action and reward per turn.
+    pub fn transcript(&self) -> String {
+        let mut text = format!("=== {} seed {} ===\n[system]\n{}\n", self.env, self.seed, self.system_prompt);
+        for (i, turn) in self.turns.iter().enumerate() {
+            let o = &turn.outcome;
+            text.push_str(&format!(
+                "[user {}]\n{}[assistant]\n{}\n[reward {} | valid {} | effective {} | terminated {} | truncated {}]\n",
+                i + 1,
+                turn.user_message,
+                turn.response,
+                o.reward,
+                o.info.action_is_valid,
+                o.info.action_is_effective,
+                o.terminated,
+                o.truncated
+            ));
+        }
+        text.push_str(&format!(
+            "=== success {} | reward {} | steps {} ===\n",
+            self.success(),
+            self.reward(),
+            self.steps()
+        ));
+        text
+    }
+}
+
+/// Plays one episode: `respond` writes the response text for each turn.
+pub fn play_episode(
+    session: &mut AgentSession,
+    seed: u64,
+    respond: &mut dyn FnMut(&AgentSession) -> String,
+) -> Episode {
+    let mut user_message = session.reset(seed);
+    let mut turns = Vec::new();
+    loop {
+        let response = respond(session);
+        let outcome = session.act(&response);
+        let next = outcome.next_user_message.clone();
+        turns.push(TurnLog {
+            user_message,
+            response,
+            outcome,
+        });
+        match next {
+            Some(message) => user_message = message,
+            None => break,
+        }
+    }
+    Episode {
+        env: session.env().tag().to_string(),
+        seed,
+        system_prompt: session.system_prompt(),
+        turns,
+    }
+}

@@ -1,0 +1,411 @@
+//! FrozenLake: a random square map of frozen cells and holes with a guaranteed start→goal
+//! path, gymnasium dynamics (optionally slippery) and RAGEN's text render.
+//!
+//! Generator (RAGEN `frozen_lake/utils.py`): each cell is frozen with probability `p` (the
+//! probability of *frozen*, as the code does; its docstring says hole), start and goal are drawn
+//! uniformly, and the map is accepted when start ≠ goal and a 4-neighbour path exists.
+//! Render: rows joined by `\n`, no separators; `P` player, `_` frozen, `O` hole, `G` goal, `X`
+//! player in a hole, `√` player on the goal. Reward 1 on the goal, else 0; the episode terminates
+//! on G or H and is truncated after `max_steps` actions.
+//!
+//! Differences from RAGEN / ROLL:
+//! - `is_slippery` defaults to true (RAGEN's `FrozenLakeEnvConfig`); ROLL's `traj_envs.yaml` sets
+//!   it false. Slippery moves go the intended way with `success_rate` (default 1/3) and each
+//!   perpendicular way with (1 − success_rate)/2 (gymnasium).
+//! - A map is accepted only when its shortest start→goal path fits in `max_steps` moves, so every
+//!   episode is solvable within the action cap (neither reference checks this).
+//! - Action names are `Left, Down, Right, Up` without numeric ids; invalid text never reaches the
+//!   env (see the protocol). The RNG is owned and seeded from the reset seed only.
+
+use std::collections::VecDeque;
+
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use super::{bad_value, env_rng, Action, ActionSpace, Env, EnvError, EnvInfo, Transition};
+
+const ACTIONS: [&str; 4] = ["Left", "Down", "Right", "Up"];
+/// Row/column offsets of Left, Down, Right, Up (gymnasium order 0..3).
+const OFFSETS: [(isize, isize); 4] = [(0, -1), (1, 0), (0, 1), (-1, 0)];
+
+/// FrozenLake settings (`--set key=value`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FrozenLakeConfig {
+    /// Side of the square map.
+    pub size: usize,
+    /// Probability that a cell is frozen (not a hole).
+    pub p: f64,
+    /// Slippery ice (RAGEN default true; ROLL configs use false).
+    pub is_slippery: bool,
+    /// Probability that a slippery move goes the intended way.
+    pub success_rate: f64,
+    /// Env actions per episode.
+    pub max_steps: usize,
+}
+
+impl Default for FrozenLakeConfig {
+    fn default() -> Self {
+        FrozenLakeConfig {
+            size: 4,
+            p: 0.8,
+            is_slippery: true,
+            success_rate: 1.0 / 3.0,
+            max_steps: 10,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cell {
+    Frozen,
+    Hole,
+    Goal,
+}
+
+/// The FrozenLake env.
+pub struct FrozenLakeEnv {
+    cfg: FrozenLakeConfig,
+    cells: Vec<Cell>,
+    player: usize,
+    steps: usize,
+    finished: bool,
+    rng: ChaCha8Rng,
+}
+
+impl FrozenLakeEnv {
+    pub fn new(cfg: FrozenLakeConfig) -> Result<Self, EnvError> {
+        let env = "frozen_lake";
+        if !(2..=64).contains(&cfg.size) {
+            return Err(bad_value(env, "size", "must be in 2..=64"));
+        }
+        if !(cfg.p > 0.0 && cfg.p <= 1.0) {
+            return Err(bad_value(env, "p", "must be in (0, 1]"));
+        }
+        if !(0.0..=1.0).contains(&cfg.success_rate) {
+            return Err(bad_value(env, "success_rate", "must be in [0, 1]"));
+        }
+        if cfg.max_steps == 0 {
+            return Err(bad_value(env, "max_steps", "must be at least 1"));
+        }
+        let mut lake = FrozenLakeEnv {
+            cells: vec![Cell::Frozen; cfg.size * cfg.size],
+            cfg,
+            player: 0,
+            steps: 0,
+            finished: false,
+            rng: env_rng(0, 0),
+        };
+        lake.reset(0);
+        Ok(lake)
+    }
+
+    /// Side of the map.
+    pub fn size(&self) -> usize {
+        self.cfg.size
+    }
+
+    /// Shortest start→goal move sequence on the non-slippery map, from the current position.
+    pub fn shortest_path(&self) -> Option<Vec<usize>> {
+        shortest_path(&self.cells, self.cfg.size, self.player)
+    }
+
+    fn generate(&mut self, seed: u64) {
+        let mut rng = env_rng(seed, 1);
+        let n = self.cfg.size * self.cfg.size;
+        loop {
+            let mut cells: Vec<Cell> = (0..n)
+                .map(|_| {
+                    if rng.random::<f64>() < self.cfg.p {
+                        Cell::Frozen
+                    } else {
+                        Cell::Hole
+                    }
+                })
+                .collect();
+            let start = rng.random_range(0..n);
+            let goal = rng.random_range(0..n);
+            if start == goal {
+                continue;
+            }
+            cells[start] = Cell::Frozen;
+            cells[goal] = Cell::Goal;
+            let fits = shortest_path(&cells, self.cfg.size, start)
+                .is_some_and(|path| path.len() <= self.cfg.max_steps);
+            if fits {
+                self.cells = cells;
+                self.player = start;
+                return;
+            }
+        }
+    }
+
+    /// The direction actually taken for an intended one (slippery dynamics).
+    fn executed_direction(&mut self, intended: usize) -> usize {
+        if !self.cfg.is_slippery {
+            return intended;
+        }
+        let u: f64 = self.rng.random();
+        let side = (1.0 - self.cfg.success_rate) / 2.0;
+        if u < self.cfg.success_rate {
+            intended
+        } else if u < self.cfg.success_rate + side {
+            (intended + 3) % 4
+        } else {
+            (intended + 1) % 4
+        }
+    }
+
+    fn invalid(&self) -> Transition {
+        Transition {
+            observation: self.state_text(),
+            reward: 0.0,
+            terminated: self.finished,
+            truncated: false,
+            info: EnvInfo {
+                success: self.cells[self.player] == Cell::Goal,
+                ..EnvInfo::default()
+            },
+        }
+    }
+}
+
+/// Cell reached from `pos` by direction `dir`; moving off the grid stays in place.
+fn neighbour(size: usize, pos: usize, dir: usize) -> usize {
+    let (row, col) = ((pos / size) as isize, (pos % size) as isize);
+    let (dr, dc) = OFFSETS[dir];
+    let (r, c) = (row + dr, col + dc);
+    if r < 0 || c < 0 || r >= size as isize || c >= size as isize {
+        pos
+    } else {
+        r as usize * size + c as usize
+    }
+}
+
+/// BFS over non-hole cells; the directions of a shortest path from `start` to the goal.
+fn shortest_path(cells: &[Cell], size: usize, start: usize) -> Option<Vec<usize>> {
+    let mut parent: Vec<Option<(usize, usize)>> = vec![None; cells.len()];
+    let mut seen = vec![false; cells.len()];
+    let mut queue = VecDeque::from([start]);
+    seen[start] = true;
+    while let Some(pos) = queue.pop_front() {
+        if cells[pos] == Cell::Goal {
+            let mut path = Vec::new();
+            let mut at = pos;
+            while let Some((prev, dir)) = parent[at] {
+                path.push(dir);
+                at = prev;
+            }
+            path.reverse();
+            return Some(path);
+        }
+        if cells[pos] == Cell::Hole {
+            continue;
+        }
+        for dir in 0..4 {
+            let next = neighbour(size, pos, dir);
+            if !seen[next] && cells[next] != Cell::Hole {
+                seen[next] = true;
+                parent[next] = Some((pos, dir));
+                queue.push_back(next);
+            }
+        }
+    }
+    None
+}
+
+impl Env for FrozenLakeEnv {
+    fn tag(&self) -> &str {
+        "frozen_lake"
+    }
+
+    fn reset(&mut self, seed: u64) -> String {
+        self.generate(seed);
+        self.rng = env_rng(seed, 2);
+        self.steps = 0;
+        self.finished = false;
+        self.state_text()
+    }
+
+    fn step(&mut self, action: &Action) -> Transition {
+        let intended = match action {
+            Action::Move(name) => ACTIONS.iter().position(|a| a.eq_ignore_ascii_case(name)),
+            _ => None,
+        };
+        let Some(intended) = intended.filter(|_| !self.finished) else {
+            return self.invalid();
+        };
+        let dir = self.executed_direction(intended);
+        let before = self.player;
+        self.player = neighbour(self.cfg.size, self.player, dir);
+        self.steps += 1;
+        let cell = self.cells[self.player];
+        let terminated = cell != Cell::Frozen;
+        self.finished = terminated || self.steps >= self.cfg.max_steps;
+        Transition {
+            observation: self.state_text(),
+            reward: if cell == Cell::Goal { 1.0 } else { 0.0 },
+            terminated,
+            truncated: !terminated && self.steps >= self.cfg.max_steps,
+            info: EnvInfo {
+                success: cell == Cell::Goal,
+                action_is_valid: true,
+                action_is_effective: before != self.player,
+                metrics: Vec::new(),
+            },
+        }
+    }
+
+    fn instruction(&self) -> String {
+        let slip = if self.cfg.is_slippery {
+            " The ice is slippery: a move may go sideways."
+        } else {
+            ""
+        };
+        format!(
+            "FrozenLake: walk from P to the goal G without stepping into a hole O.{slip}\nSymbols: P player, _ ice, O hole, G goal, X player in a hole, √ player on the goal."
+        )
+    }
+
+    fn state_text(&self) -> String {
+        let size = self.cfg.size;
+        let rows: Vec<String> = self
+            .cells
+            .chunks(size)
+            .enumerate()
+            .map(|(r, row)| {
+                row.iter()
+                    .enumerate()
+                    .map(|(c, &cell)| match (r * size + c == self.player, cell) {
+                        (true, Cell::Hole) => 'X',
+                        (true, Cell::Goal) => '√',
+                        (true, Cell::Frozen) => 'P',
+                        (false, Cell::Hole) => 'O',
+                        (false, Cell::Goal) => 'G',
+                        (false, Cell::Frozen) => '_',
+                    })
+                    .collect()
+            })
+            .collect();
+        rows.join("\n")
+    }
+
+    fn action_space(&self) -> ActionSpace {
+        ActionSpace::Named(ACTIONS.iter().map(|s| s.to_string()).collect())
+    }
+
+    fn max_steps(&self) -> usize {
+        self.cfg.max_steps
+    }
+
+    fn oracle_action(&self) -> Action {
+        let dir = self
+            .shortest_path()
+            .and_then(|path| path.first().copied())
+            .unwrap_or(0);
+        Action::Move(ACTIONS[dir].to_string())
+    }
+
+    fn random_action(&self, rng: &mut ChaCha8Rng) -> Action {
+        Action::Move(ACTIONS[rng.random_range(0..4)].to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lake(overrides: FrozenLakeConfig) -> FrozenLakeEnv {
+        FrozenLakeEnv::new(overrides).unwrap()
+    }
+
+    #[test]
+    fn render_uses_ragen_symbols() {
+        let mut env = lake(FrozenLakeConfig::default());
+        let text = env.reset(3);
+        let rows: Vec<&str> = text.split('\n').collect();
+        assert_eq!(rows.len(), 4);
+        assert!(rows.iter().all(|r| r.chars().count() == 4));
+        assert_eq!(text.matches('P').count(), 1);
+        assert_eq!(text.matches('G').count(), 1);
+        assert!(text.chars().all(|c| "P_OG\n".contains(c)));
+    }
+
+    #[test]
+    fn generated_maps_have_a_short_enough_path() {
+        let mut env = lake(FrozenLakeConfig {
+            size: 6,
+            p: 0.6,
+            ..FrozenLakeConfig::default()
+        });
+        for seed in 0..200 {
+            env.reset(seed);
+            let path = env.shortest_path().expect("path exists");
+            assert!(!path.is_empty() && path.len() <= 10);
+        }
+    }
+
+    #[test]
+    fn slippery_moves_match_the_spec_statistically() {
+        let mut env = lake(FrozenLakeConfig {
+            size: 5,
+            ..FrozenLakeConfig::default()
+        });
+        env.cells = vec![Cell::Frozen; 25];
+        env.cells[0] = Cell::Goal;
+        let centre = 12;
+        let trials = 40_000;
+        let mut counts = [0usize; 4]; // intended, left-perpendicular, right-perpendicular, backward
+        for i in 0..trials {
+            let intended = i % 4;
+            env.player = centre;
+            env.finished = false;
+            env.steps = 0;
+            env.step(&Action::Move(ACTIONS[intended].to_string()));
+            let taken = (0..4)
+                .find(|&d| neighbour(5, centre, d) == env.player)
+                .unwrap();
+            counts[(taken + 4 - intended) % 4] += 1;
+        }
+        let freq = |k: usize| counts[k] as f64 / trials as f64;
+        assert!((freq(0) - 1.0 / 3.0).abs() < 0.01, "{counts:?}");
+        assert!((freq(3) - 1.0 / 3.0).abs() < 0.01, "{counts:?}");
+        assert!((freq(1) - 1.0 / 3.0).abs() < 0.01, "{counts:?}");
+        assert_eq!(counts[2], 0, "never moves backwards");
+    }
+
+    #[test]
+    fn non_slippery_moves_are_exact_and_walls_block() {
+        let mut env = lake(FrozenLakeConfig {
+            is_slippery: false,
+            ..FrozenLakeConfig::default()
+        });
+        env.reset(0);
+        env.cells = vec![Cell::Frozen; 16];
+        env.cells[15] = Cell::Goal;
+        env.player = 0;
+        let t = env.step(&Action::Move("Up".into()));
+        assert!(!t.info.action_is_effective && env.player == 0);
+        let t = env.step(&Action::Move("Right".into()));
+        assert!(t.info.action_is_effective && env.player == 1);
+        let t = env.step(&Action::Move("Jump".into()));
+        assert!(!t.info.action_is_valid && env.player == 1);
+    }
+
+    #[test]
+    fn falling_in_a_hole_terminates_without_success() {
+        let mut env = lake(FrozenLakeConfig {
+            is_slippery: false,
+            ..FrozenLakeConfig::default()
+        });
+        env.reset(0);
+        env.cells = vec![Cell::Frozen; 16];
+        env.cells[1] = Cell::Hole;
+        env.cells[15] = Cell::Goal;
+        env.player = 0;
+        let t = env.step(&Action::Move("Right".into()));
+        assert!(t.terminated && !t.info.success && t.reward == 0.0);
+        assert!(t.observation.starts_with("_X"));
+    }
+}

@@ -1,0 +1,126 @@
+//! The official HotpotQA answer metric (`hotpot_evaluate_v1.py`): answer normalization, exact
+//! match and token F1 with the yes/no/noanswer special case.
+
+use std::collections::HashMap;
+
+/// Lower-case, drop ASCII punctuation, replace the words a/an/the with a space, collapse
+/// whitespace (the official `normalize_answer`).
+pub fn normalize_answer(text: &str) -> String {
+    let no_punct: String = text
+        .to_lowercase()
+        .chars()
+        .filter(|c| !c.is_ascii_punctuation())
+        .collect();
+    let no_articles = replace_articles(&no_punct);
+    no_articles.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Replaces every whole word `a`, `an` or `the` (regex `\b(a|an|the)\b`) with a space.
+fn replace_articles(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        if matches!(word.as_str(), "a" | "an" | "the") {
+            out.push(' ');
+        } else {
+            out.push_str(word);
+        }
+        word.clear();
+    };
+    for c in text.chars() {
+        if c.is_alphanumeric() || c == '_' {
+            word.push(c);
+        } else {
+            flush(&mut word, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
+}
+
+/// 1.0 when the normalized prediction equals the normalized gold answer, else 0.0.
+pub fn exact_match(prediction: &str, gold: &str) -> f32 {
+    f32::from(u8::from(normalize_answer(prediction) == normalize_answer(gold)))
+}
+
+/// Token F1 (with precision and recall) after normalization. When either side normalizes to
+/// yes/no/noanswer and the two differ, all three are 0.
+pub fn f1_score(prediction: &str, gold: &str) -> (f32, f32, f32) {
+    let (pred, gold) = (normalize_answer(prediction), normalize_answer(gold));
+    let special = |s: &str| matches!(s, "yes" | "no" | "noanswer");
+    if (special(&pred) || special(&gold)) && pred != gold {
+        return (0.0, 0.0, 0.0);
+    }
+    let pred_tokens: Vec<&str> = pred.split_whitespace().collect();
+    let gold_tokens: Vec<&str> = gold.split_whitespace().collect();
+    let mut gold_counts: HashMap<&str, usize> = HashMap::new();
+    for t in &gold_tokens {
+        *gold_counts.entry(t).or_default() += 1;
+    }
+    let mut same = 0usize;
+    for t in &pred_tokens {
+        if let Some(n) = gold_counts.get_mut(t).filter(|n| **n > 0) {
+            *n -= 1;
+            same += 1;
+        }
+    }
+    if same == 0 {
+        return (0.0, 0.0, 0.0);
+    }
+    let precision = same as f32 / pred_tokens.len() as f32;
+    let recall = same as f32 / gold_tokens.len() as f32;
+    (
+        2.0 * precision * recall / (precision + recall),
+        precision,
+        recall,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalization_follows_the_official_rules() {
+        let table = [
+            ("The Velmora Port", "velmora port"),
+            ("  a   cat,  an apple!  ", "cat apple"),
+            ("Theatre", "theatre"),
+            ("U.S.A.", "usa"),
+            ("don't", "dont"),
+            ("the-the", "thethe"),
+            ("A.", ""),
+            ("Ärzte the Band", "ärzte band"),
+            ("yes.", "yes"),
+            ("tab\there\nnewline", "tab here newline"),
+        ];
+        for (raw, want) in table {
+            assert_eq!(normalize_answer(raw), want, "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn exact_match_and_f1_on_tricky_cases() {
+        // (prediction, gold, em, f1)
+        let table: [(&str, &str, f32, f32); 10] = [
+            ("The Silent Harbor", "silent harbor", 1.0, 1.0),
+            ("Silent Harbor.", "The Silent Harbor", 1.0, 1.0),
+            ("yes", "Yes!", 1.0, 1.0),
+            ("yes", "no", 0.0, 0.0),
+            ("no answer", "noanswer", 0.0, 0.0),
+            ("yes it is", "yes", 0.0, 0.0),
+            ("Velmora", "Velmora Port", 0.0, 2.0 / 3.0),
+            ("port port velmora", "velmora port", 0.0, 0.8),
+            ("", "velmora", 0.0, 0.0),
+            ("  Karo   Zenith ", "karo zenith", 1.0, 1.0),
+        ];
+        for (pred, gold, em, f1) in table {
+            assert_eq!(exact_match(pred, gold), em, "{pred:?} vs {gold:?}");
+            let (got, _, _) = f1_score(pred, gold);
+            assert!((got - f1).abs() < 1e-6, "{pred:?} vs {gold:?}: {got}");
+        }
+        let (_, p, r) = f1_score("velmora", "velmora port");
+        assert_eq!((p, r), (1.0, 0.5));
+    }
+}

@@ -1,0 +1,507 @@
+//! The agent text protocol over one env: the system prompt, the first user message
+//! (instruction + turn 1), the per-turn messages (`Turn k:\nState:\n…\nYou have N actions left.`),
+//! parsing of the model's text (`<think>…</think><answer>…</answer>`, `<search>…</search>` for
+//! QA, several actions split on `||`), the format penalty and the turn/step limits.
+//!
+//! Invalid or unparseable turn (differs from both references, by design): the env is **not**
+//! stepped (state unchanged), the turn counts toward `max_turns`, its reward is
+//! `format_penalty` and `action_is_valid` is false. RAGEN drops invalid actions and charges −0.1
+//! once per turn; ROLL Sokoban turns an invalid action into a no-op step costing −0.1. A turn with
+//! any unknown action name is invalid as a whole; actions beyond `max_actions_per_turn` are
+//! dropped (as RAGEN does). Malformed text never panics.
+
+use serde::{Deserialize, Serialize};
+
+use super::{stable_hash, Action, ActionSpace, Env, EnvError};
+use crate::store::StepInfo;
+
+/// How the agent talks to the env. Lives in the same JSON config as the env keys.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProtocolConfig {
+    /// Turns (model responses) per episode. Defaults: the env's action cap for grid envs
+    /// (10: one action per turn, as ROLL), 1 for bandit, 4 for hotpotqa.
+    pub max_turns: usize,
+    /// Actions executed per turn; extra `||`-separated actions are dropped. RAGEN uses 5, ROLL 1.
+    pub max_actions_per_turn: usize,
+    /// Require `<think>…</think>` before the answer (off by default: the embedded model is tiny).
+    pub enable_think: bool,
+    /// Reward of an invalid or unparseable turn (RAGEN −0.1).
+    pub format_penalty: f32,
+}
+
+impl ProtocolConfig {
+    /// The keys of this config, used to split a combined env config.
+    pub const KEYS: [&'static str; 4] = [
+        "max_turns",
+        "max_actions_per_turn",
+        "enable_think",
+        "format_penalty",
+    ];
+
+    /// Defaults for an env.
+    pub fn default_for(env_name: &str) -> Self {
+        let max_turns = match env_name {
+            "bandit" => 1,
+            "hotpotqa" => 4,
+            _ => 10,
+        };
+        ProtocolConfig {
+            max_turns,
+            max_actions_per_turn: 1,
+            enable_think: false,
+            format_penalty: -0.1,
+        }
+    }
+
+    pub(crate) fn validate(&self, env_name: &str) -> Result<(), EnvError> {
+        if self.max_turns == 0 {
+            return Err(super::bad_value(env_name, "max_turns", "must be at least 1"));
+        }
+        if self.max_actions_per_turn == 0 {
+            return Err(super::bad_value(
+                env_name,
+                "max_actions_per_turn",
+                "must be at least 1",
+            ));
+        }
+        if !self.format_penalty.is_finite() {
+            return Err(super::bad_value(env_name, "format_penalty", "must be finite"));
+        }
+        Ok(())
+    }
+}
+
+/// What one `act` produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TurnOutcome {
+    /// Sum of the executed actions' rewards, or the format penalty for an invalid turn.
+    pub reward: f32,
+    pub terminated: bool,
+    pub truncated: bool,
+    /// The next user message; `None` when the episode is over.
+    pub next_user_message: Option<String>,
+    pub info: StepInfo,
+    /// Env metrics of the last executed action (e.g. `em`, `f1` for QA); empty when none ran.
+    pub metrics: Vec<(&'static str, f32)>,
+}
+
+/// One finished turn, kept for the re-rendered (window) layout.
+#[derive(Clone, Debug)]
+struct Round {
+    state: String,
+    response: String,
+    reward: f32,
+}
+
+/// An env plus the text protocol: what the LLM sees and how its text is parsed.
+pub struct AgentSession {
+    env: Box<dyn Env>,
+    protocol: ProtocolConfig,
+    /// 1-based index of the turn awaiting a response.
+    turn: usize,
+    actions_used: usize,
+    done: bool,
+    /// Raw observation at the start of the current turn.
+    turn_state: String,
+    history: Vec<Round>,
+}
+
+impl AgentSession {
+    pub fn new(env: Box<dyn Env>, protocol: ProtocolConfig) -> Self {
+        AgentSession {
+            env,
+            protocol,
+            turn: 1,
+            actions_used: 0,
+            done: true,
+            turn_state: String::new(),
+            history: Vec::new(),
+        }
+    }
+
+    pub fn env(&self) -> &dyn Env {
+        self.env.as_ref()
+    }
+
+    pub fn protocol(&self) -> &ProtocolConfig {
+        &self.protocol
+    }
+
+    /// Whether the episode is over (also true before the first `reset`).
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// 1-based index of the turn awaiting a response.
+    pub fn turn(&self) -> usize {
+        self.turn
+    }
+
+    /// Env actions executed so far in this episode.
+    pub fn actions_used(&self) -> usize {
+        self.actions_used
+    }
+
+    pub fn system_prompt(&self) -> String {
+        let think = if self.protocol.enable_think {
+            "<think>[your thoughts]</think>"
+        } else {
+            ""
+        };
+        match self.env.action_space() {
+            ActionSpace::Named(_) => format!(
+                "You're a helpful assistant. Always reply {think}<answer>[your answer]</answer> with no extra text."
+            ),
+            ActionSpace::SearchOrAnswer => format!(
+                "You're a helpful assistant. Always reply {think}<search>[query]</search> to search, or {think}<answer>[your answer]</answer> to answer, with no extra text."
+            ),
+        }
+    }
+
+    /// Starts an episode; returns the first user message (instruction + turn 1 state).
+    pub fn reset(&mut self, seed: u64) -> String {
+        self.turn_state = self.env.reset(seed);
+        self.turn = 1;
+        self.actions_used = 0;
+        self.done = false;
+        self.history.clear();
+        format!("{}\n{}", self.instruction(), self.turn_block())
+    }
+
+    /// Parses `response_text`, steps the env (or applies the format penalty), advances the turn.
+    pub fn act(&mut self, response_text: &str) -> TurnOutcome {
+        let observation_text = self.turn_state.clone();
+        if self.done {
+            return TurnOutcome {
+                reward: 0.0,
+                terminated: true,
+                truncated: false,
+                next_user_message: None,
+                info: StepInfo {
+                    observation_text,
+                    action_text: response_text.to_string(),
+                    ..StepInfo::default()
+                },
+                metrics: Vec::new(),
+            };
+        }
+        let parsed = parse_response(
+            response_text,
+            &self.env.action_space(),
+            self.protocol.enable_think,
+            self.protocol.max_actions_per_turn,
+        );
+        let mut info = StepInfo {
+            observation_text,
+            action_text: response_text.to_string(),
+            ..StepInfo::default()
+        };
+        let mut metrics = Vec::new();
+        let (reward, terminated, env_truncated) = match parsed {
+            Some(actions) => self.execute(&actions, &mut info, &mut metrics),
+            None => {
+                info.format_penalty = self.protocol.format_penalty;
+                (self.protocol.format_penalty, false, false)
+            }
+        };
+        self.history.push(Round {
+            state: std::mem::take(&mut self.turn_state),
+            response: response_text.to_string(),
+            reward,
+        });
+        self.turn_state = self.env.state_text();
+        self.turn += 1;
+        let truncated = !terminated
+            && (env_truncated
+                || self.turn > self.protocol.max_turns
+                || self.actions_used >= self.env.max_steps());
+        self.done = terminated || truncated;
+        let next_user_message = (!self.done).then(|| {
+            let verdict = if info.action_is_valid {
+                ""
+            } else {
+                " (invalid answer)"
+            };
+            format!("Reward: {reward}{verdict}\n{}", self.turn_block())
+        });
+        TurnOutcome {
+            reward,
+            terminated,
+            truncated,
+            next_user_message,
+            info,
+            metrics,
+        }
+    }
+
+    /// Stable hash of the raw observation at the start of the current turn (GiGPO anchor).
+    pub fn state_hash(&self) -> u64 {
+        stable_hash(self.turn_state.as_bytes())
+    }
+
+    /// The raw observation at the start of the current turn.
+    pub fn state_text(&self) -> &str {
+        &self.turn_state
+    }
+
+    /// The prompt re-rendered for the window layout: instruction, the last `k` rounds
+    /// (state, response, reward), then the current turn.
+    pub fn window_user_message(&self, k: usize) -> String {
+        let start = self.history.len().saturating_sub(k);
+        let mut text = format!("{}\n", self.instruction());
+        if start < self.history.len() {
+            text.push_str("Recent history:\n");
+        }
+        for (i, round) in self.history.iter().enumerate().skip(start) {
+            text.push_str(&format!(
+                "Turn {}:\nState:\n{}\nResponse: {}\nReward: {}\n",
+                i + 1,
+                round.state.trim_matches('\n'),
+                round.response,
+                round.reward
+            ));
+        }
+        text.push_str(&self.turn_block());
+        text
+    }
+
+    /// Strings at which generation should stop (the closing tags of a complete turn).
+    pub fn stop_strings(&self) -> Vec<String> {
+        match self.env.action_space() {
+            ActionSpace::Named(_) => vec!["</answer>".to_string()],
+            ActionSpace::SearchOrAnswer => vec!["</answer>".to_string(), "</search>".to_string()],
+        }
+    }
+
+    /// Env actions still allowed in this episode, bounded by the turns left.
+    pub fn actions_left(&self) -> usize {
+        let turns_left = (self.protocol.max_turns + 1).saturating_sub(self.turn);
+        let by_turns = turns_left.saturating_mul(self.protocol.max_actions_per_turn);
+        self.env
+            .max_steps()
+            .saturating_sub(self.actions_used)
+            .min(by_turns)
+    }
+
+    fn instruction(&self) -> String {
+        let mut text = self.env.instruction();
+        if let ActionSpace::Named(names) = self.env.action_space() {
+            text.push_str(&format!("\nActions: {}.", names.join(", ")));
+            if self.protocol.max_actions_per_turn > 1 {
+                text.push_str(&format!(
+                    " Up to {} actions per turn, separated by ||.",
+                    self.protocol.max_actions_per_turn
+                ));
+            }
+        }
+        text
+    }
+
+    fn turn_block(&self) -> String {
+        format!(
+            "Turn {}:\nState:\n{}\nYou have {} actions left.\n",
+            self.turn,
+            self.turn_state.trim_matches('\n'),
+            self.actions_left()
+        )
+    }
+
+    /// Runs parsed actions until the budget or the episode ends; returns (reward, terminated,
+    /// env truncated).
+    fn execute(
+        &mut self,
+        actions: &[Action],
+        info: &mut StepInfo,
+        metrics: &mut Vec<(&'static str, f32)>,
+    ) -> (f32, bool, bool) {
+        let budget = self.env.max_steps().saturating_sub(self.actions_used);
+        let mut reward = 0.0;
+        let (mut terminated, mut truncated) = (false, false);
+        info.action_is_valid = true;
+        for action in actions.iter().take(budget) {
+            let transition = self.env.step(action);
+            self.actions_used += 1;
+            info.num_actions += 1;
+            reward += transition.reward;
+            info.success = transition.info.success;
+            info.action_is_valid &= transition.info.action_is_valid;
+            info.action_is_effective |= transition.info.action_is_effective;
+            terminated = transition.terminated;
+            truncated = transition.truncated;
+            *metrics = transition.info.metrics;
+            if terminated || truncated {
+                break;
+            }
+        }
+        (reward, terminated, truncated)
+    }
+}
+
+/// Parses a response into the actions to execute; `None` when it is malformed or names an
+/// unknown action.
+pub(crate) fn parse_response(
+    text: &str,
+    space: &ActionSpace,
+    enable_think: bool,
+    max_actions: usize,
+) -> Option<Vec<Action>> {
+    let lower = text.to_ascii_lowercase();
+    let body_start = if enable_think {
+        let think = find_tag(text, &lower, "think", 0)?;
+        think.end
+    } else {
+        0
+    };
+    match space {
+        ActionSpace::Named(names) => {
+            let answer = find_tag(text, &lower, "answer", body_start)?;
+            if enable_think && !text[body_start..answer.start].trim().is_empty() {
+                return None;
+            }
+            let actions: Vec<&str> = answer
+                .inner
+                .split("||")
+                .map(str::trim)
+                .filter(|a| !a.is_empty())
+                .take(max_actions)
+                .collect();
+            if actions.is_empty() {
+                return None;
+            }
+            actions
+                .iter()
+                .map(|a| {
+                    names
+                        .iter()
+                        .find(|n| n.eq_ignore_ascii_case(a))
+                        .map(|n| Action::Move(n.clone()))
+                })
+                .collect()
+        }
+        ActionSpace::SearchOrAnswer => {
+            let search = find_tag(text, &lower, "search", body_start);
+            let answer = find_tag(text, &lower, "answer", body_start);
+            let (block, is_search) = match (search, answer) {
+                (Some(s), Some(a)) if s.start < a.start => (s, true),
+                (_, Some(a)) => (a, false),
+                (Some(s), None) => (s, true),
+                (None, None) => return None,
+            };
+            if enable_think && !text[body_start..block.start].trim().is_empty() {
+                return None;
+            }
+            let inner = block.inner.trim();
+            if inner.is_empty() {
+                return None;
+            }
+            let action = if is_search {
+                Action::Search(inner.to_string())
+            } else {
+                Action::Answer(inner.to_string())
+            };
+            Some(vec![action])
+        }
+    }
+}
+
+/// A complete `<tag>inner</tag>` block found in a text.
+struct TagBlock<'a> {
+    /// Byte offset of `<tag>`.
+    start: usize,
+    /// Byte offset just after `</tag>`.
+    end: usize,
+    inner: &'a str,
+}
+
+/// First complete `<tag>…</tag>` at or after `from`, tags matched ASCII-case-insensitively.
+/// `lower` is `text.to_ascii_lowercase()` (same byte offsets).
+fn find_tag<'a>(text: &'a str, lower: &str, tag: &str, from: usize) -> Option<TagBlock<'a>> {
+    let open = format!("<{tag}>");
+    let close = format!("</{tag}>");
+    let start = from + lower.get(from..)?.find(&open)?;
+    let inner_start = start + open.len();
+    let inner_end = inner_start + lower[inner_start..].find(&close)?;
+    Some(TagBlock {
+        start,
+        end: inner_end + close.len(),
+        inner: &text[inner_start..inner_end],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grid() -> ActionSpace {
+        ActionSpace::Named(
+            ["Left", "Down", "Right", "Up"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+        )
+    }
+
+    fn moves(names: &[&str]) -> Option<Vec<Action>> {
+        Some(names.iter().map(|n| Action::Move(n.to_string())).collect())
+    }
+
+    #[test]
+    fn parses_answers_case_insensitively_and_splits_on_bars() {
+        assert_eq!(parse_response("<answer>left</answer>", &grid(), false, 1), moves(&["Left"]));
+        assert_eq!(parse_response("<ANSWER> UP </ANSWER>", &grid(), false, 1), moves(&["Up"]));
+        assert_eq!(
+            parse_response("<answer>Left || down||</answer>", &grid(), false, 5),
+            moves(&["Left", "Down"])
+        );
+        assert_eq!(
+            parse_response("<answer>Left || Down || Up</answer>", &grid(), false, 2),
+            moves(&["Left", "Down"])
+        );
+    }
+
+    #[test]
+    fn malformed_text_is_invalid_and_never_panics() {
+        for text in [
+            "",
+            "Left",
+            "<answer>",
+            "<answer>Jump</answer>",
+            "<answer>Left || Jump</answer>",
+            "<answer> || </answer>",
+            "</answer><answer",
+            "<answer>é</ANSWER>ü",
+            "<think>x</think>",
+        ] {
+            assert_eq!(parse_response(text, &grid(), false, 3), None, "{text:?}");
+            assert_eq!(parse_response(text, &grid(), true, 3), None, "{text:?}");
+            let _ = parse_response(text, &ActionSpace::SearchOrAnswer, true, 1);
+        }
+    }
+
+    #[test]
+    fn think_is_required_only_when_enabled() {
+        let text = "<think>go left</think> <answer>Left</answer>";
+        assert_eq!(parse_response(text, &grid(), true, 1), moves(&["Left"]));
+        assert_eq!(parse_response(text, &grid(), false, 1), moves(&["Left"]));
+        assert_eq!(parse_response("<answer>Left</answer>", &grid(), true, 1), None);
+        assert_eq!(
+            parse_response("<think>a</think>junk<answer>Left</answer>", &grid(), true, 1),
+            None
+        );
+    }
+
+    #[test]
+    fn qa_takes_the_first_complete_block() {
+        let qa = ActionSpace::SearchOrAnswer;
+        assert_eq!(
+            parse_response("<search> Zorbex founder </search><answer>x</answer>", &qa, false, 1),
+            Some(vec![Action::Search("Zorbex founder".into())])
+        );
+        assert_eq!(
+            parse_response("<answer>Velmora</answer>", &qa, false, 1),
+            Some(vec![Action::Answer("Velmora".into())])
+        );
+        assert_eq!(parse_response("<search></search>", &qa, false, 1), None);
+    }
+}
