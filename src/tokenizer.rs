@@ -1,1 +1,391 @@
 //! Tokenizer wrapper, built-in vocabulary and chat template (issue 4).
+//!
+//! [`Tokenizer`] wraps a `tokenizers::Tokenizer`: either loaded from an HF `tokenizer.json` or the
+//! built-in one, a byte-level BPE whose base vocabulary is the 256 byte symbols (so any text encodes
+//! without unknown tokens and decodes exactly) plus whole-word tokens for a fixed word list (env
+//! templates, actions, roles, common English) that are looked up directly (`ignore_merges`), plus
+//! the special tokens of the chat template and the agent tags. [`ChatTemplate`] renders Qwen-style
+//! `<|im_start|>role\n…<|im_end|>\n` turns in token space. Model code lives in [`crate::model`].
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::AddedToken;
+
+/// Errors of the tokenizer module; each names the file involved.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("loading tokenizer {path}: {message}")]
+    Load { path: String, message: String },
+    #[error("saving tokenizer {path}: {message}")]
+    Save { path: String, message: String },
+    #[error("tokenizer {path} has no end-of-turn token `{token}`")]
+    MissingSpecial { path: String, token: String },
+    #[error("building the built-in tokenizer: {0}")]
+    Build(String),
+}
+
+pub type Result<T> = std::result::Result<T, TokenizerError>;
+
+/// End of text (also the padding id of the built-in model).
+pub const ENDOFTEXT: &str = "<|endoftext|>";
+/// Opens a chat turn.
+pub const IM_START: &str = "<|im_start|>";
+/// Closes a chat turn; the end-of-sequence token of generation.
+pub const IM_END: &str = "<|im_end|>";
+
+/// Special tokens of the built-in tokenizer, in id order after the regular vocabulary.
+pub const SPECIAL_TOKENS: [&str; 11] = [
+    ENDOFTEXT,
+    IM_START,
+    IM_END,
+    "<think>",
+    "</think>",
+    "<answer>",
+    "</answer>",
+    "<search>",
+    "</search>",
+    "<information>",
+    "</information>",
+];
+
+/// Words that get a whole-word token, with and without a leading space. Sorted and de-duplicated
+/// at build time, so the order here does not matter. Only letter runs (the byte-level
+/// pre-tokenizer keeps them in one piece) and a few punctuation runs.
+const BUILTIN_WORDS: &str = "
+system user assistant tool
+Left Down Right Up left down right up Phoenix Dragon phoenix dragon Teacher Engineer Librarian Trader
+teacher engineer librarian trader arm arms
+You You're are solving the FrozenLake puzzle Forbid whole and go to target may move unintended direction
+due slippery ice Sokoban player you need push all boxes targets When right next box can it by moving in
+same cannot through wall pull The meaning of each symbol state is Your available actions You make
+actions separated action separator Turn State have left Always output Your thoughts your answer with no
+extra text Strictly follow this format Max response length words tokens Reward Observation Decide next
+helpful assistant good game aiming get high reward in Answer must be one turn format At did not provide
+valid hole goal empty on Legend legend Player Goal Hole Wall Box Target Empty Frozen frozen
+playing bandit Maximize total choosing which Game Rules There named has its own distribution related
+their names Analyze symbolic guess how might behave Based think more likely give higher rewards average
+Choose between like or points
+Prior step steps completed Recent History Below most recent observations responses Current currently at
+Env Instruction Description Requirement
+given question must conduct reasoning inside first every time new information After if find lack some
+knowledge call search engine query will return top searched results between as many times want
+further external needed directly provide without detailed illustrations For example Question Doc Title
+research agent Goal User Query using Wikipedia evidence History Actions Retrieved Passages Recent
+issues Instructions Output Format Search analysis expert tasked answering step taken interaction where
+wrapped past queries corresponding My previous invalid If I should put Let me try again Reached maximum
+number use Please final
+a an the of to in is was for on that by with as at from it he she his her they them this which who whom
+whose what when where why how were be been has had do does did not no yes but also than then there
+these those such only other into over after before during about between both either neither same
+first second third one two three four five six seven eight nine ten hundred thousand million year years
+born died city country state river county film album song band book novel series team club player
+American British English French German Italian Spanish Japanese Chinese Canadian Australian Indian
+Russian nationality released founded located known named called became based American used won
+directed written played starring member members company university school college county district
+national international world war president king queen prince actor actress singer writer director
+producer author politician footballer musician founder located capital largest population older younger
+same different Were Was Is Are Which Who What When Where How Did Do Does In
+true false correct wrong
+";
+
+/// Punctuation and whitespace runs that get their own token (the byte-level regex keeps each whole).
+const BUILTIN_SYMBOL_RUNS: [&str; 8] = ["||", " ||", "\n\n", ":\n", ".\n", "...", "**", "##"];
+
+/// A tokenizer: HF `tokenizers` model plus the ids stepppo needs.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    eos_id: u32,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("eos_id", &self.eos_id)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// The built-in byte-level tokenizer (deterministic, cheap to build).
+    pub fn builtin() -> Self {
+        Self::try_builtin().expect("the built-in word list is valid by construction")
+    }
+
+    fn try_builtin() -> Result<Self> {
+        let byte_chars = byte_to_unicode();
+        let mut vocab: HashMap<String, u32> = HashMap::new();
+        for ch in byte_chars.iter() {
+            let id = vocab.len() as u32;
+            vocab.insert(ch.to_string(), id);
+        }
+        for piece in builtin_pieces() {
+            let token: String = piece.bytes().map(|b| byte_chars[b as usize]).collect();
+            if !vocab.contains_key(&token) {
+                let id = vocab.len() as u32;
+                vocab.insert(token, id);
+            }
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(
+                vocab
+                    .into_iter()
+                    .collect::<tokenizers::models::bpe::Vocab>(),
+                Vec::new(),
+            )
+            .ignore_merges(true)
+            .build()
+            .map_err(|e| TokenizerError::Build(e.to_string()))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        inner
+            .add_special_tokens(SPECIAL_TOKENS.iter().map(|t| AddedToken::from(*t, true)))
+            .map_err(|e| TokenizerError::Build(e.to_string()))?;
+        Self::wrap(inner, "<builtin>")
+    }
+
+    /// Loads an HF `tokenizer.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| TokenizerError::Load {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        Self::wrap(inner, &path.display().to_string())
+    }
+
+    fn wrap(inner: tokenizers::Tokenizer, origin: &str) -> Result<Self> {
+        let eos_id = inner
+            .token_to_id(IM_END)
+            .ok_or_else(|| TokenizerError::MissingSpecial {
+                path: origin.to_string(),
+                token: IM_END.to_string(),
+            })?;
+        Ok(Self { inner, eos_id })
+    }
+
+    /// Writes `tokenizer.json` that [`Tokenizer::from_file`] (and HF) load back identically.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        self.inner
+            .save(path, true)
+            .map_err(|e| TokenizerError::Save {
+                path: path.display().to_string(),
+                message: e.to_string(),
+            })
+    }
+
+    /// Token ids of `text`; special-token strings in the text become their special ids.
+    /// A byte-level tokenizer cannot fail here; a loaded tokenizer that fails yields no ids.
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        self.inner
+            .encode_fast(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .unwrap_or_default()
+    }
+
+    /// Text of `ids`, special tokens included; unknown ids are skipped.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.inner.decode(ids, false).unwrap_or_default()
+    }
+
+    /// The end-of-turn id `<|im_end|>`, where generation stops.
+    pub fn eos_id(&self) -> u32 {
+        self.eos_id
+    }
+
+    /// Id of a token string (e.g. a special token), if the vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Padding id: `<|endoftext|>` when present, else the end-of-turn id.
+    pub fn pad_id(&self) -> u32 {
+        self.token_id(ENDOFTEXT).unwrap_or(self.eos_id)
+    }
+
+    /// Number of ids, special tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
+
+/// Every word of the built-in list with and without a leading space, plus the symbol runs.
+fn builtin_pieces() -> BTreeSet<String> {
+    let mut pieces: BTreeSet<String> = BUILTIN_SYMBOL_RUNS.iter().map(|s| s.to_string()).collect();
+    for word in BUILTIN_WORDS.split_whitespace() {
+        if word.len() > 1 {
+            pieces.insert(word.to_string());
+        }
+        pieces.insert(format!(" {word}"));
+    }
+    pieces
+}
+
+/// GPT-2's reversible map from bytes to printable characters, indexed by byte value.
+fn byte_to_unicode() -> Vec<char> {
+    let printable = |b: u32| {
+        (u32::from('!')..=u32::from('~')).contains(&b)
+            || (0xA1..=0xAC).contains(&b)
+            || (0xAE..=0xFF).contains(&b)
+    };
+    let mut next_extra = 256u32;
+    (0u32..256)
+        .map(|b| {
+            let code = if printable(b) {
+                b
+            } else {
+                next_extra += 1;
+                next_extra - 1
+            };
+            char::from_u32(code).expect("codes below 0x200 are valid chars")
+        })
+        .collect()
+}
+
+/// Qwen-style chat template applied in token space.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ChatTemplate;
+
+impl ChatTemplate {
+    /// `<|im_start|>system\n{text}<|im_end|>\n`
+    pub fn system(&self, tok: &Tokenizer, text: &str) -> Vec<u32> {
+        self.message(tok, "system", text)
+    }
+
+    /// `<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n`: a user turn followed by the
+    /// generation prompt of the assistant.
+    pub fn user_turn(&self, tok: &Tokenizer, text: &str) -> Vec<u32> {
+        let mut ids = self.message(tok, "user", text);
+        ids.extend(self.assistant_prefix(tok));
+        ids
+    }
+
+    /// `<|im_start|>assistant\n`: opens the assistant's response.
+    pub fn assistant_prefix(&self, tok: &Tokenizer) -> Vec<u32> {
+        let mut ids = vec![im_start_id(tok)];
+        ids.extend(tok.encode("assistant\n"));
+        ids
+    }
+
+    /// What follows a response that ended with `<|im_end|>`: the `\n` closing the turn.
+    pub fn after_response(&self, tok: &Tokenizer) -> Vec<u32> {
+        tok.encode("\n")
+    }
+
+    /// What closes `response`: `<|im_end|>\n` when it stopped without the end-of-turn token (length
+    /// cap or stop string), else just [`ChatTemplate::after_response`].
+    pub fn close_response(&self, tok: &Tokenizer, response: &[u32]) -> Vec<u32> {
+        let mut ids = Vec::new();
+        if response.last() != Some(&tok.eos_id()) {
+            ids.push(tok.eos_id());
+        }
+        ids.extend(self.after_response(tok));
+        ids
+    }
+
+    fn message(&self, tok: &Tokenizer, role: &str, text: &str) -> Vec<u32> {
+        let mut ids = vec![im_start_id(tok)];
+        ids.extend(tok.encode(&format!("{role}\n")));
+        ids.extend(tok.encode(text));
+        ids.push(tok.eos_id());
+        ids.extend(tok.encode("\n"));
+        ids
+    }
+}
+
+/// `<|im_start|>` id; a tokenizer without it gets the text encoded instead.
+fn im_start_id(tok: &Tokenizer) -> u32 {
+    tok.token_id(IM_START).unwrap_or_else(|| tok.eos_id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLES: [&str; 6] = [
+        "You are solving the FrozenLake puzzle. Forbid the whole and go to the target.",
+        "Turn 1:\nState:\nP_O_\n__G_\nYou have 10 actions left.",
+        "<think>go right</think><answer>Right || Down</answer>",
+        "unicode ✓ √ 日本語 and emoji 🙂, tabs\tand  double  spaces\n\n",
+        "#P_X#\n#_O_#",
+        "",
+    ];
+
+    #[test]
+    fn builtin_round_trips_any_text() {
+        let tok = Tokenizer::builtin();
+        for s in SAMPLES {
+            assert_eq!(tok.decode(&tok.encode(s)), s, "round trip of {s:?}");
+        }
+    }
+
+    #[test]
+    fn builtin_is_small_and_deterministic() {
+        let a = Tokenizer::builtin();
+        let b = Tokenizer::builtin();
+        assert!(
+            (1000..=2500).contains(&a.vocab_size()),
+            "{}",
+            a.vocab_size()
+        );
+        assert_eq!(a.vocab_size(), b.vocab_size());
+        for s in SAMPLES {
+            assert_eq!(a.encode(s), b.encode(s));
+        }
+    }
+
+    #[test]
+    fn template_words_are_whole_tokens_and_grid_cells_are_characters() {
+        let tok = Tokenizer::builtin();
+        assert_eq!(tok.encode(" FrozenLake").len(), 1);
+        assert_eq!(tok.encode("Left").len(), 1);
+        assert_eq!(tok.encode(" actions left").len(), 2);
+        assert_eq!(tok.encode("P_O_").len(), 4);
+        assert_eq!(tok.encode("<answer>Up</answer>").len(), 3);
+        assert_eq!(tok.encode(IM_END), vec![tok.eos_id()]);
+    }
+
+    #[test]
+    fn saved_tokenizer_loads_back_identically() {
+        let tok = Tokenizer::builtin();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        tok.save(&path).unwrap();
+        let loaded = Tokenizer::from_file(&path).unwrap();
+        assert_eq!(loaded.vocab_size(), tok.vocab_size());
+        assert_eq!(loaded.eos_id(), tok.eos_id());
+        for s in SAMPLES {
+            assert_eq!(loaded.encode(s), tok.encode(s));
+        }
+    }
+
+    #[test]
+    fn missing_file_error_names_the_path() {
+        let err = Tokenizer::from_file("/nonexistent/tokenizer.json").unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/tokenizer.json"));
+    }
+
+    #[test]
+    fn chat_template_renders_qwen_turns() {
+        let tok = Tokenizer::builtin();
+        let chat = ChatTemplate;
+        let mut ids = chat.system(&tok, "You are a helpful assistant.");
+        ids.extend(chat.user_turn(&tok, "Hi"));
+        assert_eq!(
+            tok.decode(&ids),
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n\
+             <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let closed = chat.close_response(&tok, &tok.encode("<answer>Up</answer>"));
+        assert_eq!(tok.decode(&closed), "<|im_end|>\n");
+        let closed = chat.close_response(&tok, &[tok.eos_id()]);
+        assert_eq!(tok.decode(&closed), "\n");
+    }
+}

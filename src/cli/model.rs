@@ -1,17 +1,150 @@
 //! `stepppo generate`, `stepppo init-model`.
 
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use candle_core::Device;
 use clap::Args;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use stepppo::kv::KvPool;
+use stepppo::model::checkpoint::load_policy;
+use stepppo::model::{generate as generate_tokens, Model, ModelConfig};
+use stepppo::rollout::sampling::SamplingParams;
+use stepppo::tokenizer::{ChatTemplate, Tokenizer};
 
 #[derive(Args, Debug)]
-pub struct GenerateArgs {}
-
-#[derive(Args, Debug)]
-pub struct InitModelArgs {}
-
-pub fn generate(_a: GenerateArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`stepppo generate` is not built yet (issue 4)")
+pub struct GenerateArgs {
+    /// `builtin` (the freshly initialised small model, seed 0) or an HF-format model directory.
+    #[arg(long, default_value = "builtin")]
+    model: String,
+    /// Prompt text, wrapped in a chat user turn unless --raw.
+    #[arg(
+        long,
+        required_unless_present = "prompt_ids",
+        conflicts_with = "prompt_ids"
+    )]
+    prompt: Option<String>,
+    /// Prompt token ids, comma-separated, used as they are.
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Take the most likely token at each step.
+    #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
+    greedy: bool,
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// 0 keeps every token.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Encode --prompt as-is instead of as a chat user turn.
+    #[arg(long)]
+    raw: bool,
+    /// Print one JSON object with prompt_ids, output_ids, output_text, logprobs.
+    #[arg(long)]
+    json: bool,
 }
 
-pub fn init_model(_a: InitModelArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`stepppo init-model` is not built yet (issue 4)")
+#[derive(Args, Debug)]
+pub struct InitModelArgs {
+    /// `tiny`, `small` or the path of an HF config.json.
+    #[arg(long)]
+    config: String,
+    /// Directory to write config.json, model.safetensors and tokenizer.json into.
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn sampling_params(a: &GenerateArgs) -> anyhow::Result<SamplingParams> {
+    if a.greedy {
+        return Ok(SamplingParams::greedy());
+    }
+    if !(a.temperature.is_finite() && a.temperature > 0.0) {
+        bail!("--temperature must be positive, got {}", a.temperature);
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1], got {}", a.top_p);
+    }
+    Ok(SamplingParams {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        greedy: false,
+    })
+}
+
+fn prompt_ids(a: &GenerateArgs, tok: &Tokenizer) -> Vec<u32> {
+    match (&a.prompt_ids, &a.prompt) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(text)) if a.raw => tok.encode(text),
+        (None, Some(text)) => ChatTemplate.user_turn(tok, text),
+        (None, None) => Vec::new(),
+    }
+}
+
+pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
+    let params = sampling_params(&a)?;
+    let device = Device::Cpu;
+    let (model, tok) =
+        load_policy(&a.model, &device).with_context(|| format!("loading model {}", a.model))?;
+    let prompt = prompt_ids(&a, &tok);
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let mut pool = KvPool::new(model.config(), prompt.len() + a.max_new_tokens, &device)?;
+    let mut rngs = [ChaCha8Rng::seed_from_u64(stepppo::seed::derive(
+        a.seed,
+        &[0],
+    ))];
+    let gen = generate_tokens(
+        &model,
+        &mut pool,
+        &[prompt.clone()],
+        a.max_new_tokens,
+        &params,
+        &mut rngs,
+        Some(tok.eos_id()),
+    )?
+    .remove(0);
+    let text = tok.decode(&gen.output_ids);
+    if a.json {
+        let out = serde_json::json!({
+            "prompt_ids": prompt, "output_ids": gen.output_ids, "output_text": text, "logprobs": gen.logprobs,
+        });
+        println!("{out}");
+    } else {
+        println!("{text}");
+    }
+    Ok(())
+}
+
+pub fn init_model(a: InitModelArgs) -> anyhow::Result<()> {
+    let tok = Tokenizer::builtin();
+    let cfg = match ModelConfig::named(&a.config, &tok) {
+        Some(cfg) => cfg,
+        None => ModelConfig::from_file(a.config.as_ref())?,
+    };
+    if cfg.vocab_size < tok.vocab_size() {
+        bail!(
+            "{}: key `vocab_size` is {} but the built-in tokenizer needs {}",
+            a.config,
+            cfg.vocab_size,
+            tok.vocab_size()
+        );
+    }
+    let model = Model::new(&cfg, a.seed, &Device::Cpu)?;
+    model.save(&a.out, Some(&tok))?;
+    let params: usize = Model::param_shapes(&cfg)
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    println!("wrote {} ({params} parameters)", a.out.display());
+    Ok(())
 }

@@ -1,1 +1,305 @@
 //! Qwen2-family policy and critic models (issue 4).
+//!
+//! [`Model`] is the policy: the decoder trunk ([`qwen2`]) plus a tied or untied LM head, its
+//! parameters as named `Var`s in a `VarMap` (HF names, so checkpoints load by name and the
+//! trainer's optimiser steps them). It has the two forward paths of the design: the incremental
+//! one over a [`KvPool`] (no autograd graph) and the padded training one (differentiable ops only),
+//! plus token log-probs/entropy. [`Critic`] is a model of the same family with a value head;
+//! a shared-trunk value head on the policy is the option. Checkpoint files are [`checkpoint`]'s.
+
+pub mod checkpoint;
+pub mod config;
+pub mod critic;
+pub mod generate;
+pub mod params;
+pub mod qwen2;
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use candle_nn::VarMap;
+
+use crate::kv::{KvError, KvPool, SeqSlots};
+pub use config::ModelConfig;
+pub use critic::{Critic, ValueHead};
+pub use generate::{generate, Generation};
+use qwen2::{Linear, Trunk};
+
+/// Errors of the model module; file errors name the file and tensor.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Config { path: String, message: String },
+    #[error("{path}: {message}")]
+    Safetensors { path: String, message: String },
+    #[error("tensor `{name}` is missing (looked in {files})")]
+    MissingTensor { name: String, files: String },
+    #[error("tensor `{name}` in {file} has shape {found:?}, expected {expected:?}")]
+    WrongShape {
+        name: String,
+        file: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("invalid input: {0}")]
+    Input(String),
+}
+
+pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// New tokens of one sequence for [`Model::forward_incremental`]: `slots` has the slot of every
+/// position so far (`context_len + new_tokens.len()` entries); the last `new_tokens.len()` slots
+/// receive the new K/V, and new token i sits at position `context_len + i`.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    pub new_tokens: &'a [u32],
+    pub slots: &'a [u32],
+}
+
+/// Which logits [`Model::forward_incremental`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// `[batch, vocab]`: the last new token of each sequence.
+    Last,
+    /// `[sum of new tokens, vocab]`: every new token, in batch order.
+    All,
+}
+
+/// Token ids and attention mask of right-padded sequences.
+pub struct PaddedBatch {
+    /// `[B, T]` u32.
+    pub input_ids: Tensor,
+    /// `[B, T]` u32, 1 for real tokens.
+    pub attention_mask: Tensor,
+}
+
+impl PaddedBatch {
+    /// Right-pads `seqs` with `pad_id` to the longest length.
+    pub fn right_padded(seqs: &[Vec<u32>], pad_id: u32, device: &Device) -> Result<Self> {
+        let t_len = seqs.iter().map(Vec::len).max().unwrap_or(0);
+        let mut ids = Vec::with_capacity(seqs.len() * t_len);
+        let mut mask = Vec::with_capacity(seqs.len() * t_len);
+        for s in seqs {
+            ids.extend(
+                s.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(pad_id, t_len - s.len())),
+            );
+            mask.extend((0..t_len).map(|t| u32::from(t < s.len())));
+        }
+        Ok(Self {
+            input_ids: Tensor::from_vec(ids, (seqs.len(), t_len), device)?,
+            attention_mask: Tensor::from_vec(mask, (seqs.len(), t_len), device)?,
+        })
+    }
+}
+
+/// The policy: decoder trunk + LM head over `Var`s in a `VarMap`.
+pub struct Model {
+    cfg: ModelConfig,
+    varmap: VarMap,
+    device: Device,
+    /// Weights as tracked `Var` tensors (training path).
+    trunk: Trunk,
+    lm_head: Tensor,
+    /// The same storage, detached (incremental path).
+    frozen_trunk: Trunk,
+    frozen_lm_head: Tensor,
+    value_head: Option<ValueHead>,
+}
+
+impl Model {
+    /// A freshly initialised model (HF init: normal(0, initializer_range), zero biases, unit norms).
+    pub fn new(cfg: &ModelConfig, seed: u64, device: &Device) -> Result<Self> {
+        let specs = Self::param_shapes(cfg);
+        let varmap = params::init_varmap(cfg, &specs, seed, device)?;
+        Self::from_varmap(cfg, varmap, device)
+    }
+
+    /// Builds the model over `varmap`, which must hold every name of [`Model::param_shapes`]
+    /// (and may hold a shared value head `score.*`).
+    pub fn from_varmap(cfg: &ModelConfig, varmap: VarMap, device: &Device) -> Result<Self> {
+        cfg.validate().map_err(|message| ModelError::Config {
+            path: "<config>".into(),
+            message,
+        })?;
+        let get = |name: &str| params::var_tensor(&varmap, name);
+        let trunk = Trunk::from_named(cfg, &get)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            trunk.embed.clone()
+        } else {
+            get("lm_head.weight")?
+        };
+        let value_head = ValueHead::from_varmap(&varmap)?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            frozen_trunk: trunk.detached(),
+            frozen_lm_head: lm_head.detach(),
+            trunk,
+            lm_head,
+            varmap,
+            device: device.clone(),
+            value_head,
+        })
+    }
+
+    /// HF names and shapes of every parameter (the trunk and, when untied, `lm_head.weight`).
+    pub fn param_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+        let mut specs = qwen2::trunk_param_shapes(cfg);
+        if !cfg.tie_word_embeddings {
+            specs.push((
+                "lm_head.weight".into(),
+                vec![cfg.vocab_size, cfg.hidden_size],
+            ));
+        }
+        specs
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The parameters, for the optimiser and checkpoints.
+    pub fn varmap(&self) -> &VarMap {
+        &self.varmap
+    }
+
+    /// Trainable parameters by HF name, sorted by name.
+    pub fn named_vars(&self) -> Vec<(String, Var)> {
+        params::named_vars(&self.varmap)
+    }
+
+    /// Logits of new tokens of a batch of sequences, writing their K/V into `pool`. Prefill and
+    /// decode are the same call. Uses detached weights: nothing is recorded for autograd.
+    pub fn forward_incremental(
+        &self,
+        batch: &[SeqChunk],
+        pool: &mut KvPool,
+        logits: LogitsWanted,
+    ) -> Result<Tensor> {
+        let seqs = check_chunks(batch)?;
+        let ids: Vec<u32> = batch
+            .iter()
+            .flat_map(|c| c.new_tokens.iter().copied())
+            .collect();
+        qwen2::check_ids(&ids, self.cfg.vocab_size)?;
+        let hidden = self.frozen_trunk.forward_incremental(&ids, &seqs, pool)?;
+        let hidden = match logits {
+            LogitsWanted::All => hidden,
+            LogitsWanted::Last => {
+                let last: Vec<u32> = seqs
+                    .iter()
+                    .scan(0u32, |end, s| {
+                        *end += s.num_new as u32;
+                        Some(*end - 1)
+                    })
+                    .collect();
+                hidden.index_select(&Tensor::new(last.as_slice(), &self.device)?, 0)?
+            }
+        };
+        Ok(hidden.matmul(&self.frozen_lm_head.t()?)?)
+    }
+
+    /// Final hidden states `[B, T, hidden]` of a padded batch (differentiable).
+    pub fn hidden_train(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+        self.trunk.forward_train(input_ids, attention_mask)
+    }
+
+    /// Logits `[B, T, vocab]` of a padded batch with a causal + padding mask (differentiable).
+    pub fn forward_train(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+        let hidden = self.hidden_train(input_ids, attention_mask)?;
+        Ok(Linear {
+            weight: self.lm_head.clone(),
+            bias: None,
+        }
+        .forward(&hidden)?)
+    }
+
+    /// Per position: log-prob of `targets[b, t]` and entropy, both `[B, T]`, under the logits
+    /// divided by `temperature` (the sampler's scaling), differentiable.
+    pub fn token_logprobs_entropy(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        targets: &Tensor,
+        temperature: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(ModelError::Input(format!(
+                "temperature must be positive, got {temperature}"
+            )));
+        }
+        let logits = (self.forward_train(input_ids, attention_mask)? / f64::from(temperature))?;
+        logprobs_entropy(&logits, targets)
+    }
+
+    /// Adds a shared-trunk value head `score.*` (the option to a separate [`Critic`]) to this
+    /// model's `VarMap`, initialised from `seed`; a no-op when it already has one.
+    pub fn attach_value_head(&mut self, seed: u64) -> Result<()> {
+        if self.value_head.is_none() {
+            self.value_head = Some(ValueHead::init_in(
+                &self.varmap,
+                &self.cfg,
+                seed,
+                &self.device,
+            )?);
+        }
+        Ok(())
+    }
+
+    /// Values `[B, T]` of the shared-trunk head on the final hidden states.
+    pub fn values(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+        let head = self
+            .value_head
+            .as_ref()
+            .ok_or_else(|| ModelError::Input("this policy has no shared value head".into()))?;
+        head.forward(&self.hidden_train(input_ids, attention_mask)?)
+    }
+}
+
+/// Log-prob of `targets` and entropy per position from logits `[B, T, V]`.
+pub fn logprobs_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let picked = logp.gather(
+        &targets
+            .to_dtype(DType::U32)?
+            .unsqueeze(D::Minus1)?
+            .contiguous()?,
+        D::Minus1,
+    )?;
+    let entropy = (logp.exp()? * &logp)?.sum(D::Minus1)?.neg()?;
+    Ok((picked.squeeze(D::Minus1)?, entropy))
+}
+
+fn check_chunks<'a>(batch: &[SeqChunk<'a>]) -> Result<Vec<SeqSlots<'a>>> {
+    batch
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            if c.new_tokens.is_empty() || c.new_tokens.len() > c.slots.len() {
+                return Err(ModelError::Input(format!(
+                    "sequence {i}: {} new tokens with {} slots (need 1 ≤ new ≤ slots)",
+                    c.new_tokens.len(),
+                    c.slots.len()
+                )));
+            }
+            Ok(SeqSlots {
+                slots: c.slots,
+                num_new: c.new_tokens.len(),
+            })
+        })
+        .collect()
+}

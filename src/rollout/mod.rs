@@ -1,1 +1,4 @@
-//! Batched generation and the agent loop (issue 5).
+//! Batched generation and the agent loop (issue 5). [`sampling`] turns one row of logits into a
+//! token and its log-prob.
+
+pub mod sampling;

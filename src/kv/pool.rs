@@ -1,0 +1,310 @@
+//! The KV slot pool: for every layer, keys and values of `capacity` token slots laid out
+//! `[slots, kv_heads, head_dim]`, a free list, and the CPU attention kernel that reads rows by slot
+//! index (no gather copy). One slot id addresses the same token in every layer. The pool knows
+//! nothing about sequences or prefixes: callers (a per-sequence buffer for `generate`, the radix
+//! tree for rollouts) own slot lists and pass them in.
+
+use candle_core::Device;
+
+use super::KvError;
+use crate::model::ModelConfig;
+
+/// Where the K/V rows live. CPU rows are plain `f32` vectors so the attention loop reads them in
+/// place; a CUDA (bf16 tensor) storage would be a second variant.
+enum KvStorage {
+    Cpu(Vec<CpuLayerKv>),
+}
+
+/// One layer's keys and values, `capacity × row` floats each.
+struct CpuLayerKv {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// One sequence of an attention call: the slot of every position so far, the last `num_new` of
+/// which hold the tokens whose queries are being computed.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqSlots<'a> {
+    pub slots: &'a [u32],
+    pub num_new: usize,
+}
+
+impl SeqSlots<'_> {
+    /// Tokens before the new ones.
+    pub fn context_len(&self) -> usize {
+        self.slots.len() - self.num_new
+    }
+}
+
+/// Per-layer K/V storage for a fixed number of token slots, with a free list.
+pub struct KvPool {
+    storage: KvStorage,
+    kv_heads: usize,
+    head_dim: usize,
+    capacity: usize,
+    /// Free slots, popped from the back (slot 0 first on a fresh pool).
+    free: Vec<u32>,
+    in_use: Vec<bool>,
+}
+
+impl KvPool {
+    /// A pool of `num_slots` slots for a model of `cfg`'s shape, on `device` (CPU only for now).
+    pub fn new(cfg: &ModelConfig, num_slots: usize, device: &Device) -> Result<Self, KvError> {
+        if !device.is_cpu() {
+            return Err(KvError::UnsupportedDevice {
+                device: format!("{device:?}"),
+            });
+        }
+        let row = cfg.num_key_value_heads * cfg.head_dim();
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|_| CpuLayerKv {
+                k: vec![0.0; num_slots * row],
+                v: vec![0.0; num_slots * row],
+            })
+            .collect();
+        Ok(Self {
+            storage: KvStorage::Cpu(layers),
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim(),
+            capacity: num_slots,
+            free: (0..num_slots as u32).rev().collect(),
+            in_use: vec![false; num_slots],
+        })
+    }
+
+    /// Takes `n` free slots, or `None` (taking nothing) when fewer are free.
+    pub fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
+        if n > self.free.len() {
+            return None;
+        }
+        let slots = self.free.split_off(self.free.len() - n);
+        let slots: Vec<u32> = slots.into_iter().rev().collect();
+        for &s in &slots {
+            self.in_use[s as usize] = true;
+        }
+        Some(slots)
+    }
+
+    /// Returns slots to the free list; slots out of range or already free are ignored.
+    pub fn free(&mut self, slots: &[u32]) {
+        for &s in slots {
+            if let Some(used) = self.in_use.get_mut(s as usize) {
+                if *used {
+                    *used = false;
+                    self.free.push(s);
+                }
+            }
+        }
+    }
+
+    /// Slots currently free.
+    pub fn num_free(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Total slots.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn row(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Fails unless every slot of `seqs` is inside the pool and each has `num_new ≤ slots.len()`.
+    pub fn check(&self, seqs: &[SeqSlots]) -> Result<(), KvError> {
+        for (seq, s) in seqs.iter().enumerate() {
+            if s.num_new > s.slots.len() {
+                return Err(KvError::BadSequence {
+                    seq,
+                    message: format!("{} new tokens but only {} slots", s.num_new, s.slots.len()),
+                });
+            }
+            if let Some(&slot) = s.slots.iter().find(|&&slot| slot as usize >= self.capacity) {
+                return Err(KvError::SlotOutOfRange {
+                    slot,
+                    capacity: self.capacity,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes K and V rows (`[n, kv_heads, head_dim]` each) of `layer` into `slots`.
+    pub fn write(
+        &mut self,
+        layer: usize,
+        slots: &[u32],
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KvError> {
+        let row = self.row();
+        self.check(&[SeqSlots { slots, num_new: 0 }])?;
+        debug_assert_eq!(k.len(), slots.len() * row);
+        let KvStorage::Cpu(layers) = &mut self.storage;
+        let dst = &mut layers[layer];
+        for (i, &slot) in slots.iter().enumerate() {
+            let at = slot as usize * row;
+            dst.k[at..at + row].copy_from_slice(&k[i * row..(i + 1) * row]);
+            dst.v[at..at + row].copy_from_slice(&v[i * row..(i + 1) * row]);
+        }
+        Ok(())
+    }
+
+    /// Causal attention of the new tokens of each sequence over its slots in `layer`.
+    ///
+    /// `q` holds the queries of all new tokens in batch order, `[n, num_heads, head_dim]`; new token
+    /// i of a sequence sees positions `0..=context_len + i`. Query head h reads kv head
+    /// `h / (num_heads / kv_heads)` (GQA). Returns `[n, num_heads, head_dim]`. One online-softmax
+    /// pass per (token, head), reading K/V rows in place.
+    pub fn attend(
+        &self,
+        layer: usize,
+        q: &[f32],
+        seqs: &[SeqSlots],
+        num_heads: usize,
+        scale: f32,
+    ) -> Result<Vec<f32>, KvError> {
+        self.check(seqs)?;
+        let (hd, row) = (self.head_dim, self.row());
+        let rep = num_heads / self.kv_heads;
+        let KvStorage::Cpu(layers) = &self.storage;
+        let kv = &layers[layer];
+        let mut out = vec![0.0f32; q.len()];
+        let mut token = 0usize;
+        for seq in seqs {
+            for i in 0..seq.num_new {
+                let visible = &seq.slots[..seq.context_len() + i + 1];
+                for h in 0..num_heads {
+                    let at = (token * num_heads + h) * hd;
+                    let kv_off = (h / rep) * hd;
+                    let rows = visible.iter().map(|&s| s as usize * row + kv_off);
+                    online_softmax_attention(
+                        &q[at..at + hd],
+                        &kv.k,
+                        &kv.v,
+                        rows,
+                        scale,
+                        &mut out[at..at + hd],
+                    );
+                }
+                token += 1;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// `out = Σ_j softmax_j(scale · q·k_j) v_j` over the rows starting at `row_starts`, in one pass.
+fn online_softmax_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    row_starts: impl Iterator<Item = usize>,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    let (mut max, mut denom) = (f32::NEG_INFINITY, 0.0f32);
+    for start in row_starts {
+        let k_row = &k[start..start + hd];
+        let score = scale * q.iter().zip(k_row).map(|(a, b)| a * b).sum::<f32>();
+        if score > max {
+            let shrink = (max - score).exp();
+            denom *= shrink;
+            out.iter_mut().for_each(|o| *o *= shrink);
+            max = score;
+        }
+        let weight = (score - max).exp();
+        denom += weight;
+        for (o, x) in out.iter_mut().zip(&v[start..start + hd]) {
+            *o += weight * x;
+        }
+    }
+    if denom > 0.0 {
+        out.iter_mut().for_each(|o| *o /= denom);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(slots: usize) -> KvPool {
+        KvPool::new(&ModelConfig::tiny(16), slots, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn alloc_and_free_track_the_free_list() {
+        let mut p = pool(8);
+        let a = p.alloc(3).unwrap();
+        assert_eq!(a, vec![0, 1, 2]);
+        assert_eq!(p.num_free(), 5);
+        assert!(p.alloc(6).is_none());
+        assert_eq!(p.num_free(), 5);
+        p.free(&a);
+        p.free(&a);
+        p.free(&[99]);
+        assert_eq!(p.num_free(), 8);
+        assert_eq!(p.capacity(), 8);
+    }
+
+    #[test]
+    fn attention_matches_a_direct_softmax() {
+        // tiny: kv_heads 2, head_dim 8, heads 4 (two query heads per kv head).
+        let mut p = pool(4);
+        let row = 16;
+        let k: Vec<f32> = (0..3 * row)
+            .map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.1)
+            .collect();
+        let v: Vec<f32> = (0..3 * row)
+            .map(|i| ((i * 5 % 13) as f32 - 6.0) * 0.1)
+            .collect();
+        let slots = [3u32, 0, 2];
+        p.write(1, &slots, &k, &v).unwrap();
+        let q: Vec<f32> = (0..4 * 8).map(|i| (i as f32 * 0.37).sin()).collect();
+        let seq = SeqSlots {
+            slots: &slots,
+            num_new: 1,
+        };
+        let out = p.attend(1, &q, &[seq], 4, 0.5).unwrap();
+        for h in 0..4 {
+            let kvh = h / 2;
+            let scores: Vec<f32> = (0..3)
+                .map(|j| {
+                    0.5 * (0..8)
+                        .map(|d| q[h * 8 + d] * k[j * row + kvh * 8 + d])
+                        .sum::<f32>()
+                })
+                .collect();
+            let z: f32 = scores.iter().map(|s| s.exp()).sum();
+            for d in 0..8 {
+                let want: f32 = (0..3)
+                    .map(|j| scores[j].exp() / z * v[j * row + kvh * 8 + d])
+                    .sum();
+                assert!((out[h * 8 + d] - want).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn bad_slots_are_errors() {
+        let p = pool(4);
+        let err = p.attend(
+            0,
+            &[0.0; 32],
+            &[SeqSlots {
+                slots: &[7],
+                num_new: 1,
+            }],
+            4,
+            1.0,
+        );
+        assert!(matches!(err, Err(KvError::SlotOutOfRange { slot: 7, .. })));
+        let err = p.check(&[SeqSlots {
+            slots: &[0],
+            num_new: 2,
+        }]);
+        assert!(matches!(err, Err(KvError::BadSequence { seq: 0, .. })));
+    }
+}

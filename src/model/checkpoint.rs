@@ -1,0 +1,212 @@
+//! HF-layout model directories: `config.json`, weights as `model.safetensors` or shards listed in
+//! `model.safetensors.index.json`, and `tokenizer.json`. Loading checks every expected tensor by
+//! name and shape (a `VarMap` would silently skip missing names) and converts weights to f32;
+//! errors name the tensor and file. Saving writes f32 safetensors with `{"format": "pt"}` metadata
+//! so transformers loads the directory unchanged. Optimiser state is the trainer's.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarMap;
+
+use super::critic::{value_head_shapes, SCORE_WEIGHT};
+use super::{params, Critic, Model, ModelConfig, ModelError, Result};
+use crate::tokenizer::Tokenizer;
+
+pub const CONFIG_FILE: &str = "config.json";
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Tensors of a checkpoint directory with the file each came from.
+struct Loaded {
+    tensors: HashMap<String, (Tensor, PathBuf)>,
+    files: Vec<PathBuf>,
+}
+
+impl Loaded {
+    fn read(dir: &Path, device: &Device) -> Result<Self> {
+        let files = weight_files(dir)?;
+        let mut tensors = HashMap::new();
+        for file in &files {
+            let loaded = candle_core::safetensors::load(file, device).map_err(|e| {
+                ModelError::Safetensors {
+                    path: file.display().to_string(),
+                    message: e.to_string(),
+                }
+            })?;
+            for (name, t) in loaded {
+                tensors.insert(name, (t, file.clone()));
+            }
+        }
+        Ok(Self { tensors, files })
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// A `VarMap` with every `(name, shape)` of `specs`, as f32.
+    fn take(&self, specs: &[(String, Vec<usize>)], varmap: &VarMap) -> Result<()> {
+        for (name, shape) in specs {
+            let (t, file) = self
+                .tensors
+                .get(name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: name.clone(),
+                    files: self
+                        .files
+                        .iter()
+                        .map(|f| f.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                })?;
+            if t.dims() != shape.as_slice() {
+                return Err(ModelError::WrongShape {
+                    name: name.clone(),
+                    file: file.display().to_string(),
+                    expected: shape.clone(),
+                    found: t.dims().to_vec(),
+                });
+            }
+            params::insert(varmap, name, &t.to_dtype(DType::F32)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The safetensors files of `dir`: the shards of the index when present, else `model.safetensors`.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join(INDEX_FILE);
+    if !index.exists() {
+        return Ok(vec![dir.join(WEIGHTS_FILE)]);
+    }
+    let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
+        path: index.display().to_string(),
+        source,
+    })?;
+    let bad = |message: String| ModelError::Config {
+        path: index.display().to_string(),
+        message,
+    };
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad("key `weight_map` must be an object".into()))?;
+    let mut files: Vec<String> = Vec::new();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(format!("key `weight_map.{name}` must be a file name")))?;
+        if !files.iter().any(|f| f == file) {
+            files.push(file.to_string());
+        }
+    }
+    files.sort();
+    Ok(files.into_iter().map(|f| dir.join(f)).collect())
+}
+
+/// Writes `tensors` as one safetensors file with `{"format": "pt"}` metadata.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let metadata = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
+    let contiguous: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), t.contiguous()?)))
+        .collect::<Result<_>>()?;
+    safetensors::tensor::serialize_to_file(contiguous, metadata, path).map_err(|e| {
+        ModelError::Safetensors {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        }
+    })
+}
+
+fn write_dir(
+    dir: &Path,
+    cfg: &ModelConfig,
+    varmap: &VarMap,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
+        path: dir.display().to_string(),
+        source,
+    })?;
+    cfg.save(&dir.join(CONFIG_FILE))?;
+    let tensors: Vec<(String, Tensor)> = params::named_vars(varmap)
+        .into_iter()
+        .map(|(n, v)| (n, v.as_tensor().detach()))
+        .collect();
+    write_safetensors(&dir.join(WEIGHTS_FILE), &tensors)?;
+    if let Some(tok) = tokenizer {
+        tok.save(dir.join(TOKENIZER_FILE))?;
+    }
+    Ok(())
+}
+
+impl Model {
+    /// Loads an HF-layout directory (`config.json` + `model.safetensors` or sharded index). The LM
+    /// head is untied when `lm_head.weight` is present or `tie_word_embeddings` is false; a shared
+    /// value head `score.*` is picked up when present.
+    pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+        let mut cfg = ModelConfig::from_file(&dir.join(CONFIG_FILE))?;
+        let loaded = Loaded::read(dir, device)?;
+        if loaded.has("lm_head.weight") {
+            cfg.tie_word_embeddings = false;
+        }
+        let varmap = VarMap::new();
+        loaded.take(&Self::param_shapes(&cfg), &varmap)?;
+        if loaded.has(SCORE_WEIGHT) {
+            loaded.take(&value_head_shapes(&cfg), &varmap)?;
+        }
+        Self::from_varmap(&cfg, varmap, device)
+    }
+
+    /// Writes `config.json`, `model.safetensors` (every var, f32) and, when given, `tokenizer.json`.
+    pub fn save(&self, dir: &Path, tokenizer: Option<&Tokenizer>) -> Result<()> {
+        write_dir(dir, self.config(), self.varmap(), tokenizer)
+    }
+}
+
+impl Critic {
+    /// Loads a critic directory; a policy directory without `score.*` gives a critic whose trunk
+    /// starts from the policy's weights and whose head is initialised from `seed`.
+    pub fn load(dir: &Path, device: &Device, seed: u64) -> Result<Self> {
+        let cfg = ModelConfig::from_file(&dir.join(CONFIG_FILE))?;
+        let loaded = Loaded::read(dir, device)?;
+        let varmap = VarMap::new();
+        loaded.take(&super::qwen2::trunk_param_shapes(&cfg), &varmap)?;
+        if loaded.has(SCORE_WEIGHT) {
+            loaded.take(&value_head_shapes(&cfg), &varmap)?;
+        } else {
+            params::insert_init(&varmap, &cfg, &value_head_shapes(&cfg), seed, device)?;
+        }
+        Self::from_varmap(&cfg, varmap, device)
+    }
+
+    /// Writes `config.json` and `model.safetensors` (trunk + `score.*`).
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        write_dir(dir, self.config(), self.varmap(), None)
+    }
+}
+
+/// Seed of the built-in policy (`--model builtin`).
+pub const BUILTIN_SEED: u64 = 0;
+
+/// The built-in policy: a freshly initialised `small` model over the built-in tokenizer.
+pub fn builtin_policy(device: &Device) -> Result<(Model, Tokenizer)> {
+    let tok = Tokenizer::builtin();
+    let model = Model::new(&ModelConfig::small(tok.vocab_size()), BUILTIN_SEED, device)?;
+    Ok((model, tok))
+}
+
+/// `builtin` or an HF-layout directory with `tokenizer.json`.
+pub fn load_policy(spec: &str, device: &Device) -> Result<(Model, Tokenizer)> {
+    if spec == "builtin" {
+        return builtin_policy(device);
+    }
+    let dir = Path::new(spec);
+    let tok = Tokenizer::from_file(dir.join(TOKENIZER_FILE))?;
+    Ok((Model::load(dir, device)?, tok))
+}

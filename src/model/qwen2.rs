@@ -1,0 +1,412 @@
+//! The Qwen2/Llama decoder trunk (embedding, blocks, final norm) with HF parameter names, and its
+//! two forward passes over the same weights:
+//! - [`Trunk::forward_train`]: padded `[B, T]` batches, causal + padding mask, built only from
+//!   differentiable candle ops (manual RMSNorm, rotate-half RoPE, matmul attention, `ops::softmax`);
+//! - [`Trunk::forward_incremental`]: new tokens of many sequences at once, K/V written to and read
+//!   from a [`KvPool`] by slot; projections and MLP are batched matmuls, attention is the pool's
+//!   CPU kernel. Callers pass detached weights so nothing is recorded for autograd.
+//!
+//! Both passes share [`rms_norm`], [`apply_rope`] and [`rope_tables`], so they agree to float
+//! rounding. Heads (LM head, value head) live in the parent module.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use super::{ModelConfig, ModelError, Result};
+use crate::kv::{KvPool, SeqSlots};
+
+/// Weights of one decoder block.
+#[derive(Clone)]
+struct Block {
+    input_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    post_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// `y = x Wᵀ + b` over the last dimension.
+#[derive(Clone)]
+pub(crate) struct Linear {
+    pub(crate) weight: Tensor,
+    pub(crate) bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let y = x
+            .reshape((rows, dims[dims.len() - 1]))?
+            .matmul(&self.weight.t()?)?;
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let mut out_dims = dims;
+        *out_dims.last_mut().expect("rank ≥ 1") = self.weight.dim(0)?;
+        Ok(y.reshape(out_dims)?)
+    }
+
+    fn detached(&self) -> Self {
+        Self {
+            weight: self.weight.detach(),
+            bias: self.bias.as_ref().map(Tensor::detach),
+        }
+    }
+}
+
+/// Embedding, decoder blocks and final norm.
+#[derive(Clone)]
+pub(crate) struct Trunk {
+    cfg: ModelConfig,
+    pub(crate) embed: Tensor,
+    blocks: Vec<Block>,
+    norm: Tensor,
+}
+
+/// HF names and shapes of every trunk parameter, in a fixed order.
+pub(crate) fn trunk_param_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, hd, i) = (cfg.hidden_size, cfg.head_dim(), cfg.intermediate_size);
+    let (q_out, kv_out) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    let mut specs = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![cfg.vocab_size, h],
+    )];
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        specs.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        for (name, out) in [("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)] {
+            specs.push((format!("{p}.self_attn.{name}.weight"), vec![out, h]));
+            if cfg.qkv_bias() {
+                specs.push((format!("{p}.self_attn.{name}.bias"), vec![out]));
+            }
+        }
+        specs.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q_out]));
+        if cfg.o_bias() {
+            specs.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
+        }
+        specs.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        specs.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+        specs.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+        specs.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+    }
+    specs.push(("model.norm.weight".to_string(), vec![h]));
+    specs
+}
+
+impl Trunk {
+    /// Builds the trunk from named tensors (`get` is called once per HF name).
+    pub(crate) fn from_named(
+        cfg: &ModelConfig,
+        get: &impl Fn(&str) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let linear = |name: &str, bias: bool| -> Result<Linear> {
+            Ok(Linear {
+                weight: get(&format!("{name}.weight"))?,
+                bias: if bias {
+                    Some(get(&format!("{name}.bias"))?)
+                } else {
+                    None
+                },
+            })
+        };
+        let blocks = (0..cfg.num_hidden_layers)
+            .map(|l| {
+                let p = format!("model.layers.{l}");
+                Ok(Block {
+                    input_norm: get(&format!("{p}.input_layernorm.weight"))?,
+                    q: linear(&format!("{p}.self_attn.q_proj"), cfg.qkv_bias())?,
+                    k: linear(&format!("{p}.self_attn.k_proj"), cfg.qkv_bias())?,
+                    v: linear(&format!("{p}.self_attn.v_proj"), cfg.qkv_bias())?,
+                    o: linear(&format!("{p}.self_attn.o_proj"), cfg.o_bias())?,
+                    post_norm: get(&format!("{p}.post_attention_layernorm.weight"))?,
+                    gate: linear(&format!("{p}.mlp.gate_proj"), false)?,
+                    up: linear(&format!("{p}.mlp.up_proj"), false)?,
+                    down: linear(&format!("{p}.mlp.down_proj"), false)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed: get("model.embed_tokens.weight")?,
+            blocks,
+            norm: get("model.norm.weight")?,
+        })
+    }
+
+    /// The same weights (shared storage) with no autograd tracking.
+    pub(crate) fn detached(&self) -> Self {
+        Self {
+            cfg: self.cfg.clone(),
+            embed: self.embed.detach(),
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| Block {
+                    input_norm: b.input_norm.detach(),
+                    q: b.q.detached(),
+                    k: b.k.detached(),
+                    v: b.v.detached(),
+                    o: b.o.detached(),
+                    post_norm: b.post_norm.detach(),
+                    gate: b.gate.detached(),
+                    up: b.up.detached(),
+                    down: b.down.detached(),
+                })
+                .collect(),
+            norm: self.norm.detach(),
+        }
+    }
+
+    fn eps(&self) -> f64 {
+        self.cfg.rms_norm_eps
+    }
+
+    fn mlp(&self, b: &Block, x: &Tensor) -> Result<Tensor> {
+        let h = rms_norm(x, &b.post_norm, self.eps())?;
+        let act = (candle_nn::ops::silu(&b.gate.forward(&h)?)? * b.up.forward(&h)?)?;
+        Ok((x + b.down.forward(&act)?)?)
+    }
+
+    /// Final hidden states `[B, T, hidden]` of a padded batch `input_ids [B, T]` (u32) with
+    /// `attention_mask [B, T]` (1 = real token, any dtype); positions count real tokens only, so
+    /// left and right padding both work.
+    pub(crate) fn forward_train(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+    ) -> Result<Tensor> {
+        let (b_sz, t_len) = input_ids.dims2()?;
+        if attention_mask.dims() != input_ids.dims() {
+            return Err(ModelError::Input(format!(
+                "attention_mask {:?} does not match input_ids {:?}",
+                attention_mask.dims(),
+                input_ids.dims()
+            )));
+        }
+        check_ids(
+            &input_ids.flatten_all()?.to_vec1::<u32>()?,
+            self.cfg.vocab_size,
+        )?;
+        let mask = attention_mask.to_dtype(DType::U32)?.to_vec2::<u32>()?;
+        let cfg = &self.cfg;
+        let (nh, nkv, hd) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim(),
+        );
+        let dev = input_ids.device();
+        let positions: Vec<u32> = mask
+            .iter()
+            .flat_map(|row| positions_from_mask(row))
+            .collect();
+        let (cos, sin) = rope_tensors(cfg, &positions, (b_sz, 1, t_len, hd), dev)?;
+        let bias = attention_bias(&mask, dev)?;
+        let mut x = self
+            .embed
+            .index_select(&input_ids.flatten_all()?, 0)?
+            .reshape((b_sz, t_len, cfg.hidden_size))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        for b in &self.blocks {
+            let h = rms_norm(&x, &b.input_norm, self.eps())?;
+            let heads = |lin: &Linear, n: usize| -> Result<Tensor> {
+                Ok(lin
+                    .forward(&h)?
+                    .reshape((b_sz, t_len, n, hd))?
+                    .transpose(1, 2)?
+                    .contiguous()?)
+            };
+            let q = apply_rope(&heads(&b.q, nh)?, &cos, &sin)?;
+            let k = repeat_kv(&apply_rope(&heads(&b.k, nkv)?, &cos, &sin)?, nh / nkv)?;
+            let v = repeat_kv(&heads(&b.v, nkv)?, nh / nkv)?;
+            let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?.broadcast_add(&bias)?;
+            let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
+            let o = probs
+                .matmul(&v)?
+                .transpose(1, 2)?
+                .reshape((b_sz, t_len, nh * hd))?;
+            x = (x + b.o.forward(&o)?)?;
+            x = self.mlp(b, &x)?;
+        }
+        rms_norm(&x, &self.norm, self.eps())
+    }
+
+    /// Final hidden states `[n, hidden]` of the new tokens of `seqs` (in batch order), whose ids are
+    /// `ids`; their K/V rows are written into the pool first. Call on detached weights.
+    pub(crate) fn forward_incremental(
+        &self,
+        ids: &[u32],
+        seqs: &[SeqSlots],
+        pool: &mut KvPool,
+    ) -> Result<Tensor> {
+        pool.check(seqs)?;
+        let cfg = &self.cfg;
+        let (nh, nkv, hd) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim(),
+        );
+        let dev = self.embed.device();
+        let n = ids.len();
+        let positions: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| (s.context_len()..s.slots.len()).map(|p| p as u32))
+            .collect();
+        let new_slots: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| s.slots[s.context_len()..].iter().copied())
+            .collect();
+        let (cos, sin) = rope_tensors(cfg, &positions, (n, 1, hd), dev)?;
+        let mut x = self.embed.index_select(&Tensor::new(ids, dev)?, 0)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        for (layer, b) in self.blocks.iter().enumerate() {
+            let h = rms_norm(&x, &b.input_norm, self.eps())?;
+            let q = apply_rope(&b.q.forward(&h)?.reshape((n, nh, hd))?, &cos, &sin)?;
+            let k = apply_rope(&b.k.forward(&h)?.reshape((n, nkv, hd))?, &cos, &sin)?;
+            let v = b.v.forward(&h)?;
+            pool.write(layer, &new_slots, &flat_f32(&k)?, &flat_f32(&v)?)?;
+            let o = pool.attend(layer, &flat_f32(&q)?, seqs, nh, scale)?;
+            let o = Tensor::from_vec(o, (n, nh * hd), dev)?;
+            x = (x + b.o.forward(&o)?)?;
+            x = self.mlp(b, &x)?;
+        }
+        rms_norm(&x, &self.norm, self.eps())
+    }
+}
+
+fn flat_f32(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// `x / sqrt(mean(x²) + eps) * w` over the last dimension, from differentiable ops.
+pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
+    Ok(x.broadcast_div(&rms)?.broadcast_mul(weight)?)
+}
+
+/// Rotate-half RoPE: `x·cos + rotate_half(x)·sin` with `cos`/`sin` broadcast over heads.
+pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    Ok((x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?)
+}
+
+/// HF's RoPE tables for `positions` (f32 as in transformers): `[n, head_dim]` cos and sin with the
+/// frequencies repeated over both halves.
+pub(crate) fn rope_tables(cfg: &ModelConfig, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
+    let hd = cfg.head_dim();
+    let theta = cfg.rope_theta as f32;
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / hd as f32))
+        .collect();
+    let mut cos = Vec::with_capacity(positions.len() * hd);
+    let mut sin = Vec::with_capacity(positions.len() * hd);
+    for &p in positions {
+        for _ in 0..2 {
+            for f in &inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+    }
+    (cos, sin)
+}
+
+fn rope_tensors(
+    cfg: &ModelConfig,
+    positions: &[u32],
+    shape: impl Into<candle_core::Shape> + Clone,
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let (cos, sin) = rope_tables(cfg, positions);
+    Ok((
+        Tensor::from_vec(cos, shape.clone(), dev)?,
+        Tensor::from_vec(sin, shape, dev)?,
+    ))
+}
+
+/// Position of each token of a padded row: the number of real tokens before it.
+fn positions_from_mask(row: &[u32]) -> Vec<u32> {
+    let mut seen = 0u32;
+    row.iter()
+        .map(|&m| {
+            let p = seen;
+            seen += u32::from(m != 0);
+            p
+        })
+        .collect()
+}
+
+/// Additive attention bias `[B, 1, T, T]`: 0 where query t may see key s (s ≤ t and s is a real
+/// token, or s = t so padded rows stay finite), −∞ elsewhere.
+fn attention_bias(mask: &[Vec<u32>], dev: &Device) -> Result<Tensor> {
+    let (b_sz, t_len) = (mask.len(), mask.first().map_or(0, Vec::len));
+    let mut bias = vec![f32::NEG_INFINITY; b_sz * t_len * t_len];
+    for (b, row) in mask.iter().enumerate() {
+        for t in 0..t_len {
+            for s in 0..=t {
+                if row[s] != 0 || s == t {
+                    bias[(b * t_len + t) * t_len + s] = 0.0;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(bias, (b_sz, 1, t_len, t_len), dev)?)
+}
+
+/// `[B, kv, T, d]` → `[B, kv·rep, T, d]`, each kv head repeated for its `rep` query heads.
+fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
+    if rep == 1 {
+        return Ok(x.clone());
+    }
+    let (b, kv, t, d) = x.dims4()?;
+    Ok(x.unsqueeze(2)?
+        .broadcast_as((b, kv, rep, t, d))?
+        .reshape((b, kv * rep, t, d))?)
+}
+
+/// Fails on the first id outside the vocabulary.
+pub(crate) fn check_ids(ids: &[u32], vocab_size: usize) -> Result<()> {
+    match ids.iter().find(|&&id| id as usize >= vocab_size) {
+        Some(id) => Err(ModelError::Input(format!(
+            "token id {id} ≥ vocab_size {vocab_size}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_skip_padding() {
+        assert_eq!(positions_from_mask(&[0, 0, 1, 1, 1]), vec![0, 0, 0, 1, 2]);
+        assert_eq!(positions_from_mask(&[1, 1, 0]), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn rms_norm_matches_candle_fast_op() {
+        let dev = Device::Cpu;
+        let x = Tensor::new(&[[1f32, -2.0, 3.0, 0.5], [0.1, 0.2, -0.3, 4.0]], &dev).unwrap();
+        let w = Tensor::new(&[1f32, 0.5, 2.0, -1.0], &dev).unwrap();
+        let ours = rms_norm(&x, &w, 1e-6).unwrap();
+        let fast = candle_nn::ops::rms_norm(&x, &w, 1e-6).unwrap();
+        let diff = (ours - fast)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff < 1e-5, "{diff}");
+    }
+}

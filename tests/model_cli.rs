@@ -1,0 +1,107 @@
+//! `stepppo init-model` and `stepppo generate` through the binary.
+
+use std::process::Command;
+
+fn stepppo(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_stepppo"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn json_of(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn init_model_then_generate_from_the_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("m");
+    let out = stepppo(&[
+        "init-model",
+        "--config",
+        "tiny",
+        "--out",
+        out_dir.to_str().unwrap(),
+        "--seed",
+        "3",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        assert!(out_dir.join(f).exists(), "{f}");
+    }
+    let args = [
+        "generate",
+        "--model",
+        out_dir.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "5",
+    ];
+    let sampled = [
+        &args[..],
+        &[
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "50",
+            "--seed",
+            "9",
+            "--json",
+        ],
+    ]
+    .concat();
+    let a = json_of(&stepppo(&sampled));
+    let b = json_of(&stepppo(&sampled));
+    assert_eq!(a, b, "same seed, same output");
+    assert_eq!(a["prompt_ids"], serde_json::json!([1, 2, 3]));
+    let ids = a["output_ids"].as_array().unwrap();
+    assert!(!ids.is_empty() && ids.len() <= 5);
+    assert_eq!(a["logprobs"].as_array().unwrap().len(), ids.len());
+    assert!(a["output_text"].is_string());
+
+    let greedy = json_of(&stepppo(&[&args[..], &["--greedy", "--json"]].concat()));
+    assert!(greedy["logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|l| l.as_f64().unwrap() < 0.0));
+}
+
+#[test]
+fn builtin_generates_from_text_and_bad_flags_fail() {
+    let out = json_of(&stepppo(&[
+        "generate",
+        "--prompt",
+        "Turn 1:",
+        "--max-new-tokens",
+        "3",
+        "--greedy",
+        "--json",
+    ]));
+    let prompt = out["prompt_ids"].as_array().unwrap();
+    assert!(prompt.len() > 3, "chat template wraps the prompt");
+    let out = stepppo(&["generate", "--prompt", "x", "--temperature", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--temperature"));
+    let out = stepppo(&["generate", "--model", "/nonexistent/dir", "--prompt", "x"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/dir"));
+    let out = stepppo(&[
+        "init-model",
+        "--config",
+        "/nonexistent/config.json",
+        "--out",
+        "/tmp/never",
+    ]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/config.json"));
+}
