@@ -1,1 +1,82 @@
-//! Advantage estimators, reward normalisation, filters, losses, optimiser (issue 6).
+//! The learning algorithm: credit assignment on step records ([`advantage`]), reward
+//! normalisation and whitening ([`normalize`]), StarPO-S filtering and the zero-signal detector
+//! ([`filter`]), PPO/GSPO actor and critic losses on candle tensors ([`loss`]), and AdamW with
+//! checkpointable state, gradient clipping and the learning-rate schedule ([`optim`]).
+//! It does not run models or read datasets: the trainer gathers log-probs and values and
+//! passes records in.
+//!
+//! Conventions where sources differ: standard deviations are unbiased (as torch computes them);
+//! GRPO/group-normalisation ε is 1e-6; whitening ε is 1e-8; a group with ≤ 1 member or
+//! std ≤ 1e-6 gets zero advantages under `mean_std` (ROLL).
+
+pub mod advantage;
+pub mod config;
+pub mod filter;
+pub mod loss;
+pub mod normalize;
+pub mod optim;
+
+pub use advantage::{
+    compute_advantages, replay_rows, AdvantageInputs, AdvantageOutput, ReplayExport, ReplayRow,
+    StepAdvantage, TokenAdvantages,
+};
+pub use config::{
+    AdvantageConfig, AlgoConfig, CriticTarget, Estimator, FilterConfig, LossConfig, OptimizerConfig,
+};
+pub use filter::{uncertainty_filter, zero_signal, FilterOutcome, ZeroSignal};
+pub use loss::{kl_reward_penalty, policy_loss, value_loss, PolicyMetrics, ValueMetrics};
+pub use optim::{clip_grad_norm, AdamW, LrSchedule, StepReport};
+
+/// Errors of the algorithm module; each names the record, key or file involved.
+#[derive(Debug, thiserror::Error)]
+pub enum AlgoError {
+    #[error("invalid algorithm config `{key}`: {reason}")]
+    InvalidConfig { key: String, reason: String },
+    #[error("{what}: expected {expected} entries (one per step record), got {got}")]
+    LengthMismatch {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
+    #[error("record {index} (traj {traj_id} step {step_index}): {what} has {got} entries, the response has {expected} tokens")]
+    TokenLengthMismatch {
+        what: &'static str,
+        index: usize,
+        traj_id: u64,
+        step_index: u32,
+        expected: usize,
+        got: usize,
+    },
+    #[error("estimator `{estimator}` needs {what}")]
+    MissingInput {
+        estimator: String,
+        what: &'static str,
+    },
+    #[error("trajectory {traj_id} has step {step_index} twice")]
+    DuplicateStep { traj_id: u64, step_index: u32 },
+    #[error("trajectory {traj_id} spans groups {first} and {second}")]
+    MixedGroups {
+        traj_id: u64,
+        first: u64,
+        second: u64,
+    },
+    #[error("record {index} (traj {traj_id} step {step_index}): {what} is not finite")]
+    NonFinite {
+        what: &'static str,
+        index: usize,
+        traj_id: u64,
+        step_index: u32,
+    },
+    #[error("tensor `{what}` has shape {got:?}, expected {expected:?}")]
+    Shape {
+        what: &'static str,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("KL coefficient is set but no reference log-probs were given")]
+    MissingReference,
+    #[error("optimizer state {path}: {reason}")]
+    Checkpoint { path: String, reason: String },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}

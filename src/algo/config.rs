@@ -1,0 +1,558 @@
+//! Serde configuration of the algorithm module: credit assignment ([`AdvantageConfig`]),
+//! StarPO-S filtering ([`FilterConfig`]), PPO/critic losses ([`LossConfig`]) and the optimiser
+//! ([`OptimizerConfig`]). Field names follow ROLL (`adv_estimator`, `lambd`, `pg_clip`, ...);
+//! every struct rejects unknown keys and has documented defaults. It does not own the trainer's
+//! YAML file, which embeds these structs.
+
+use serde::{Deserialize, Serialize};
+
+use super::AlgoError;
+
+/// Which credit-assignment method turns rewards (and values) into advantages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Estimator {
+    /// StepPO: GAE over interaction steps, critic read at each step's start.
+    #[default]
+    StepGae,
+    /// PPO baseline: GAE over the generated tokens of the trajectory (`gae` = ROLL's name).
+    #[serde(alias = "gae")]
+    TokenGae,
+    /// StarPO / ROLL `reinforce`/`grpo`: trajectory score normalised by `reward_normalization`.
+    #[serde(alias = "grpo")]
+    Reinforce,
+    /// Dr.GRPO: trajectory score minus its group mean (no std division).
+    DrGrpo,
+    /// Leave-one-out baseline within the trajectory group.
+    Rloo,
+    /// REINFORCE++: per-token discounted return, token-weighted batch whitening.
+    ReinforcePlusPlus,
+    /// REINFORCE++ with a group-mean baseline on the trajectory score, then batch whitening.
+    ReinforcePlusPlusBaseline,
+    /// GiGPO: episode advantage + ω · anchor-state step advantage.
+    Gigpo,
+    /// Discounted step returns normalised by `reward_normalization`.
+    StepReinforce,
+}
+
+impl Estimator {
+    /// Whether the estimator reads critic values.
+    pub fn needs_critic(self) -> bool {
+        matches!(self, Estimator::StepGae | Estimator::TokenGae)
+    }
+
+    /// Where the critic is trained for this estimator (`None` when there is no critic).
+    pub fn critic_target(self) -> Option<CriticTarget> {
+        match self {
+            Estimator::StepGae => Some(CriticTarget::StepStart),
+            Estimator::TokenGae => Some(CriticTarget::AllResponseTokens),
+            _ => None,
+        }
+    }
+}
+
+/// Positions at which the critic's value loss is applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CriticTarget {
+    /// Only the last token before a step's response (StepPO `value_mask[:, 0]`).
+    StepStart,
+    /// Every response token (token-level GAE).
+    AllResponseTokens,
+}
+
+/// Which rows share normalisation statistics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Grouping {
+    /// The trajectory group (`group_id`: same task and seed) — GRPO.
+    #[default]
+    TrajGroupId,
+    /// Same environment tag (`env_tag`).
+    Tags,
+    /// The whole batch.
+    Batch,
+    /// ROLL `state_group_id`: same `state_hash` within a trajectory group (for trajectory-level
+    /// scores, the state at step 0).
+    State,
+}
+
+/// How a group's values are normalised.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormMethod {
+    /// Unchanged.
+    Identity,
+    /// x − mean.
+    Mean,
+    /// (x − mean)/(std + 1e-6); a group with ≤ 1 member or std ≤ 1e-6 becomes all zeros.
+    #[default]
+    MeanStd,
+    /// Same as `mean_std` (ROLL since the Nov-2025 refactor: the [−1, 3] clamp is gone).
+    AsymClip,
+}
+
+/// ROLL `reward_normalization`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RewardNormalization {
+    pub grouping: Grouping,
+    pub method: NormMethod,
+}
+
+/// GiGPO group normalisation mode (verl-agent names; `mean`/`mean_std` accepted).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GigpoMode {
+    /// F_norm = 1.
+    #[default]
+    #[serde(alias = "mean")]
+    MeanNorm,
+    /// F_norm = std + 1e-6 (zero advantages for groups with std ≤ 1e-6).
+    #[serde(alias = "mean_std")]
+    MeanStdNorm,
+}
+
+/// GiGPO settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GigpoConfig {
+    /// Weight of the episode-level advantage (default 1).
+    pub episode_weight: f32,
+    /// ω, weight of the step-level advantage (default 1).
+    pub step_weight: f32,
+    pub mode: GigpoMode,
+    /// When set, states whose observation texts have a Ratcliff/Obershelp similarity ≥ this
+    /// threshold share a step group (paper: 0.9 for search QA); otherwise exact `state_hash`.
+    pub similarity_threshold: Option<f32>,
+}
+
+impl Default for GigpoConfig {
+    fn default() -> Self {
+        Self {
+            episode_weight: 1.0,
+            step_weight: 1.0,
+            mode: GigpoMode::MeanNorm,
+            similarity_threshold: None,
+        }
+    }
+}
+
+/// What the value after the last step of a truncated (cut, not terminated) episode is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Truncation {
+    /// V(s_T) from `bootstrap_values` (0, counted in metrics, when absent).
+    #[default]
+    Bootstrap,
+    /// 0, as the StepPO reference code does.
+    Terminal,
+}
+
+/// Credit assignment settings (ROLL names).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdvantageConfig {
+    pub adv_estimator: Estimator,
+    /// Discount across steps (step_gae), tokens (token_gae, reinforce++), or steps for `ret` of
+    /// the score-based estimators. Default 1.0.
+    pub gamma: f32,
+    /// GAE λ (ROLL spelling; `lam` accepted). Default 1.0 (verl/StepPO).
+    #[serde(alias = "lam")]
+    pub lambd: f32,
+    /// Whiten the estimator's advantages. `None` = the method's own default (on for step_gae,
+    /// token_gae and the REINFORCE++ pair, off for the others).
+    pub whiten_advantages: Option<bool>,
+    /// Clamp advantages to ±c after whitening.
+    pub advantage_clip: Option<f32>,
+    /// Clamp rewards to ±c (after normalisation for the score-based estimators, the raw step
+    /// rewards for the GAE/REINFORCE++ ones).
+    pub reward_clip: Option<f32>,
+    pub reward_normalization: RewardNormalization,
+    /// γ of the discounted step returns of `gigpo` and `step_reinforce` (default 0.95).
+    pub step_reward_gamma: f32,
+    pub gigpo: GigpoConfig,
+    pub truncation: Truncation,
+}
+
+impl Default for AdvantageConfig {
+    fn default() -> Self {
+        Self {
+            adv_estimator: Estimator::StepGae,
+            gamma: 1.0,
+            lambd: 1.0,
+            whiten_advantages: None,
+            advantage_clip: None,
+            reward_clip: None,
+            reward_normalization: RewardNormalization::default(),
+            step_reward_gamma: 0.95,
+            gigpo: GigpoConfig::default(),
+            truncation: Truncation::Bootstrap,
+        }
+    }
+}
+
+/// StarPO-S uncertainty filter ordering.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FilterType {
+    /// Keep the groups with the largest in-group reward std.
+    #[default]
+    Std,
+    /// Keep the groups with the smallest in-group reward std.
+    StdRev,
+}
+
+/// StarPO-S `rollout_filter_ratio` / `rollout_filter_type`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FilterConfig {
+    #[serde(rename = "type")]
+    pub filter_type: FilterType,
+    /// Fraction of groups kept, in (0, 1]; 1.0 (default) turns the filter off.
+    pub keep_ratio: f32,
+}
+
+impl Default for FilterConfig {
+    fn default() -> Self {
+        Self {
+            filter_type: FilterType::Std,
+            keep_ratio: 1.0,
+        }
+    }
+}
+
+/// One importance ratio per token, or one length-normalised ratio per step row (GSPO).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RatioType {
+    #[default]
+    Token,
+    Segment,
+}
+
+/// How token losses become one scalar (verl/ROLL `loss_agg_mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LossAggMode {
+    #[serde(rename = "token-mean")]
+    TokenMean,
+    #[serde(rename = "seq-mean-token-sum")]
+    SeqMeanTokenSum,
+    #[default]
+    #[serde(rename = "seq-mean-token-mean")]
+    SeqMeanTokenMean,
+    #[serde(rename = "seq-mean-token-sum-norm")]
+    SeqMeanTokenSumNorm,
+}
+
+/// KL estimator of log π_θ − log π_ref.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlEstimator {
+    /// lr (verl `kl`).
+    K1,
+    /// exp(−lr) + lr − 1, clamped to [−10, 10] (verl `low_var_kl`).
+    #[default]
+    #[serde(alias = "low_var_kl")]
+    K3,
+}
+
+/// Whether the KL penalty is a loss term or subtracted from token rewards.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlMode {
+    /// + coef · agg(KL) (ROLL `use_kl_loss` / `kl_loss_coef`).
+    #[default]
+    Loss,
+    /// r_t −= coef · KL_t (ROLL `add_token_level_kl` / `init_kl_coef`).
+    Reward,
+}
+
+/// KL to a reference policy; `coef` 0 (default) disables it and needs no reference model.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KlConfig {
+    pub coef: f32,
+    pub estimator: KlEstimator,
+    pub mode: KlMode,
+}
+
+/// PPO actor and critic loss settings (ROLL defaults).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LossConfig {
+    pub ratio_type: RatioType,
+    /// Symmetric clip ε (default 0.2).
+    pub pg_clip: f32,
+    /// ε_low; `None` = `pg_clip`.
+    pub pg_clip_low: Option<f32>,
+    /// ε_high; `None` = `pg_clip` (StarPO-S / DAPO: 0.28).
+    pub pg_clip_high: Option<f32>,
+    pub dual_clip_loss: bool,
+    /// Dual-clip bound c; `None` = ROLL's 1 + 2·pg_clip (verl uses 3.0).
+    pub dual_clip_c: Option<f32>,
+    pub loss_agg_mode: LossAggMode,
+    /// Constant L of `seq-mean-token-sum-norm`; `None` = the mask width.
+    pub loss_norm_len: Option<usize>,
+    pub kl: KlConfig,
+    pub entropy_loss_coef: f32,
+    /// Critic value clip c_v (verl 0.5); `None` = unclipped.
+    pub value_clip: Option<f32>,
+}
+
+impl Default for LossConfig {
+    fn default() -> Self {
+        Self {
+            ratio_type: RatioType::Token,
+            pg_clip: 0.2,
+            pg_clip_low: None,
+            pg_clip_high: None,
+            dual_clip_loss: false,
+            dual_clip_c: None,
+            loss_agg_mode: LossAggMode::SeqMeanTokenMean,
+            loss_norm_len: None,
+            kl: KlConfig::default(),
+            entropy_loss_coef: 0.0,
+            value_clip: None,
+        }
+    }
+}
+
+impl LossConfig {
+    pub fn clip_low(&self) -> f32 {
+        self.pg_clip_low.unwrap_or(self.pg_clip)
+    }
+
+    pub fn clip_high(&self) -> f32 {
+        self.pg_clip_high.unwrap_or(self.pg_clip)
+    }
+
+    pub fn dual_clip_bound(&self) -> f32 {
+        self.dual_clip_c.unwrap_or(1.0 + 2.0 * self.pg_clip)
+    }
+}
+
+/// Learning-rate schedule after warmup.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Schedule {
+    #[default]
+    Constant,
+    /// Cosine decay to 0 at the run's last update.
+    Cosine,
+}
+
+/// AdamW, clipping and schedule (actor and critic have separate learning rates).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    pub lr: f64,
+    pub critic_lr: f64,
+    pub betas: (f64, f64),
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub warmup_steps: usize,
+    pub schedule: Schedule,
+    /// Global gradient-norm bound; `None` = no clipping.
+    pub max_grad_norm: Option<f64>,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-6,
+            critic_lr: 1e-5,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+            warmup_steps: 0,
+            schedule: Schedule::Constant,
+            max_grad_norm: Some(1.0),
+        }
+    }
+}
+
+/// The whole algorithm section, for configs that nest it in one place.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AlgoConfig {
+    pub advantage: AdvantageConfig,
+    pub filter: FilterConfig,
+    pub loss: LossConfig,
+    pub optimizer: OptimizerConfig,
+}
+
+fn check(ok: bool, key: &str, reason: &str) -> Result<(), AlgoError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(AlgoError::InvalidConfig {
+            key: key.to_string(),
+            reason: reason.to_string(),
+        })
+    }
+}
+
+fn positive_opt(v: Option<f32>, key: &str) -> Result<(), AlgoError> {
+    check(
+        v.is_none_or(|c| c > 0.0 && c.is_finite()),
+        key,
+        "must be a positive number",
+    )
+}
+
+impl AdvantageConfig {
+    /// Checks value ranges; errors name the offending key.
+    pub fn validate(&self) -> Result<(), AlgoError> {
+        check(
+            (0.0..=1.0).contains(&self.gamma),
+            "gamma",
+            "must lie in [0, 1]",
+        )?;
+        check(
+            (0.0..=1.0).contains(&self.lambd),
+            "lambd",
+            "must lie in [0, 1]",
+        )?;
+        check(
+            (0.0..=1.0).contains(&self.step_reward_gamma),
+            "step_reward_gamma",
+            "must lie in [0, 1]",
+        )?;
+        positive_opt(self.advantage_clip, "advantage_clip")?;
+        positive_opt(self.reward_clip, "reward_clip")?;
+        check(
+            self.gigpo
+                .similarity_threshold
+                .is_none_or(|t| (0.0..=1.0).contains(&t)),
+            "gigpo.similarity_threshold",
+            "must lie in [0, 1]",
+        )?;
+        check(
+            self.gigpo.episode_weight.is_finite(),
+            "gigpo.episode_weight",
+            "must be finite",
+        )?;
+        check(
+            self.gigpo.step_weight.is_finite(),
+            "gigpo.step_weight",
+            "must be finite",
+        )
+    }
+}
+
+impl FilterConfig {
+    pub fn validate(&self) -> Result<(), AlgoError> {
+        check(
+            self.keep_ratio > 0.0 && self.keep_ratio <= 1.0,
+            "filter.keep_ratio",
+            "must lie in (0, 1]",
+        )
+    }
+}
+
+impl LossConfig {
+    pub fn validate(&self) -> Result<(), AlgoError> {
+        check(self.pg_clip > 0.0, "pg_clip", "must be positive")?;
+        positive_opt(self.pg_clip_low, "pg_clip_low")?;
+        positive_opt(self.pg_clip_high, "pg_clip_high")?;
+        check(self.dual_clip_bound() > 1.0, "dual_clip_c", "must exceed 1")?;
+        check(
+            self.loss_norm_len != Some(0),
+            "loss_norm_len",
+            "must be positive",
+        )?;
+        check(self.kl.coef >= 0.0, "kl.coef", "must be non-negative")?;
+        positive_opt(self.value_clip, "value_clip")
+    }
+}
+
+impl OptimizerConfig {
+    pub fn validate(&self) -> Result<(), AlgoError> {
+        check(self.lr > 0.0, "optimizer.lr", "must be positive")?;
+        check(
+            self.critic_lr > 0.0,
+            "optimizer.critic_lr",
+            "must be positive",
+        )?;
+        let (b1, b2) = self.betas;
+        check(
+            (0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2),
+            "optimizer.betas",
+            "must lie in [0, 1)",
+        )?;
+        check(self.eps > 0.0, "optimizer.eps", "must be positive")?;
+        check(
+            self.weight_decay >= 0.0,
+            "optimizer.weight_decay",
+            "must be non-negative",
+        )?;
+        check(
+            self.max_grad_norm.is_none_or(|m| m > 0.0),
+            "optimizer.max_grad_norm",
+            "must be positive",
+        )
+    }
+}
+
+impl AlgoConfig {
+    pub fn validate(&self) -> Result<(), AlgoError> {
+        self.advantage.validate()?;
+        self.filter.validate()?;
+        self.loss.validate()?;
+        self.optimizer.validate()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roll_names_and_aliases_parse() {
+        let cfg: AdvantageConfig = serde_json::from_str(
+            r#"{"adv_estimator":"gae","lam":0.95,"reward_normalization":{"grouping":"batch","method":"mean"}}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.adv_estimator, Estimator::TokenGae);
+        assert_eq!(cfg.lambd, 0.95);
+        assert_eq!(cfg.reward_normalization.grouping, Grouping::Batch);
+        let grpo: AdvantageConfig = serde_json::from_str(r#"{"adv_estimator":"grpo"}"#).unwrap();
+        assert_eq!(grpo.adv_estimator, Estimator::Reinforce);
+        let loss: LossConfig =
+            serde_json::from_str(r#"{"loss_agg_mode":"seq-mean-token-sum-norm"}"#).unwrap();
+        assert_eq!(loss.loss_agg_mode, LossAggMode::SeqMeanTokenSumNorm);
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_with_their_name() {
+        let err = serde_json::from_str::<LossConfig>(r#"{"pg_clipp":0.2}"#).unwrap_err();
+        assert!(err.to_string().contains("pg_clipp"), "{err}");
+        let err = serde_json::from_str::<FilterConfig>(r#"{"ratio":0.5}"#).unwrap_err();
+        assert!(err.to_string().contains("ratio"), "{err}");
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let cfg = AdvantageConfig {
+            gamma: 1.5,
+            ..Default::default()
+        };
+        assert!(cfg.validate().unwrap_err().to_string().contains("gamma"));
+        let f = FilterConfig {
+            keep_ratio: 0.0,
+            ..Default::default()
+        };
+        assert!(f.validate().unwrap_err().to_string().contains("keep_ratio"));
+        assert!(AlgoConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn asymmetric_clip_and_dual_clip_defaults() {
+        let cfg = LossConfig {
+            pg_clip_high: Some(0.28),
+            ..Default::default()
+        };
+        assert_eq!((cfg.clip_low(), cfg.clip_high()), (0.2, 0.28));
+        assert!((cfg.dual_clip_bound() - 1.4).abs() < 1e-6);
+    }
+}
