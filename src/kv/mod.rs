@@ -1,8 +1,9 @@
 //! KV cache of the rollout engine (issues 4 and 5): the slot pool that holds every layer's keys and
 //! values by token slot, and the CPU attention kernel that reads them by slot index
-//! ([`pool`]). The radix-tree prefix cache over these slots lives beside it.
+//! ([`pool`]). The radix-tree prefix cache over these slots lives beside it ([`radix`]).
 
 pub mod pool;
+pub mod radix;
 
 pub use pool::{KvPool, SeqSlots};
 

@@ -1,0 +1,321 @@
+//! The agent loop: drives `num_groups × group_size` agent sessions turn by turn through the
+//! engine and turns every interaction round into a [`StepRecord`]. Contexts are built in token
+//! space only (reference.md §2.3): the first context is the system message plus the first user
+//! turn; in the `concat` layout each later context is the previous context + the sampled
+//! response ids + the observation fragment (closing `<|im_end|>` if the response did not end with
+//! it, the template's after-response tokens, the next user turn), so a response is never
+//! re-tokenised and the radix cache sees each context extend the last. The `window` layout
+//! renders a fresh prompt with the last k rounds at every step (`context_len == 0`). The loop owns
+//! neither the model nor the cache: it borrows an [`Engine`] whose counters it reports.
+
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::env::{build_session, AgentSession, EnvError};
+use crate::model::Model;
+use crate::rollout::engine::{CacheCounters, Engine, EngineError, FinishReason, GenRequest};
+use crate::rollout::sampling::SamplingParams;
+use crate::seed;
+use crate::store::StepRecord;
+use crate::tokenizer::{ChatTemplate, Tokenizer};
+
+/// Errors of a rollout.
+#[derive(Debug, thiserror::Error)]
+pub enum RolloutError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("env `{env}`: {source}")]
+    Env { env: String, source: EnvError },
+    #[error("writing step {step} of trajectory {traj_id}: {message}")]
+    Sink {
+        traj_id: u64,
+        step: u32,
+        message: String,
+    },
+    #[error("rollout config: {0}")]
+    Config(String),
+}
+
+pub type Result<T> = std::result::Result<T, RolloutError>;
+
+/// How a step's context is built.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "layout")]
+pub enum ContextLayout {
+    /// The whole trajectory in context, each step appending to the last (the default).
+    #[default]
+    Concat,
+    /// A fresh prompt per step holding the last `k` rounds (StepPO's HotpotQA flow).
+    Window { k: usize },
+}
+
+/// What one rollout runs.
+#[derive(Clone, Debug)]
+pub struct RolloutConfig {
+    pub env_name: String,
+    /// Env + protocol overrides over the env's defaults (see `env::build_session`).
+    pub env_config: serde_json::Value,
+    pub num_groups: usize,
+    pub group_size: usize,
+    pub base_seed: u64,
+    /// Id of the first group; group g gets `first_group_id + g`, its member m the trajectory id
+    /// `group_id * group_size + m`. Advance it between rollouts to keep ids unique.
+    pub first_group_id: u64,
+    pub sampling: SamplingParams,
+    pub max_new_tokens: usize,
+    /// Hard cap on rounds per trajectory (the last one is marked truncated).
+    pub max_turns: usize,
+    /// A trajectory whose next context would exceed this is truncated.
+    pub max_context_tokens: usize,
+    pub layout: ContextLayout,
+}
+
+/// Per-rollout statistics for the trainer's metrics.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RolloutStats {
+    pub env_tag: String,
+    pub trajectories: usize,
+    pub steps: usize,
+    pub success_rate: f64,
+    pub mean_return: f64,
+    pub mean_turns: f64,
+    pub mean_response_tokens: f64,
+    pub max_response_tokens: usize,
+    /// Responses cut at `max_new_tokens`.
+    pub length_cut_responses: usize,
+    pub cache: CacheCounters,
+    pub wall_s: f64,
+    pub generate_s: f64,
+    pub env_s: f64,
+}
+
+/// The records of one rollout (trajectory by trajectory, steps in order) and its statistics.
+pub struct Rollout {
+    pub records: Vec<StepRecord>,
+    pub stats: RolloutStats,
+}
+
+/// Where records go as they are produced (e.g. a store writer); `|_| Ok(())` keeps them in memory only.
+pub type StepSink<'a> = dyn FnMut(&StepRecord) -> std::result::Result<(), String> + 'a;
+
+struct Trajectory {
+    session: AgentSession,
+    traj_id: u64,
+    group_id: u64,
+    member: u64,
+    env_seed: u64,
+    /// Token context of the coming step (concat: the whole trajectory so far).
+    context: Vec<u32>,
+    /// Tokens before this step's observation fragment.
+    context_len: usize,
+    observation_text: String,
+    records: Vec<StepRecord>,
+    done: bool,
+}
+
+/// Runs one rollout: builds and resets every session (group g's members share the env seed
+/// `seed::derive(base_seed, &[group_id])`, hence the prompt), then per turn generates for all
+/// active trajectories in one engine call, steps their sessions and emits one record per round.
+/// The engine's counters are taken (reset) into the returned stats.
+pub fn run_rollout(
+    engine: &mut Engine,
+    model: &Model,
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    cfg: &RolloutConfig,
+    sink: &mut StepSink,
+) -> Result<Rollout> {
+    validate(cfg)?;
+    let start = Instant::now();
+    engine.take_counters();
+    let mut trajs = start_trajectories(tok, template, cfg)?;
+    let (mut generate_s, mut env_s) = (0.0, 0.0);
+    let mut length_cut = 0;
+    for turn in 0..cfg.max_turns {
+        let active: Vec<usize> = (0..trajs.len()).filter(|&i| !trajs[i].done).collect();
+        if active.is_empty() {
+            break;
+        }
+        let requests: Vec<GenRequest> = active
+            .iter()
+            .map(|&i| request(&trajs[i], turn as u32, tok, cfg))
+            .collect();
+        let t0 = Instant::now();
+        let gens = engine.generate(model, tok, &requests)?;
+        generate_s += t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        for (&i, g) in active.iter().zip(gens) {
+            length_cut += usize::from(g.finish == FinishReason::Length);
+            let last_turn = turn + 1 == cfg.max_turns;
+            let record = advance(&mut trajs[i], turn as u32, g.tokens, g.logprobs, last_turn, engine.policy_version(), tok, template, cfg);
+            sink(&record).map_err(|message| RolloutError::Sink {
+                traj_id: record.traj_id,
+                step: record.step_index,
+                message,
+            })?;
+            trajs[i].records.push(record);
+        }
+        env_s += t1.elapsed().as_secs_f64();
+    }
+    let records: Vec<StepRecord> = trajs.into_iter().flat_map(|t| t.records).collect();
+    let mut stats = summarize(&cfg.env_name, &records, cfg.num_groups * cfg.group_size);
+    stats.length_cut_responses = length_cut;
+    stats.cache = engine.take_counters();
+    stats.wall_s = start.elapsed().as_secs_f64();
+    stats.generate_s = generate_s;
+    stats.env_s = env_s;
+    Ok(Rollout { records, stats })
+}
+
+fn validate(cfg: &RolloutConfig) -> Result<()> {
+    let bad = |m: &str| Err(RolloutError::Config(m.to_string()));
+    if cfg.num_groups == 0 || cfg.group_size == 0 {
+        return bad("num_groups and group_size must be at least 1");
+    }
+    if cfg.max_turns == 0 || cfg.max_new_tokens == 0 {
+        return bad("max_turns and max_new_tokens must be at least 1");
+    }
+    if let ContextLayout::Window { k: 0 } = cfg.layout {
+        return bad("window layout needs k >= 1");
+    }
+    Ok(())
+}
+
+fn start_trajectories(tok: &Tokenizer, template: &ChatTemplate, cfg: &RolloutConfig) -> Result<Vec<Trajectory>> {
+    let mut trajs = Vec::with_capacity(cfg.num_groups * cfg.group_size);
+    for g in 0..cfg.num_groups as u64 {
+        let group_id = cfg.first_group_id + g;
+        let env_seed = seed::derive(cfg.base_seed, &[group_id]);
+        for member in 0..cfg.group_size as u64 {
+            let mut session = build_session(&cfg.env_name, &cfg.env_config).map_err(|source| RolloutError::Env {
+                env: cfg.env_name.clone(),
+                source,
+            })?;
+            let first = session.reset(env_seed);
+            let mut context = template.system(tok, &session.system_prompt());
+            context.extend(template.user_turn(tok, &first));
+            trajs.push(Trajectory {
+                session,
+                traj_id: group_id * cfg.group_size as u64 + member,
+                group_id,
+                member,
+                env_seed,
+                context,
+                context_len: 0,
+                observation_text: first,
+                records: Vec::new(),
+                done: false,
+            });
+        }
+    }
+    Ok(trajs)
+}
+
+fn request(t: &Trajectory, turn: u32, tok: &Tokenizer, cfg: &RolloutConfig) -> GenRequest {
+    GenRequest {
+        tokens: t.context.clone(),
+        traj: t.traj_id,
+        group: t.group_id,
+        turn,
+        params: cfg.sampling.clone(),
+        seed: seed::derive(cfg.base_seed, &[t.group_id, t.member, turn as u64, 0x5A]),
+        max_new_tokens: cfg.max_new_tokens,
+        stop_token_ids: vec![tok.eos_id()],
+        stop_strings: t.session.stop_strings(),
+    }
+}
+
+/// Applies one response to its trajectory: steps the session, builds the round's record and the
+/// next context.
+#[allow(clippy::too_many_arguments)]
+fn advance(
+    t: &mut Trajectory,
+    turn: u32,
+    response: Vec<u32>,
+    logprobs: Vec<f32>,
+    last_turn: bool,
+    policy_version: u64,
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    cfg: &RolloutConfig,
+) -> StepRecord {
+    let state_hash = t.session.state_hash();
+    let response_text = tok.decode(&response);
+    let outcome = t.session.act(&response_text);
+    let mut info = outcome.info;
+    if info.observation_text.is_empty() {
+        info.observation_text = std::mem::take(&mut t.observation_text);
+    }
+    if info.action_text.is_empty() {
+        info.action_text = response_text;
+    }
+    let obs_ids = t.context[t.context_len..].to_vec();
+    let mut record = StepRecord {
+        traj_id: t.traj_id,
+        group_id: t.group_id,
+        step_index: turn,
+        env_tag: cfg.env_name.clone(),
+        seed: t.env_seed,
+        policy_version,
+        context_len: t.context_len as u32,
+        obs_ids,
+        response_ids: response,
+        response_logprobs: logprobs,
+        reward: outcome.reward,
+        terminated: outcome.terminated,
+        truncated: outcome.truncated,
+        state_hash,
+        info,
+    };
+    match outcome.next_user_message.filter(|_| !record.is_last()) {
+        Some(message) => {
+            next_context(t, &record, &message, tok, template, cfg);
+            if last_turn || t.context.len() + cfg.max_new_tokens > cfg.max_context_tokens {
+                record.truncated = true;
+            }
+        }
+        None => record.truncated |= !record.terminated,
+    }
+    t.done = record.is_last();
+    record
+}
+
+/// Builds the context of the next step in token space.
+fn next_context(t: &mut Trajectory, record: &StepRecord, message: &str, tok: &Tokenizer, template: &ChatTemplate, cfg: &RolloutConfig) {
+    t.observation_text = message.to_string();
+    match cfg.layout {
+        ContextLayout::Concat => {
+            t.context.extend_from_slice(&record.response_ids);
+            t.context_len = t.context.len();
+            if record.response_ids.last() != Some(&tok.eos_id()) {
+                t.context.push(tok.eos_id());
+            }
+            t.context.extend(template.after_response(tok));
+            t.context.extend(template.user_turn(tok, message));
+        }
+        ContextLayout::Window { k } => {
+            t.context = template.system(tok, &t.session.system_prompt());
+            t.context.extend(template.user_turn(tok, &t.session.window_user_message(k)));
+            t.context_len = 0;
+        }
+    }
+}
+
+fn summarize(env_tag: &str, records: &[StepRecord], trajectories: usize) -> RolloutStats {
+    let lasts: Vec<&StepRecord> = records.iter().filter(|r| r.is_last()).collect();
+    let total_return: f64 = records.iter().map(|r| r.reward as f64).sum();
+    let response_lens: Vec<usize> = records.iter().map(|r| r.response_ids.len()).collect();
+    let per = |x: f64, n: usize| if n == 0 { 0.0 } else { x / n as f64 };
+    RolloutStats {
+        env_tag: env_tag.to_string(),
+        trajectories,
+        steps: records.len(),
+        success_rate: per(lasts.iter().filter(|r| r.info.success).count() as f64, trajectories),
+        mean_return: per(total_return, trajectories),
+        mean_turns: per(records.len() as f64, trajectories),
+        mean_response_tokens: per(response_lens.iter().sum::<usize>() as f64, records.len()),
+        max_response_tokens: response_lens.iter().copied().max().unwrap_or(0),
+        ..RolloutStats::default()
+    }
+}

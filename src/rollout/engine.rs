@@ -1,0 +1,727 @@
+//! The generation engine: continuous batching over a KV slot pool with a radix prefix cache
+//! (reference.md §6). It owns the pool, the tree, the cache mode and the prefix-reuse counters;
+//! it does not know about environments or chat templates (the agent loop builds the token
+//! contexts). One [`Engine::generate`] call takes a batch of requests (full token contexts) and
+//! runs them to completion: each waiting request is matched against the tree and locked, only its
+//! unmatched suffix is computed (in chunks), requests with the same context are forked (computed
+//! once, their first tokens sampled from the shared logits), and every forward call mixes prefill
+//! chunks and one-token decode steps of all running sequences. Finished sequences commit their
+//! tokens that have K/V to the tree, free duplicate slots and release their locks. Cached prefixes
+//! live in a namespace salted with the policy version; [`Engine::set_policy_version`] also flushes.
+
+use std::time::Instant;
+
+use candle_core::Device;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::kv::radix::{NodeRef, RadixError, RadixTree};
+use crate::kv::{KvError, KvPool};
+use crate::model::{LogitsWanted, Model, ModelConfig, ModelError, SeqChunk};
+use crate::rollout::sampling::{sample, SamplingParams};
+use crate::seed;
+use crate::tokenizer::Tokenizer;
+
+/// Errors of the engine; request errors name the request index.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error(transparent)]
+    Radix(#[from] RadixError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("request {index}: {message}")]
+    BadRequest { index: usize, message: String },
+    #[error("request {index} needs {needed} KV slots (context + max_new_tokens) but the pool has {capacity}; raise num_slots")]
+    PoolTooSmall {
+        index: usize,
+        needed: usize,
+        capacity: usize,
+    },
+    #[error("the KV pool ran out: {needed} slots wanted, {free} free after eviction")]
+    PoolExhausted { needed: usize, free: usize },
+    #[error("unknown cache mode `{0}` (expected none, per_traj, group_prompt or radix)")]
+    UnknownCacheMode(String),
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+/// How much KV the engine reuses; the four arms of the prefix-reuse benchmark.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheMode {
+    /// Stateless: every request prefills its whole context; slots are freed after each turn.
+    None,
+    /// A trajectory reuses its own earlier turns; nothing is shared across trajectories.
+    PerTraj,
+    /// Only a group's initial prompt is shared (computed once, forked); later turns recompute
+    /// everything after it.
+    GroupPrompt,
+    /// Full radix cache: every prefix with K/V is shared, within and across groups.
+    #[default]
+    Radix,
+}
+
+impl CacheMode {
+    pub const ALL: [CacheMode; 4] = [
+        CacheMode::None,
+        CacheMode::PerTraj,
+        CacheMode::GroupPrompt,
+        CacheMode::Radix,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheMode::None => "none",
+            CacheMode::PerTraj => "per_traj",
+            CacheMode::GroupPrompt => "group_prompt",
+            CacheMode::Radix => "radix",
+        }
+    }
+
+    /// Whether a request's context is inserted into the tree once computed.
+    fn shares_prompt(self, turn: u32) -> bool {
+        match self {
+            CacheMode::None => false,
+            CacheMode::PerTraj | CacheMode::Radix => true,
+            CacheMode::GroupPrompt => turn == 0,
+        }
+    }
+
+    /// Whether generated tokens are committed to the tree at the end of a turn.
+    fn commits_response(self) -> bool {
+        matches!(self, CacheMode::PerTraj | CacheMode::Radix)
+    }
+
+    /// Whether identical contexts arriving together are computed once and forked.
+    fn forks(self, turn: u32) -> bool {
+        match self {
+            CacheMode::None | CacheMode::PerTraj => false,
+            CacheMode::GroupPrompt => turn == 0,
+            CacheMode::Radix => true,
+        }
+    }
+}
+
+impl std::str::FromStr for CacheMode {
+    type Err = EngineError;
+    fn from_str(s: &str) -> Result<Self> {
+        CacheMode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| EngineError::UnknownCacheMode(s.to_string()))
+    }
+}
+
+/// Engine settings.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    pub cache_mode: CacheMode,
+    /// KV slots in the pool (shared by the cache and running sequences).
+    pub num_slots: usize,
+    /// Longest prefill piece of one sequence per forward call.
+    pub prefill_chunk: usize,
+    /// Most new tokens (prefill + decode) in one forward call.
+    pub max_batch_tokens: usize,
+    /// A waiting request that shares more than this many uncached tokens with a request being
+    /// prefilled waits for it to land in the tree (in-batch prefix sharing).
+    pub defer_min_shared: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            cache_mode: CacheMode::Radix,
+            num_slots: 65_536,
+            prefill_chunk: 512,
+            max_batch_tokens: 2048,
+            defer_min_shared: 16,
+        }
+    }
+}
+
+/// One generation request: a full token context and how to continue it.
+#[derive(Clone, Debug)]
+pub struct GenRequest {
+    /// The whole context (prompt + earlier turns); never empty.
+    pub tokens: Vec<u32>,
+    /// Trajectory key (the per-trajectory cache namespace).
+    pub traj: u64,
+    /// Group key (the group-prompt cache namespace).
+    pub group: u64,
+    /// Turn index within the trajectory; 0 is the initial prompt.
+    pub turn: u32,
+    pub params: SamplingParams,
+    /// Seed of this request's sampling RNG.
+    pub seed: u64,
+    pub max_new_tokens: usize,
+    /// Tokens that end the response (included in it), e.g. `<|im_end|>`.
+    pub stop_token_ids: Vec<u32>,
+    /// Texts that end the response once generated (e.g. `</answer>`).
+    pub stop_strings: Vec<String>,
+}
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    StopToken,
+    StopString,
+    Length,
+}
+
+/// The response to one request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    /// Log-probability of each sampled token under the sampling distribution.
+    pub logprobs: Vec<f32>,
+    pub finish: FinishReason,
+    /// Context tokens computed for this request.
+    pub prefilled: usize,
+    /// Context tokens served from the cache (or the group fork).
+    pub from_cache: usize,
+}
+
+/// Prefix-reuse counters, accumulated over calls until [`Engine::take_counters`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CacheCounters {
+    pub requests: u64,
+    /// Context tokens requested: what a stateless engine would prefill.
+    pub prompt_tokens: u64,
+    pub tokens_prefilled: u64,
+    pub tokens_from_cache: u64,
+    /// Tokens sampled.
+    pub decode_tokens: u64,
+    pub forward_calls: u64,
+    /// Tokens fed through the model (prefill and decode).
+    pub tokens_computed: u64,
+    /// Σ over computed tokens of the positions they attend to (attention work).
+    pub attended_pairs: u64,
+    /// Logits rows produced (one per sequence per forward call).
+    pub logit_rows: u64,
+    pub peak_slots_used: u64,
+    pub evictions: u64,
+    pub evicted_tokens: u64,
+    /// Seconds spent in model forward calls.
+    pub forward_s: f64,
+}
+
+impl CacheCounters {
+    /// Share of requested context tokens served from the cache.
+    pub fn hit_ratio(&self) -> f64 {
+        if self.prompt_tokens == 0 {
+            0.0
+        } else {
+            self.tokens_from_cache as f64 / self.prompt_tokens as f64
+        }
+    }
+}
+
+/// Pool occupancy: used slots split into cached-evictable, cached-locked and private.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolUsage {
+    pub capacity: usize,
+    pub free: usize,
+    pub evictable: usize,
+    pub locked: usize,
+}
+
+enum Phase {
+    Waiting,
+    /// Same context as the running sequence `leader`: takes its logits when its prompt is done.
+    Follower {
+        leader: usize,
+    },
+    Running,
+    Done(FinishReason),
+}
+
+struct Seq {
+    req: usize,
+    namespace: u64,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Slot of every position with K/V: the first `locked_len` belong to the tree.
+    slots: Vec<u32>,
+    locked_len: usize,
+    node: Option<NodeRef>,
+    rng: ChaCha8Rng,
+    logprobs: Vec<f32>,
+    prefilled: usize,
+    from_cache: usize,
+    phase: Phase,
+}
+
+impl Seq {
+    fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    fn in_prefill(&self) -> bool {
+        matches!(self.phase, Phase::Running) && self.slots.len() < self.prompt_len
+    }
+
+    /// Slots this sequence may still take: rest of its context plus its remaining decode budget.
+    fn slots_to_come(&self, max_new: usize) -> usize {
+        let ctx = self.prompt_len.saturating_sub(self.slots.len());
+        ctx + max_new - self.generated().len()
+    }
+}
+
+/// The rollout engine. See the module documentation.
+pub struct Engine {
+    cfg: EngineConfig,
+    pool: KvPool,
+    tree: RadixTree,
+    policy_version: u64,
+    counters: CacheCounters,
+}
+
+impl Engine {
+    /// An engine with a fresh pool of `cfg.num_slots` slots shaped for `model_cfg`.
+    pub fn new(model_cfg: &ModelConfig, cfg: EngineConfig, device: &Device) -> Result<Self> {
+        let pool = KvPool::new(model_cfg, cfg.num_slots, device)?;
+        Ok(Self {
+            cfg,
+            pool,
+            tree: RadixTree::new(),
+            policy_version: 0,
+            counters: CacheCounters::default(),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn cache_mode(&self) -> CacheMode {
+        self.cfg.cache_mode
+    }
+
+    /// Switches the cache mode; the cache is flushed so no arm sees another's prefixes.
+    pub fn set_cache_mode(&mut self, mode: CacheMode) -> Result<()> {
+        self.flush()?;
+        self.cfg.cache_mode = mode;
+        Ok(())
+    }
+
+    /// After a weight update: drops every cached prefix (refusing while one is locked) and salts
+    /// later prefixes with `version`, so KV of older weights is never served.
+    pub fn set_policy_version(&mut self, version: u64) -> Result<()> {
+        self.flush()?;
+        self.policy_version = version;
+        Ok(())
+    }
+
+    pub fn policy_version(&self) -> u64 {
+        self.policy_version
+    }
+
+    /// Drops every cached prefix and returns its slots to the pool.
+    pub fn flush(&mut self) -> Result<()> {
+        let slots = self.tree.flush()?;
+        self.pool.free(&slots);
+        Ok(())
+    }
+
+    pub fn counters(&self) -> &CacheCounters {
+        &self.counters
+    }
+
+    /// Returns the counters so far and starts new ones.
+    pub fn take_counters(&mut self) -> CacheCounters {
+        std::mem::take(&mut self.counters)
+    }
+
+    pub fn pool_usage(&self) -> PoolUsage {
+        PoolUsage {
+            capacity: self.pool.capacity(),
+            free: self.pool.num_free(),
+            evictable: self.tree.evictable_size(),
+            locked: self.tree.protected_size(),
+        }
+    }
+
+    /// Runs every request to completion and returns their generations in request order.
+    pub fn generate(
+        &mut self,
+        model: &Model,
+        tokenizer: &Tokenizer,
+        requests: &[GenRequest],
+    ) -> Result<Vec<Generation>> {
+        self.validate(requests)?;
+        let mut seqs: Vec<Seq> = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| self.new_seq(i, r))
+            .collect();
+        self.counters.requests += requests.len() as u64;
+        self.counters.prompt_tokens += requests.iter().map(|r| r.tokens.len() as u64).sum::<u64>();
+        while seqs.iter().any(|s| !matches!(s.phase, Phase::Done(_))) {
+            self.admit(&mut seqs, requests)?;
+            self.step(model, tokenizer, &mut seqs, requests)?;
+        }
+        Ok(seqs
+            .into_iter()
+            .map(|s| Generation {
+                tokens: s.tokens[s.prompt_len..].to_vec(),
+                logprobs: s.logprobs,
+                finish: match s.phase {
+                    Phase::Done(f) => f,
+                    _ => unreachable!("generate returns only when every sequence is done"),
+                },
+                prefilled: s.prefilled,
+                from_cache: s.from_cache,
+            })
+            .collect())
+    }
+
+    fn validate(&self, requests: &[GenRequest]) -> Result<()> {
+        for (index, r) in requests.iter().enumerate() {
+            let bad = |message: &str| EngineError::BadRequest {
+                index,
+                message: message.to_string(),
+            };
+            if r.tokens.is_empty() {
+                return Err(bad("empty context"));
+            }
+            if r.max_new_tokens == 0 {
+                return Err(bad("max_new_tokens must be at least 1"));
+            }
+            let needed = r.tokens.len() + r.max_new_tokens;
+            if needed > self.pool.capacity() {
+                return Err(EngineError::PoolTooSmall {
+                    index,
+                    needed,
+                    capacity: self.pool.capacity(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn new_seq(&self, req: usize, r: &GenRequest) -> Seq {
+        Seq {
+            req,
+            namespace: self.namespace(r),
+            tokens: r.tokens.clone(),
+            prompt_len: r.tokens.len(),
+            slots: Vec::new(),
+            locked_len: 0,
+            node: None,
+            rng: ChaCha8Rng::seed_from_u64(r.seed),
+            logprobs: Vec::new(),
+            prefilled: 0,
+            from_cache: 0,
+            phase: Phase::Waiting,
+        }
+    }
+
+    fn namespace(&self, r: &GenRequest) -> u64 {
+        let v = self.policy_version;
+        match self.cfg.cache_mode {
+            CacheMode::None | CacheMode::Radix => seed::derive(v, &[0]),
+            CacheMode::PerTraj => seed::derive(v, &[1, r.traj]),
+            CacheMode::GroupPrompt => seed::derive(v, &[2, r.group]),
+        }
+    }
+
+    /// Moves waiting sequences to running (or to follower of an identical running one) while the
+    /// pool can hold them; defers those that will share a prefix still being prefilled.
+    fn admit(&mut self, seqs: &mut [Seq], reqs: &[GenRequest]) -> Result<()> {
+        for i in 0..seqs.len() {
+            if !matches!(seqs[i].phase, Phase::Waiting) {
+                continue;
+            }
+            let turn = reqs[seqs[i].req].turn;
+            let mode = self.cfg.cache_mode;
+            if mode.forks(turn) {
+                if let Some(leader) = find_identical_leader(seqs, i) {
+                    if self.available(seqs, reqs) < reqs[seqs[i].req].max_new_tokens {
+                        break;
+                    }
+                    seqs[i].phase = Phase::Follower { leader };
+                    continue;
+                }
+            }
+            let cached = self.match_and_lock(&mut seqs[i]);
+            if mode.shares_prompt(turn) && self.should_defer(seqs, i, cached) {
+                self.release(&mut seqs[i]);
+                continue;
+            }
+            let need = seqs[i].slots_to_come(reqs[seqs[i].req].max_new_tokens);
+            if self.available(seqs, reqs) < need {
+                self.release(&mut seqs[i]);
+                if !seqs.iter().any(|s| matches!(s.phase, Phase::Running)) {
+                    return Err(EngineError::PoolTooSmall {
+                        index: seqs[i].req,
+                        needed: need,
+                        capacity: self.pool.capacity(),
+                    });
+                }
+                break;
+            }
+            seqs[i].phase = Phase::Running;
+        }
+        Ok(())
+    }
+
+    /// Locks the longest cached prefix of the sequence's context, leaving at least one token to
+    /// compute (its logits start the response). Returns the cached length.
+    fn match_and_lock(&mut self, s: &mut Seq) -> usize {
+        if self.cfg.cache_mode == CacheMode::None {
+            return 0;
+        }
+        let cap = s.prompt_len - 1;
+        let m = self.tree.match_prefix(s.namespace, &s.tokens[..cap]);
+        self.tree.lock(m.node);
+        s.locked_len = m.slots.len();
+        s.slots = m.slots;
+        s.node = Some(m.node);
+        s.locked_len
+    }
+
+    /// Undoes `match_and_lock` for a sequence that goes back to waiting.
+    fn release(&mut self, s: &mut Seq) {
+        if let Some(node) = s.node.take() {
+            self.tree.unlock(node);
+        }
+        s.slots.clear();
+        s.locked_len = 0;
+    }
+
+    /// Whether sequence `i` shares more uncached tokens with a sequence being prefilled (in its
+    /// namespace) than `defer_min_shared`: it then waits for that prefix to land in the tree.
+    fn should_defer(&self, seqs: &[Seq], i: usize, cached: usize) -> bool {
+        let me = &seqs[i];
+        seqs.iter().any(|other| {
+            other.in_prefill()
+                && other.namespace == me.namespace
+                && common_prefix(&other.tokens[..other.prompt_len], &me.tokens)
+                    > cached + self.cfg.defer_min_shared
+        })
+    }
+
+    /// Slots that can still be promised: free + evictable minus what running sequences may take.
+    fn available(&self, seqs: &[Seq], reqs: &[GenRequest]) -> usize {
+        let reserved: usize = seqs
+            .iter()
+            .map(|s| match s.phase {
+                Phase::Running => s.slots_to_come(reqs[s.req].max_new_tokens),
+                Phase::Follower { .. } => reqs[s.req].max_new_tokens,
+                Phase::Waiting | Phase::Done(_) => 0,
+            })
+            .sum();
+        (self.pool.num_free() + self.tree.evictable_size()).saturating_sub(reserved)
+    }
+
+    /// One forward call over all running sequences: a prefill chunk or one decode token each,
+    /// within the token budget; then sampling, stop checks, forks and commits.
+    fn step(
+        &mut self,
+        model: &Model,
+        tok: &Tokenizer,
+        seqs: &mut [Seq],
+        reqs: &[GenRequest],
+    ) -> Result<()> {
+        let plan = self.plan_batch(seqs)?;
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let chunks: Vec<SeqChunk> = plan
+            .iter()
+            .map(|&(i, start)| SeqChunk {
+                new_tokens: &seqs[i].tokens[start..seqs[i].slots.len()],
+                slots: &seqs[i].slots,
+            })
+            .collect();
+        let t0 = Instant::now();
+        let logits = model.forward_incremental(&chunks, &mut self.pool, LogitsWanted::Last)?;
+        let rows = logits.to_vec2::<f32>()?;
+        self.counters.forward_s += t0.elapsed().as_secs_f64();
+        self.counters.forward_calls += 1;
+        self.counters.logit_rows += plan.len() as u64;
+        for (&(i, _), row) in plan.iter().zip(&rows) {
+            if seqs[i].slots.len() < seqs[i].tokens.len() {
+                continue; // mid-prefill chunk: no token to sample yet
+            }
+            let prompt_done = seqs[i].generated().is_empty();
+            let req = &reqs[seqs[i].req];
+            self.sample_into(tok, &mut seqs[i], req, row);
+            if prompt_done {
+                self.on_prompt_done(tok, seqs, reqs, i, row)?;
+            }
+        }
+        for s in seqs.iter_mut() {
+            if matches!(s.phase, Phase::Done(_)) && (s.node.is_some() || !s.slots.is_empty()) {
+                self.retire(s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Chooses each running sequence's new tokens for this call and allocates their slots.
+    /// Returns (sequence, first new position); the new positions end at `slots.len()`.
+    fn plan_batch(&mut self, seqs: &mut [Seq]) -> Result<Vec<(usize, usize)>> {
+        let mut plan = Vec::new();
+        let mut budget = self.cfg.max_batch_tokens;
+        for (i, s) in seqs.iter_mut().enumerate() {
+            if !matches!(s.phase, Phase::Running) {
+                continue;
+            }
+            let start = s.slots.len();
+            if budget == 0 {
+                break;
+            }
+            let n = (s.tokens.len() - start)
+                .min(self.cfg.prefill_chunk)
+                .min(budget);
+            let new_slots = alloc_slots(&mut self.pool, &mut self.tree, &mut self.counters, n)?;
+            self.counters.tokens_computed += n as u64;
+            self.counters.attended_pairs += ((start + 1)..=(start + n)).map(|p| p as u64).sum::<u64>();
+            s.slots.extend(new_slots);
+            if s.generated().is_empty() {
+                s.prefilled += n;
+            }
+            budget = budget.saturating_sub(n);
+            plan.push((i, start));
+        }
+        let used = (self.pool.capacity() - self.pool.num_free()) as u64;
+        self.counters.peak_slots_used = self.counters.peak_slots_used.max(used);
+        Ok(plan)
+    }
+
+    /// Samples the next token of `s` from `row`, records it and checks the stop conditions.
+    fn sample_into(&mut self, tok: &Tokenizer, s: &mut Seq, r: &GenRequest, row: &[f32]) {
+        let (token, logprob) = sample(row, &r.params, &mut s.rng);
+        s.tokens.push(token);
+        s.logprobs.push(logprob);
+        self.counters.decode_tokens += 1;
+        if let Some(reason) = stop_reason(tok, s.generated(), r) {
+            s.phase = Phase::Done(reason);
+        }
+    }
+
+    /// A sequence's context is computed: count it, share it through the tree (when the mode
+    /// does), and start its followers from the same logits.
+    fn on_prompt_done(
+        &mut self,
+        tok: &Tokenizer,
+        seqs: &mut [Seq],
+        reqs: &[GenRequest],
+        leader: usize,
+        row: &[f32],
+    ) -> Result<()> {
+        let s = &mut seqs[leader];
+        s.from_cache = s.locked_len;
+        self.counters.tokens_prefilled += s.prefilled as u64;
+        self.counters.tokens_from_cache += s.from_cache as u64;
+        if !self.cfg.cache_mode.shares_prompt(reqs[s.req].turn) {
+            return Ok(());
+        }
+        let prompt_len = s.prompt_len;
+        self.commit(s, prompt_len)?;
+        for f in 0..seqs.len() {
+            if !matches!(seqs[f].phase, Phase::Follower { leader: l } if l == leader) {
+                continue;
+            }
+            let prompt_len = seqs[f].prompt_len;
+            let m = self.tree.match_prefix(seqs[f].namespace, &seqs[f].tokens);
+            debug_assert_eq!(m.slots.len(), prompt_len, "the leader's prompt is cached");
+            self.tree.lock(m.node);
+            let follower = &mut seqs[f];
+            follower.locked_len = m.slots.len();
+            follower.slots = m.slots;
+            follower.node = Some(m.node);
+            follower.from_cache = prompt_len;
+            follower.phase = Phase::Running;
+            self.counters.tokens_from_cache += prompt_len as u64;
+            self.sample_into(tok, follower, &reqs[follower.req], row);
+        }
+        Ok(())
+    }
+
+    /// Inserts the first `len` tokens of `s` (all with K/V) into the tree, frees the slots the
+    /// tree already had, and moves the sequence's lock to the new end node.
+    fn commit(&mut self, s: &mut Seq, len: usize) -> Result<()> {
+        let ins = self
+            .tree
+            .insert(s.namespace, &s.tokens[..len], &s.slots[..len])?;
+        self.pool.free(&ins.duplicate_slots);
+        s.slots.splice(..len, ins.slots);
+        self.tree.lock(ins.node);
+        if let Some(old) = s.node.replace(ins.node) {
+            self.tree.unlock(old);
+        }
+        s.locked_len = len;
+        Ok(())
+    }
+
+    /// End of a sequence's turn: commit what the mode keeps, free private slots, unlock.
+    fn retire(&mut self, s: &mut Seq) -> Result<()> {
+        if self.cfg.cache_mode.commits_response() {
+            let len = s.slots.len();
+            self.commit(s, len)?;
+        }
+        self.pool.free(&s.slots[s.locked_len..]);
+        if let Some(node) = s.node.take() {
+            self.tree.unlock(node);
+        }
+        s.slots.clear();
+        s.locked_len = 0;
+        Ok(())
+    }
+}
+
+/// A running, still-prefilling sequence with exactly the same context and namespace.
+fn find_identical_leader(seqs: &[Seq], i: usize) -> Option<usize> {
+    let me = &seqs[i];
+    seqs.iter().position(|o| {
+        o.in_prefill() && o.namespace == me.namespace && o.tokens[..o.prompt_len] == me.tokens[..]
+    })
+}
+
+/// Takes `n` slots from the pool, evicting least recently used cached prefixes when short.
+fn alloc_slots(
+    pool: &mut KvPool,
+    tree: &mut RadixTree,
+    counters: &mut CacheCounters,
+    n: usize,
+) -> Result<Vec<u32>> {
+    if pool.num_free() < n {
+        let freed = tree.evict(n - pool.num_free());
+        counters.evictions += 1;
+        counters.evicted_tokens += freed.len() as u64;
+        pool.free(&freed);
+    }
+    let free = pool.num_free();
+    pool.alloc(n)
+        .ok_or(EngineError::PoolExhausted { needed: n, free })
+}
+
+/// The stop condition met by the response so far, if any.
+fn stop_reason(tok: &Tokenizer, generated: &[u32], r: &GenRequest) -> Option<FinishReason> {
+    let last = *generated.last()?;
+    if r.stop_token_ids.contains(&last) {
+        return Some(FinishReason::StopToken);
+    }
+    if !r.stop_strings.is_empty() {
+        let longest = r.stop_strings.iter().map(String::len).max().unwrap_or(0);
+        let tail = &generated[generated.len().saturating_sub(longest + 2)..];
+        let text = tok.decode(tail);
+        if r.stop_strings.iter().any(|s| text.contains(s.as_str())) {
+            return Some(FinishReason::StopString);
+        }
+    }
+    (generated.len() >= r.max_new_tokens).then_some(FinishReason::Length)
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}

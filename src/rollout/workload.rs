@@ -1,0 +1,168 @@
+//! Synthetic multi-turn group workloads for measuring prefix reuse (reference.md §6.7–6.8): each
+//! group shares a P-token prompt, every trajectory generates exactly R tokens per turn (no stop
+//! conditions) and then receives O fresh observation tokens, for T turns. Because the shapes are
+//! exact, the theoretical columns (stateless total S, radix minimum X) are exact too. Used by
+//! `benches/prefix_reuse.rs`, `stepppo bench prefix` and the rollout tests.
+
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::model::{Model, ModelConfig};
+use crate::rollout::engine::{CacheCounters, Engine, GenRequest, Generation, Result};
+use crate::rollout::sampling::SamplingParams;
+use crate::seed;
+use crate::tokenizer::Tokenizer;
+
+/// Shape of a workload.
+#[derive(Clone, Debug, Serialize)]
+pub struct Workload {
+    pub name: String,
+    pub groups: usize,
+    pub group_size: usize,
+    pub turns: usize,
+    /// Prompt tokens shared by a group (the first observation included).
+    pub prompt_len: usize,
+    /// Observation tokens appended after each response.
+    pub obs_len: usize,
+    /// Tokens generated per turn.
+    pub response_len: usize,
+}
+
+impl Workload {
+    /// FrozenLake-like short turns and a long-prompt QA-like case, at a few G and T.
+    pub fn standard() -> Vec<Workload> {
+        vec![
+            Workload::new("frozen_lake", 2, 4, 5, 192, 48, 24),
+            Workload::new("frozen_lake_g8_t8", 2, 8, 8, 192, 48, 24),
+            Workload::new("long_prompt", 1, 8, 4, 1024, 32, 16),
+            Workload::new("long_prompt_g4_t6", 1, 4, 6, 1024, 32, 16),
+        ]
+    }
+
+    pub fn new(name: &str, groups: usize, g: usize, t: usize, p: usize, o: usize, r: usize) -> Self {
+        Self {
+            name: name.to_string(),
+            groups,
+            group_size: g,
+            turns: t,
+            prompt_len: p,
+            obs_len: o,
+            response_len: r,
+        }
+    }
+
+    /// Fewest tokens any engine must prefill: per group P + G·(T−1)·O.
+    pub fn theoretical_min(&self) -> u64 {
+        let (p, g, t, o) = self.pgto();
+        self.groups as u64 * (p + g * (t - 1) * o)
+    }
+
+    /// What a stateless engine prefills: per group G·[T·P + (R+O)·T(T−1)/2].
+    pub fn stateless_total(&self) -> u64 {
+        let (p, g, t, o) = self.pgto();
+        let r = self.response_len as u64;
+        self.groups as u64 * g * (t * p + (r + o) * t * (t - 1) / 2)
+    }
+
+    /// The radix engine's exact count: the minimum plus one token per trajectory per later turn
+    /// (the last sampled token of a turn has no K/V until the next turn feeds it).
+    pub fn radix_expected(&self) -> u64 {
+        let (_, g, t, _) = self.pgto();
+        self.theoretical_min() + self.groups as u64 * g * (t - 1)
+    }
+
+    fn pgto(&self) -> (u64, u64, u64, u64) {
+        (
+            self.prompt_len as u64,
+            self.group_size as u64,
+            self.turns as u64,
+            self.obs_len as u64,
+        )
+    }
+}
+
+/// Result of running a workload once.
+pub struct WorkloadRun {
+    pub counters: CacheCounters,
+    pub wall_s: f64,
+    /// Generations per turn, in (group, member) order.
+    pub turns: Vec<Vec<Generation>>,
+}
+
+/// Runs `w` on `engine` (its cache mode is the arm) from an empty cache, sampling at
+/// temperature 1 with per-trajectory seeds derived from `base_seed`.
+pub fn run_workload(
+    engine: &mut Engine,
+    model: &Model,
+    tok: &Tokenizer,
+    w: &Workload,
+    base_seed: u64,
+) -> Result<WorkloadRun> {
+    engine.flush()?;
+    engine.take_counters();
+    let vocab = model.config().vocab_size as u32;
+    let mut contexts: Vec<Vec<u32>> = (0..w.groups)
+        .flat_map(|g| {
+            let prompt = random_tokens(seed::derive(base_seed, &[g as u64]), w.prompt_len, vocab);
+            std::iter::repeat_n(prompt, w.group_size)
+        })
+        .collect();
+    let start = Instant::now();
+    let mut turns = Vec::with_capacity(w.turns);
+    for turn in 0..w.turns {
+        let requests: Vec<GenRequest> = contexts
+            .iter()
+            .enumerate()
+            .map(|(i, ctx)| request(w, ctx, i, turn, base_seed))
+            .collect();
+        let gens = engine.generate(model, tok, &requests)?;
+        for (i, (ctx, gen)) in contexts.iter_mut().zip(&gens).enumerate() {
+            ctx.extend_from_slice(&gen.tokens);
+            let obs_seed = seed::derive(base_seed, &[i as u64, turn as u64, 0x0B5]);
+            ctx.extend(random_tokens(obs_seed, w.obs_len, vocab));
+        }
+        turns.push(gens);
+    }
+    Ok(WorkloadRun {
+        counters: engine.take_counters(),
+        wall_s: start.elapsed().as_secs_f64(),
+        turns,
+    })
+}
+
+fn request(w: &Workload, ctx: &[u32], i: usize, turn: usize, base_seed: u64) -> GenRequest {
+    GenRequest {
+        tokens: ctx.to_vec(),
+        traj: i as u64,
+        group: (i / w.group_size) as u64,
+        turn: turn as u32,
+        params: SamplingParams::default(),
+        seed: seed::derive(base_seed, &[i as u64, turn as u64]),
+        max_new_tokens: w.response_len,
+        stop_token_ids: Vec::new(),
+        stop_strings: Vec::new(),
+    }
+}
+
+fn random_tokens(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(0..vocab)).collect()
+}
+
+/// Forward FLOPs of a run from its counters: linear layers per computed token, attention per
+/// attended (query, key) pair, and the LM head per logits row.
+pub fn forward_flops(cfg: &ModelConfig, c: &CacheCounters) -> f64 {
+    let d = cfg.hidden_size as f64;
+    let hd = cfg.head_dim() as f64;
+    let q = cfg.num_attention_heads as f64 * hd;
+    let kv = cfg.num_key_value_heads as f64 * hd;
+    let per_layer = d * q + 2.0 * d * kv + q * d + 3.0 * d * cfg.intermediate_size as f64;
+    let layers = cfg.num_hidden_layers as f64;
+    let linear = 2.0 * per_layer * layers * c.tokens_computed as f64;
+    let attention = 4.0 * q * layers * c.attended_pairs as f64;
+    let head = 2.0 * d * cfg.vocab_size as f64 * c.logit_rows as f64;
+    linear + attention + head
+}
