@@ -64,7 +64,8 @@ pub struct RolloutConfig {
     pub first_group_id: u64,
     pub sampling: SamplingParams,
     pub max_new_tokens: usize,
-    /// Hard cap on rounds per trajectory (the last one is marked truncated).
+    /// Hard cap on rounds per trajectory on top of the protocol's own `max_turns` (the round
+    /// reaching it is marked truncated).
     pub max_turns: usize,
     /// A trajectory whose next context would exceed this is truncated.
     pub max_context_tokens: usize,
@@ -255,7 +256,7 @@ fn advance(
         traj_id: t.traj_id,
         group_id: t.group_id,
         step_index: turn,
-        env_tag: cfg.env_name.clone(),
+        env_tag: t.session.env().tag().to_string(),
         seed: t.env_seed,
         policy_version,
         context_len: t.context_len as u32,

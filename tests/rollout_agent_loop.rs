@@ -1,0 +1,128 @@
+//! Agent loop: token-space contexts, both layouts, cache exactness and policy-version flushes.
+
+use candle_core::Device;
+use stepppo::model::{Model, ModelConfig};
+use stepppo::rollout::agent_loop::{run_rollout, ContextLayout, Rollout, RolloutConfig};
+use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig};
+use stepppo::rollout::sampling::SamplingParams;
+use stepppo::store::StepRecord;
+use stepppo::tokenizer::{ChatTemplate, Tokenizer};
+
+struct Setup {
+    tok: Tokenizer,
+    model: Model,
+    engine: Engine,
+}
+
+fn setup(mode: CacheMode) -> Setup {
+    let tok = Tokenizer::builtin();
+    let cfg = ModelConfig::tiny(tok.vocab_size());
+    let model = Model::new(&cfg, 3, &Device::Cpu).unwrap();
+    let engine_cfg = EngineConfig {
+        cache_mode: mode,
+        num_slots: 16_384,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(&cfg, engine_cfg, &Device::Cpu).unwrap();
+    Setup { tok, model, engine }
+}
+
+fn config(layout: ContextLayout) -> RolloutConfig {
+    RolloutConfig {
+        env_name: "frozen_lake".into(),
+        env_config: serde_json::json!({ "max_turns": 3 }),
+        num_groups: 2,
+        group_size: 3,
+        base_seed: 9,
+        first_group_id: 0,
+        sampling: SamplingParams::default(),
+        max_new_tokens: 10,
+        max_turns: 8,
+        max_context_tokens: 2048,
+        layout,
+    }
+}
+
+fn rollout(s: &mut Setup, cfg: &RolloutConfig, sunk: &mut Vec<StepRecord>) -> Rollout {
+    let mut sink = |r: &StepRecord| {
+        sunk.push(r.clone());
+        Ok(())
+    };
+    run_rollout(&mut s.engine, &s.model, &s.tok, &ChatTemplate, cfg, &mut sink).unwrap()
+}
+
+#[test]
+fn concat_contexts_extend_in_token_space_and_groups_share_the_prompt() {
+    let mut s = setup(CacheMode::Radix);
+    let mut sunk = Vec::new();
+    let out = rollout(&mut s, &config(ContextLayout::Concat), &mut sunk);
+    assert_eq!(sunk.len(), out.records.len());
+    assert_eq!(out.stats.trajectories, 6);
+    for traj in out.records.chunk_by(|a, b| a.traj_id == b.traj_id) {
+        let mut len = 0;
+        for (t, r) in traj.iter().enumerate() {
+            assert_eq!(r.step_index as usize, t);
+            assert_eq!(r.context_len as usize, len, "context_len is the tokens before obs_ids");
+            assert_eq!(r.response_ids.len(), r.response_logprobs.len());
+            assert_eq!(r.is_last(), t + 1 == traj.len());
+            len += r.obs_ids.len() + r.response_ids.len();
+        }
+    }
+    let firsts: Vec<&StepRecord> = out.records.iter().filter(|r| r.step_index == 0).collect();
+    for pair in firsts.windows(2) {
+        let same_group = pair[0].group_id == pair[1].group_id;
+        assert_eq!(pair[0].obs_ids == pair[1].obs_ids, same_group);
+    }
+    assert!(out.stats.cache.tokens_from_cache > 0);
+}
+
+#[test]
+fn radix_and_no_cache_rollouts_are_identical() {
+    let cfg = config(ContextLayout::Concat);
+    let a = rollout(&mut setup(CacheMode::None), &cfg, &mut Vec::new());
+    let b = rollout(&mut setup(CacheMode::Radix), &cfg, &mut Vec::new());
+    assert_eq!(a.records.len(), b.records.len());
+    for (x, y) in a.records.iter().zip(&b.records) {
+        assert_eq!((x.traj_id, x.step_index), (y.traj_id, y.step_index));
+        assert_eq!(x.obs_ids, y.obs_ids);
+        assert_eq!(x.response_ids, y.response_ids);
+        for (p, q) in x.response_logprobs.iter().zip(&y.response_logprobs) {
+            assert!((p - q).abs() < 1e-4, "|Δlogprob| = {}", (p - q).abs());
+        }
+    }
+    assert!(b.stats.cache.tokens_prefilled * 2 < a.stats.cache.tokens_prefilled);
+    assert_eq!(a.stats.cache.prompt_tokens, b.stats.cache.prompt_tokens);
+}
+
+#[test]
+fn window_layout_starts_every_step_afresh() {
+    let mut s = setup(CacheMode::Radix);
+    let out = rollout(&mut s, &config(ContextLayout::Window { k: 1 }), &mut Vec::new());
+    let system = ChatTemplate.system(&s.tok, &{
+        let session = stepppo::env::build_session("frozen_lake", &serde_json::json!({})).unwrap();
+        session.system_prompt()
+    });
+    for r in &out.records {
+        assert_eq!(r.context_len, 0);
+        assert!(r.obs_ids.starts_with(&system));
+    }
+    assert!(out.stats.cache.hit_ratio() > 0.3, "the stable head is shared");
+}
+
+#[test]
+fn a_new_policy_version_is_never_served_old_prefixes() {
+    let mut s = setup(CacheMode::Radix);
+    let cfg = config(ContextLayout::Concat);
+    let first = rollout(&mut s, &cfg, &mut Vec::new());
+    s.engine.set_policy_version(1).unwrap();
+    let second = rollout(&mut s, &cfg, &mut Vec::new());
+    assert!(second.records.iter().all(|r| r.policy_version == 1));
+    assert_eq!(
+        first.stats.cache.tokens_from_cache, second.stats.cache.tokens_from_cache,
+        "the same rollout after a flush reuses only what it computed itself"
+    );
+    let mut unflushed = setup(CacheMode::Radix);
+    rollout(&mut unflushed, &cfg, &mut Vec::new());
+    let again = rollout(&mut unflushed, &cfg, &mut Vec::new());
+    assert!(again.stats.cache.tokens_from_cache > second.stats.cache.tokens_from_cache);
+}
