@@ -7,6 +7,11 @@
 //! (`context`, `critic`, `sft`, `cache`, ...) are stepppo's own. This module owns the schema and
 //! its checks only; what the values do lives with the trainer, the estimators and the envs.
 
+use crate::algo::config::{
+    FilterType, GigpoConfig, Grouping, LossAggMode, NormMethod, RatioType, RewardNormalization,
+    Schedule,
+};
+use crate::algo::{AdvantageConfig, Estimator, FilterConfig, LossConfig, OptimizerConfig};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -60,104 +65,6 @@ pub enum BuiltinSize {
 pub enum DeviceKind {
     Cpu,
     Cuda,
-}
-
-/// Advantage estimator (`adv_estimator`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AdvEstimator {
-    /// StepPO: GAE over steps, critic at each step's start.
-    StepGae,
-    /// GAE over response tokens across the trajectory's steps.
-    TokenGae,
-    /// Group-normalised trajectory return.
-    Grpo,
-    /// Leave-one-out trajectory baseline.
-    Rloo,
-    /// Trajectory return, normalised by `reward_normalization`.
-    Reinforce,
-    /// Discounted step return, normalised by `reward_normalization`.
-    StepReinforce,
-    /// Episode-level plus anchor-state step-level group advantages.
-    Gigpo,
-}
-
-impl AdvEstimator {
-    /// Whether the estimator reads a learned value function.
-    pub fn needs_critic(self) -> bool {
-        matches!(self, AdvEstimator::StepGae | AdvEstimator::TokenGae)
-    }
-}
-
-/// Grouping of `reward_normalization` (ROLL names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum NormGrouping {
-    Batch,
-    TrajGroupId,
-    Tags,
-    StateGroupId,
-}
-
-/// Method of `reward_normalization` (ROLL names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum NormMethod {
-    Identity,
-    Mean,
-    MeanStd,
-    AsymClip,
-}
-
-/// `reward_normalization {grouping, method}`.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RewardNormalization {
-    pub grouping: NormGrouping,
-    pub method: NormMethod,
-}
-
-impl Default for RewardNormalization {
-    fn default() -> Self {
-        RewardNormalization {
-            grouping: NormGrouping::TrajGroupId,
-            method: NormMethod::MeanStd,
-        }
-    }
-}
-
-/// Importance-ratio granularity of the policy loss.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RatioType {
-    /// One ratio per token (PPO).
-    Token,
-    /// Length-normalised ratio per step row (StepPO / GSPO-token); `segment` is ROLL's name.
-    #[serde(alias = "segment")]
-    Step,
-}
-
-/// `loss_agg_mode` (verl / ROLL).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum LossAggMode {
-    #[serde(rename = "token-mean")]
-    TokenMean,
-    #[serde(rename = "seq-mean-token-mean")]
-    SeqMeanTokenMean,
-    #[serde(rename = "seq-mean-token-sum")]
-    SeqMeanTokenSum,
-    #[serde(rename = "seq-mean-token-sum-norm")]
-    SeqMeanTokenSumNorm,
-}
-
-/// StarPO-S group filter type.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FilterType {
-    /// Keep the groups with the largest in-group reward std.
-    Std,
-    /// Keep the groups with the smallest in-group reward std.
-    StdRev,
 }
 
 /// Critic architecture.
@@ -363,18 +270,26 @@ pub struct Config {
     #[serde(default = "greedy")]
     pub val_generating_args: GeneratingArgs,
 
-    // --- credit assignment
-    pub adv_estimator: AdvEstimator,
+    // --- credit assignment (ROLL names; see `algo::AdvantageConfig`)
+    pub adv_estimator: Estimator,
     #[serde(default = "one_f32")]
     pub gamma: f32,
     #[serde(default = "one_f32")]
     pub lambd: f32,
     #[serde(default)]
     pub reward_normalization: RewardNormalization,
+    /// `None` = the estimator's own default (on for step_gae and token_gae).
     #[serde(default)]
-    pub whiten_advantages: bool,
+    pub whiten_advantages: Option<bool>,
     #[serde(default)]
     pub advantage_clip: Option<f32>,
+    #[serde(default)]
+    pub reward_clip: Option<f32>,
+    /// γ of the discounted step returns of `gigpo` and `step_reinforce`.
+    #[serde(default = "step_reward_gamma")]
+    pub step_reward_gamma: f32,
+    #[serde(default)]
+    pub gigpo: GigpoConfig,
     /// StarPO-S: fraction of groups kept, by in-group reward std (1.0 keeps all).
     #[serde(default = "one_f32")]
     pub rollout_filter_ratio: f32,
@@ -392,6 +307,8 @@ pub struct Config {
     /// Linear learning-rate warm-up, in optimizer steps.
     #[serde(default)]
     pub warmup_steps: usize,
+    #[serde(default)]
+    pub lr_schedule: Schedule,
     #[serde(default = "clip_02")]
     pub pg_clip_low: f32,
     #[serde(default = "clip_02")]
@@ -439,6 +356,9 @@ fn one_f32() -> f32 {
 }
 fn clip_02() -> f32 {
     0.2
+}
+fn step_reward_gamma() -> f32 {
+    0.95
 }
 fn std_filter() -> FilterType {
     FilterType::Std
@@ -509,6 +429,58 @@ impl Config {
         match &self.output_dir {
             Some(dir) => PathBuf::from(dir),
             None => PathBuf::from("runs").join(&self.exp_name),
+        }
+    }
+
+    /// Credit-assignment settings for `algo::compute_advantages`.
+    pub fn advantage_config(&self) -> AdvantageConfig {
+        AdvantageConfig {
+            adv_estimator: self.adv_estimator,
+            gamma: self.gamma,
+            lambd: self.lambd,
+            whiten_advantages: self.whiten_advantages,
+            advantage_clip: self.advantage_clip,
+            reward_clip: self.reward_clip,
+            reward_normalization: self.reward_normalization.clone(),
+            step_reward_gamma: self.step_reward_gamma,
+            gigpo: self.gigpo.clone(),
+            ..AdvantageConfig::default()
+        }
+    }
+
+    /// StarPO-S filter settings.
+    pub fn filter_config(&self) -> FilterConfig {
+        FilterConfig {
+            filter_type: self.rollout_filter_type,
+            keep_ratio: self.rollout_filter_ratio,
+        }
+    }
+
+    /// Actor and critic loss settings.
+    pub fn loss_config(&self) -> LossConfig {
+        LossConfig {
+            ratio_type: self.ratio_type,
+            pg_clip: self.pg_clip_low,
+            pg_clip_low: Some(self.pg_clip_low),
+            pg_clip_high: Some(self.pg_clip_high),
+            dual_clip_loss: self.dual_clip_loss,
+            loss_agg_mode: self.loss_agg_mode,
+            entropy_loss_coef: self.entropy_loss_coef,
+            value_clip: self.critic.value_clip,
+            ..LossConfig::default()
+        }
+    }
+
+    /// AdamW settings (actor `learning_rate`, `critic.learning_rate`).
+    pub fn optimizer_config(&self) -> OptimizerConfig {
+        OptimizerConfig {
+            lr: self.learning_rate,
+            critic_lr: self.critic.learning_rate,
+            weight_decay: self.weight_decay,
+            warmup_steps: self.warmup_steps,
+            schedule: self.lr_schedule,
+            max_grad_norm: Some(self.max_grad_norm as f64),
+            ..OptimizerConfig::default()
         }
     }
 
@@ -591,8 +563,8 @@ impl Config {
         }
         let uses_group_mean = matches!(
             self.adv_estimator,
-            AdvEstimator::Grpo | AdvEstimator::Reinforce | AdvEstimator::StepReinforce
-        ) && self.reward_normalization.grouping == NormGrouping::TrajGroupId
+            Estimator::Reinforce | Estimator::StepReinforce
+        ) && self.reward_normalization.grouping == Grouping::TrajGroupId
             && self.reward_normalization.method != NormMethod::Identity;
         if uses_group_mean && train.group_size == 1 {
             return fail(
@@ -600,7 +572,7 @@ impl Config {
                 "traj_group_id with train_env_manager.group_size 1 makes every advantage zero (ROLL #397)".into(),
             );
         }
-        if self.adv_estimator == AdvEstimator::Rloo && train.group_size < 2 {
+        if self.adv_estimator == Estimator::Rloo && train.group_size < 2 {
             return fail(
                 "train_env_manager.group_size",
                 "rloo needs at least 2 trajectories per group".into(),
@@ -614,6 +586,18 @@ impl Config {
         }
         if self.cache.kv_slots == 0 {
             return fail("cache.kv_slots", "must be at least 1".into());
+        }
+        let algo = [
+            self.advantage_config().validate(),
+            self.filter_config().validate(),
+            self.loss_config().validate(),
+            self.optimizer_config().validate(),
+        ];
+        if let Some(Err(e)) = algo.into_iter().find(Result::is_err) {
+            return Err(match e {
+                crate::algo::AlgoError::InvalidConfig { key, reason } => (key, reason),
+                other => ("<algorithm>".into(), other.to_string()),
+            });
         }
         self.validate_generating_args("generating_args", &self.generating_args)?;
         self.validate_generating_args("val_generating_args", &self.val_generating_args)?;
@@ -805,7 +789,7 @@ mod tests {
     #[test]
     fn embedded_default_is_valid() {
         let c = Config::embedded_default();
-        assert_eq!(c.adv_estimator, AdvEstimator::StepGae);
+        assert_eq!(c.adv_estimator, Estimator::StepGae);
         assert_eq!(
             c.rollout_batch_size,
             c.train_env_manager.num_env_groups * c.train_env_manager.group_size
@@ -874,7 +858,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.learning_rate, 0.5);
         assert_eq!(c.generating_args.temperature, 0.7);
-        assert_eq!(c.adv_estimator, AdvEstimator::Grpo);
+        assert_eq!(c.adv_estimator, Estimator::Reinforce);
         assert_eq!(c.critic.value_clip, Some(0.5));
         assert_eq!(c.advantage_clip, None);
     }

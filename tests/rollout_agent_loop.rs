@@ -48,7 +48,15 @@ fn rollout(s: &mut Setup, cfg: &RolloutConfig, sunk: &mut Vec<StepRecord>) -> Ro
         sunk.push(r.clone());
         Ok(())
     };
-    run_rollout(&mut s.engine, &s.model, &s.tok, &ChatTemplate, cfg, &mut sink).unwrap()
+    run_rollout(
+        &mut s.engine,
+        &s.model,
+        &s.tok,
+        &ChatTemplate,
+        cfg,
+        &mut sink,
+    )
+    .unwrap()
 }
 
 #[test]
@@ -62,7 +70,10 @@ fn concat_contexts_extend_in_token_space_and_groups_share_the_prompt() {
         let mut len = 0;
         for (t, r) in traj.iter().enumerate() {
             assert_eq!(r.step_index as usize, t);
-            assert_eq!(r.context_len as usize, len, "context_len is the tokens before obs_ids");
+            assert_eq!(
+                r.context_len as usize, len,
+                "context_len is the tokens before obs_ids"
+            );
             assert_eq!(r.response_ids.len(), r.response_logprobs.len());
             assert_eq!(r.is_last(), t + 1 == traj.len());
             len += r.obs_ids.len() + r.response_ids.len();
@@ -97,7 +108,11 @@ fn radix_and_no_cache_rollouts_are_identical() {
 #[test]
 fn window_layout_starts_every_step_afresh() {
     let mut s = setup(CacheMode::Radix);
-    let out = rollout(&mut s, &config(ContextLayout::Window { k: 1 }), &mut Vec::new());
+    let out = rollout(
+        &mut s,
+        &config(ContextLayout::Window { k: 1 }),
+        &mut Vec::new(),
+    );
     let system = ChatTemplate.system(&s.tok, &{
         let session = stepppo::env::build_session("frozen_lake", &serde_json::json!({})).unwrap();
         session.system_prompt()
@@ -106,7 +121,10 @@ fn window_layout_starts_every_step_afresh() {
         assert_eq!(r.context_len, 0);
         assert!(r.obs_ids.starts_with(&system));
     }
-    assert!(out.stats.cache.hit_ratio() > 0.3, "the stable head is shared");
+    assert!(
+        out.stats.cache.hit_ratio() > 0.3,
+        "the stable head is shared"
+    );
 }
 
 #[test]

@@ -36,7 +36,10 @@ fn every_cache_mode_generates_the_same_tokens_and_logprobs() {
                     .zip(&gb.logprobs)
                     .map(|(x, y)| (x - y).abs())
                     .fold(0.0f32, f32::max);
-                assert!(worst < 1e-4, "{mode:?} turn {turn} trajectory {i}: |Δlogprob| {worst}");
+                assert!(
+                    worst < 1e-4,
+                    "{mode:?} turn {turn} trajectory {i}: |Δlogprob| {worst}"
+                );
             }
         }
     }
@@ -49,14 +52,21 @@ fn prefill_counts_match_the_theory_of_each_arm() {
     let expected = [
         (CacheMode::None, w.stateless_total()),
         (CacheMode::PerTraj, groups * g * (p + (t - 1) * (o + 1))),
-        (CacheMode::GroupPrompt, groups * (p + g * (r + o) * t * (t - 1) / 2)),
+        (
+            CacheMode::GroupPrompt,
+            groups * (p + g * (r + o) * t * (t - 1) / 2),
+        ),
         (CacheMode::Radix, w.radix_expected()),
     ];
     for (mode, prefilled) in expected {
         let c = run(mode, &w, 4096).counters;
         assert_eq!(c.tokens_prefilled, prefilled, "{mode:?}");
         assert_eq!(c.prompt_tokens, w.stateless_total(), "{mode:?}");
-        assert_eq!(c.tokens_prefilled + c.tokens_from_cache, c.prompt_tokens, "{mode:?}");
+        assert_eq!(
+            c.tokens_prefilled + c.tokens_from_cache,
+            c.prompt_tokens,
+            "{mode:?}"
+        );
         assert_eq!(c.decode_tokens, groups * g * t * r, "{mode:?}");
     }
 }

@@ -105,7 +105,10 @@ impl Episode {
 
     /// Human-readable transcript: observation, action and reward per turn.
     pub fn transcript(&self) -> String {
-        let mut text = format!("=== {} seed {} ===\n[system]\n{}\n", self.env, self.seed, self.system_prompt);
+        let mut text = format!(
+            "=== {} seed {} ===\n[system]\n{}\n",
+            self.env, self.seed, self.system_prompt
+        );
         for (i, turn) in self.turns.iter().enumerate() {
             let o = &turn.outcome;
             text.push_str(&format!(

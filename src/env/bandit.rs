@@ -54,7 +54,11 @@ impl BanditEnv {
     pub fn new(cfg: BanditConfig) -> Result<Self, EnvError> {
         let (lo, hi) = (cfg.lo_arm_name.trim(), cfg.hi_arm_name.trim());
         if lo.is_empty() || lo.contains("||") {
-            return Err(bad_value("bandit", "lo_arm_name", "must be a non-empty name without ||"));
+            return Err(bad_value(
+                "bandit",
+                "lo_arm_name",
+                "must be a non-empty name without ||",
+            ));
         }
         if hi.is_empty() || hi.contains("||") || hi.eq_ignore_ascii_case(lo) {
             return Err(bad_value(
@@ -64,7 +68,11 @@ impl BanditEnv {
             ));
         }
         if !(0.0..=1.0).contains(&cfg.hi_arm_hiscore_prob) {
-            return Err(bad_value("bandit", "hi_arm_hiscore_prob", "must be in [0, 1]"));
+            return Err(bad_value(
+                "bandit",
+                "hi_arm_hiscore_prob",
+                "must be in [0, 1]",
+            ));
         }
         let arms = [lo.to_string(), hi.to_string()];
         Ok(BanditEnv {
@@ -99,9 +107,11 @@ impl Env for BanditEnv {
 
     fn step(&mut self, action: &Action) -> Transition {
         let arm = match action {
-            Action::Move(name) if self.outcome.is_none() => {
-                self.arms.iter().find(|a| a.eq_ignore_ascii_case(name)).cloned()
-            }
+            Action::Move(name) if self.outcome.is_none() => self
+                .arms
+                .iter()
+                .find(|a| a.eq_ignore_ascii_case(name))
+                .cloned(),
             _ => None,
         };
         let Some(arm) = arm else {
@@ -171,8 +181,7 @@ mod tests {
     #[test]
     fn arm_order_varies_with_the_seed_and_names_match_case_insensitively() {
         let mut env = BanditEnv::new(BanditConfig::default()).unwrap();
-        let firsts: std::collections::BTreeSet<String> =
-            (0..20).map(|s| env.reset(s)).collect();
+        let firsts: std::collections::BTreeSet<String> = (0..20).map(|s| env.reset(s)).collect();
         assert_eq!(firsts.len(), 2, "{firsts:?}");
         env.reset(0);
         let t = env.step(&Action::Move("DRAGON".into()));

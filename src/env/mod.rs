@@ -258,7 +258,8 @@ fn merge_config<T: Serialize + DeserializeOwned>(
     }
     let mut merged = base;
     merged.extend(overrides.clone());
-    serde_json::from_value(Value::Object(merged)).map_err(|e| bad_value("(combined)", e.to_string()))
+    serde_json::from_value(Value::Object(merged))
+        .map_err(|e| bad_value("(combined)", e.to_string()))
 }
 
 /// Shorthand for a [`EnvError::BadValue`] raised by an env's semantic validation.
@@ -285,27 +286,38 @@ mod tests {
 
     #[test]
     fn unknown_env_and_key_are_named() {
-        let err = build_session("chess", &Value::Null).err().unwrap().to_string();
+        let err = build_session("chess", &Value::Null)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("chess"), "{err}");
         let err = build_session("frozen_lake", &json!({"sizee": 5}))
             .err()
             .unwrap()
             .to_string();
-        assert!(err.contains("sizee") && err.contains("frozen_lake"), "{err}");
+        assert!(
+            err.contains("sizee") && err.contains("frozen_lake"),
+            "{err}"
+        );
         let err = build_session("sokoban", &json!({"num_boxes": "two"}))
             .err()
             .unwrap()
             .to_string();
         assert!(err.contains("num_boxes"), "{err}");
-        let err = build_session("bandit", &json!([1])).err().unwrap().to_string();
+        let err = build_session("bandit", &json!([1]))
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("JSON object"), "{err}");
     }
 
     #[test]
     fn overrides_reach_env_and_protocol() {
-        let session =
-            build_session("frozen_lake", &json!({"size": 6, "max_turns": 3, "enable_think": true}))
-                .unwrap();
+        let session = build_session(
+            "frozen_lake",
+            &json!({"size": 6, "max_turns": 3, "enable_think": true}),
+        )
+        .unwrap();
         assert_eq!(session.protocol().max_turns, 3);
         assert!(session.protocol().enable_think);
         let mut session = session;
@@ -315,9 +327,15 @@ mod tests {
 
     #[test]
     fn parse_set_reads_json_or_string() {
-        assert_eq!(parse_set("is_slippery=false"), Some(("is_slippery".into(), json!(false))));
+        assert_eq!(
+            parse_set("is_slippery=false"),
+            Some(("is_slippery".into(), json!(false)))
+        );
         assert_eq!(parse_set("p=0.5"), Some(("p".into(), json!(0.5))));
-        assert_eq!(parse_set("name=dragon"), Some(("name".into(), json!("dragon"))));
+        assert_eq!(
+            parse_set("name=dragon"),
+            Some(("name".into(), json!("dragon")))
+        );
         assert_eq!(parse_set("novalue"), None);
     }
 

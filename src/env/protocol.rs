@@ -56,7 +56,11 @@ impl ProtocolConfig {
 
     pub(crate) fn validate(&self, env_name: &str) -> Result<(), EnvError> {
         if self.max_turns == 0 {
-            return Err(super::bad_value(env_name, "max_turns", "must be at least 1"));
+            return Err(super::bad_value(
+                env_name,
+                "max_turns",
+                "must be at least 1",
+            ));
         }
         if self.max_actions_per_turn == 0 {
             return Err(super::bad_value(
@@ -66,7 +70,11 @@ impl ProtocolConfig {
             ));
         }
         if !self.format_penalty.is_finite() {
-            return Err(super::bad_value(env_name, "format_penalty", "must be finite"));
+            return Err(super::bad_value(
+                env_name,
+                "format_penalty",
+                "must be finite",
+            ));
         }
         Ok(())
     }
@@ -448,8 +456,14 @@ mod tests {
 
     #[test]
     fn parses_answers_case_insensitively_and_splits_on_bars() {
-        assert_eq!(parse_response("<answer>left</answer>", &grid(), false, 1), moves(&["Left"]));
-        assert_eq!(parse_response("<ANSWER> UP </ANSWER>", &grid(), false, 1), moves(&["Up"]));
+        assert_eq!(
+            parse_response("<answer>left</answer>", &grid(), false, 1),
+            moves(&["Left"])
+        );
+        assert_eq!(
+            parse_response("<ANSWER> UP </ANSWER>", &grid(), false, 1),
+            moves(&["Up"])
+        );
         assert_eq!(
             parse_response("<answer>Left || down||</answer>", &grid(), false, 5),
             moves(&["Left", "Down"])
@@ -484,9 +498,17 @@ mod tests {
         let text = "<think>go left</think> <answer>Left</answer>";
         assert_eq!(parse_response(text, &grid(), true, 1), moves(&["Left"]));
         assert_eq!(parse_response(text, &grid(), false, 1), moves(&["Left"]));
-        assert_eq!(parse_response("<answer>Left</answer>", &grid(), true, 1), None);
         assert_eq!(
-            parse_response("<think>a</think>junk<answer>Left</answer>", &grid(), true, 1),
+            parse_response("<answer>Left</answer>", &grid(), true, 1),
+            None
+        );
+        assert_eq!(
+            parse_response(
+                "<think>a</think>junk<answer>Left</answer>",
+                &grid(),
+                true,
+                1
+            ),
             None
         );
     }
@@ -495,7 +517,12 @@ mod tests {
     fn qa_takes_the_first_complete_block() {
         let qa = ActionSpace::SearchOrAnswer;
         assert_eq!(
-            parse_response("<search> Zorbex founder </search><answer>x</answer>", &qa, false, 1),
+            parse_response(
+                "<search> Zorbex founder </search><answer>x</answer>",
+                &qa,
+                false,
+                1
+            ),
             Some(vec![Action::Search("Zorbex founder".into())])
         );
         assert_eq!(

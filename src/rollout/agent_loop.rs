@@ -149,7 +149,17 @@ pub fn run_rollout(
         for (&i, g) in active.iter().zip(gens) {
             length_cut += usize::from(g.finish == FinishReason::Length);
             let last_turn = turn + 1 == cfg.max_turns;
-            let record = advance(&mut trajs[i], turn as u32, g.tokens, g.logprobs, last_turn, engine.policy_version(), tok, template, cfg);
+            let record = advance(
+                &mut trajs[i],
+                turn as u32,
+                g.tokens,
+                g.logprobs,
+                last_turn,
+                engine.policy_version(),
+                tok,
+                template,
+                cfg,
+            );
             sink(&record).map_err(|message| RolloutError::Sink {
                 traj_id: record.traj_id,
                 step: record.step_index,
@@ -183,15 +193,21 @@ fn validate(cfg: &RolloutConfig) -> Result<()> {
     Ok(())
 }
 
-fn start_trajectories(tok: &Tokenizer, template: &ChatTemplate, cfg: &RolloutConfig) -> Result<Vec<Trajectory>> {
+fn start_trajectories(
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    cfg: &RolloutConfig,
+) -> Result<Vec<Trajectory>> {
     let mut trajs = Vec::with_capacity(cfg.num_groups * cfg.group_size);
     for g in 0..cfg.num_groups as u64 {
         let group_id = cfg.first_group_id + g;
         let env_seed = seed::derive(cfg.base_seed, &[group_id]);
         for member in 0..cfg.group_size as u64 {
-            let mut session = build_session(&cfg.env_name, &cfg.env_config).map_err(|source| RolloutError::Env {
-                env: cfg.env_name.clone(),
-                source,
+            let mut session = build_session(&cfg.env_name, &cfg.env_config).map_err(|source| {
+                RolloutError::Env {
+                    env: cfg.env_name.clone(),
+                    source,
+                }
             })?;
             let first = session.reset(env_seed);
             let mut context = template.system(tok, &session.system_prompt());
@@ -283,7 +299,14 @@ fn advance(
 }
 
 /// Builds the context of the next step in token space.
-fn next_context(t: &mut Trajectory, record: &StepRecord, message: &str, tok: &Tokenizer, template: &ChatTemplate, cfg: &RolloutConfig) {
+fn next_context(
+    t: &mut Trajectory,
+    record: &StepRecord,
+    message: &str,
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    cfg: &RolloutConfig,
+) {
     t.observation_text = message.to_string();
     match cfg.layout {
         ContextLayout::Concat => {
@@ -297,7 +320,8 @@ fn next_context(t: &mut Trajectory, record: &StepRecord, message: &str, tok: &To
         }
         ContextLayout::Window { k } => {
             t.context = template.system(tok, &t.session.system_prompt());
-            t.context.extend(template.user_turn(tok, &t.session.window_user_message(k)));
+            t.context
+                .extend(template.user_turn(tok, &t.session.window_user_message(k)));
             t.context_len = 0;
         }
     }
@@ -312,7 +336,10 @@ fn summarize(env_tag: &str, records: &[StepRecord], trajectories: usize) -> Roll
         env_tag: env_tag.to_string(),
         trajectories,
         steps: records.len(),
-        success_rate: per(lasts.iter().filter(|r| r.info.success).count() as f64, trajectories),
+        success_rate: per(
+            lasts.iter().filter(|r| r.info.success).count() as f64,
+            trajectories,
+        ),
         mean_return: per(total_return, trajectories),
         mean_turns: per(records.len() as f64, trajectories),
         mean_response_tokens: per(response_lens.iter().sum::<usize>() as f64, records.len()),

@@ -584,7 +584,8 @@ impl Engine {
                 .min(budget);
             let new_slots = alloc_slots(&mut self.pool, &mut self.tree, &mut self.counters, n)?;
             self.counters.tokens_computed += n as u64;
-            self.counters.attended_pairs += ((start + 1)..=(start + n)).map(|p| p as u64).sum::<u64>();
+            self.counters.attended_pairs +=
+                ((start + 1)..=(start + n)).map(|p| p as u64).sum::<u64>();
             s.slots.extend(new_slots);
             if s.generated().is_empty() {
                 s.prefilled += n;

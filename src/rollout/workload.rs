@@ -42,7 +42,15 @@ impl Workload {
         ]
     }
 
-    pub fn new(name: &str, groups: usize, g: usize, t: usize, p: usize, o: usize, r: usize) -> Self {
+    pub fn new(
+        name: &str,
+        groups: usize,
+        g: usize,
+        t: usize,
+        p: usize,
+        o: usize,
+        r: usize,
+    ) -> Self {
         Self {
             name: name.to_string(),
             groups,

@@ -99,7 +99,11 @@ pub fn pack(records: &[StepRecord], sequences: &[Vec<usize>]) -> Result<PackedBa
         }
         full.push(ids);
     }
-    let seq_len = full.iter().map(|s| s.len().saturating_sub(1)).max().unwrap_or(0);
+    let seq_len = full
+        .iter()
+        .map(|s| s.len().saturating_sub(1))
+        .max()
+        .unwrap_or(0);
     let max_response_len = spans.iter().map(|s| s.3).max().unwrap_or(0);
     let rows = spans.len();
     let mut token_index = vec![0u32; rows * max_response_len];
@@ -142,7 +146,11 @@ pub fn pad(seqs: &[Vec<u32>], len: usize, pad: u32) -> (Vec<u32>, Vec<u32>) {
     let mut ids = Vec::with_capacity(seqs.len() * len);
     let mut mask = Vec::with_capacity(seqs.len() * len);
     for s in seqs {
-        ids.extend(s.iter().copied().chain(std::iter::repeat_n(pad, len - s.len())));
+        ids.extend(
+            s.iter()
+                .copied()
+                .chain(std::iter::repeat_n(pad, len - s.len())),
+        );
         mask.extend((0..len).map(|t| u32::from(t < s.len())));
     }
     (ids, mask)
@@ -167,7 +175,10 @@ mod tests {
     #[test]
     fn concat_trajectory_is_one_sequence_with_per_step_rows() {
         // Trajectory: obs [1,2] resp [3,4] | obs [5] resp [6,7,8].
-        let records = vec![rec(0, 0, 0, &[1, 2], &[3, 4]), rec(0, 1, 4, &[5], &[6, 7, 8])];
+        let records = vec![
+            rec(0, 0, 0, &[1, 2], &[3, 4]),
+            rec(0, 1, 4, &[5], &[6, 7, 8]),
+        ];
         let p = pack(&records, &[vec![0, 1]]).unwrap();
         assert_eq!(p.inputs, vec![vec![1, 2, 3, 4, 5, 6, 7]]);
         assert_eq!(p.targets, vec![vec![2, 3, 4, 5, 6, 7, 8]]);
@@ -188,7 +199,10 @@ mod tests {
 
     #[test]
     fn window_steps_are_separate_padded_sequences() {
-        let records = vec![rec(0, 0, 0, &[1, 2, 3], &[4]), rec(0, 1, 0, &[1, 5], &[6, 7])];
+        let records = vec![
+            rec(0, 0, 0, &[1, 2, 3], &[4]),
+            rec(0, 1, 0, &[1, 5], &[6, 7]),
+        ];
         let p = pack(&records, &[vec![0], vec![1]]).unwrap();
         assert_eq!(p.seq_len, 3);
         assert_eq!(p.value_index, vec![2, 3 + 1]);

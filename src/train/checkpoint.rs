@@ -8,9 +8,8 @@
 //! is written: a checkpoint is never made from NaN/Inf weights. This module owns the on-disk
 //! layout; which tensors and state go in is the trainer's business.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use serde::{de::DeserializeOwned, Serialize};
-use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -86,20 +85,20 @@ impl CheckpointWriter {
         })
     }
 
-    /// Writes `<name>.safetensors` after checking that every tensor is finite.
-    pub fn tensors(&self, name: &str, tensors: &[(String, Tensor)]) -> Result<(), CheckpointError> {
-        let path = self.tmp.join(format!("{name}.safetensors"));
-        for (tensor_name, t) in tensors {
-            if !is_finite(t).map_err(candle_err(&path))? {
+    /// Fails (naming the tensor) unless every tensor is finite; call before writing weights.
+    pub fn ensure_finite<'t>(
+        &self,
+        tensors: impl IntoIterator<Item = (&'t str, &'t Tensor)>,
+    ) -> Result<(), CheckpointError> {
+        for (name, t) in tensors {
+            if !is_finite(t).map_err(candle_err(&self.tmp))? {
                 return Err(CheckpointError::NonFinite {
-                    path,
-                    name: tensor_name.clone(),
+                    path: self.tmp.clone(),
+                    name: name.to_string(),
                 });
             }
         }
-        let map: HashMap<String, Tensor> = tensors.iter().cloned().collect();
-        candle_core::safetensors::save(&map, &path).map_err(candle_err(&path))?;
-        sync_file(&path)
+        Ok(())
     }
 
     /// Writes `<name>.json`.
@@ -112,12 +111,8 @@ impl CheckpointWriter {
         self.bytes_at(&path, &text)
     }
 
-    /// Writes an arbitrary file (e.g. a tokenizer or model config) into the checkpoint.
-    pub fn file(&self, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
-        self.bytes_at(&self.tmp.join(name), bytes)
-    }
-
-    /// The temporary directory (for writers that save whole directories themselves).
+    /// The temporary directory, where callers save their files (model directories, optimizer
+    /// states); [`commit`](Self::commit) fsyncs everything under it.
     pub fn tmp_dir(&self) -> &Path {
         &self.tmp
     }
@@ -129,7 +124,7 @@ impl CheckpointWriter {
 
     /// Renames the directory to `ckpt-<step>` and points `ckpt-latest` at it.
     pub fn commit(mut self) -> Result<PathBuf, CheckpointError> {
-        sync_dir(&self.tmp)?;
+        sync_tree(&self.tmp)?;
         let final_dir = self.run_dir.join(dir_name(self.step));
         if final_dir.exists() {
             std::fs::remove_dir_all(&final_dir).map_err(io_err(&final_dir))?;
@@ -160,6 +155,18 @@ fn sync_file(path: &Path) -> Result<(), CheckpointError> {
     File::open(path)
         .and_then(|f| f.sync_all())
         .map_err(io_err(path))
+}
+
+fn sync_tree(dir: &Path) -> Result<(), CheckpointError> {
+    for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
+        let path = entry.map_err(io_err(dir))?.path();
+        if path.is_dir() {
+            sync_tree(&path)?;
+        } else {
+            sync_file(&path)?;
+        }
+    }
+    sync_dir(dir)
 }
 
 fn sync_dir(path: &Path) -> Result<(), CheckpointError> {
@@ -224,16 +231,6 @@ pub fn resolve(path: &Path) -> Result<PathBuf, CheckpointError> {
     latest(path)?.ok_or_else(not_found)
 }
 
-/// Reads `<dir>/<name>.safetensors` onto `device`.
-pub fn load_tensors(
-    dir: &Path,
-    name: &str,
-    device: &Device,
-) -> Result<HashMap<String, Tensor>, CheckpointError> {
-    let path = dir.join(format!("{name}.safetensors"));
-    candle_core::safetensors::load(&path, device).map_err(candle_err(&path))
-}
-
 /// Reads `<dir>/<name>.json`.
 pub fn load_json<T: DeserializeOwned>(dir: &Path, name: &str) -> Result<T, CheckpointError> {
     let path = dir.join(format!("{name}.json"));
@@ -256,15 +253,17 @@ mod tests {
     fn commit_is_visible_and_round_trips() {
         let run = tempfile::tempdir().unwrap();
         let w = CheckpointWriter::begin(run.path(), 4).unwrap();
-        w.tensors("actor", &named("w", &[1.0, 2.0])).unwrap();
+        let w_t = Tensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap();
+        w.ensure_finite([("w", &w_t)]).unwrap();
+        std::fs::create_dir(w.tmp_dir().join("policy")).unwrap();
+        std::fs::write(w.tmp_dir().join("policy/x.bin"), [1u8, 2]).unwrap();
         w.json("state", &serde_json::json!({"step": 4})).unwrap();
         let dir = w.commit().unwrap();
         assert_eq!(dir, run.path().join("ckpt-4"));
         assert_eq!(latest(run.path()).unwrap(), Some(dir.clone()));
         assert_eq!(resolve(&run.path().join(LATEST)).unwrap(), dir);
         assert_eq!(resolve(run.path()).unwrap(), dir);
-        let t = load_tensors(&dir, "actor", &Device::Cpu).unwrap();
-        assert_eq!(t["w"].to_vec1::<f32>().unwrap(), vec![1.0, 2.0]);
+        assert_eq!(std::fs::read(dir.join("policy/x.bin")).unwrap(), vec![1, 2]);
         let s: serde_json::Value = load_json(&dir, "state").unwrap();
         assert_eq!(s["step"], 4);
         assert!(!run.path().join("ckpt-4.tmp").exists());
@@ -290,9 +289,8 @@ mod tests {
     fn non_finite_weights_are_never_written() {
         let run = tempfile::tempdir().unwrap();
         let w = CheckpointWriter::begin(run.path(), 1).unwrap();
-        let err = w
-            .tensors("actor", &named("bad", &[1.0, f32::NAN]))
-            .unwrap_err();
+        let bad = Tensor::new(&[1.0f32, f32::NAN], &Device::Cpu).unwrap();
+        let err = w.ensure_finite([("bad", &bad)]).unwrap_err();
         assert!(err.to_string().contains("bad"), "{err}");
         drop(w);
         assert!(!run.path().join("ckpt-1.tmp").exists());

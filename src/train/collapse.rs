@@ -9,7 +9,7 @@ use super::metrics::Scalars;
 pub const IN_GROUP_STD: &str = "rollout/in_group_reward_std";
 pub const ENTROPY: &str = "actor/entropy";
 pub const GRAD_NORM: &str = "actor/grad_norm";
-pub const ZERO_ADV_FRAC: &str = "critic/advantages/zero_frac";
+pub const ZERO_ADV_FRAC: &str = "advantage/zero_fraction";
 
 /// Smoothing of the exponential moving averages (weight of the newest value).
 const EMA_ALPHA: f64 = 0.3;

@@ -90,7 +90,11 @@ mod tests {
         let index = Bm25::new(&docs);
         let hits = index.search("Who founded Drax Labs?", 3);
         assert_eq!(hits[0].0, 1);
-        assert_eq!(hits.len(), 1, "documents without query terms are not returned");
+        assert_eq!(
+            hits.len(),
+            1,
+            "documents without query terms are not returned"
+        );
         let hits = index.search("velmora", 1);
         assert_eq!(hits.len(), 1);
         assert_eq!(hits[0].0, 0, "shorter document wins on equal tf");

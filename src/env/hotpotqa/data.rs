@@ -117,7 +117,11 @@ fn strings(value: &Value, what: &str) -> Result<Vec<String>, String> {
         .as_array()
         .ok_or(format!("{what} is not a list"))?
         .iter()
-        .map(|v| v.as_str().map(str::to_string).ok_or(format!("{what} holds a non-string")))
+        .map(|v| {
+            v.as_str()
+                .map(str::to_string)
+                .ok_or(format!("{what} holds a non-string"))
+        })
         .collect()
 }
 
@@ -139,7 +143,8 @@ fn supporting_facts(value: Option<&Value>) -> Result<Vec<(String, usize)>, Strin
             .collect(),
         Some(Value::Object(cols)) => {
             let titles = strings(
-                cols.get("title").ok_or("`supporting_facts.title` missing")?,
+                cols.get("title")
+                    .ok_or("`supporting_facts.title` missing")?,
                 "`supporting_facts.title`",
             )?;
             let ids = cols
@@ -222,14 +227,25 @@ mod tests {
         let text = r#"[{"_id":"a","question":"q","answer":"x","context":[]},
                        {"_id":"b","question":"q","context":[]}]"#;
         let err = parse_records(text, "dev.json").unwrap_err().to_string();
-        assert!(err.contains("dev.json") && err.contains("record 1") && err.contains("answer"), "{err}");
-        let err = parse_records(r#"[{"_id":"a","question":"q","answer":"x","context":[["T",[1]]]}]"#, "d")
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("record 0") && err.contains("non-string"), "{err}");
+        assert!(
+            err.contains("dev.json") && err.contains("record 1") && err.contains("answer"),
+            "{err}"
+        );
+        let err = parse_records(
+            r#"[{"_id":"a","question":"q","answer":"x","context":[["T",[1]]]}]"#,
+            "d",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("record 0") && err.contains("non-string"),
+            "{err}"
+        );
         let err = parse_records("[1,", "d").unwrap_err().to_string();
         assert!(err.contains("not a JSON list"), "{err}");
-        let err = parse_records("{}\n{oops", "d.jsonl").unwrap_err().to_string();
+        let err = parse_records("{}\n{oops", "d.jsonl")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("line 2"), "{err}");
     }
 }

@@ -41,7 +41,9 @@ fn replace_articles(text: &str) -> String {
 
 /// 1.0 when the normalized prediction equals the normalized gold answer, else 0.0.
 pub fn exact_match(prediction: &str, gold: &str) -> f32 {
-    f32::from(u8::from(normalize_answer(prediction) == normalize_answer(gold)))
+    f32::from(u8::from(
+        normalize_answer(prediction) == normalize_answer(gold),
+    ))
 }
 
 /// Token F1 (with precision and recall) after normalization. When either side normalizes to

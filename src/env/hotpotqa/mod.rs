@@ -165,7 +165,11 @@ fn split_indices(
     };
     let indices: Vec<usize> = (0..records.len()).filter(|&i| keep(&records[i])).collect();
     if indices.is_empty() {
-        return Err(bad_value("hotpotqa", "split", format!("split `{split}` holds no records")));
+        return Err(bad_value(
+            "hotpotqa",
+            "split",
+            format!("split `{split}` holds no records"),
+        ));
     }
     Ok(indices)
 }
@@ -265,7 +269,10 @@ impl Env for HotpotQaEnv {
 
     fn random_action(&self, rng: &mut ChaCha8Rng) -> Action {
         let titles: Vec<&String> = self.record().context.iter().map(|(t, _)| t).collect();
-        let title = titles.choose(rng).map(|t| t.to_string()).unwrap_or_default();
+        let title = titles
+            .choose(rng)
+            .map(|t| t.to_string())
+            .unwrap_or_default();
         if rng.random_bool(0.5) {
             Action::Search(title)
         } else {

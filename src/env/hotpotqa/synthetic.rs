@@ -83,9 +83,7 @@ type Paragraph = (String, Vec<String>);
 pub fn synthetic_records(count: usize, seed: u64) -> Vec<HotpotRecord> {
     let kb = Knowledge::generate(&mut ChaCha8Rng::seed_from_u64(derive(seed, &[0])));
     let mut rng = ChaCha8Rng::seed_from_u64(derive(seed, &[1]));
-    (0..count)
-        .map(|i| kb.record(i, seed, &mut rng))
-        .collect()
+    (0..count).map(|i| kb.record(i, seed, &mut rng)).collect()
 }
 
 fn capitalize(word: &str) -> String {
@@ -104,7 +102,10 @@ fn invented_word(rng: &mut ChaCha8Rng, syllables: usize) -> String {
 }
 
 /// Draws names until one is new.
-fn unique(used: &mut std::collections::BTreeSet<String>, mut make: impl FnMut() -> String) -> String {
+fn unique(
+    used: &mut std::collections::BTreeSet<String>,
+    mut make: impl FnMut() -> String,
+) -> String {
     loop {
         let name = make();
         if used.insert(name.clone()) {
@@ -133,7 +134,11 @@ impl Knowledge {
             .map(|_| Person {
                 name: unique(&mut used, || {
                     let surname_len = rng.random_range(2..=3);
-                    format!("{} {}", invented_word(rng, 2), invented_word(rng, surname_len))
+                    format!(
+                        "{} {}",
+                        invented_word(rng, 2),
+                        invented_word(rng, surname_len)
+                    )
                 }),
                 country: rng.random_range(0..4),
                 city: rng.random_range(0..10),
@@ -277,9 +282,15 @@ impl Knowledge {
                 let c = rng.random_range(0..self.companies.len());
                 let founder = self.companies[c].founder;
                 (
-                    format!("In which city was the founder of {} born?", self.companies[c].name),
+                    format!(
+                        "In which city was the founder of {} born?",
+                        self.companies[c].name
+                    ),
                     self.cities[self.people[founder].city].name.clone(),
-                    vec![(self.company_paragraph(c), 0), (self.person_paragraph(founder), 1)],
+                    vec![
+                        (self.company_paragraph(c), 0),
+                        (self.person_paragraph(founder), 1),
+                    ],
                     "bridge",
                 )
             }
@@ -300,9 +311,15 @@ impl Knowledge {
                 let f = rng.random_range(0..self.films.len());
                 let director = self.films[f].director;
                 (
-                    format!("What is the nationality of the director of {}?", self.films[f].title),
+                    format!(
+                        "What is the nationality of the director of {}?",
+                        self.films[f].title
+                    ),
                     self.nationality(self.people[director].country),
-                    vec![(self.film_paragraph(f), 0), (self.person_paragraph(director), 0)],
+                    vec![
+                        (self.film_paragraph(f), 0),
+                        (self.person_paragraph(director), 0),
+                    ],
                     "bridge",
                 )
             }
@@ -310,7 +327,11 @@ impl Knowledge {
                 let (a, b) = self.distinct_pair(self.people.len(), rng, |a, b| {
                     self.people[a].year != self.people[b].year
                 });
-                let first = if self.people[a].year < self.people[b].year { a } else { b };
+                let first = if self.people[a].year < self.people[b].year {
+                    a
+                } else {
+                    b
+                };
                 (
                     format!(
                         "Who was born first, {} or {}?",
@@ -330,7 +351,10 @@ impl Knowledge {
                         self.companies[c].name
                     ),
                     self.countries[self.cities[city].country].clone(),
-                    vec![(self.company_paragraph(c), 1), (self.city_paragraph(city), 0)],
+                    vec![
+                        (self.company_paragraph(c), 1),
+                        (self.city_paragraph(city), 0),
+                    ],
                     "bridge",
                 )
             }
@@ -338,7 +362,11 @@ impl Knowledge {
                 let (a, b) = self.distinct_pair(self.films.len(), rng, |a, b| {
                     self.films[a].year != self.films[b].year
                 });
-                let first = if self.films[a].year < self.films[b].year { a } else { b };
+                let first = if self.films[a].year < self.films[b].year {
+                    a
+                } else {
+                    b
+                };
                 (
                     format!(
                         "Which film came out first, {} or {}?",
@@ -366,14 +394,21 @@ impl Knowledge {
                 let (a, b) = self.distinct_pair(self.companies.len(), rng, |a, b| {
                     self.companies[a].year != self.companies[b].year
                 });
-                let first = if self.companies[a].year < self.companies[b].year { a } else { b };
+                let first = if self.companies[a].year < self.companies[b].year {
+                    a
+                } else {
+                    b
+                };
                 (
                     format!(
                         "Which company was founded earlier, {} or {}?",
                         self.companies[a].name, self.companies[b].name
                     ),
                     self.companies[first].name.clone(),
-                    vec![(self.company_paragraph(a), 0), (self.company_paragraph(b), 0)],
+                    vec![
+                        (self.company_paragraph(a), 0),
+                        (self.company_paragraph(b), 0),
+                    ],
                     "comparison",
                 )
             }
@@ -412,7 +447,9 @@ mod tests {
         let records = synthetic_records(40, 7);
         let bridges = records.iter().filter(|r| r.kind == "bridge").count();
         assert_eq!(bridges, 20);
-        assert!(records.iter().any(|r| r.answer == "yes") || records.iter().any(|r| r.answer == "no"));
+        assert!(
+            records.iter().any(|r| r.answer == "yes") || records.iter().any(|r| r.answer == "no")
+        );
         for r in &records {
             assert_eq!(r.context.len(), 2 + DISTRACTORS);
             assert_eq!(r.supporting_facts.len(), 2);
@@ -420,7 +457,11 @@ mod tests {
                 let (_, sentences) = r.context.iter().find(|(t, _)| t == title).unwrap();
                 assert!(*sent < sentences.len());
             }
-            let text: String = r.context.iter().flat_map(|(_, s)| s.iter().cloned()).collect();
+            let text: String = r
+                .context
+                .iter()
+                .flat_map(|(_, s)| s.iter().cloned())
+                .collect();
             if r.answer != "yes" && r.answer != "no" {
                 assert!(text.contains(&r.answer), "{} → {}", r.question, r.answer);
             }

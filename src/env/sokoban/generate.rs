@@ -233,6 +233,9 @@ mod tests {
 
     #[test]
     fn opposite_pairs_up_down_and_left_right() {
-        assert_eq!([opposite(0), opposite(1), opposite(2), opposite(3)], [1, 0, 3, 2]);
+        assert_eq!(
+            [opposite(0), opposite(1), opposite(2), opposite(3)],
+            [1, 0, 3, 2]
+        );
     }
 }

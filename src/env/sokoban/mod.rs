@@ -266,7 +266,10 @@ mod tests {
         env.reset(0);
         env.room = Room::parse("#######\n#P√_O_#\n#___X_#\n#######").unwrap();
         let t = env.step(&Action::Move("Right".into()));
-        assert!((t.reward + 1.1).abs() < 1e-6, "pushing off a target costs 1");
+        assert!(
+            (t.reward + 1.1).abs() < 1e-6,
+            "pushing off a target costs 1"
+        );
     }
 
     #[test]

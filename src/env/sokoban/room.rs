@@ -72,7 +72,10 @@ impl Room {
             moved: false,
             box_move: None,
         };
-        let Some(next) = self.neighbour(self.player, dir).filter(|&c| !self.is_wall(c)) else {
+        let Some(next) = self
+            .neighbour(self.player, dir)
+            .filter(|&c| !self.is_wall(c))
+        else {
             return still;
         };
         if !self.has_box(next) {

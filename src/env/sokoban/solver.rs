@@ -88,7 +88,10 @@ mod tests {
             }
             assert!(replay.solved(), "{text}");
             assert!(solvable_within(room, path.len()));
-            assert!(!solvable_within(room, path.len() - 1), "{text}: shorter exists");
+            assert!(
+                !solvable_within(room, path.len() - 1),
+                "{text}: shorter exists"
+            );
         }
     }
 
