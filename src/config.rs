@@ -254,6 +254,10 @@ pub struct Config {
     pub builtin_size: BuiltinSize,
     #[serde(default = "cpu")]
     pub device: DeviceKind,
+    /// CPU compute threads (candle/rayon); 0 = one per core. On a small shared machine 1 thread
+    /// measured 3× faster than 2 for this workload (small matrices, oversubscribed cores).
+    #[serde(default)]
+    pub cpu_threads: usize,
     #[serde(default)]
     pub critic: CriticConfig,
     #[serde(default = "concat")]

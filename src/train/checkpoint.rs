@@ -244,10 +244,7 @@ pub fn load_json<T: DeserializeOwned>(dir: &Path, name: &str) -> Result<T, Check
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn named(name: &str, values: &[f32]) -> Vec<(String, Tensor)> {
-        vec![(name.to_string(), Tensor::new(values, &Device::Cpu).unwrap())]
-    }
+    use candle_core::Device;
 
     #[test]
     fn commit_is_visible_and_round_trips() {

@@ -23,16 +23,35 @@ impl Progress {
     }
 
     /// Advances to `step` and shows the newest figures.
-    pub fn update(&self, step: u64, success: f64, reward: f64, val_success: Option<f64>) {
+    pub fn update(
+        &self,
+        step: u64,
+        success: f64,
+        reward: f64,
+        val_success: Option<f64>,
+        step_s: f64,
+    ) {
         let val = val_success.map_or(String::new(), |v| format!(" val {v:.2}"));
-        self.bar
-            .set_message(format!("success {success:.2} reward {reward:.3}{val}"));
+        let msg = format!("success {success:.2} reward {reward:.3}{val} ({step_s:.1}s/step)");
+        if self.bar.is_hidden() {
+            let elapsed = self.bar.elapsed().as_secs_f64();
+            eprintln!(
+                "[{elapsed:>7.1}s] step {step}/{}: {msg}",
+                self.bar.length().unwrap_or(0)
+            );
+        }
+        self.bar.set_message(msg);
         self.bar.set_position(step);
     }
 
-    /// Prints a line above the bar (warnings, validation results).
+    /// Prints a line above the bar (warnings, validation results); plain stderr when the bar is
+    /// hidden (not a terminal), so logs keep every line.
     pub fn println(&self, line: impl AsRef<str>) {
-        self.bar.println(line.as_ref());
+        if self.bar.is_hidden() {
+            eprintln!("{}", line.as_ref());
+        } else {
+            self.bar.println(line.as_ref());
+        }
     }
 
     /// Leaves the final state on screen.

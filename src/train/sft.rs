@@ -32,6 +32,8 @@ pub struct SftReport {
     pub first_loss: f64,
     pub final_loss: f64,
     pub skipped: usize,
+    /// Wall-clock seconds of the warm start.
+    pub seconds: f64,
 }
 
 /// Plays `episodes` episodes of `kind` over the train env manager's tags (round robin over its
@@ -141,6 +143,7 @@ pub fn behaviour_clone(
         weight_decay: 0.0,
         ..OptimizerConfig::default()
     };
+    let start = std::time::Instant::now();
     let mut opt = AdamW::new(policy.named_vars(), &opt_cfg)?;
     let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(base_seed, &[0x5F7]));
     let mut order: Vec<usize> = Vec::new();
@@ -174,6 +177,7 @@ pub fn behaviour_clone(
         first_loss: mean(&losses[..k]),
         final_loss: mean(&losses[losses.len() - k..]),
         skipped,
+        seconds: start.elapsed().as_secs_f64(),
     })
 }
 

@@ -96,11 +96,7 @@ pub fn ppo_update(
     let mut skipped = 0usize;
     let mut actor_updates = 0usize;
     for epoch in 0..settings.epochs {
-        let mut order: Vec<usize> = (0..inputs.sequences.len()).collect();
-        let mut rng =
-            ChaCha8Rng::seed_from_u64(seed::derive(settings.shuffle_seed, &[epoch as u64]));
-        order.shuffle(&mut rng);
-        for chunk in order.chunks(settings.mini_batch.max(1)) {
+        for chunk in mini_batches(inputs, settings, epoch as u64) {
             let seqs: Vec<Vec<usize>> =
                 chunk.iter().map(|&s| inputs.sequences[s].clone()).collect();
             let packed = pack(inputs.records, &seqs)?;
@@ -125,6 +121,28 @@ pub fn ppo_update(
     out.insert("actor/skipped_updates".into(), skipped as f64);
     out.insert("actor/updates".into(), actor_updates as f64);
     Ok(out)
+}
+
+/// The epoch's mini-batches: a seeded shuffle, then sequences of similar length grouped together
+/// (a stable sort by token count) so that padding, and with it the O(T²) attention cost, stays
+/// small; the mini-batches themselves come in shuffled order.
+fn mini_batches(inputs: &UpdateInputs, settings: &UpdateSettings, epoch: u64) -> Vec<Vec<usize>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(settings.shuffle_seed, &[epoch]));
+    let mut order: Vec<usize> = (0..inputs.sequences.len()).collect();
+    order.shuffle(&mut rng);
+    let len = |s: usize| -> usize {
+        inputs.sequences[s]
+            .iter()
+            .map(|&r| inputs.records[r].obs_ids.len() + inputs.records[r].response_ids.len())
+            .sum()
+    };
+    order.sort_by_key(|&s| len(s));
+    let mut batches: Vec<Vec<usize>> = order
+        .chunks(settings.mini_batch.max(1))
+        .map(<[usize]>::to_vec)
+        .collect();
+    batches.shuffle(&mut rng);
+    batches
 }
 
 /// The padded model inputs of a packed mini-batch on the device.
@@ -376,8 +394,16 @@ pub fn critic_values(
     device: &Device,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
     let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
-    for seqs in sequences.chunks(chunk.max(1)) {
-        let p = pack(records, seqs)?;
+    // Similar lengths together: less padding in each forward.
+    let mut by_len: Vec<&Vec<usize>> = sequences.iter().collect();
+    by_len.sort_by_key(|seq| {
+        seq.iter()
+            .map(|&r| records[r].obs_ids.len() + records[r].response_ids.len())
+            .sum::<usize>()
+    });
+    for seqs in by_len.chunks(chunk.max(1)) {
+        let seqs: Vec<Vec<usize>> = seqs.iter().map(|s| (*s).clone()).collect();
+        let p = pack(records, &seqs)?;
         if p.rows == 0 {
             continue;
         }
@@ -402,4 +428,84 @@ pub fn critic_values(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::OptimizerConfig;
+    use crate::model::ModelConfig;
+
+    fn record(adv_len: usize) -> StepRecord {
+        StepRecord {
+            obs_ids: vec![5, 6, 7, 8],
+            response_ids: (10..10 + adv_len as u32).collect(),
+            response_logprobs: vec![-3.0; adv_len],
+            terminated: true,
+            ..Default::default()
+        }
+    }
+
+    fn run(advantage: f32) -> (Scalars, Vec<f32>, Vec<f32>) {
+        let device = Device::Cpu;
+        let policy = Model::new(&ModelConfig::tiny(64), 7, &device).unwrap();
+        let mut opt = AdamW::new(policy.named_vars(), &OptimizerConfig::default()).unwrap();
+        let records = vec![record(3)];
+        let weights = |m: &Model| {
+            m.named_vars()[0]
+                .1
+                .as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let before = weights(&policy);
+        let inputs = UpdateInputs {
+            records: &records,
+            sequences: vec![vec![0]],
+            actor_keep: vec![true],
+            critic_keep: vec![true],
+            advantages: vec![vec![advantage; 3]],
+            returns: vec![vec![0.0; 3]],
+            old_values: Vec::new(),
+            critic_target: None,
+        };
+        let loss = LossConfig::default();
+        let settings = UpdateSettings {
+            loss: &loss,
+            epochs: 1,
+            mini_batch: 1,
+            actor_lr: 1e-2,
+            critic_lr: 1e-2,
+            max_grad_norm: 1.0,
+            temperature: 1.0,
+            pad_id: 0,
+            shuffle_seed: 1,
+        };
+        let mut learners = Learners {
+            policy: &policy,
+            actor_opt: &mut opt,
+            critic: None,
+            shared_value_head: false,
+        };
+        let out = ppo_update(&inputs, &settings, &mut learners).unwrap();
+        (out, before, weights(&policy))
+    }
+
+    #[test]
+    fn finite_update_changes_weights() {
+        let (out, before, after) = run(1.0);
+        assert_eq!(out["actor/skipped_updates"], 0.0);
+        assert_eq!(out["actor/updates"], 1.0);
+        assert_ne!(before, after);
+    }
+
+    #[test]
+    fn nan_loss_is_skipped_and_weights_stay() {
+        let (out, before, after) = run(f32::NAN);
+        assert_eq!(out["actor/skipped_updates"], 1.0);
+        assert_eq!(out["actor/updates"], 0.0);
+        assert_eq!(before, after);
+    }
 }
