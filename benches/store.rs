@@ -2,7 +2,7 @@
 //! sequential read of a file of the store's size (the physical limit of this machine).
 //!
 //! Records: 1000 trajectories × 8 turns, each turn 64 new observation tokens, 64 response tokens
-//! with log-probs, ~200 characters of observation text and ~60 of action text.
+//! with full-precision log-probs (ln of a uniform draw, as sampled log-probs are), ~200 characters of observation text and ~60 of action text.
 //! Run: `cargo bench --bench store`.
 
 use std::fs::File;
@@ -37,7 +37,7 @@ fn records() -> Vec<StepRecord> {
                 context_len: t * 2 * NEW_TOKENS,
                 obs_ids: (0..NEW_TOKENS).map(|_| (next() % 151_000) as u32).collect(),
                 response_ids: (0..NEW_TOKENS).map(|_| (next() % 151_000) as u32).collect(),
-                response_logprobs: (0..NEW_TOKENS).map(|_| -((next() % 10_000) as f32) / 1000.0).collect(),
+                response_logprobs: (0..NEW_TOKENS).map(|_| (next() as f32 / u64::MAX as f32).ln()).collect(),
                 reward: if t + 1 == TURNS { 1.0 } else { 0.0 },
                 terminated: t + 1 == TURNS,
                 truncated: false,

@@ -4,7 +4,6 @@ use candle_core::Device;
 use stepppo::model::{Model, ModelConfig};
 use stepppo::rollout::agent_loop::{run_rollout, ContextLayout, Rollout, RolloutConfig};
 use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig};
-use stepppo::rollout::sampling::SamplingParams;
 use stepppo::store::StepRecord;
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
 
@@ -29,17 +28,14 @@ fn setup(mode: CacheMode) -> Setup {
 
 fn config(layout: ContextLayout) -> RolloutConfig {
     RolloutConfig {
-        env_name: "frozen_lake".into(),
         env_config: serde_json::json!({ "max_turns": 3 }),
         num_groups: 2,
         group_size: 3,
         base_seed: 9,
-        first_group_id: 0,
-        sampling: SamplingParams::default(),
         max_new_tokens: 10,
         max_turns: 8,
-        max_context_tokens: 2048,
         layout,
+        ..RolloutConfig::default()
     }
 }
 

@@ -84,3 +84,33 @@ fn a_small_pool_evicts_and_still_generates_the_same() {
         }
     }
 }
+
+#[test]
+fn requests_arriving_together_share_an_uncached_head() {
+    use stepppo::rollout::engine::GenRequest;
+    use stepppo::rollout::sampling::SamplingParams;
+    let tok = Tokenizer::builtin();
+    let cfg = ModelConfig::tiny(tok.vocab_size());
+    let model = Model::new(&cfg, 11, &Device::Cpu).unwrap();
+    let mut engine = Engine::new(&cfg, EngineConfig::default(), &Device::Cpu).unwrap();
+    let head: Vec<u32> = (0..60).map(|i| 100 + i).collect();
+    let requests: Vec<GenRequest> = (0..3u32)
+        .map(|i| GenRequest {
+            tokens: head.iter().copied().chain([500 + i, 600 + i]).collect(),
+            traj: i as u64,
+            group: i as u64,
+            turn: 0,
+            params: SamplingParams::default(),
+            seed: i as u64,
+            max_new_tokens: 3,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+        })
+        .collect();
+    let gens = engine.generate(&model, &tok, &requests).unwrap();
+    assert_eq!(gens[0].prefilled, 62);
+    for g in &gens[1..] {
+        assert_eq!((g.from_cache, g.prefilled), (60, 2));
+    }
+    assert_eq!(engine.counters().tokens_prefilled, 66);
+}

@@ -9,7 +9,12 @@ fuzz_target!(|data: &[u8]| {
     let scan = scan_segment(data);
     for frame in &scan.frames {
         let view = scan.view(data, frame);
-        let tokens: u64 = view.obs_ids.iter().chain(view.response_ids.iter()).map(|&t| t as u64).sum();
+        let tokens: u64 = view
+            .obs_ids
+            .iter()
+            .chain(view.response_ids.iter())
+            .map(|&t| t as u64)
+            .sum();
         std::hint::black_box((tokens, view.response_logprobs.len(), view.to_record().ok()));
     }
     if let Some(footer) = scan.footer {

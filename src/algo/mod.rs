@@ -7,7 +7,13 @@
 //!
 //! Conventions where sources differ: standard deviations are unbiased (as torch computes them);
 //! GRPO/group-normalisation ε is 1e-6; whitening ε is 1e-8; a group with ≤ 1 member or
-//! std ≤ 1e-6 gets zero advantages under `mean_std` (ROLL).
+//! std ≤ 1e-6 gets zero advantages under `mean_std` (ROLL; verl would give a singleton group
+//! mean 0 / std 1). `adv_estimator: gae` means token-level GAE (ROLL's name; StepPO's `gae` is
+//! `step_gae`); `grpo` is an alias of `reinforce` (GRPO is its `reward_normalization`).
+//! Score statistics count each trajectory once. A trajectory whose last record is neither
+//! terminated nor truncated is treated as cut (bootstrapped under `truncation: bootstrap`).
+//! Sequence loss modes average over rows with at least one mask token. The StarPO-S filter
+//! ranks groups by the std of reward − format penalty and keeps at least one group.
 
 pub mod advantage;
 pub mod config;

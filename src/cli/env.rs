@@ -131,10 +131,11 @@ fn episode_json(episode: &Episode) -> Value {
     })
 }
 
-/// Shows the current prompt and reads one line: a bare action (wrapped in `<answer>`) or tagged text.
+/// Shows the current prompt on stderr (stdout carries the transcript or JSON) and reads one
+/// line: a bare action (wrapped in `<answer>`) or tagged text.
 fn stdin_response(session: &AgentSession) -> String {
-    print!("{}> ", session.window_user_message(0));
-    let _ = std::io::stdout().flush();
+    eprint!("{}> ", session.window_user_message(0));
+    let _ = std::io::stderr().flush();
     let mut line = String::new();
     let _ = std::io::stdin().lock().read_line(&mut line);
     let line = line.trim();

@@ -106,7 +106,7 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let gen = generate_tokens(
         &model,
         &mut pool,
-        &[prompt.clone()],
+        std::slice::from_ref(&prompt),
         a.max_new_tokens,
         &params,
         &mut rngs,

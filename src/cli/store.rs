@@ -6,10 +6,40 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
+use stepppo::env::{self, AgentKind};
 use stepppo::store::{self, Dataset};
+use stepppo::tokenizer::Tokenizer;
 
 #[derive(Args, Debug)]
-pub struct CollectArgs {}
+pub struct CollectArgs {
+    /// Environment (see `stepppo env list`).
+    #[arg(long)]
+    pub env: String,
+    /// Model-free agent: random or oracle.
+    #[arg(long, value_parser = parse_agent)]
+    pub agent: AgentKind,
+    /// Trajectories to collect in total.
+    #[arg(long)]
+    pub episodes: u64,
+    /// Same-seed trajectories per group.
+    #[arg(long, default_value_t = 1)]
+    pub group_size: u64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Env or protocol setting; the value is read as JSON when it parses, else as a string.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Dataset directory to create.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Segment size at which the writer rolls to a new segment.
+    #[arg(long, default_value_t = store::DEFAULT_ROLL_BYTES)]
+    pub roll_bytes: u64,
+}
+
+fn parse_agent(s: &str) -> Result<AgentKind, String> {
+    s.parse()
+}
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum ReplayFormat {
@@ -44,8 +74,39 @@ pub enum DatasetCommand {
     Repair { dataset: PathBuf },
 }
 
-pub fn collect(_a: CollectArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`stepppo collect` is not built yet (issue 3)")
+pub fn collect(a: CollectArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.group_size >= 1, "--group-size must be at least 1");
+    let mut env_config = serde_json::Map::new();
+    for pair in &a.set {
+        let (key, value) =
+            env::parse_set(pair).with_context(|| format!("--set `{pair}`: expected KEY=VALUE"))?;
+        env_config.insert(key, value);
+    }
+    let cfg = store::CollectConfig {
+        env: a.env,
+        env_config: serde_json::Value::Object(env_config),
+        agent: a.agent,
+        episodes: a.episodes,
+        group_size: a.group_size,
+        seed: a.seed,
+    };
+    let tokenizer = Tokenizer::builtin();
+    let opts = store::WriterOptions {
+        roll_bytes: a.roll_bytes,
+        metadata: cfg.metadata(&tokenizer).into_iter().collect(),
+        ..store::WriterOptions::default()
+    };
+    let mut writer = store::DatasetWriter::create(&a.out, opts)?;
+    let summary = store::collect(&cfg, &tokenizer, &mut writer)?;
+    writer.seal()?;
+    println!(
+        "{}: {} trajectories, {} steps, {} successes",
+        a.out.display(),
+        summary.trajectories,
+        summary.steps,
+        summary.successes
+    );
+    Ok(())
 }
 
 fn warn_problems(dataset: &Dataset) {

@@ -14,6 +14,8 @@ pub enum KvError {
     UnsupportedDevice { device: String },
     #[error("slot {slot} is outside the pool of {capacity} slots")]
     SlotOutOfRange { slot: u32, capacity: usize },
+    #[error("KV pool holds {pool}, the call needs {wanted}")]
+    ShapeMismatch { pool: String, wanted: String },
     #[error("sequence {seq}: {message}")]
     BadSequence { seq: usize, message: String },
 }

@@ -130,6 +130,39 @@ impl KvPool {
         Ok(())
     }
 
+    /// Fails unless the pool was built for `cfg`'s layer count and K/V row shape.
+    pub fn check_shape(&self, cfg: &ModelConfig) -> Result<(), KvError> {
+        let KvStorage::Cpu(layers) = &self.storage;
+        let have = (layers.len(), self.kv_heads, self.head_dim);
+        let want = (
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim(),
+        );
+        if have == want {
+            return Ok(());
+        }
+        let show = |(l, kv, hd): (usize, usize, usize)| {
+            format!("{l} layers × {kv} kv heads × head_dim {hd}")
+        };
+        Err(KvError::ShapeMismatch {
+            pool: show(have),
+            wanted: show(want),
+        })
+    }
+
+    fn check_rows(&self, layer: usize, rows: usize, floats: &[usize]) -> Result<(), KvError> {
+        let KvStorage::Cpu(layers) = &self.storage;
+        let row = self.row();
+        if layer >= layers.len() || floats.iter().any(|&f| f != rows * row) {
+            return Err(KvError::ShapeMismatch {
+                pool: format!("{} layers of rows of {row} floats", layers.len()),
+                wanted: format!("layer {layer}, {rows} rows, buffers of {floats:?} floats"),
+            });
+        }
+        Ok(())
+    }
+
     /// Writes K and V rows (`[n, kv_heads, head_dim]` each) of `layer` into `slots`.
     pub fn write(
         &mut self,
@@ -140,7 +173,7 @@ impl KvPool {
     ) -> Result<(), KvError> {
         let row = self.row();
         self.check(&[SeqSlots { slots, num_new: 0 }])?;
-        debug_assert_eq!(k.len(), slots.len() * row);
+        self.check_rows(layer, slots.len(), &[k.len(), v.len()])?;
         let KvStorage::Cpu(layers) = &mut self.storage;
         let dst = &mut layers[layer];
         for (i, &slot) in slots.iter().enumerate() {
@@ -167,6 +200,14 @@ impl KvPool {
     ) -> Result<Vec<f32>, KvError> {
         self.check(seqs)?;
         let (hd, row) = (self.head_dim, self.row());
+        let new_tokens: usize = seqs.iter().map(|s| s.num_new).sum();
+        if !num_heads.is_multiple_of(self.kv_heads) {
+            return Err(KvError::ShapeMismatch {
+                pool: format!("{} kv heads", self.kv_heads),
+                wanted: format!("{num_heads} query heads"),
+            });
+        }
+        self.check_rows(layer, new_tokens * num_heads / self.kv_heads, &[q.len()])?;
         let rep = num_heads / self.kv_heads;
         let KvStorage::Cpu(layers) = &self.storage;
         let kv = &layers[layer];

@@ -156,12 +156,17 @@ impl ModelConfig {
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("key `{key}` must be positive"));
         }
-        if self.hidden_size % self.num_attention_heads != 0 || self.head_dim() % 2 != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads)
+            || !self.head_dim().is_multiple_of(2)
+        {
             return Err(
                 "key `hidden_size` must be an even multiple of `num_attention_heads`".into(),
             );
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(
                 "key `num_attention_heads` must be a multiple of `num_key_value_heads`".into(),
             );

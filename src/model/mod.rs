@@ -221,11 +221,11 @@ impl Model {
     /// Logits `[B, T, vocab]` of a padded batch with a causal + padding mask (differentiable).
     pub fn forward_train(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         let hidden = self.hidden_train(input_ids, attention_mask)?;
-        Ok(Linear {
+        Linear {
             weight: self.lm_head.clone(),
             bias: None,
         }
-        .forward(&hidden)?)
+        .forward(&hidden)
     }
 
     /// Per position: log-prob of `targets[b, t]` and entropy, both `[B, T]`, under the logits

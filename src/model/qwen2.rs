@@ -244,6 +244,7 @@ impl Trunk {
         pool: &mut KvPool,
     ) -> Result<Tensor> {
         pool.check(seqs)?;
+        pool.check_shape(&self.cfg)?;
         let cfg = &self.cfg;
         let (nh, nkv, hd) = (
             cfg.num_attention_heads,

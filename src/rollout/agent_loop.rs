@@ -72,6 +72,25 @@ pub struct RolloutConfig {
     pub layout: ContextLayout,
 }
 
+impl Default for RolloutConfig {
+    /// FrozenLake with its default protocol, 4 groups of 4, the concat layout.
+    fn default() -> Self {
+        Self {
+            env_name: "frozen_lake".into(),
+            env_config: serde_json::Value::Null,
+            num_groups: 4,
+            group_size: 4,
+            base_seed: 0,
+            first_group_id: 0,
+            sampling: SamplingParams::default(),
+            max_new_tokens: 64,
+            max_turns: 64,
+            max_context_tokens: 2048,
+            layout: ContextLayout::Concat,
+        }
+    }
+}
+
 /// Per-rollout statistics for the trainer's metrics.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RolloutStats {
@@ -235,7 +254,7 @@ fn request(t: &Trajectory, turn: u32, tok: &Tokenizer, cfg: &RolloutConfig) -> G
         traj: t.traj_id,
         group: t.group_id,
         turn,
-        params: cfg.sampling.clone(),
+        params: cfg.sampling,
         seed: seed::derive(cfg.base_seed, &[t.group_id, t.member, turn as u64, 0x5A]),
         max_new_tokens: cfg.max_new_tokens,
         stop_token_ids: vec![tok.eos_id()],

@@ -628,15 +628,14 @@ impl Engine {
         }
         let prompt_len = s.prompt_len;
         self.commit(s, prompt_len)?;
-        for f in 0..seqs.len() {
-            if !matches!(seqs[f].phase, Phase::Follower { leader: l } if l == leader) {
-                continue;
-            }
-            let prompt_len = seqs[f].prompt_len;
-            let m = self.tree.match_prefix(seqs[f].namespace, &seqs[f].tokens);
+        let followers = seqs
+            .iter_mut()
+            .filter(|s| matches!(s.phase, Phase::Follower { leader: l } if l == leader));
+        for follower in followers {
+            let prompt_len = follower.prompt_len;
+            let m = self.tree.match_prefix(follower.namespace, &follower.tokens);
             debug_assert_eq!(m.slots.len(), prompt_len, "the leader's prompt is cached");
             self.tree.lock(m.node);
-            let follower = &mut seqs[f];
             follower.locked_len = m.slots.len();
             follower.slots = m.slots;
             follower.node = Some(m.node);
@@ -725,4 +724,80 @@ fn stop_reason(tok: &Tokenizer, generated: &[u32], r: &GenRequest) -> Option<Fin
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(tokens: Vec<u32>, max_new_tokens: usize) -> GenRequest {
+        GenRequest {
+            tokens,
+            traj: 0,
+            group: 0,
+            turn: 0,
+            params: SamplingParams::default(),
+            seed: 1,
+            max_new_tokens,
+            stop_token_ids: vec![7],
+            stop_strings: vec!["</answer>".into()],
+        }
+    }
+
+    #[test]
+    fn stop_conditions_in_priority_order() {
+        let tok = Tokenizer::builtin();
+        let r = request(vec![1], 50);
+        let answer = tok.encode("<answer>Left</answer>");
+        assert_eq!(
+            stop_reason(&tok, &answer, &r),
+            Some(FinishReason::StopString)
+        );
+        assert_eq!(stop_reason(&tok, &answer[..answer.len() - 1], &r), None);
+        assert_eq!(
+            stop_reason(&tok, &[3, 7], &r),
+            Some(FinishReason::StopToken)
+        );
+        let short = request(vec![1], 2);
+        assert_eq!(
+            stop_reason(&tok, &[3, 4], &short),
+            Some(FinishReason::Length)
+        );
+    }
+
+    #[test]
+    fn cache_modes_parse_by_name() {
+        for mode in CacheMode::ALL {
+            assert_eq!(mode.name().parse::<CacheMode>().unwrap(), mode);
+        }
+        assert!(matches!(
+            "lru".parse::<CacheMode>(),
+            Err(EngineError::UnknownCacheMode(_))
+        ));
+    }
+
+    #[test]
+    fn bad_requests_are_rejected_before_running() {
+        let tok = Tokenizer::builtin();
+        let cfg = ModelConfig::tiny(tok.vocab_size());
+        let model = Model::new(&cfg, 0, &Device::Cpu).unwrap();
+        let engine_cfg = EngineConfig {
+            num_slots: 16,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new(&cfg, engine_cfg, &Device::Cpu).unwrap();
+        let err = engine.generate(&model, &tok, &[request(vec![1; 10], 10)]);
+        assert!(matches!(
+            err,
+            Err(EngineError::PoolTooSmall {
+                index: 0,
+                needed: 20,
+                ..
+            })
+        ));
+        let err = engine.generate(&model, &tok, &[request(vec![1], 2), request(vec![], 2)]);
+        assert!(matches!(err, Err(EngineError::BadRequest { index: 1, .. })));
+        let usage = engine.pool_usage();
+        assert_eq!((usage.free, usage.evictable, usage.locked), (16, 0, 0));
+    }
 }

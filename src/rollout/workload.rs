@@ -11,7 +11,9 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
 use crate::model::{Model, ModelConfig};
-use crate::rollout::engine::{CacheCounters, Engine, GenRequest, Generation, Result};
+use crate::rollout::engine::{
+    CacheCounters, CacheMode, Engine, EngineConfig, GenRequest, Generation, Result,
+};
 use crate::rollout::sampling::SamplingParams;
 use crate::seed;
 use crate::tokenizer::Tokenizer;
@@ -173,4 +175,83 @@ pub fn forward_flops(cfg: &ModelConfig, c: &CacheCounters) -> f64 {
     let attention = 4.0 * q * layers * c.attended_pairs as f64;
     let head = 2.0 * d * cfg.vocab_size as f64 * c.logit_rows as f64;
     linear + attention + head
+}
+
+/// One arm of one workload: the columns of the prefix-reuse table.
+#[derive(Clone, Debug, Serialize)]
+pub struct ArmReport {
+    pub workload: String,
+    pub arm: &'static str,
+    pub groups: usize,
+    pub group_size: usize,
+    pub turns: usize,
+    pub prompt_len: usize,
+    pub obs_len: usize,
+    pub response_len: usize,
+    /// Context tokens requested (the stateless equivalent).
+    pub prompt_tokens: u64,
+    pub tokens_prefilled: u64,
+    pub tokens_from_cache: u64,
+    pub hit_ratio: f64,
+    pub decode_tokens: u64,
+    pub theoretical_min: u64,
+    pub stateless_total: u64,
+    pub peak_slots_used: u64,
+    pub evictions: u64,
+    pub wall_s: f64,
+    /// Wall time of the `none` arm over this arm's.
+    pub speedup_vs_none: f64,
+    /// Forward FLOPs of the `none` arm over this arm's: the speedup limit of compute-bound runs.
+    pub flop_ratio_vs_none: f64,
+}
+
+/// Runs `w` under every cache mode (same weights, seeds and inputs) on a fresh engine per arm.
+pub fn compare_arms(
+    model: &Model,
+    tok: &Tokenizer,
+    w: &Workload,
+    engine_cfg: &EngineConfig,
+    base_seed: u64,
+) -> Result<Vec<ArmReport>> {
+    let mut runs = Vec::new();
+    for mode in CacheMode::ALL {
+        let cfg = EngineConfig {
+            cache_mode: mode,
+            ..engine_cfg.clone()
+        };
+        let mut engine = Engine::new(model.config(), cfg, model.device())?;
+        runs.push((mode, run_workload(&mut engine, model, tok, w, base_seed)?));
+    }
+    let (none_wall, none_flops) = (
+        runs[0].1.wall_s,
+        forward_flops(model.config(), &runs[0].1.counters),
+    );
+    Ok(runs
+        .into_iter()
+        .map(|(mode, run)| {
+            let c = &run.counters;
+            ArmReport {
+                workload: w.name.clone(),
+                arm: mode.name(),
+                groups: w.groups,
+                group_size: w.group_size,
+                turns: w.turns,
+                prompt_len: w.prompt_len,
+                obs_len: w.obs_len,
+                response_len: w.response_len,
+                prompt_tokens: c.prompt_tokens,
+                tokens_prefilled: c.tokens_prefilled,
+                tokens_from_cache: c.tokens_from_cache,
+                hit_ratio: c.hit_ratio(),
+                decode_tokens: c.decode_tokens,
+                theoretical_min: w.theoretical_min(),
+                stateless_total: w.stateless_total(),
+                peak_slots_used: c.peak_slots_used,
+                evictions: c.evictions,
+                wall_s: run.wall_s,
+                speedup_vs_none: none_wall / run.wall_s,
+                flop_ratio_vs_none: none_flops / forward_flops(model.config(), c),
+            }
+        })
+        .collect())
 }

@@ -6,6 +6,7 @@
 //! (directory + manifest, writer and readers), `verify` (verify / repair).
 
 mod codec;
+mod collect;
 mod dataset;
 mod error;
 mod record;
@@ -14,6 +15,7 @@ mod segment;
 mod verify;
 
 pub use codec::{StepMeta, StepView};
+pub use collect::{collect, CollectConfig, CollectSummary};
 pub use dataset::{
     Dataset, DatasetWriter, Group, Manifest, SegmentEntry, Trajectory, WriterOptions,
     DEFAULT_ROLL_BYTES, MANIFEST_FILE,

@@ -158,7 +158,7 @@ fn frame_at(bytes: &[u8], pos: usize, end: usize) -> Option<Frame> {
     let len_field = read_u32(bytes, pos + 4)?;
     let len = len_field as usize;
     let payload_start = pos + FRAME_HEADER_LEN;
-    if len % 4 != 0 || len > MAX_PAYLOAD || payload_start + len > end {
+    if !len.is_multiple_of(4) || len > MAX_PAYLOAD || payload_start + len > end {
         return None;
     }
     let payload = &bytes[payload_start..payload_start + len];
@@ -188,7 +188,7 @@ fn parse_footer(bytes: &[u8]) -> Option<Footer> {
     let body_end = n - TRAILER_LEN;
     let body_start = body_end.checked_sub(body_len)?;
     let seal = body_start.checked_sub(4)?;
-    if seal < HEADER_LEN || seal % 4 != 0 || read_u32(bytes, seal)? != SEAL_MARK {
+    if seal < HEADER_LEN || !seal.is_multiple_of(4) || read_u32(bytes, seal)? != SEAL_MARK {
         return None;
     }
     let body = &bytes[body_start..body_end];

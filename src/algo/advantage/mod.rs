@@ -111,13 +111,16 @@ enum Whitening {
     Tokens,
 }
 
+/// One f64 vector per record, one entry per response token.
+type TokenRows = Vec<Vec<f64>>;
+
 /// What an estimator hands to the shared post-processing (f64, input order).
 struct RawAdvantages {
     advantages: Vec<f64>,
     returns: Vec<f64>,
     values: Vec<f64>,
     /// (advantages, returns) per token for token-level estimators.
-    tokens: Option<(Vec<Vec<f64>>, Vec<Vec<f64>>)>,
+    tokens: Option<(TokenRows, TokenRows)>,
     metrics: BTreeMap<String, f64>,
 }
 
@@ -251,7 +254,8 @@ fn to_f32_rows(rows: &[Vec<f64>]) -> Vec<Vec<f32>> {
 }
 
 fn summarize(per_step: &[StepAdvantage], metrics: &mut BTreeMap<String, f64>) {
-    let fields: [(&str, fn(&StepAdvantage) -> f32); 4] = [
+    type Field = fn(&StepAdvantage) -> f32;
+    let fields: [(&str, Field); 4] = [
         ("reward", |s| s.reward),
         ("advantage", |s| s.advantage),
         ("return", |s| s.ret),

@@ -2,7 +2,7 @@
 //! topology stamped with 3×3 masks, the player and boxes placed on targets, then a bounded
 //! depth-first search in which the player *pulls* boxes away from their targets; the reachable
 //! state with the best score `box_swaps × Σ Manhattan displacement` (no box left on a target)
-//! becomes the puzzle.
+//! becomes the puzzle; then RAGEN's random player movement (up to 3 steps) is applied.
 //!
 //! Differences: a box swap is counted when the pulled box differs from the previously pulled one
 //! (RAGEN passes the parent's `last_pull` down, which counts nearly every pull); the state bound
@@ -44,11 +44,38 @@ pub struct GenParams {
 
 /// One generation call: up to four topologies; `None` when every reverse search scored 0.
 pub fn generate_room(params: &GenParams, rng: &mut ChaCha8Rng) -> Option<Room> {
-    (0..TRIES).find_map(|_| {
+    let (room, displacement) = (0..TRIES).find_map(|_| {
         let walls = topology(params, rng);
         let room = place_player_and_boxes(params, walls, rng)?;
         reverse_play(params, room)
-    })
+    })?;
+    Some(random_player_movement(room, displacement, rng))
+}
+
+/// RAGEN's `add_random_player_movement`: with probability 0.8 (box displaced by 1) or 0.5,
+/// walk the player up to 3 steps to unvisited free cells, continuing each time with
+/// probability 0.5. Boxes do not move.
+fn random_player_movement(mut room: Room, displacement: usize, rng: &mut ChaCha8Rng) -> Room {
+    let start_probability = if displacement == 1 { 0.8 } else { 0.5 };
+    if rng.random::<f64>() >= start_probability {
+        return room;
+    }
+    let mut visited = vec![room.player];
+    for _ in 0..3 {
+        let options: Vec<usize> = (0..4)
+            .filter_map(|dir| room.neighbour(room.player, dir))
+            .filter(|&c| !room.is_wall(c) && !room.has_box(c) && !visited.contains(&c))
+            .collect();
+        let Some(&next) = options.choose(rng) else {
+            break;
+        };
+        room.player = next;
+        visited.push(next);
+        if rng.random::<f64>() >= 0.5 {
+            break;
+        }
+    }
+    room
 }
 
 /// Random-walk floor plan; returns the wall mask (borders are always walls).
@@ -109,8 +136,9 @@ fn place_player_and_boxes(params: &GenParams, walls: u128, rng: &mut ChaCha8Rng)
     })
 }
 
-/// Bounded reverse search from the solved room; the best-scoring start state, if any scores > 0.
-fn reverse_play(params: &GenParams, solved: Room) -> Option<Room> {
+/// Bounded reverse search from the solved room; the best-scoring start state (with its box
+/// displacement), if any scores > 0.
+fn reverse_play(params: &GenParams, solved: Room) -> Option<(Room, usize)> {
     let origins: Vec<usize> = (0..solved.width * solved.height)
         .filter(|&c| solved.has_box(c))
         .collect();
@@ -122,7 +150,9 @@ fn reverse_play(params: &GenParams, solved: Room) -> Option<Room> {
     };
     let mut boxes = origins;
     search.visit(solved, &mut boxes, 0, None, params.search_depth);
-    search.best.map(|(_, room)| room)
+    search
+        .best
+        .map(|(_, room, displacement)| (room, displacement))
 }
 
 struct ReverseSearch {
@@ -130,7 +160,8 @@ struct ReverseSearch {
     explored: HashSet<(u128, usize)>,
     /// Target cell of each box (box ids are indices).
     origins: Vec<usize>,
-    best: Option<(usize, Room)>,
+    /// (score, room, box displacement) of the best state so far.
+    best: Option<(usize, Room, usize)>,
 }
 
 impl ReverseSearch {
@@ -188,8 +219,8 @@ impl ReverseSearch {
             .map(|(&b, &o)| (b / width).abs_diff(o / width) + (b % width).abs_diff(o % width))
             .sum();
         let score = swaps * displacement;
-        if score > 0 && self.best.is_none_or(|(best, _)| score > best) {
-            self.best = Some((score, room));
+        if score > 0 && self.best.is_none_or(|(best, _, _)| score > best) {
+            self.best = Some((score, room, displacement));
         }
     }
 }

@@ -9,10 +9,11 @@
 //! Differences from RAGEN / ROLL:
 //! - `search_depth` defaults to 30 (verl-agent; fast) where RAGEN's SimpleSokoban uses 300; set it
 //!   with `--set search_depth=300`. `dim_room`, `num_boxes`, `max_steps` (10, as ROLL) are config.
-//! - A room is accepted only when the BFS optimum fits in `max_steps` moves, so every episode is
-//!   solvable within the action cap; RAGEN's extra random player moves after generation are not
-//!   applied. A failed attempt is re-seeded deterministically (`seed::derive(seed, [attempt])`),
-//!   never with Python's salted hash.
+//! - A room is accepted only when its BFS optimum lies in `min_solution_steps..=max_steps` (3..=10),
+//!   so every episode is solvable within the action cap and trivial rooms are rare (neither
+//!   reference filters rooms; RAGEN's rooms often need more moves than its action cap). RAGEN's
+//!   random player movement is applied after reverse play. A failed attempt is re-seeded
+//!   deterministically (`seed::derive(seed, [attempt])`), never with Python's salted hash.
 //! - Invalid text never reaches the env (the protocol charges the format penalty without a step;
 //!   ROLL makes it a no-op step costing −0.1). Rooms hold at most 128 cells.
 
@@ -38,8 +39,10 @@ pub struct SokobanConfig {
     /// Room size as `[rows, cols]` (RAGEN `dim_room`), at most 128 cells.
     pub dim_room: [usize; 2],
     pub num_boxes: usize,
-    /// Env actions per episode.
+    /// Env actions per episode; rooms whose optimum exceeds it are rejected.
     pub max_steps: usize,
+    /// Rooms whose optimum is shorter are rejected (keeps the random agent's success low).
+    pub min_solution_steps: usize,
     /// TTL of the reverse-play search (RAGEN SimpleSokoban: 300).
     pub search_depth: usize,
     /// Most states the reverse-play search explores (RAGEN: 300 000).
@@ -54,6 +57,7 @@ impl Default for SokobanConfig {
             dim_room: [6, 6],
             num_boxes: 1,
             max_steps: 10,
+            min_solution_steps: 3,
             search_depth: 30,
             max_reverse_states: 300_000,
             max_solver_states: 1_000_000,
@@ -143,11 +147,13 @@ impl SokobanEnv {
         }
     }
 
-    /// The room for `seed`: the first attempt whose optimum fits in `max_steps`, else the room
-    /// with the shortest solution seen, else `None`.
+    /// The room for `seed`: the first attempt whose optimum lies in
+    /// `min_solution_steps..=max_steps`, else the first solvable room seen within `max_steps`,
+    /// else the room with the shortest solution seen, else `None`.
     fn generate(&self, seed: u64) -> Option<Room> {
         let params = self.params();
         let mut best: Option<(usize, Room)> = None;
+        let fits = |len: usize| len <= self.cfg.max_steps;
         for attempt in 0..MAX_ATTEMPTS {
             let mut rng = ChaCha8Rng::seed_from_u64(crate::seed::derive(seed, &[attempt]));
             let Some(room) = generate_room(&params, &mut rng) else {
@@ -157,10 +163,11 @@ impl SokobanEnv {
             else {
                 continue;
             };
-            if len <= self.cfg.max_steps {
+            if fits(len) && len >= self.cfg.min_solution_steps {
                 return Some(room);
             }
-            if best.is_none_or(|(b, _)| len < b) {
+            let better = best.is_none_or(|(b, _)| if fits(b) { false } else { len < b });
+            if better {
                 best = Some((len, room));
             }
         }

@@ -6,10 +6,12 @@ use std::collections::{HashMap, VecDeque};
 
 use super::room::Room;
 
+/// A search state: (box mask, player cell).
+type Key = (u128, usize);
+
 /// A shortest solution as directions (0 Up, 1 Down, 2 Left, 3 Right), `Some(vec![])` when the
 /// room is already solved, `None` when unsolvable or the state bound is hit.
 pub fn solve(room: &Room, max_states: usize) -> Option<Vec<usize>> {
-    type Key = (u128, usize);
     let start: Key = (room.boxes, room.player);
     let mut parent: HashMap<Key, (Key, usize)> = HashMap::new();
     let mut queue = VecDeque::from([start]);
@@ -41,11 +43,7 @@ pub fn solve(room: &Room, max_states: usize) -> Option<Vec<usize>> {
     None
 }
 
-fn unwind(
-    parent: &HashMap<(u128, usize), ((u128, usize), usize)>,
-    start: (u128, usize),
-    mut at: (u128, usize),
-) -> Vec<usize> {
+fn unwind(parent: &HashMap<Key, (Key, usize)>, start: Key, mut at: Key) -> Vec<usize> {
     let mut path = Vec::new();
     while at != start {
         let (prev, dir) = parent[&at];

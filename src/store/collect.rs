@@ -1,0 +1,151 @@
+//! Collecting a step dataset with a model-free agent (`stepppo collect`): episodes are played
+//! through the same text protocol as a model, tokenised in token space with the chat template,
+//! and stored as [`StepRecord`]s.
+//!
+//! Episodes form groups of `group_size` same-seed trajectories: episode `e` has `traj_id = e`,
+//! `group_id = e / group_size`, env seed `seed::derive(seed, &[group_id])` and agent seed
+//! `seed::derive(env_seed, &[member])`. Tokens per step: `obs_ids` = chat-template tokens of the
+//! user turn (the first step also carries the system prompt; later steps start with the `\n`
+//! that closes the previous assistant turn), `response_ids` = tokens of the agent's response
+//! text followed by the end-of-turn token, `response_logprobs` = 0.0 for every token (a
+//! model-free agent has no token distribution; these records suit SFT and re-scoring, not
+//! off-policy correction), `context_len` = running total, `policy_version` = 0.
+
+use serde_json::{json, Value};
+
+use super::dataset::DatasetWriter;
+use super::error::StoreError;
+use super::record::StepRecord;
+use crate::env::{self, Agent, AgentKind, AgentSession};
+use crate::seed;
+use crate::tokenizer::{ChatTemplate, Tokenizer};
+
+/// What to collect.
+#[derive(Clone, Debug)]
+pub struct CollectConfig {
+    pub env: String,
+    /// Env and protocol overrides (`--set key=value`), as for `build_session`.
+    pub env_config: Value,
+    pub agent: AgentKind,
+    /// Trajectories in total; the last group is smaller when `group_size` does not divide it.
+    pub episodes: u64,
+    pub group_size: u64,
+    pub seed: u64,
+}
+
+impl CollectConfig {
+    /// The run description stored in the manifest's `metadata` map.
+    pub fn metadata(&self, tokenizer: &Tokenizer) -> Vec<(String, Value)> {
+        let agent = match self.agent {
+            AgentKind::Random => "random",
+            AgentKind::Oracle => "oracle",
+        };
+        vec![
+            (
+                "collect".into(),
+                json!({
+                    "env": self.env, "env_config": self.env_config, "agent": agent,
+                    "episodes": self.episodes, "group_size": self.group_size, "seed": self.seed,
+                    "response_logprobs": "0.0 (model-free agent)",
+                }),
+            ),
+            (
+                "tokenizer".into(),
+                json!({"kind": "builtin", "vocab_size": tokenizer.vocab_size(), "eos_id": tokenizer.eos_id()}),
+            ),
+        ]
+    }
+}
+
+/// Totals of a collection run.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CollectSummary {
+    pub trajectories: u64,
+    pub steps: u64,
+    pub successes: u64,
+}
+
+/// Plays `cfg.episodes` episodes and appends every step to `writer`.
+pub fn collect(
+    cfg: &CollectConfig,
+    tokenizer: &Tokenizer,
+    writer: &mut DatasetWriter,
+) -> Result<CollectSummary, StoreError> {
+    let mut session =
+        env::build_session(&cfg.env, &cfg.env_config).map_err(|e| StoreError::Invalid {
+            path: writer.dir().to_path_buf(),
+            reason: format!("collect: {e}"),
+        })?;
+    let group_size = cfg.group_size.max(1);
+    let mut summary = CollectSummary::default();
+    for traj_id in 0..cfg.episodes {
+        let group_id = traj_id / group_size;
+        let env_seed = seed::derive(cfg.seed, &[group_id]);
+        let agent = Agent::new(cfg.agent, seed::derive(env_seed, &[traj_id % group_size]));
+        let ids = EpisodeIds {
+            traj_id,
+            group_id,
+            env_seed,
+        };
+        let steps = play_and_store(&mut session, agent, ids, tokenizer, writer)?;
+        summary.trajectories += 1;
+        summary.steps += steps.len() as u64;
+        summary.successes += u64::from(steps.iter().any(|s| s.info.success));
+    }
+    writer.flush()?;
+    Ok(summary)
+}
+
+struct EpisodeIds {
+    traj_id: u64,
+    group_id: u64,
+    env_seed: u64,
+}
+
+fn play_and_store(
+    session: &mut AgentSession,
+    mut agent: Agent,
+    ids: EpisodeIds,
+    tok: &Tokenizer,
+    writer: &mut DatasetWriter,
+) -> Result<Vec<StepRecord>, StoreError> {
+    let template = ChatTemplate;
+    let first_message = session.reset(ids.env_seed);
+    let mut obs_ids = template.system(tok, &session.system_prompt());
+    obs_ids.extend(template.user_turn(tok, &first_message));
+    let mut context_len = 0u32;
+    let mut steps = Vec::new();
+    for step_index in 0u32.. {
+        let state_hash = session.state_hash();
+        let response = agent.respond(session);
+        let mut response_ids = tok.encode(&response);
+        response_ids.push(tok.eos_id());
+        let outcome = session.act(&response);
+        let record = StepRecord {
+            traj_id: ids.traj_id,
+            group_id: ids.group_id,
+            step_index,
+            env_tag: session.env().tag().to_string(),
+            seed: ids.env_seed,
+            policy_version: 0,
+            context_len,
+            response_logprobs: vec![0.0; response_ids.len()],
+            obs_ids: std::mem::take(&mut obs_ids),
+            response_ids,
+            reward: outcome.reward,
+            terminated: outcome.terminated,
+            truncated: outcome.truncated,
+            state_hash,
+            info: outcome.info,
+        };
+        writer.append(&record)?;
+        context_len += (record.obs_ids.len() + record.response_ids.len()) as u32;
+        steps.push(record);
+        let Some(message) = outcome.next_user_message else {
+            break;
+        };
+        obs_ids = template.after_response(tok);
+        obs_ids.extend(template.user_turn(tok, &message));
+    }
+    Ok(steps)
+}

@@ -1,0 +1,119 @@
+//! Model-free agents through the public API: oracle success, random baselines, solver optimality.
+
+use std::collections::HashMap;
+
+use serde_json::json;
+use stepppo::env::sokoban::room::Room;
+use stepppo::env::{
+    build_session, play_episode, Agent, AgentKind, AgentSession, Env, ProtocolConfig,
+    SokobanConfig, SokobanEnv,
+};
+
+fn success_rate(session: &mut AgentSession, kind: AgentKind, episodes: u64) -> f64 {
+    let wins = (0..episodes)
+        .filter(|&seed| {
+            let mut agent = Agent::new(kind, seed ^ 0x5eed);
+            play_episode(session, seed, &mut |s| agent.respond(s)).success()
+        })
+        .count();
+    wins as f64 / episodes as f64
+}
+
+#[test]
+fn frozen_lake_oracle_always_wins_without_slipping_and_random_does_not() {
+    let mut session = build_session("frozen_lake", &json!({"is_slippery": false})).unwrap();
+    assert_eq!(success_rate(&mut session, AgentKind::Oracle, 200), 1.0);
+    let random = success_rate(&mut session, AgentKind::Random, 200);
+    assert!(random < 0.5, "{random}");
+}
+
+/// Whether some move sequence of at most `depth` solves the room (memoised depth-first search,
+/// independent of the BFS solver).
+fn solvable_within(room: Room, depth: usize, memo: &mut HashMap<(u128, usize), usize>) -> bool {
+    if room.solved() {
+        return true;
+    }
+    if depth == 0
+        || memo
+            .get(&(room.boxes, room.player))
+            .is_some_and(|&d| d >= depth)
+    {
+        return false;
+    }
+    memo.insert((room.boxes, room.player), depth);
+    (0..4).any(|dir| {
+        let mut next = room;
+        next.push(dir).moved && solvable_within(next, depth - 1, memo)
+    })
+}
+
+#[test]
+fn sokoban_oracle_solves_every_room_in_the_optimal_number_of_steps() {
+    for seed in 0..100 {
+        let mut env = SokobanEnv::new(SokobanConfig::default()).unwrap();
+        env.reset(seed);
+        let optimum = env.solve().unwrap().len();
+        let room = *env.room();
+        if seed < 30 {
+            assert!(solvable_within(room, optimum, &mut HashMap::new()));
+            assert!(
+                !solvable_within(room, optimum - 1, &mut HashMap::new()),
+                "seed {seed}"
+            );
+        }
+        let mut session = AgentSession::new(Box::new(env), ProtocolConfig::default_for("sokoban"));
+        let mut agent = Agent::new(AgentKind::Oracle, seed);
+        let episode = play_episode(&mut session, seed, &mut |s| agent.respond(s));
+        assert!(episode.success(), "seed {seed}");
+        assert_eq!(episode.steps(), optimum, "seed {seed}");
+        assert!(episode.reward() > 10.0 - 0.1 * optimum as f32);
+    }
+}
+
+#[test]
+fn sokoban_random_agent_rarely_solves() {
+    let mut session = build_session("sokoban", &json!(null)).unwrap();
+    let random = success_rate(&mut session, AgentKind::Random, 100);
+    assert!(random < 0.1, "{random}");
+}
+
+#[test]
+fn bandit_oracle_picks_the_better_arm_and_random_is_a_coin_flip() {
+    let mut session = build_session("bandit", &json!(null)).unwrap();
+    assert_eq!(success_rate(&mut session, AgentKind::Oracle, 200), 1.0);
+    let random = success_rate(&mut session, AgentKind::Random, 600);
+    assert!((random - 0.5).abs() < 0.07, "{random}");
+}
+
+#[test]
+fn hotpotqa_oracle_has_exact_match_one_on_the_fixture() {
+    let mut session = build_session("hotpotqa", &json!({"split": "all"})).unwrap();
+    for seed in 0..200 {
+        let mut agent = Agent::new(AgentKind::Oracle, seed);
+        let episode = play_episode(&mut session, seed, &mut |s| agent.respond(s));
+        assert_eq!(episode.reward(), 1.0, "seed {seed}");
+        assert_eq!(episode.turns.len(), 2, "search, then answer");
+        let last = &episode.turns[1].outcome;
+        assert_eq!(last.metrics, vec![("em", 1.0), ("f1", 1.0)]);
+        assert!(episode.turns[1]
+            .user_message
+            .contains("<information>Doc 1(Title: "));
+    }
+    let random = success_rate(&mut session, AgentKind::Random, 200);
+    assert!(random < 0.3, "{random}");
+}
+
+#[test]
+fn thinking_agents_pass_the_think_format() {
+    for name in ["frozen_lake", "sokoban", "bandit", "hotpotqa"] {
+        let mut session = build_session(name, &json!({"enable_think": true})).unwrap();
+        let mut agent = Agent::new(AgentKind::Oracle, 1);
+        let episode = play_episode(&mut session, 3, &mut |s| agent.respond(s));
+        assert!(
+            episode.turns.iter().all(|t| t.outcome.info.action_is_valid),
+            "{name}"
+        );
+        assert!(episode.turns[0].response.starts_with("<think>"));
+        assert!(session.env().tag() == name);
+    }
+}

@@ -1,0 +1,104 @@
+//! `stepppo env list | play` end to end.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+fn stepppo(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_stepppo"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json_lines(stdout: &str) -> Vec<serde_json::Value> {
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn list_names_every_env() {
+    let (ok, out, _) = stepppo(&["env", "list"]);
+    assert!(ok);
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        ["frozen_lake", "sokoban", "bandit", "hotpotqa"]
+    );
+}
+
+#[test]
+fn play_json_reports_one_object_per_episode() {
+    let args = [
+        "env",
+        "play",
+        "frozen_lake",
+        "--agent",
+        "oracle",
+        "--episodes",
+        "200",
+    ];
+    let (ok, out, err) = stepppo(&[&args[..], &["--set", "is_slippery=false", "--json"]].concat());
+    assert!(ok, "{err}");
+    let episodes = json_lines(&out);
+    assert_eq!(episodes.len(), 200);
+    for (i, e) in episodes.iter().enumerate() {
+        assert_eq!(e["env"], "frozen_lake");
+        assert_eq!(e["seed"], i as u64);
+        assert_eq!(e["success"], true);
+        assert!(e["steps"].as_u64().unwrap() >= 1 && e["reward"] == 1.0);
+    }
+    let (ok, out, _) = stepppo(&[
+        "env",
+        "play",
+        "sokoban",
+        "--agent",
+        "oracle",
+        "--episodes",
+        "100",
+        "--json",
+    ]);
+    assert!(ok);
+    assert!(json_lines(&out).iter().all(|e| e["success"] == true));
+}
+
+#[test]
+fn play_transcript_and_bad_settings() {
+    let (ok, out, _) = stepppo(&["env", "play", "bandit", "--agent", "random", "--seed", "3"]);
+    assert!(ok);
+    assert!(out.contains("[assistant]\n<answer>") && out.contains("success rate"));
+    let (ok, _, err) = stepppo(&["env", "play", "sokoban", "--set", "boxes=2"]);
+    assert!(
+        !ok && err.contains("boxes") && err.contains("sokoban"),
+        "{err}"
+    );
+    let (ok, _, err) = stepppo(&["env", "play", "bandit", "--agent", "genius"]);
+    assert!(!ok && err.contains("genius"), "{err}");
+}
+
+#[test]
+fn stdin_agent_accepts_bare_and_tagged_actions() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_stepppo"))
+        .args(["env", "play", "hotpotqa", "--agent", "stdin", "--json"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"<search>founder</search>\nsome answer\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().unwrap();
+    let episode: serde_json::Value = serde_json::from_str(last).unwrap();
+    assert_eq!(episode["turns"], 2);
+    assert_eq!(episode["invalid_turns"], 0);
+}

@@ -1,0 +1,91 @@
+//! The agent text protocol through the public API: invalid turns, limits, multi-action turns,
+//! window prompts, state hashes.
+
+use serde_json::json;
+use stepppo::env::{build_session, response_text, Env};
+
+#[test]
+fn invalid_turn_costs_the_penalty_without_stepping_and_counts_as_a_turn() {
+    let mut session = build_session(
+        "frozen_lake",
+        &json!({"max_turns": 2, "format_penalty": -0.25}),
+    )
+    .unwrap();
+    let first = session.reset(4);
+    assert!(first.contains("Turn 1:\nState:\n") && first.contains("You have 2 actions left."));
+    let hash = session.state_hash();
+    let state = session.state_text().to_string();
+    let outcome = session.act("I would go left");
+    assert_eq!(outcome.reward, -0.25);
+    assert!(!outcome.info.action_is_valid && outcome.info.num_actions == 0);
+    assert_eq!(outcome.info.format_penalty, -0.25);
+    assert_eq!(session.state_text(), state, "state unchanged");
+    assert_eq!(session.state_hash(), hash);
+    let message = outcome.next_user_message.unwrap();
+    assert!(
+        message.starts_with("Reward: -0.25 (invalid answer)\nTurn 2:"),
+        "{message}"
+    );
+    let outcome = session.act("<answer>Jump</answer>");
+    assert!(outcome.truncated && !outcome.terminated && outcome.next_user_message.is_none());
+    let after = session.act("<answer>Left</answer>");
+    assert!(
+        after.next_user_message.is_none() && after.reward == 0.0,
+        "acting after the end is inert"
+    );
+}
+
+#[test]
+fn several_actions_per_turn_run_until_done() {
+    let mut session = build_session(
+        "sokoban",
+        &json!({"max_actions_per_turn": 10, "max_turns": 1}),
+    )
+    .unwrap();
+    session.reset(9);
+    let plan = stepppo::env::SokobanEnv::new(Default::default()).map(|mut env| {
+        env.reset(9);
+        env.solve().unwrap()
+    });
+    let names = ["Up", "Down", "Left", "Right"];
+    let mut text: Vec<&str> = plan.unwrap().iter().map(|&d| names[d]).collect();
+    text.push("Left");
+    let outcome = session.act(&format!("<answer>{}</answer>", text.join(" || ")));
+    assert!(outcome.terminated && outcome.info.success);
+    assert_eq!(
+        outcome.info.num_actions as usize,
+        text.len() - 1,
+        "stops at done"
+    );
+}
+
+#[test]
+fn window_message_holds_the_last_k_rounds_and_stop_strings_match_the_env() {
+    let mut session = build_session("frozen_lake", &json!({"is_slippery": false})).unwrap();
+    let first = session.reset(2);
+    assert_eq!(session.window_user_message(3), first, "no history yet");
+    let action = session.env().oracle_action();
+    session.act(&response_text(&action, false));
+    let window = session.window_user_message(1);
+    assert!(window.contains("Recent history:\nTurn 1:") && window.contains("Turn 2:\nState:"));
+    assert!(!session.window_user_message(0).contains("Recent history"));
+    assert_eq!(session.stop_strings(), vec!["</answer>"]);
+    let qa = build_session("hotpotqa", &json!(null)).unwrap();
+    assert_eq!(qa.stop_strings(), vec!["</answer>", "</search>"]);
+    assert!(qa.system_prompt().contains("<search>"));
+}
+
+#[test]
+fn state_hash_depends_only_on_the_observation() {
+    let mut a = build_session("sokoban", &json!(null)).unwrap();
+    let mut b = build_session("sokoban", &json!({"format_penalty": -1.0})).unwrap();
+    a.reset(5);
+    b.reset(5);
+    assert_eq!(a.state_hash(), b.state_hash());
+    a.reset(6);
+    assert_ne!(a.state_hash(), b.state_hash());
+    assert_eq!(
+        a.state_hash(),
+        stepppo::env::stable_hash(a.state_text().as_bytes())
+    );
+}
