@@ -1,7 +1,8 @@
 //! StepPO against its baselines on the same FrozenLake budget (a custom harness, not criterion):
-//! `step_gae`, `token_gae`, `grpo` and `gigpo` each train from the embedded default config
-//! (same warm start, same rollout budget, same validation seeds) with several seeds; the table
-//! reports final validation success (mean ± std over seeds) and the first step at which
+//! `step_gae`, `token_gae`, `grpo` and `gigpo` each train from the embedded default config with
+//! several seeds, all starting from ONE shared warm-started policy (the default's random-agent
+//! behaviour cloning, done once), with the same rollout budget and the same validation seeds; the
+//! table reports final validation success (mean ± std over seeds) and the first step at which
 //! validation success reached 0.5.
 //!
 //! `cargo bench --bench learning` runs it; without `--bench` (e.g. under `cargo test`) it does
@@ -11,20 +12,39 @@
 
 use std::time::Instant;
 use stepppo::config::{Config, EMBEDDED_DEFAULT_NAME, EMBEDDED_DEFAULT_YAML};
+use stepppo::env::AgentKind;
+use stepppo::tokenizer::Tokenizer;
+use stepppo::train::sft;
 use stepppo::train::trainer::Event;
 use stepppo::train::Trainer;
 
 /// (label, overrides): the estimator and what it needs (critic-free ones drop the critic).
 const ARMS: [(&str, &[&str]); 4] = [
-    ("step_gae", &["adv_estimator=step_gae", "ratio_type=segment"]),
-    ("token_gae", &["adv_estimator=token_gae", "ratio_type=token"]),
+    (
+        "step_gae",
+        &["adv_estimator=step_gae", "ratio_type=segment"],
+    ),
+    (
+        "token_gae",
+        &["adv_estimator=token_gae", "ratio_type=token"],
+    ),
     (
         "grpo",
-        &["adv_estimator=grpo", "critic.mode=none", "ratio_type=token", "whiten_advantages=false"],
+        &[
+            "adv_estimator=grpo",
+            "critic.mode=none",
+            "ratio_type=token",
+            "whiten_advantages=false",
+        ],
     ),
     (
         "gigpo",
-        &["adv_estimator=gigpo", "critic.mode=none", "ratio_type=token", "whiten_advantages=false"],
+        &[
+            "adv_estimator=gigpo",
+            "critic.mode=none",
+            "ratio_type=token",
+            "whiten_advantages=false",
+        ],
     ),
 ];
 
@@ -38,12 +58,37 @@ struct Outcome {
     seconds: f64,
 }
 
-fn train_once(sets: &[String], run_dir: &std::path::Path) -> Outcome {
+fn config(sets: &[String]) -> Config {
     let cfg = Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, EMBEDDED_DEFAULT_NAME, sets)
         .unwrap_or_else(|e| panic!("{e}"));
     if cfg.cpu_threads > 0 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", cfg.cpu_threads.to_string());
     }
+    cfg
+}
+
+/// The default's warm start, once: random-agent transcripts cloned into the built-in model.
+fn warm_start(dir: &std::path::Path, extra: &[String]) -> f64 {
+    let cfg = config(extra);
+    let start = Instant::now();
+    let records = sft::agent_transcripts(
+        &cfg,
+        &Tokenizer::builtin(),
+        AgentKind::Random,
+        cfg.sft.episodes,
+        7,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let report = sft::clone_into(&cfg, &records, dir).unwrap_or_else(|e| panic!("{e}"));
+    eprintln!(
+        "warm start: {} steps, loss {:.3} → {:.3}",
+        report.steps, report.first_loss, report.final_loss
+    );
+    start.elapsed().as_secs_f64()
+}
+
+fn train_once(sets: &[String], run_dir: &std::path::Path) -> Outcome {
+    let cfg = config(sets);
     let start = Instant::now();
     let max_steps = cfg.max_steps as u64;
     let mut trainer = Trainer::create(cfg, run_dir).unwrap_or_else(|e| panic!("{e}"));
@@ -51,7 +96,8 @@ fn train_once(sets: &[String], run_dir: &std::path::Path) -> Outcome {
     trainer
         .run(max_steps, &mut |event| {
             if let Event::Validation { step, summaries } = event {
-                let s = summaries.iter().map(|s| s.success).sum::<f64>() / summaries.len().max(1) as f64;
+                let s = summaries.iter().map(|s| s.success).sum::<f64>()
+                    / summaries.len().max(1) as f64;
                 curve.push((step, s));
             }
         })
@@ -83,7 +129,12 @@ fn main() {
         .map(str::to_string)
         .collect();
     let root = tempfile::tempdir().expect("a temporary directory");
-    println!("estimator   final val success (mean ± std)   steps to 0.5 (reached/seeds)   wall s/run");
+    let base = root.path().join("warm-start");
+    let secs = warm_start(&base, &extra);
+    println!("shared warm start: {secs:.0}s");
+    println!(
+        "estimator   final val success (mean ± std)   steps to 0.5 (reached/seeds)   wall s/run"
+    );
     for (label, arm) in ARMS {
         let mut finals = Vec::new();
         let mut reached = Vec::new();
@@ -93,6 +144,8 @@ fn main() {
             sets.push(format!("seed={}", 42 + seed));
             sets.push(format!("eval_steps={eval_steps}"));
             sets.push("save_steps=0".into());
+            sets.push(format!("pretrain={}", base.display()));
+            sets.push("sft.steps=0".into());
             if let Some(steps) = env_usize("LEARNING_STEPS") {
                 sets.push(format!("max_steps={steps}"));
             }

@@ -537,7 +537,10 @@ impl Config {
         check_positive("learning_rate", self.learning_rate)?;
         check_unit("gamma", self.gamma)?;
         check_unit("lambd", self.lambd)?;
-        if !(self.rollout_filter_ratio > 0.0 && self.rollout_filter_ratio <= 1.0) {
+        if self.rollout_filter_ratio.is_nan()
+            || self.rollout_filter_ratio <= 0.0
+            || self.rollout_filter_ratio > 1.0
+        {
             return fail(
                 "rollout_filter_ratio",
                 format!("must be in (0, 1], got {}", self.rollout_filter_ratio),
@@ -681,13 +684,13 @@ impl Config {
         if g.max_new_tokens == 0 {
             return Err((format!("{key}.max_new_tokens"), "must be at least 1".into()));
         }
-        if g.do_sample && !(g.temperature > 0.0) {
+        if g.do_sample && (g.temperature.is_nan() || g.temperature <= 0.0) {
             return Err((
                 format!("{key}.temperature"),
                 format!("must be > 0 when sampling, got {}", g.temperature),
             ));
         }
-        if !(g.top_p > 0.0 && g.top_p <= 1.0) {
+        if g.top_p.is_nan() || g.top_p <= 0.0 || g.top_p > 1.0 {
             return Err((
                 format!("{key}.top_p"),
                 format!("must be in (0, 1], got {}", g.top_p),

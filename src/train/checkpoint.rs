@@ -54,10 +54,13 @@ pub fn dir_name(step: u64) -> String {
     format!("ckpt-{step}")
 }
 
-/// Whether every element of `t` is finite (one reduction: x − x is NaN exactly where x is not finite).
+/// Whether every element of `t` is finite (one reduction: 0·x is NaN exactly where x is not finite).
 pub fn is_finite(t: &Tensor) -> candle_core::Result<bool> {
-    let t = t.to_dtype(DType::F32)?;
-    let probe = (&t - &t)?.sum_all()?.to_scalar::<f32>()?;
+    let probe = t
+        .to_dtype(DType::F32)?
+        .affine(0.0, 0.0)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
     Ok(probe.is_finite())
 }
 

@@ -284,10 +284,10 @@ impl Trainer {
             });
             let step = self.state.step as usize;
             let last = self.state.step == until;
-            if self.cfg.eval_steps > 0 && (step % self.cfg.eval_steps == 0 || last) {
+            if self.cfg.eval_steps > 0 && (step.is_multiple_of(self.cfg.eval_steps) || last) {
                 self.validate_and_log(on_event)?;
             }
-            if last || (self.cfg.save_steps > 0 && step % self.cfg.save_steps == 0) {
+            if last || (self.cfg.save_steps > 0 && step.is_multiple_of(self.cfg.save_steps)) {
                 let dir = self.save_checkpoint()?;
                 on_event(Event::Checkpoint(&dir));
             }

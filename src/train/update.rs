@@ -231,12 +231,18 @@ fn actor_step(
     if kept == 0 {
         return Ok((false, false));
     }
-    let (logp, entropy) = learners.policy.token_logprobs_entropy(
-        &batch.ids,
-        &batch.mask,
-        &batch.targets,
-        settings.temperature,
-    )?;
+    let (logp, entropy, shared_values) = if learners.shared_value_head {
+        let (lp, ent, v) = shared_forward(learners.policy, batch, settings.temperature)?;
+        (lp, ent, Some(v))
+    } else {
+        let (lp, ent) = learners.policy.token_logprobs_entropy(
+            &batch.ids,
+            &batch.mask,
+            &batch.targets,
+            settings.temperature,
+        )?;
+        (lp, ent, None)
+    };
     let logp = batch.at_tokens(&logp, p)?;
     let entropy = batch.at_tokens(&entropy, p)?;
     let rec = |r: usize| &inputs.records[r];
@@ -257,8 +263,7 @@ fn actor_step(
         &device,
     )?;
     let (mut loss, m) = policy_loss(&logp, &old, &adv, &mask, None, &entropy, settings.loss)?;
-    if learners.shared_value_head {
-        let values = learners.policy.values(&batch.ids, &batch.mask)?;
+    if let Some(values) = shared_values {
         let (vf, _) = critic_loss(inputs, settings, &values, p, batch, means)?;
         loss = (loss + vf)?;
     }
@@ -284,6 +289,32 @@ fn actor_step(
     means.add("actor/grad_norm", report.grad_norm);
     means.add("actor/lr", report.lr);
     Ok((report.skipped, !report.skipped))
+}
+
+/// One trunk pass for both heads of a policy with a shared value head: token log-probs and
+/// entropies (the LM head applied exactly as `Model::forward_train` does) and values, `[B, T]`
+/// each. Half the cost of running the policy and its value head separately.
+fn shared_forward(
+    policy: &Model,
+    batch: &DeviceBatch,
+    temperature: f32,
+) -> Result<(Tensor, Tensor, Tensor), TrainError> {
+    let hidden = policy.hidden_train(&batch.ids, &batch.mask)?;
+    let head_name = if policy.config().tie_word_embeddings {
+        "model.embed_tokens.weight"
+    } else {
+        "lm_head.weight"
+    };
+    let lm_head = crate::model::qwen2::Linear {
+        weight: crate::model::params::var_tensor(policy.varmap(), head_name)?,
+        bias: None,
+    };
+    let logits = (lm_head.forward(&hidden)? / f64::from(temperature))?;
+    let (logp, entropy) = crate::model::logprobs_entropy(&logits, &batch.targets)?;
+    let value_head = crate::model::ValueHead::from_varmap(policy.varmap())?.ok_or_else(|| {
+        TrainError::Data("critic.mode shared: the policy has no value head".into())
+    })?;
+    Ok((logp, entropy, value_head.forward(&hidden)?))
 }
 
 /// The value loss of `values` (`[B, T]`) at the critic target positions.
