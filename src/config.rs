@@ -591,6 +591,11 @@ impl Config {
                 "must be at least 1 in the window layout".into(),
             );
         }
+        for (tag, spec) in &self.custom_envs {
+            if let Err(e) = crate::env::build_session(&spec.env_type, &spec.env_config) {
+                return fail(&format!("custom_envs.{tag}"), e.to_string());
+            }
+        }
         if self.cache.kv_slots == 0 {
             return fail("cache.kv_slots", "must be at least 1".into());
         }
@@ -889,6 +894,17 @@ mod tests {
             &["val_env_manager.tags.0=Nope".into()],
         ));
         assert!(e.contains("val_env_manager.tags[0]"), "{e}");
+    }
+
+    #[test]
+    fn bad_env_config_names_the_env_tag() {
+        let e = err_text(Config::from_yaml_str(
+            EMBEDDED_DEFAULT_YAML,
+            "x.yaml",
+            &["custom_envs.SimpleFrozenLake.env_config.sizee=4".into()],
+        ));
+        assert!(e.contains("custom_envs.SimpleFrozenLake"), "{e}");
+        assert!(e.contains("sizee"), "{e}");
     }
 
     #[test]
