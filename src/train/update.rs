@@ -477,11 +477,49 @@ mod tests {
         }
     }
 
+    /// Per-token log-probs of `rec`'s response under `policy` (what the rollout would record).
+    fn token_logprobs(policy: &Model, rec: &StepRecord) -> Vec<f32> {
+        let p = pack(std::slice::from_ref(rec), &[vec![0]]).unwrap();
+        let batch = DeviceBatch::new(&p, 0, &Device::Cpu).unwrap();
+        let (lp, _) = policy
+            .token_logprobs_entropy(&batch.ids, &batch.mask, &batch.targets, 1.0)
+            .unwrap();
+        batch
+            .at_tokens(&lp, &p)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    }
+
+    /// Sum of the log-probs of `rec`'s response under `policy`.
+    fn response_logprob(policy: &Model, rec: &StepRecord) -> f32 {
+        let p = pack(std::slice::from_ref(rec), &[vec![0]]).unwrap();
+        let batch = DeviceBatch::new(&p, 0, &Device::Cpu).unwrap();
+        let (lp, _) = policy
+            .token_logprobs_entropy(&batch.ids, &batch.mask, &batch.targets, 1.0)
+            .unwrap();
+        batch
+            .at_tokens(&lp, &p)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
     fn run(advantage: f32) -> (Scalars, Vec<f32>, Vec<f32>) {
+        run_on(advantage).0
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn run_on(advantage: f32) -> ((Scalars, Vec<f32>, Vec<f32>), f32, f32) {
         let device = Device::Cpu;
         let policy = Model::new(&ModelConfig::tiny(64), 7, &device).unwrap();
         let mut opt = AdamW::new(policy.named_vars(), &OptimizerConfig::default()).unwrap();
-        let records = vec![record(3)];
+        let mut records = vec![record(3)];
+        records[0].response_logprobs = token_logprobs(&policy, &records[0]);
         let weights = |m: &Model| {
             m.named_vars()[0]
                 .1
@@ -492,6 +530,7 @@ mod tests {
                 .unwrap()
         };
         let before = weights(&policy);
+        let lp_before = response_logprob(&policy, &records[0]);
         let inputs = UpdateInputs {
             records: &records,
             sequences: vec![vec![0]],
@@ -521,7 +560,16 @@ mod tests {
             shared_value_head: false,
         };
         let out = ppo_update(&inputs, &settings, &mut learners).unwrap();
-        (out, before, weights(&policy))
+        let lp_after = response_logprob(&policy, &records[0]);
+        ((out, before, weights(&policy)), lp_before, lp_after)
+    }
+
+    #[test]
+    fn positive_advantage_raises_the_response_logprob() {
+        let (_, before, after) = run_on(1.0);
+        assert!(after > before, "{before} -> {after}");
+        let (_, before, after) = run_on(-1.0);
+        assert!(after < before, "{before} -> {after}");
     }
 
     #[test]
