@@ -111,6 +111,53 @@ fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
 }
 
 #[test]
+fn sft_clones_a_stored_dataset_into_a_loadable_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("oracle");
+    let model = dir.path().join("model");
+    let out = stepppo(&[
+        "collect",
+        "--env",
+        "frozen_lake",
+        "--agent",
+        "oracle",
+        "--episodes",
+        "4",
+        "--set",
+        "is_slippery=false",
+        "--out",
+        data.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = stepppo(&[
+        "sft",
+        "--dataset",
+        data.to_str().unwrap(),
+        "--out",
+        model.to_str().unwrap(),
+        "--set",
+        "builtin_size=tiny",
+        "--set",
+        "sft.steps=4",
+        "--set",
+        "sft.batch_size=2",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (policy, _) =
+        stepppo::model::checkpoint::load_policy(model.to_str().unwrap(), &candle_core::Device::Cpu)
+            .unwrap();
+    assert_eq!(policy.config().hidden_size, 32);
+}
+
+#[test]
 fn config_errors_name_the_key() {
     let out = stepppo(&["train", "--set", "ppo_epocs=2"]);
     assert!(!out.status.success());

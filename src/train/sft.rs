@@ -170,7 +170,7 @@ pub fn behaviour_clone(
         losses.push(value);
     }
     let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
-    let k = losses.len().min(10);
+    let k = (losses.len() / 2).clamp(1, 10).min(losses.len());
     Ok(SftReport {
         steps,
         trajectories: sequences.len(),
