@@ -1,1 +1,915 @@
-//! The YAML run configuration (issue 7).
+//! The YAML run configuration: schema, defaults, `--set` overrides and validation.
+//!
+//! A config file is parsed to a `serde_json::Value` first, so that `--set a.b=c` can override any
+//! key before the typed schema is read. Every struct denies unknown keys, and every error names
+//! the file and the dotted key path it is about. Key names follow ROLL where the concept is the
+//! same (`adv_estimator`, `rollout_batch_size`, `ppo_epochs`, `train_env_manager`, ...); the rest
+//! (`context`, `critic`, `sft`, `cache`, ...) are stepppo's own. This module owns the schema and
+//! its checks only; what the values do lives with the trainer, the estimators and the envs.
+
+use crate::algo::config::{
+    FilterType, GigpoConfig, Grouping, LossAggMode, NormMethod, RatioType, RewardNormalization,
+    Schedule,
+};
+use crate::algo::{AdvantageConfig, Estimator, FilterConfig, LossConfig, OptimizerConfig};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The ready config used by `stepppo train` when no `--config` is given.
+pub const EMBEDDED_DEFAULT_YAML: &str = include_str!("../configs/frozenlake_steppo.yaml");
+/// Name reported in errors about the embedded default.
+pub const EMBEDDED_DEFAULT_NAME: &str = "<embedded configs/frozenlake_steppo.yaml>";
+
+/// Errors while reading, overriding or validating a config; each names the file and the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: cannot read: {source}")]
+    Io {
+        file: String,
+        source: std::io::Error,
+    },
+    #[error("{file}: invalid YAML: {msg}")]
+    Yaml { file: String, msg: String },
+    #[error("{file}: key `{key}`: {msg}")]
+    Key {
+        file: String,
+        key: String,
+        msg: String,
+    },
+    #[error("--set {arg}: {msg}")]
+    Set { arg: String, msg: String },
+}
+
+/// Prompt layout of multi-turn trajectories.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContextLayout {
+    /// Append-only: step t+1's context is step t's context + response + new observation.
+    Concat,
+    /// Re-rendered prompt per step with the last `history_length` rounds.
+    Window,
+}
+
+/// Size of the built-in model used when `pretrain: builtin`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BuiltinSize {
+    Tiny,
+    Small,
+}
+
+/// Compute device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+}
+
+/// Critic architecture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CriticMode {
+    /// A separate model of the same family with a value head (StepPO default).
+    Separate,
+    /// A value head on the policy's trunk.
+    Shared,
+    /// No critic (critic-free estimators only).
+    None,
+}
+
+/// `critic`: value-model settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CriticConfig {
+    pub mode: CriticMode,
+    /// `builtin` or an HF checkpoint directory; `None` = the policy's `pretrain`.
+    pub pretrain: Option<String>,
+    pub learning_rate: f64,
+    pub weight_decay: f64,
+    /// Value clip range (verl `cliprange_value`); `None` disables clipping.
+    pub value_clip: Option<f32>,
+    /// Whether groups dropped by the rollout filter still train the critic.
+    pub train_on_filtered: bool,
+}
+
+impl Default for CriticConfig {
+    fn default() -> Self {
+        CriticConfig {
+            mode: CriticMode::Separate,
+            pretrain: None,
+            learning_rate: 1e-4,
+            weight_decay: 0.0,
+            value_clip: None,
+            train_on_filtered: true,
+        }
+    }
+}
+
+/// `generating_args` / `val_generating_args` (HF names).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GeneratingArgs {
+    pub max_new_tokens: usize,
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 disables top-k.
+    pub top_k: usize,
+    /// false = greedy decoding.
+    pub do_sample: bool,
+}
+
+impl Default for GeneratingArgs {
+    fn default() -> Self {
+        GeneratingArgs {
+            max_new_tokens: 32,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            do_sample: true,
+        }
+    }
+}
+
+/// `train_env_manager` / `val_env_manager` (ROLL names).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvManagerConfig {
+    pub num_env_groups: usize,
+    pub group_size: usize,
+    /// Env tags (keys of `custom_envs`), one per partition.
+    pub tags: Vec<String>,
+    /// Number of groups of each tag; sums to `num_env_groups`.
+    pub num_groups_partition: Vec<usize>,
+}
+
+impl EnvManagerConfig {
+    /// Trajectories per rollout batch.
+    pub fn batch_size(&self) -> usize {
+        self.num_env_groups * self.group_size
+    }
+
+    /// The tag of each group, in group order.
+    pub fn group_tags(&self) -> Vec<&str> {
+        self.tags
+            .iter()
+            .zip(&self.num_groups_partition)
+            .flat_map(|(tag, &n)| std::iter::repeat_n(tag.as_str(), n))
+            .collect()
+    }
+}
+
+/// One entry of `custom_envs`: which env and its (protocol + env) config value.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CustomEnv {
+    /// Registry name, e.g. `frozen_lake`.
+    pub env_type: String,
+    /// Overrides over the env's defaults, handed to `env::build_session` as is.
+    #[serde(default = "empty_object")]
+    pub env_config: serde_json::Value,
+}
+
+fn empty_object() -> serde_json::Value {
+    serde_json::Value::Object(Default::default())
+}
+
+/// `sft`: the supervised warm start run before RL (behaviour cloning of model-free agents).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftConfig {
+    /// Gradient steps; 0 disables the warm start.
+    pub steps: usize,
+    /// Episodes of the agent collected as training data.
+    pub episodes: usize,
+    /// `random` (learns the answer format, not the task) or `oracle`.
+    pub agent: String,
+    /// Trajectories per gradient step.
+    pub batch_size: usize,
+    pub learning_rate: f64,
+}
+
+impl Default for SftConfig {
+    fn default() -> Self {
+        SftConfig {
+            steps: 0,
+            episodes: 256,
+            agent: "random".into(),
+            batch_size: 16,
+            learning_rate: 1e-3,
+        }
+    }
+}
+
+/// `cache`: rollout KV cache switches.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// Reuse shared prefixes through the radix tree.
+    pub prefix_cache: bool,
+    /// KV slots in the pool (tokens across all live sequences and cached prefixes).
+    pub kv_slots: usize,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            prefix_cache: true,
+            kv_slots: 65536,
+        }
+    }
+}
+
+/// A whole run configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub exp_name: String,
+    #[serde(default)]
+    pub seed: u64,
+    /// Run directory; `None` = `runs/<exp_name>`.
+    #[serde(default)]
+    pub output_dir: Option<String>,
+
+    // --- schedule
+    /// Training steps (policy versions).
+    pub max_steps: usize,
+    /// Validate every this many steps (and at the end); 0 = only at the end.
+    #[serde(default)]
+    pub eval_steps: usize,
+    /// Checkpoint every this many steps (and at the end); 0 = only at the end.
+    #[serde(default)]
+    pub save_steps: usize,
+    /// Trajectories per rollout: must equal `train_env_manager.num_env_groups × group_size`.
+    pub rollout_batch_size: usize,
+    /// Validation episodes: must equal `val_env_manager.num_env_groups × group_size`.
+    pub val_batch_size: usize,
+
+    // --- model
+    /// `builtin` or an HF checkpoint directory (Qwen2 family).
+    #[serde(default = "builtin")]
+    pub pretrain: String,
+    #[serde(default = "small")]
+    pub builtin_size: BuiltinSize,
+    #[serde(default = "cpu")]
+    pub device: DeviceKind,
+    /// CPU compute threads (candle/rayon); 0 = one per core. On a small shared machine 1 thread
+    /// measured 3× faster than 2 for this workload (small matrices, oversubscribed cores).
+    #[serde(default)]
+    pub cpu_threads: usize,
+    #[serde(default)]
+    pub critic: CriticConfig,
+    #[serde(default = "concat")]
+    pub context: ContextLayout,
+    /// Rounds kept in the re-rendered prompt of the `window` layout.
+    #[serde(default = "two")]
+    pub history_length: usize,
+    #[serde(default)]
+    pub cache: CacheConfig,
+    #[serde(default)]
+    pub sft: SftConfig,
+    #[serde(default)]
+    pub generating_args: GeneratingArgs,
+    #[serde(default = "greedy")]
+    pub val_generating_args: GeneratingArgs,
+
+    // --- credit assignment (ROLL names; see `algo::AdvantageConfig`)
+    pub adv_estimator: Estimator,
+    #[serde(default = "one_f32")]
+    pub gamma: f32,
+    #[serde(default = "one_f32")]
+    pub lambd: f32,
+    #[serde(default)]
+    pub reward_normalization: RewardNormalization,
+    /// `None` = the estimator's own default (on for step_gae and token_gae).
+    #[serde(default)]
+    pub whiten_advantages: Option<bool>,
+    #[serde(default)]
+    pub advantage_clip: Option<f32>,
+    #[serde(default)]
+    pub reward_clip: Option<f32>,
+    /// γ of the discounted step returns of `gigpo` and `step_reinforce`.
+    #[serde(default = "step_reward_gamma")]
+    pub step_reward_gamma: f32,
+    #[serde(default)]
+    pub gigpo: GigpoConfig,
+    /// StarPO-S: fraction of groups kept, by in-group reward std (1.0 keeps all).
+    #[serde(default = "one_f32")]
+    pub rollout_filter_ratio: f32,
+    #[serde(default = "std_filter")]
+    pub rollout_filter_type: FilterType,
+
+    // --- policy update
+    #[serde(default = "one_usize")]
+    pub ppo_epochs: usize,
+    /// Trajectories per mini-batch (concat layout) or step rows per mini-batch (window layout).
+    pub ppo_mini_batch_size: usize,
+    pub learning_rate: f64,
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// Linear learning-rate warm-up, in optimizer steps.
+    #[serde(default)]
+    pub warmup_steps: usize,
+    #[serde(default)]
+    pub lr_schedule: Schedule,
+    #[serde(default = "clip_02")]
+    pub pg_clip_low: f32,
+    #[serde(default = "clip_02")]
+    pub pg_clip_high: f32,
+    #[serde(default)]
+    pub dual_clip_loss: bool,
+    #[serde(default = "token_ratio")]
+    pub ratio_type: RatioType,
+    #[serde(default = "seq_mean_token_mean")]
+    pub loss_agg_mode: LossAggMode,
+    /// KL-in-reward coefficient against the initial policy (0 = off, no reference model).
+    #[serde(default)]
+    pub init_kl_coef: f32,
+    #[serde(default)]
+    pub entropy_loss_coef: f32,
+    #[serde(default = "one_f32")]
+    pub max_grad_norm: f32,
+
+    // --- environments
+    pub train_env_manager: EnvManagerConfig,
+    pub val_env_manager: EnvManagerConfig,
+    pub custom_envs: BTreeMap<String, CustomEnv>,
+}
+
+fn builtin() -> String {
+    "builtin".into()
+}
+fn small() -> BuiltinSize {
+    BuiltinSize::Small
+}
+fn cpu() -> DeviceKind {
+    DeviceKind::Cpu
+}
+fn concat() -> ContextLayout {
+    ContextLayout::Concat
+}
+fn two() -> usize {
+    2
+}
+fn one_usize() -> usize {
+    1
+}
+fn one_f32() -> f32 {
+    1.0
+}
+fn clip_02() -> f32 {
+    0.2
+}
+fn step_reward_gamma() -> f32 {
+    0.95
+}
+fn std_filter() -> FilterType {
+    FilterType::Std
+}
+fn token_ratio() -> RatioType {
+    RatioType::Token
+}
+fn seq_mean_token_mean() -> LossAggMode {
+    LossAggMode::SeqMeanTokenMean
+}
+fn greedy() -> GeneratingArgs {
+    GeneratingArgs {
+        do_sample: false,
+        ..GeneratingArgs::default()
+    }
+}
+
+impl Config {
+    /// The embedded default (`configs/frozenlake_steppo.yaml`).
+    pub fn embedded_default() -> Config {
+        Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, EMBEDDED_DEFAULT_NAME, &[])
+            .expect("the embedded default config is valid (checked by a unit test)")
+    }
+
+    /// Reads a config file, applies `--set key=value` overrides and validates.
+    pub fn load(path: &Path, sets: &[String]) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            file: file.clone(),
+            source,
+        })?;
+        Config::from_yaml_str(&text, &file, sets)
+    }
+
+    /// Parses YAML text named `file`, applies overrides and validates.
+    pub fn from_yaml_str(text: &str, file: &str, sets: &[String]) -> Result<Config, ConfigError> {
+        let mut value: serde_json::Value =
+            serde_saphyr::from_str(text).map_err(|e| ConfigError::Yaml {
+                file: file.into(),
+                msg: e.to_string(),
+            })?;
+        for arg in sets {
+            apply_set(&mut value, arg)?;
+        }
+        Config::from_value(value, file)
+    }
+
+    /// Reads the typed schema from a JSON value and validates it.
+    pub fn from_value(value: serde_json::Value, file: &str) -> Result<Config, ConfigError> {
+        let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
+            let key = e.path().to_string();
+            ConfigError::Key {
+                file: file.into(),
+                key: if key == "." { "<root>".into() } else { key },
+                msg: e.into_inner().to_string(),
+            }
+        })?;
+        config.validate().map_err(|(key, msg)| ConfigError::Key {
+            file: file.into(),
+            key,
+            msg,
+        })?;
+        Ok(config)
+    }
+
+    /// The run directory: `output_dir`, else `runs/<exp_name>`.
+    pub fn run_dir(&self) -> PathBuf {
+        match &self.output_dir {
+            Some(dir) => PathBuf::from(dir),
+            None => PathBuf::from("runs").join(&self.exp_name),
+        }
+    }
+
+    /// Credit-assignment settings for `algo::compute_advantages`.
+    pub fn advantage_config(&self) -> AdvantageConfig {
+        AdvantageConfig {
+            adv_estimator: self.adv_estimator,
+            gamma: self.gamma,
+            lambd: self.lambd,
+            whiten_advantages: self.whiten_advantages,
+            advantage_clip: self.advantage_clip,
+            reward_clip: self.reward_clip,
+            reward_normalization: self.reward_normalization.clone(),
+            step_reward_gamma: self.step_reward_gamma,
+            gigpo: self.gigpo.clone(),
+            ..AdvantageConfig::default()
+        }
+    }
+
+    /// StarPO-S filter settings.
+    pub fn filter_config(&self) -> FilterConfig {
+        FilterConfig {
+            filter_type: self.rollout_filter_type,
+            keep_ratio: self.rollout_filter_ratio,
+        }
+    }
+
+    /// Actor and critic loss settings.
+    pub fn loss_config(&self) -> LossConfig {
+        LossConfig {
+            ratio_type: self.ratio_type,
+            pg_clip: self.pg_clip_low,
+            pg_clip_low: Some(self.pg_clip_low),
+            pg_clip_high: Some(self.pg_clip_high),
+            dual_clip_loss: self.dual_clip_loss,
+            loss_agg_mode: self.loss_agg_mode,
+            entropy_loss_coef: self.entropy_loss_coef,
+            value_clip: self.critic.value_clip,
+            ..LossConfig::default()
+        }
+    }
+
+    /// AdamW settings (actor `learning_rate`, `critic.learning_rate`).
+    pub fn optimizer_config(&self) -> OptimizerConfig {
+        OptimizerConfig {
+            lr: self.learning_rate,
+            critic_lr: self.critic.learning_rate,
+            weight_decay: self.weight_decay,
+            warmup_steps: self.warmup_steps,
+            schedule: self.lr_schedule,
+            max_grad_norm: Some(self.max_grad_norm as f64),
+            ..OptimizerConfig::default()
+        }
+    }
+
+    /// Checks cross-field rules; the error is (dotted key, message).
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        let fail = |key: &str, msg: String| Err((key.to_string(), msg));
+        self.validate_env_manager("train_env_manager", &self.train_env_manager)?;
+        self.validate_env_manager("val_env_manager", &self.val_env_manager)?;
+        let train = &self.train_env_manager;
+        if self.rollout_batch_size != train.batch_size() {
+            return fail(
+                "rollout_batch_size",
+                format!(
+                    "must equal train_env_manager.num_env_groups × group_size = {} × {} = {}, got {}",
+                    train.num_env_groups,
+                    train.group_size,
+                    train.batch_size(),
+                    self.rollout_batch_size
+                ),
+            );
+        }
+        let val = &self.val_env_manager;
+        if self.val_batch_size != val.batch_size() {
+            return fail(
+                "val_batch_size",
+                format!(
+                    "must equal val_env_manager.num_env_groups × group_size = {} × {} = {}, got {}",
+                    val.num_env_groups,
+                    val.group_size,
+                    val.batch_size(),
+                    self.val_batch_size
+                ),
+            );
+        }
+        if self.max_steps == 0 {
+            return fail("max_steps", "must be at least 1".into());
+        }
+        if self.ppo_epochs == 0 {
+            return fail("ppo_epochs", "must be at least 1".into());
+        }
+        if self.ppo_mini_batch_size == 0 || self.ppo_mini_batch_size > self.rollout_batch_size {
+            return fail(
+                "ppo_mini_batch_size",
+                format!(
+                    "must be in 1..={} (rollout_batch_size), got {}",
+                    self.rollout_batch_size, self.ppo_mini_batch_size
+                ),
+            );
+        }
+        check_positive("learning_rate", self.learning_rate)?;
+        check_unit("gamma", self.gamma)?;
+        check_unit("lambd", self.lambd)?;
+        if self.rollout_filter_ratio.is_nan()
+            || self.rollout_filter_ratio <= 0.0
+            || self.rollout_filter_ratio > 1.0
+        {
+            return fail(
+                "rollout_filter_ratio",
+                format!("must be in (0, 1], got {}", self.rollout_filter_ratio),
+            );
+        }
+        check_positive("pg_clip_low", self.pg_clip_low as f64)?;
+        check_positive("pg_clip_high", self.pg_clip_high as f64)?;
+        check_positive("max_grad_norm", self.max_grad_norm as f64)?;
+        if let Some(c) = self.advantage_clip {
+            check_positive("advantage_clip", c as f64)?;
+        }
+        if self.init_kl_coef != 0.0 {
+            return fail(
+                "init_kl_coef",
+                "KL against a reference policy is not supported; set 0 (StarPO-S, StepPO and DAPO run without KL)".into(),
+            );
+        }
+        if self.adv_estimator.needs_critic() && self.critic.mode == CriticMode::None {
+            return fail(
+                "critic.mode",
+                format!("adv_estimator {:?} needs a critic", self.adv_estimator),
+            );
+        }
+        check_positive("critic.learning_rate", self.critic.learning_rate)?;
+        if let Some(c) = self.critic.value_clip {
+            check_positive("critic.value_clip", c as f64)?;
+        }
+        let uses_group_mean = matches!(
+            self.adv_estimator,
+            Estimator::Reinforce | Estimator::StepReinforce
+        ) && self.reward_normalization.grouping == Grouping::TrajGroupId
+            && self.reward_normalization.method != NormMethod::Identity;
+        if uses_group_mean && train.group_size == 1 {
+            return fail(
+                "reward_normalization.grouping",
+                "traj_group_id with train_env_manager.group_size 1 makes every advantage zero (ROLL #397)".into(),
+            );
+        }
+        if self.adv_estimator == Estimator::Rloo && train.group_size < 2 {
+            return fail(
+                "train_env_manager.group_size",
+                "rloo needs at least 2 trajectories per group".into(),
+            );
+        }
+        if self.context == ContextLayout::Window && self.history_length == 0 {
+            return fail(
+                "history_length",
+                "must be at least 1 in the window layout".into(),
+            );
+        }
+        for (tag, spec) in &self.custom_envs {
+            if let Err(e) = crate::env::build_session(&spec.env_type, &spec.env_config) {
+                return fail(&format!("custom_envs.{tag}"), e.to_string());
+            }
+        }
+        if self.cache.kv_slots == 0 {
+            return fail("cache.kv_slots", "must be at least 1".into());
+        }
+        let algo = [
+            self.advantage_config().validate(),
+            self.filter_config().validate(),
+            self.loss_config().validate(),
+            self.optimizer_config().validate(),
+        ];
+        if let Some(Err(e)) = algo.into_iter().find(Result::is_err) {
+            return Err(match e {
+                crate::algo::AlgoError::InvalidConfig { key, reason } => (key, reason),
+                other => ("<algorithm>".into(), other.to_string()),
+            });
+        }
+        self.validate_generating_args("generating_args", &self.generating_args)?;
+        self.validate_generating_args("val_generating_args", &self.val_generating_args)?;
+        if self.sft.steps > 0 {
+            if self.sft.episodes == 0 || self.sft.batch_size == 0 {
+                return fail(
+                    "sft.episodes",
+                    "sft.episodes and sft.batch_size must be at least 1 when sft.steps > 0".into(),
+                );
+            }
+            check_positive("sft.learning_rate", self.sft.learning_rate)?;
+            if !matches!(self.sft.agent.as_str(), "random" | "oracle") {
+                return fail(
+                    "sft.agent",
+                    format!("must be `random` or `oracle`, got `{}`", self.sft.agent),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_env_manager(
+        &self,
+        key: &str,
+        m: &EnvManagerConfig,
+    ) -> Result<(), (String, String)> {
+        let fail = |sub: &str, msg: String| Err((format!("{key}.{sub}"), msg));
+        if m.num_env_groups == 0 {
+            return fail("num_env_groups", "must be at least 1".into());
+        }
+        if m.group_size == 0 {
+            return fail("group_size", "must be at least 1".into());
+        }
+        if m.tags.is_empty() {
+            return fail("tags", "must name at least one env of custom_envs".into());
+        }
+        if m.tags.len() != m.num_groups_partition.len() {
+            return fail(
+                "num_groups_partition",
+                format!(
+                    "has {} entries but tags has {}",
+                    m.num_groups_partition.len(),
+                    m.tags.len()
+                ),
+            );
+        }
+        let total: usize = m.num_groups_partition.iter().sum();
+        if total != m.num_env_groups {
+            return fail(
+                "num_groups_partition",
+                format!("sums to {total} but num_env_groups is {}", m.num_env_groups),
+            );
+        }
+        for (i, tag) in m.tags.iter().enumerate() {
+            if !self.custom_envs.contains_key(tag) {
+                return fail(
+                    &format!("tags[{i}]"),
+                    format!(
+                        "`{tag}` is not a key of custom_envs (have: {})",
+                        self.custom_envs
+                            .keys()
+                            .cloned()
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_generating_args(
+        &self,
+        key: &str,
+        g: &GeneratingArgs,
+    ) -> Result<(), (String, String)> {
+        if g.max_new_tokens == 0 {
+            return Err((format!("{key}.max_new_tokens"), "must be at least 1".into()));
+        }
+        if g.do_sample && (g.temperature.is_nan() || g.temperature <= 0.0) {
+            return Err((
+                format!("{key}.temperature"),
+                format!("must be > 0 when sampling, got {}", g.temperature),
+            ));
+        }
+        if g.top_p.is_nan() || g.top_p <= 0.0 || g.top_p > 1.0 {
+            return Err((
+                format!("{key}.top_p"),
+                format!("must be in (0, 1], got {}", g.top_p),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn check_positive(key: &str, x: f64) -> Result<(), (String, String)> {
+    if x > 0.0 && x.is_finite() {
+        Ok(())
+    } else {
+        Err((key.into(), format!("must be a positive number, got {x}")))
+    }
+}
+
+fn check_unit(key: &str, x: f32) -> Result<(), (String, String)> {
+    if (0.0..=1.0).contains(&x) {
+        Ok(())
+    } else {
+        Err((key.into(), format!("must be in [0, 1], got {x}")))
+    }
+}
+
+/// Applies one `a.b.c=value` override: the value is read as a YAML scalar or flow collection
+/// (`3`, `true`, `null`, `[a, b]`, `{x: 1}`); intermediate maps are created when missing.
+/// A list element is addressed by its index (`tags.0=x`).
+pub fn apply_set(root: &mut serde_json::Value, arg: &str) -> Result<(), ConfigError> {
+    let set_err = |msg: String| ConfigError::Set {
+        arg: arg.into(),
+        msg,
+    };
+    let (path, raw) = arg
+        .split_once('=')
+        .ok_or_else(|| set_err("expected key.path=value".into()))?;
+    let path = path.trim();
+    if path.is_empty() || path.split('.').any(str::is_empty) {
+        return Err(set_err("empty key in the dotted path".into()));
+    }
+    let value: serde_json::Value = if raw.trim().is_empty() {
+        serde_json::Value::String(String::new())
+    } else {
+        serde_saphyr::from_str(raw).map_err(|e| set_err(format!("value is not valid YAML: {e}")))?
+    };
+    let mut node = root;
+    let parts: Vec<&str> = path.split('.').collect();
+    for (depth, part) in parts.iter().enumerate() {
+        let last = depth + 1 == parts.len();
+        let here = parts[..=depth].join(".");
+        node = match node {
+            serde_json::Value::Object(map) => {
+                if last {
+                    map.insert(part.to_string(), value);
+                    return Ok(());
+                }
+                map.entry(part.to_string())
+                    .or_insert_with(|| serde_json::Value::Object(Default::default()))
+            }
+            serde_json::Value::Array(items) => {
+                let index: usize = part
+                    .parse()
+                    .map_err(|_| set_err(format!("`{here}`: list index expected")))?;
+                let len = items.len();
+                let slot = items.get_mut(index).ok_or_else(|| {
+                    set_err(format!("`{here}`: index {index} out of range (len {len})"))
+                })?;
+                if last {
+                    *slot = value;
+                    return Ok(());
+                }
+                slot
+            }
+            serde_json::Value::Null => {
+                *node = serde_json::Value::Object(Default::default());
+                let map = node.as_object_mut().expect("just made an object");
+                if last {
+                    map.insert(part.to_string(), value);
+                    return Ok(());
+                }
+                map.entry(part.to_string())
+                    .or_insert_with(|| serde_json::Value::Object(Default::default()))
+            }
+            _ => {
+                return Err(set_err(format!(
+                    "`{}` is a scalar, cannot set a key under it",
+                    parts[..depth].join(".")
+                )))
+            }
+        };
+    }
+    unreachable!("the loop returns at the last path part")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err_text(r: Result<Config, ConfigError>) -> String {
+        r.expect_err("expected a config error").to_string()
+    }
+
+    #[test]
+    fn embedded_default_is_valid() {
+        let c = Config::embedded_default();
+        assert_eq!(c.adv_estimator, Estimator::StepGae);
+        assert_eq!(
+            c.rollout_batch_size,
+            c.train_env_manager.num_env_groups * c.train_env_manager.group_size
+        );
+    }
+
+    #[test]
+    fn every_shipped_config_is_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "yaml") {
+                Config::load(&path, &[]).unwrap_or_else(|e| panic!("{e}"));
+                n += 1;
+            }
+        }
+        assert!(n >= 7, "expected the 7 ready configs, found {n}");
+    }
+
+    #[test]
+    fn unknown_key_is_rejected_with_its_path() {
+        let e = err_text(Config::from_yaml_str(
+            EMBEDDED_DEFAULT_YAML,
+            "x.yaml",
+            &["generating_args.max_new_tokns=3".into()],
+        ));
+        assert!(e.contains("x.yaml"), "{e}");
+        assert!(e.contains("generating_args"), "{e}");
+        assert!(e.contains("max_new_tokns"), "{e}");
+    }
+
+    #[test]
+    fn type_error_names_the_nested_key() {
+        let e = err_text(Config::from_yaml_str(
+            EMBEDDED_DEFAULT_YAML,
+            "x.yaml",
+            &["reward_normalization.method=median".into()],
+        ));
+        assert!(e.contains("reward_normalization.method"), "{e}");
+    }
+
+    #[test]
+    fn batch_rule_names_the_key() {
+        let e = err_text(Config::from_yaml_str(
+            EMBEDDED_DEFAULT_YAML,
+            "x.yaml",
+            &["train_env_manager.group_size=3".into()],
+        ));
+        assert!(e.contains("rollout_batch_size"), "{e}");
+    }
+
+    #[test]
+    fn set_overrides_scalars_lists_and_nested_keys() {
+        let c = Config::from_yaml_str(
+            EMBEDDED_DEFAULT_YAML,
+            "x.yaml",
+            &[
+                "learning_rate=0.5".into(),
+                "generating_args.temperature=0.7".into(),
+                "adv_estimator=grpo".into(),
+                "critic.value_clip=0.5".into(),
+                "advantage_clip=null".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.learning_rate, 0.5);
+        assert_eq!(c.generating_args.temperature, 0.7);
+        assert_eq!(c.adv_estimator, Estimator::Reinforce);
+        assert_eq!(c.critic.value_clip, Some(0.5));
+        assert_eq!(c.advantage_clip, None);
+    }
+
+    #[test]
+    fn set_reaches_list_elements_and_rejects_bad_paths() {
+        let mut v: serde_json::Value = serde_saphyr::from_str("a: {b: [1, 2]}\nc: 3\n").unwrap();
+        apply_set(&mut v, "a.b.1=x").unwrap();
+        assert_eq!(v["a"]["b"][1], "x");
+        assert!(apply_set(&mut v, "a.b.9=1").is_err());
+        assert!(apply_set(&mut v, "c.d=1").is_err());
+        assert!(apply_set(&mut v, "novalue").is_err());
+        assert!(apply_set(&mut v, "a..b=1").is_err());
+    }
+
+    #[test]
+    fn unknown_tag_names_the_list_element() {
+        let e = err_text(Config::from_yaml_str(
+            EMBEDDED_DEFAULT_YAML,
+            "x.yaml",
+            &["val_env_manager.tags.0=Nope".into()],
+        ));
+        assert!(e.contains("val_env_manager.tags[0]"), "{e}");
+    }
+
+    #[test]
+    fn bad_env_config_names_the_env_tag() {
+        let e = err_text(Config::from_yaml_str(
+            EMBEDDED_DEFAULT_YAML,
+            "x.yaml",
+            &["custom_envs.SimpleFrozenLake.env_config.sizee=4".into()],
+        ));
+        assert!(e.contains("custom_envs.SimpleFrozenLake"), "{e}");
+        assert!(e.contains("sizee"), "{e}");
+    }
+
+    #[test]
+    fn malformed_yaml_names_the_file() {
+        let e = err_text(Config::from_yaml_str("a: [1,", "bad.yaml", &[]));
+        assert!(e.starts_with("bad.yaml"), "{e}");
+    }
+}

@@ -1,31 +1,258 @@
-//! `stepppo train`, `eval`, `sft`, `plot`.
+//! `stepppo train`, `eval`, `sft`, `plot`: argument parsing and printing over `stepppo::train`.
 
+use anyhow::Context;
 use clap::Args;
+use std::path::{Path, PathBuf};
+use stepppo::config::Config;
+use stepppo::store::Dataset;
+use stepppo::train::checkpoint;
+use stepppo::train::eval::{self, TagSummary};
+use stepppo::train::plot::plot_run;
+use stepppo::train::progress::Progress;
+use stepppo::train::sft;
+use stepppo::train::trainer::Event;
+use stepppo::train::Trainer;
 
 #[derive(Args, Debug)]
-pub struct TrainArgs {}
-
-#[derive(Args, Debug)]
-pub struct EvalArgs {}
-
-#[derive(Args, Debug)]
-pub struct SftArgs {}
-
-#[derive(Args, Debug)]
-pub struct PlotArgs {}
-
-pub fn train(_a: TrainArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`stepppo train` is not built yet (issue 7)")
+pub struct TrainArgs {
+    /// Run config (YAML); the embedded FrozenLake StepPO default when omitted.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override any config key: `--set a.b=value` (repeatable; value read as YAML).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Run directory (default: the config's `output_dir`, else `runs/<exp_name>`).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Continue the run in the run directory from its latest checkpoint.
+    #[arg(long)]
+    resume: bool,
 }
 
-pub fn eval(_a: EvalArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`stepppo eval` is not built yet (issue 7)")
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    /// A checkpoint directory, a `ckpt-latest` pointer or a run directory.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Config whose validation envs to use (default: the one stored in the checkpoint).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Validation episodes per env tag (default: the config's val_env_manager).
+    #[arg(long)]
+    episodes: Option<usize>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
-pub fn sft(_a: SftArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`stepppo sft` is not built yet (issue 7)")
+#[derive(Args, Debug)]
+pub struct SftArgs {
+    /// A stored step dataset (e.g. from `stepppo collect --agent oracle`).
+    #[arg(long)]
+    dataset: PathBuf,
+    /// Where to write the trained model (HF layout: config.json, model.safetensors, tokenizer.json).
+    #[arg(long)]
+    out: PathBuf,
+    /// Config naming the initial model (`pretrain`, `builtin_size`, `seed`) and the `sft` section.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
 }
 
-pub fn plot(_a: PlotArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`stepppo plot` is not built yet (issue 7)")
+#[derive(Args, Debug)]
+pub struct PlotArgs {
+    /// Run directory holding metrics.jsonl.
+    run: PathBuf,
+}
+
+fn load_config(path: Option<&Path>, sets: &[String]) -> anyhow::Result<Config> {
+    let cfg = match path {
+        Some(p) => Config::load(p, sets)?,
+        None => Config::from_yaml_str(
+            stepppo::config::EMBEDDED_DEFAULT_YAML,
+            stepppo::config::EMBEDDED_DEFAULT_NAME,
+            sets,
+        )?,
+    };
+    set_cpu_threads(cfg.cpu_threads);
+    Ok(cfg)
+}
+
+/// Applies `cpu_threads` (candle and rayon read `RAYON_NUM_THREADS`) unless the user set it.
+fn set_cpu_threads(n: usize) {
+    if n > 0 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
+/// Keeps freed memory in the process heap instead of returning every large block to the kernel:
+/// the training forward/backward allocates and frees many tensors of tens of MB per step, and
+/// glibc's default (mmap per large block) makes the kernel zero fresh pages each time, which
+/// doubled the update time on CPU in measurements.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn keep_freed_memory() {
+    // SAFETY: mallopt only changes glibc allocator thresholds; it is called before any training
+    // allocation and has no memory-safety preconditions.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_MAX, 0);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn keep_freed_memory() {}
+
+pub fn train(a: TrainArgs) -> anyhow::Result<()> {
+    keep_freed_memory();
+    let cfg = load_config(a.config.as_deref(), &a.sets)?;
+    let run_dir = a.out.clone().unwrap_or_else(|| cfg.run_dir());
+    let max_steps = cfg.max_steps as u64;
+    eprintln!(
+        "stepppo train: {} ({:?}, {:?}) → {}",
+        cfg.exp_name,
+        cfg.adv_estimator,
+        cfg.context,
+        run_dir.display()
+    );
+    if !a.resume && cfg.sft.steps > 0 {
+        eprintln!(
+            "warm start: {} steps of behaviour cloning on {} {} episodes…",
+            cfg.sft.steps, cfg.sft.episodes, cfg.sft.agent
+        );
+    }
+    let mut trainer = if a.resume {
+        Trainer::resume(cfg, &run_dir)?
+    } else {
+        Trainer::create(cfg, &run_dir)?
+    };
+    let start = std::time::Instant::now();
+    let progress = Progress::new(max_steps, trainer.state().step);
+    let mut last_val: Option<f64> = None;
+    trainer.run(max_steps, &mut |event| match event {
+        Event::WarmStart(r) => progress.println(format!(
+            "warm start: {} steps on {} trajectories in {:.1}s, loss {:.3} → {:.3}",
+            r.steps, r.trajectories, r.seconds, r.first_loss, r.final_loss
+        )),
+        Event::Step { step, scalars } => {
+            let mean_of = |suffix: &str| {
+                let xs: Vec<f64> = scalars
+                    .iter()
+                    .filter(|(k, _)| k.starts_with("env/") && k.ends_with(suffix))
+                    .map(|(_, v)| *v)
+                    .collect();
+                xs.iter().sum::<f64>() / xs.len().max(1) as f64
+            };
+            let step_s = scalars.get("time/step").copied().unwrap_or(0.0);
+            progress.update(
+                step,
+                mean_of("/success"),
+                mean_of("/reward"),
+                last_val,
+                step_s,
+            );
+        }
+        Event::Validation { step, summaries } => {
+            let mean =
+                summaries.iter().map(|s| s.success).sum::<f64>() / summaries.len().max(1) as f64;
+            last_val = Some(mean);
+            progress.println(format!(
+                "[{:>7.1}s] step {step} validation: {}",
+                start.elapsed().as_secs_f64(),
+                summaries
+                    .iter()
+                    .map(|s| format!(
+                        "{} success {:.3} reward {:.3} valid {:.3}",
+                        s.tag, s.success, s.reward, s.action_is_valid
+                    ))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ));
+        }
+        Event::Warning(w) => progress.println(format!("warning: {w}")),
+        Event::Checkpoint(dir) => progress.println(format!("checkpoint {}", dir.display())),
+    })?;
+    progress.finish();
+    let svg = plot_run(&run_dir)?;
+    eprintln!(
+        "done in {:.1}s: metrics {}, plot {}, latest checkpoint {}",
+        start.elapsed().as_secs_f64(),
+        run_dir.join("metrics.jsonl").display(),
+        svg.display(),
+        run_dir.join(checkpoint::LATEST).display()
+    );
+    Ok(())
+}
+
+pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
+    let ckpt = checkpoint::resolve(&a.checkpoint)?;
+    let mut cfg = match &a.config {
+        Some(p) => load_config(Some(p), &a.sets)?,
+        None => {
+            let stored: serde_json::Value = checkpoint::load_json(&ckpt, "config")?;
+            let mut v = stored;
+            for s in &a.sets {
+                stepppo::config::apply_set(&mut v, s)?;
+            }
+            let cfg = Config::from_value(v, &ckpt.join("config.json").display().to_string())?;
+            set_cpu_threads(cfg.cpu_threads);
+            cfg
+        }
+    };
+    if let Some(n) = a.episodes {
+        let m = &mut cfg.val_env_manager;
+        m.group_size = 1;
+        m.num_groups_partition = vec![n; m.tags.len()];
+        m.num_env_groups = n * m.tags.len();
+        cfg.val_batch_size = m.num_env_groups;
+    }
+    let summaries = eval::evaluate_checkpoint(&ckpt, &cfg)?;
+    print_summaries(&summaries, a.json)
+}
+
+fn print_summaries(summaries: &[TagSummary], json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(summaries)?);
+        return Ok(());
+    }
+    println!(
+        "{:<20} {:>8} {:>8} {:>8} {:>7} {:>7}",
+        "tag", "episodes", "success", "reward", "steps", "valid"
+    );
+    for s in summaries {
+        println!(
+            "{:<20} {:>8} {:>8.3} {:>8.3} {:>7.2} {:>7.3}",
+            s.tag, s.episodes, s.success, s.reward, s.steps, s.action_is_valid
+        );
+    }
+    Ok(())
+}
+
+pub fn sft(a: SftArgs) -> anyhow::Result<()> {
+    keep_freed_memory();
+    let cfg = load_config(a.config.as_deref(), &a.sets)?;
+    let dataset = Dataset::open(&a.dataset)?;
+    let records: Vec<_> = dataset
+        .records()
+        .map(|v| v.to_record())
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("{}: reading records", a.dataset.display()))?;
+    let report = sft::clone_into(&cfg, &records, &a.out)?;
+    println!(
+        "behaviour cloning: {} steps on {} sequences, loss {:.3} → {:.3}; model written to {}",
+        report.steps,
+        report.trajectories,
+        report.first_loss,
+        report.final_loss,
+        a.out.display()
+    );
+    Ok(())
+}
+
+pub fn plot(a: PlotArgs) -> anyhow::Result<()> {
+    let svg = plot_run(&a.run)?;
+    println!("{}", svg.display());
+    Ok(())
 }

@@ -1,0 +1,186 @@
+//! Early-warning detectors for RL collapse (RAGEN's Echo Trap signals) and degenerate batches:
+//! in-group reward std collapsing, token entropy collapsing, gradient-norm spikes, and all-zero
+//! advantages. The detector reads the per-step metrics the trainer already logs and returns
+//! human-readable warnings; it never changes the run.
+
+use super::metrics::Scalars;
+
+/// Metric names the detector reads.
+pub const IN_GROUP_STD: &str = "rollout/in_group_reward_std";
+pub const ENTROPY: &str = "actor/entropy";
+pub const GRAD_NORM: &str = "actor/grad_norm";
+pub const ZERO_ADV_FRAC: &str = "advantage/zero_fraction";
+
+/// Smoothing of the exponential moving averages (weight of the newest value).
+const EMA_ALPHA: f64 = 0.3;
+/// A smoothed signal below this fraction of its peak counts as collapsed.
+const COLLAPSE_FRACTION: f64 = 0.1;
+/// A gradient norm above this multiple of its running average counts as a spike.
+const SPIKE_FACTOR: f64 = 5.0;
+/// Observations before spike detection starts (the average needs a few values).
+const WARMUP: usize = 3;
+
+/// A warning raised at one step.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Warning {
+    RewardStdCollapse { peak: f64, now: f64 },
+    EntropyCollapse { peak: f64, now: f64 },
+    GradNormSpike { norm: f64, average: f64 },
+    ZeroAdvantages { frac: f64 },
+}
+
+impl std::fmt::Display for Warning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Warning::RewardStdCollapse { peak, now } => write!(
+                f,
+                "in-group reward std collapsed ({now:.4} vs peak {peak:.4}): groups no longer disagree, little signal left (Echo Trap warning)"
+            ),
+            Warning::EntropyCollapse { peak, now } => write!(
+                f,
+                "token entropy collapsed ({now:.4} vs peak {peak:.4}): the policy became near-deterministic"
+            ),
+            Warning::GradNormSpike { norm, average } => write!(
+                f,
+                "gradient-norm spike ({norm:.3} vs running average {average:.3}): a sign of irreversible collapse"
+            ),
+            Warning::ZeroAdvantages { frac } => write!(
+                f,
+                "{:.1}% of step rows have zero advantage: this batch carries no policy gradient",
+                frac * 100.0
+            ),
+        }
+    }
+}
+
+/// Tracks a smoothed signal and its peak; reports once when it falls below a fraction of the peak.
+#[derive(Default)]
+struct CollapseTracker {
+    ema: Option<f64>,
+    peak: f64,
+    reported: bool,
+}
+
+impl CollapseTracker {
+    /// Returns (peak, now) the first time the EMA drops under COLLAPSE_FRACTION × peak.
+    fn observe(&mut self, x: f64, min_peak: f64) -> Option<(f64, f64)> {
+        let ema = self.ema.map_or(x, |e| e + EMA_ALPHA * (x - e));
+        self.ema = Some(ema);
+        self.peak = self.peak.max(ema);
+        let collapsed = self.peak > min_peak && ema < COLLAPSE_FRACTION * self.peak;
+        if collapsed && !self.reported {
+            self.reported = true;
+            return Some((self.peak, ema));
+        }
+        if !collapsed {
+            self.reported = false;
+        }
+        None
+    }
+}
+
+/// The per-run detector state.
+#[derive(Default)]
+pub struct CollapseDetector {
+    reward_std: CollapseTracker,
+    entropy: CollapseTracker,
+    grad_norm_ema: Option<f64>,
+    grad_norm_seen: usize,
+}
+
+impl CollapseDetector {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reads one step's metrics and returns the warnings it raises.
+    pub fn observe(&mut self, scalars: &Scalars) -> Vec<Warning> {
+        let mut warnings = Vec::new();
+        let get = |k: &str| scalars.get(k).copied().filter(|v| v.is_finite());
+        if let Some(std) = get(IN_GROUP_STD) {
+            if let Some((peak, now)) = self.reward_std.observe(std, 0.05) {
+                warnings.push(Warning::RewardStdCollapse { peak, now });
+            }
+        }
+        if let Some(h) = get(ENTROPY) {
+            if let Some((peak, now)) = self.entropy.observe(h, 0.05) {
+                warnings.push(Warning::EntropyCollapse { peak, now });
+            }
+        }
+        if let Some(norm) = get(GRAD_NORM) {
+            if let Some(avg) = self.grad_norm_ema.filter(|_| self.grad_norm_seen >= WARMUP) {
+                if norm > SPIKE_FACTOR * avg && norm > 1e-3 {
+                    warnings.push(Warning::GradNormSpike { norm, average: avg });
+                }
+            }
+            self.grad_norm_ema = Some(
+                self.grad_norm_ema
+                    .map_or(norm, |e| e + EMA_ALPHA * (norm - e)),
+            );
+            self.grad_norm_seen += 1;
+        }
+        if let Some(frac) = get(ZERO_ADV_FRAC) {
+            if frac >= 0.999 {
+                warnings.push(Warning::ZeroAdvantages { frac });
+            }
+        }
+        warnings
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(pairs: &[(&str, f64)]) -> Scalars {
+        pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+    }
+
+    #[test]
+    fn reward_std_collapse_is_reported_once() {
+        let mut d = CollapseDetector::new();
+        let mut raised = 0;
+        for i in 0..30 {
+            let std = if i < 5 { 0.5 } else { 0.0 };
+            raised += d
+                .observe(&step(&[(IN_GROUP_STD, std)]))
+                .iter()
+                .filter(|w| matches!(w, Warning::RewardStdCollapse { .. }))
+                .count();
+        }
+        assert_eq!(raised, 1);
+    }
+
+    #[test]
+    fn steady_signals_raise_nothing() {
+        let mut d = CollapseDetector::new();
+        for _ in 0..20 {
+            let w = d.observe(&step(&[
+                (IN_GROUP_STD, 0.4),
+                (ENTROPY, 1.2),
+                (GRAD_NORM, 0.8),
+                (ZERO_ADV_FRAC, 0.1),
+            ]));
+            assert!(w.is_empty(), "{w:?}");
+        }
+    }
+
+    #[test]
+    fn entropy_collapse_grad_spike_and_zero_advantages() {
+        let mut d = CollapseDetector::new();
+        for _ in 0..5 {
+            d.observe(&step(&[(ENTROPY, 2.0), (GRAD_NORM, 1.0)]));
+        }
+        let w = d.observe(&step(&[(GRAD_NORM, 20.0), (ZERO_ADV_FRAC, 1.0)]));
+        assert!(w.iter().any(|w| matches!(w, Warning::GradNormSpike { .. })));
+        assert!(w
+            .iter()
+            .any(|w| matches!(w, Warning::ZeroAdvantages { .. })));
+        let collapsed = (0..20).any(|_| {
+            d.observe(&step(&[(ENTROPY, 0.01)]))
+                .iter()
+                .any(|w| matches!(w, Warning::EntropyCollapse { .. }))
+        });
+        assert!(collapsed);
+    }
+}

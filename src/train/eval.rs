@@ -1,0 +1,279 @@
+//! Episode statistics and validation.
+//!
+//! [`env_metrics`] turns a batch of step records into the per-tag env metrics (`<prefix>/<tag>/
+//! success`, `reward`, `action_is_valid`, ...) logged for training rollouts (`env/`) and
+//! validation (`val/`). [`validate`] runs the validation env manager on held-out seeds: G = 1
+//! per group, group ids fixed so every validation sees the same episodes, seeds derived from
+//! `seed + VAL_SEED_OFFSET` (a stream disjoint from the training seeds), decoding with
+//! `val_generating_args` (greedy unless `do_sample`).
+
+use super::metrics::Scalars;
+use super::TrainError;
+use crate::config::{Config, CustomEnv, EnvManagerConfig, GeneratingArgs};
+use crate::model::Model;
+use crate::rollout::agent_loop::{run_rollout, ContextLayout, RolloutConfig};
+use crate::rollout::engine::{CacheCounters, Engine};
+use crate::rollout::sampling::SamplingParams;
+use crate::store::StepRecord;
+use crate::tokenizer::{ChatTemplate, Tokenizer};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Validation seeds come from `seed + VAL_SEED_OFFSET`, training seeds from `seed`.
+pub const VAL_SEED_OFFSET: u64 = 1_000_000;
+/// Turn cap of a rollout when the env config names no `max_turns` (sessions end themselves).
+const DEFAULT_TURN_CAP: usize = 64;
+
+/// Aggregate figures of one env tag's episodes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct TagSummary {
+    pub tag: String,
+    pub episodes: usize,
+    /// Fraction of episodes whose last step succeeded.
+    pub success: f64,
+    /// Mean episode return.
+    pub reward: f64,
+    /// Mean turns per episode.
+    pub steps: f64,
+    /// Fraction of steps whose actions were all valid.
+    pub action_is_valid: f64,
+    /// Fraction of steps with at least one effective action.
+    pub action_is_effective: f64,
+    /// Mean format penalty per step.
+    pub format_penalty: f64,
+    /// Mean env actions per episode.
+    pub num_actions: f64,
+}
+
+/// Summarises the records of one tag (complete trajectories).
+pub fn summarize(tag: &str, records: &[StepRecord]) -> TagSummary {
+    let episodes = records.iter().filter(|r| r.is_last()).count();
+    let steps = records.len().max(1) as f64;
+    let per_episode = |x: f64| x / episodes.max(1) as f64;
+    let per_step = |f: &dyn Fn(&StepRecord) -> f64| records.iter().map(f).sum::<f64>() / steps;
+    TagSummary {
+        tag: tag.to_string(),
+        episodes,
+        success: per_episode(
+            records
+                .iter()
+                .filter(|r| r.is_last() && r.info.success)
+                .count() as f64,
+        ),
+        reward: per_episode(records.iter().map(|r| r.reward as f64).sum()),
+        steps: per_episode(records.len() as f64),
+        action_is_valid: per_step(&|r| f64::from(u8::from(r.info.action_is_valid))),
+        action_is_effective: per_step(&|r| f64::from(u8::from(r.info.action_is_effective))),
+        format_penalty: per_step(&|r| r.info.format_penalty as f64),
+        num_actions: per_episode(records.iter().map(|r| r.info.num_actions as f64).sum()),
+    }
+}
+
+/// Adds `<prefix>/<tag>/<name>` for every figure of every tag present in `records`.
+pub fn env_metrics(prefix: &str, records: &[StepRecord], out: &mut Scalars) -> Vec<TagSummary> {
+    let mut by_tag: BTreeMap<&str, Vec<StepRecord>> = BTreeMap::new();
+    for r in records {
+        by_tag
+            .entry(r.env_tag.as_str())
+            .or_default()
+            .push(r.clone());
+    }
+    let summaries: Vec<TagSummary> = by_tag.iter().map(|(t, rs)| summarize(t, rs)).collect();
+    for s in &summaries {
+        let mut put = |name: &str, v: f64| {
+            out.insert(format!("{prefix}/{}/{name}", s.tag), v);
+        };
+        put("success", s.success);
+        put("reward", s.reward);
+        put("steps", s.steps);
+        put("action_is_valid", s.action_is_valid);
+        put("action_is_effective", s.action_is_effective);
+        put("format_penalty", s.format_penalty);
+        put("num_actions", s.num_actions);
+    }
+    summaries
+}
+
+/// Sampling parameters of a `generating_args` section.
+pub fn sampling_params(g: &GeneratingArgs) -> SamplingParams {
+    SamplingParams {
+        temperature: g.temperature,
+        top_p: g.top_p,
+        top_k: g.top_k,
+        greedy: !g.do_sample,
+    }
+}
+
+/// The rollout settings of `groups` groups of the env `spec`.
+#[allow(clippy::too_many_arguments)]
+pub fn rollout_config(
+    cfg: &Config,
+    spec: &CustomEnv,
+    groups: usize,
+    group_size: usize,
+    base_seed: u64,
+    first_group_id: u64,
+    gen: &GeneratingArgs,
+    max_context_tokens: usize,
+) -> RolloutConfig {
+    let turn_cap = spec
+        .env_config
+        .get("max_turns")
+        .and_then(|v| v.as_u64())
+        .map_or(DEFAULT_TURN_CAP, |n| n as usize);
+    RolloutConfig {
+        env_name: spec.env_type.clone(),
+        env_config: spec.env_config.clone(),
+        num_groups: groups,
+        group_size,
+        base_seed,
+        first_group_id,
+        sampling: sampling_params(gen),
+        max_new_tokens: gen.max_new_tokens,
+        max_turns: turn_cap,
+        max_context_tokens,
+        layout: match cfg.context {
+            crate::config::ContextLayout::Concat => ContextLayout::Concat,
+            crate::config::ContextLayout::Window => ContextLayout::Window {
+                k: cfg.history_length,
+            },
+        },
+    }
+}
+
+/// Runs the groups of `manager` (tags in partition order) and returns every record, its
+/// `env_tag` set to the config tag, plus the summed cache counters.
+#[allow(clippy::too_many_arguments)]
+pub fn run_manager(
+    engine: &mut Engine,
+    policy: &Model,
+    tok: &Tokenizer,
+    cfg: &Config,
+    manager: &EnvManagerConfig,
+    base_seed: u64,
+    first_group_id: u64,
+    gen: &GeneratingArgs,
+) -> Result<(Vec<StepRecord>, CacheCounters), TrainError> {
+    let template = ChatTemplate;
+    let mut records = Vec::new();
+    let mut counters = CacheCounters::default();
+    let mut next_group = first_group_id;
+    for (tag, &groups) in manager.tags.iter().zip(&manager.num_groups_partition) {
+        if groups == 0 {
+            continue;
+        }
+        let spec = &cfg.custom_envs[tag];
+        let rc = rollout_config(
+            cfg,
+            spec,
+            groups,
+            manager.group_size,
+            base_seed,
+            next_group,
+            gen,
+            policy.config().max_position_embeddings,
+        );
+        next_group += groups as u64;
+        let mut rollout = run_rollout(engine, policy, tok, &template, &rc, &mut |_| Ok(()))?;
+        for r in &mut rollout.records {
+            r.env_tag = tag.clone();
+        }
+        add_counters(&mut counters, &rollout.stats.cache);
+        records.extend(rollout.records);
+    }
+    Ok((records, counters))
+}
+
+/// Adds the prefix-reuse counters of `b` to `a`.
+pub fn add_counters(a: &mut CacheCounters, b: &CacheCounters) {
+    a.requests += b.requests;
+    a.prompt_tokens += b.prompt_tokens;
+    a.tokens_prefilled += b.tokens_prefilled;
+    a.tokens_from_cache += b.tokens_from_cache;
+    a.decode_tokens += b.decode_tokens;
+    a.forward_calls += b.forward_calls;
+    a.tokens_computed += b.tokens_computed;
+}
+
+/// Runs validation (`val_env_manager` on the held-out seeds) and returns `val/<tag>/*` metrics
+/// and per-tag summaries.
+pub fn validate(
+    engine: &mut Engine,
+    policy: &Model,
+    tok: &Tokenizer,
+    cfg: &Config,
+) -> Result<(Scalars, Vec<TagSummary>), TrainError> {
+    let (records, _) = run_manager(
+        engine,
+        policy,
+        tok,
+        cfg,
+        &cfg.val_env_manager,
+        cfg.seed.wrapping_add(VAL_SEED_OFFSET),
+        0,
+        &cfg.val_generating_args,
+    )?;
+    let mut scalars = Scalars::new();
+    let summaries = env_metrics("val", &records, &mut scalars);
+    Ok((scalars, summaries))
+}
+
+/// Loads the policy of checkpoint `ckpt` and validates it under `cfg` (`stepppo eval`).
+pub fn evaluate_checkpoint(
+    ckpt: &std::path::Path,
+    cfg: &Config,
+) -> Result<Vec<TagSummary>, TrainError> {
+    let device = super::trainer::device_of(cfg.device)?;
+    let (policy, tok) =
+        crate::model::checkpoint::load_policy(&ckpt.join("policy").display().to_string(), &device)?;
+    let mut engine = super::trainer::engine_for(cfg, &policy)?;
+    Ok(validate(&mut engine, &policy, &tok, cfg)?.1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StepInfo;
+
+    fn step(
+        tag: &str,
+        traj: u64,
+        reward: f32,
+        last: bool,
+        success: bool,
+        valid: bool,
+    ) -> StepRecord {
+        StepRecord {
+            traj_id: traj,
+            env_tag: tag.into(),
+            reward,
+            terminated: last,
+            info: StepInfo {
+                success,
+                action_is_valid: valid,
+                num_actions: 1,
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn per_tag_figures() {
+        let records = vec![
+            step("A", 0, 0.0, false, false, true),
+            step("A", 0, 1.0, true, true, true),
+            step("A", 1, -0.1, true, false, false),
+            step("B", 2, 0.5, true, true, true),
+        ];
+        let mut m = Scalars::new();
+        let s = env_metrics("val", &records, &mut m);
+        assert_eq!(s.len(), 2);
+        assert_eq!(m["val/A/success"], 0.5);
+        assert!((m["val/A/reward"] - 0.45).abs() < 1e-6);
+        assert_eq!(m["val/A/steps"], 1.5);
+        assert!((m["val/A/action_is_valid"] - 2.0 / 3.0).abs() < 1e-9);
+        assert_eq!(m["val/B/success"], 1.0);
+        assert_eq!(m["val/A/num_actions"], 1.5);
+    }
+}

@@ -1,0 +1,679 @@
+//! The synchronous training loop of a run directory.
+//!
+//! One step: rollout with the current policy version through the radix-cached engine (per-group
+//! env seeds from a counter kept in the state) → every step record appended to
+//! `<run>/dataset` → StarPO-S group filter → critic values and advantages (algo estimators) → PPO
+//! epochs over mini-batches (actor and critic) → policy version + 1 (the engine's cache is flushed
+//! so no KV of old weights is served). Validation runs every `eval_steps` (and at step 0, the
+//! warm-started base), checkpoints every `save_steps` and at the end; a checkpoint holds the
+//! weights, both AdamW states, the config and the [`TrainState`] counters, so a resumed run
+//! continues exactly where it stopped. Every RNG is derived from `seed` and those counters.
+
+use super::checkpoint::{self, CheckpointWriter};
+use super::collapse::CollapseDetector;
+use super::eval::{self, TagSummary, VAL_SEED_OFFSET};
+use super::metrics::{MetricsSink, Scalars};
+use super::sft::{self, SftReport};
+use super::update::{self, Learners, UpdateInputs, UpdateSettings};
+use super::TrainError;
+use crate::algo::config::Truncation;
+use crate::algo::filter::group_reward_std;
+use crate::algo::{
+    compute_advantages, uncertainty_filter, AdamW, AdvantageInputs, CriticTarget, LrSchedule,
+};
+use crate::config::{BuiltinSize, Config, ContextLayout, CriticMode, DeviceKind};
+use crate::env::AgentKind;
+use crate::model::{Critic, Model, ModelConfig};
+use crate::rollout::engine::{CacheMode, Engine, EngineConfig};
+use crate::seed;
+use crate::store::{DatasetWriter, StepRecord, WriterOptions};
+use crate::tokenizer::Tokenizer;
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Counters that, with the config, determine everything a run does next.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    /// Completed training steps = the current policy version.
+    pub step: u64,
+    /// Next training group id: env seeds are `derive(seed, [group_id])`.
+    pub next_group_id: u64,
+    /// Updates skipped for a non-finite loss or gradient.
+    pub skipped_updates: u64,
+}
+
+/// Seed-path tags of the components a run initialises.
+const SEED_POLICY: u64 = 1;
+const SEED_CRITIC: u64 = 2;
+const SEED_SFT: u64 = 3;
+const SEED_SHUFFLE: u64 = 4;
+/// Sequences per forward when reading critic values.
+const VALUE_CHUNK: usize = 16;
+
+/// What the loop reports to its caller (progress bar, log lines).
+pub enum Event<'a> {
+    /// The supervised warm start finished.
+    WarmStart(&'a SftReport),
+    /// A training step finished with these metrics.
+    Step {
+        step: u64,
+        scalars: &'a Scalars,
+    },
+    /// A validation finished.
+    Validation {
+        step: u64,
+        summaries: &'a [TagSummary],
+    },
+    /// A collapse or zero-signal warning, or a skipped update.
+    Warning(String),
+    Checkpoint(&'a Path),
+}
+
+/// A training run: models, optimizers, engine, sinks and counters.
+pub struct Trainer {
+    cfg: Config,
+    run_dir: PathBuf,
+    tok: Tokenizer,
+    policy: Model,
+    critic: Option<Critic>,
+    actor_opt: AdamW,
+    critic_opt: Option<AdamW>,
+    engine: Engine,
+    dataset: DatasetWriter,
+    sink: MetricsSink,
+    detector: CollapseDetector,
+    state: TrainState,
+    warm_start: Option<SftReport>,
+}
+
+pub(crate) fn device_of(kind: DeviceKind) -> Result<Device, TrainError> {
+    Ok(match kind {
+        DeviceKind::Cpu => Device::Cpu,
+        DeviceKind::Cuda => Device::new_cuda(0)?,
+    })
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+    move |source| TrainError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl Trainer {
+    /// Starts a fresh run in `run_dir` (which must not hold one yet): builds or loads the models,
+    /// runs the supervised warm start when `sft.steps > 0`.
+    pub fn create(cfg: Config, run_dir: &Path) -> Result<Self, TrainError> {
+        if checkpoint::latest(run_dir)?.is_some() || run_dir.join("dataset").exists() {
+            return Err(TrainError::Data(format!(
+                "{}: already holds a run; pass --resume to continue it or choose another --out",
+                run_dir.display()
+            )));
+        }
+        std::fs::create_dir_all(run_dir).map_err(io_err(run_dir))?;
+        let device = device_of(cfg.device)?;
+        let (mut policy, tok) = fresh_policy(&cfg, &device)?;
+        let critic = match cfg.critic.mode {
+            CriticMode::Separate => Some(fresh_critic(&cfg, &policy, &device)?),
+            CriticMode::Shared => {
+                policy.attach_value_head(seed::derive(cfg.seed, &[SEED_CRITIC]))?;
+                None
+            }
+            CriticMode::None => None,
+        };
+        let warm_start = if cfg.sft.steps > 0 {
+            Some(warm_start(&cfg, &policy, &tok)?)
+        } else {
+            None
+        };
+        let opt = cfg.optimizer_config();
+        let actor_opt = AdamW::new(policy.named_vars(), &opt)?;
+        let critic_opt = critic
+            .as_ref()
+            .map(|c| AdamW::new(c.named_vars(), &opt))
+            .transpose()?;
+        let dataset = DatasetWriter::create(&run_dir.join("dataset"), writer_options(&cfg))?;
+        let text = serde_json::to_string_pretty(&cfg).expect("a config serialises");
+        let path = run_dir.join("config.json");
+        std::fs::write(&path, text).map_err(io_err(&path))?;
+        Self::assemble(
+            cfg,
+            run_dir,
+            tok,
+            policy,
+            critic,
+            actor_opt,
+            critic_opt,
+            dataset,
+            TrainState::default(),
+            warm_start,
+        )
+    }
+
+    /// Continues the run in `run_dir` from its latest complete checkpoint.
+    pub fn resume(cfg: Config, run_dir: &Path) -> Result<Self, TrainError> {
+        let ckpt = checkpoint::latest(run_dir)?.ok_or_else(|| {
+            TrainError::Data(format!(
+                "{}: no checkpoint to resume from",
+                run_dir.display()
+            ))
+        })?;
+        let device = device_of(cfg.device)?;
+        let (policy, tok) = crate::model::checkpoint::load_policy(
+            &ckpt.join("policy").display().to_string(),
+            &device,
+        )?;
+        let critic = match cfg.critic.mode {
+            CriticMode::Separate => Some(Critic::load(
+                &ckpt.join("critic"),
+                &device,
+                seed::derive(cfg.seed, &[SEED_CRITIC]),
+            )?),
+            _ => None,
+        };
+        let opt = cfg.optimizer_config();
+        let mut actor_opt = AdamW::new(policy.named_vars(), &opt)?;
+        actor_opt.load(&ckpt.join("optim_actor.safetensors"))?;
+        let critic_opt = match &critic {
+            Some(c) => {
+                let mut o = AdamW::new(c.named_vars(), &opt)?;
+                o.load(&ckpt.join("optim_critic.safetensors"))?;
+                Some(o)
+            }
+            None => None,
+        };
+        let state: TrainState = checkpoint::load_json(&ckpt, "state")?;
+        let dataset = DatasetWriter::open_append(&run_dir.join("dataset"), writer_options(&cfg))?;
+        Self::assemble(
+            cfg, run_dir, tok, policy, critic, actor_opt, critic_opt, dataset, state, None,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        cfg: Config,
+        run_dir: &Path,
+        tok: Tokenizer,
+        policy: Model,
+        critic: Option<Critic>,
+        actor_opt: AdamW,
+        critic_opt: Option<AdamW>,
+        dataset: DatasetWriter,
+        state: TrainState,
+        warm_start: Option<SftReport>,
+    ) -> Result<Self, TrainError> {
+        let mut engine = engine_for(&cfg, &policy)?;
+        engine.set_policy_version(state.step)?;
+        Ok(Trainer {
+            sink: MetricsSink::open(run_dir)?,
+            run_dir: run_dir.to_path_buf(),
+            cfg,
+            tok,
+            policy,
+            critic,
+            actor_opt,
+            critic_opt,
+            engine,
+            dataset,
+            detector: CollapseDetector::new(),
+            state,
+            warm_start,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn state(&self) -> &TrainState {
+        &self.state
+    }
+
+    pub fn policy(&self) -> &Model {
+        &self.policy
+    }
+
+    pub fn run_dir(&self) -> &Path {
+        &self.run_dir
+    }
+
+    /// The policy weights by name (for comparisons and tests).
+    pub fn policy_weights(&self) -> Vec<(String, Tensor)> {
+        self.policy
+            .named_vars()
+            .into_iter()
+            .map(|(n, v)| (n, v.as_tensor().clone()))
+            .collect()
+    }
+
+    /// Trains until `until` steps are done (at most `max_steps`): validates at step 0 of a fresh
+    /// run and every `eval_steps`, saves every `save_steps` and at `until`.
+    pub fn run(&mut self, until: u64, on_event: &mut dyn FnMut(Event)) -> Result<(), TrainError> {
+        let until = until.min(self.cfg.max_steps as u64);
+        if let Some(report) = self.warm_start.take() {
+            let mut s = Scalars::new();
+            s.insert("sft/loss_first".into(), report.first_loss);
+            s.insert("sft/loss_final".into(), report.final_loss);
+            self.sink.write(0, &s)?;
+            on_event(Event::WarmStart(&report));
+        }
+        if self.state.step == 0 && self.cfg.eval_steps > 0 {
+            self.validate_and_log(on_event)?;
+        }
+        while self.state.step < until {
+            let scalars = self.train_step()?;
+            for w in self.detector.observe(&scalars) {
+                on_event(Event::Warning(format!("step {}: {w}", self.state.step)));
+            }
+            if scalars
+                .get("actor/skipped_updates")
+                .is_some_and(|&n| n > 0.0)
+            {
+                on_event(Event::Warning(format!(
+                    "step {}: {} update(s) skipped for a non-finite loss or gradient",
+                    self.state.step, scalars["actor/skipped_updates"]
+                )));
+            }
+            self.sink.write(self.state.step, &scalars)?;
+            on_event(Event::Step {
+                step: self.state.step,
+                scalars: &scalars,
+            });
+            let step = self.state.step as usize;
+            let last = self.state.step == until;
+            if self.cfg.eval_steps > 0 && (step.is_multiple_of(self.cfg.eval_steps) || last) {
+                self.validate_and_log(on_event)?;
+            }
+            if last || (self.cfg.save_steps > 0 && step.is_multiple_of(self.cfg.save_steps)) {
+                let dir = self.save_checkpoint()?;
+                on_event(Event::Checkpoint(&dir));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_and_log(&mut self, on_event: &mut dyn FnMut(Event)) -> Result<(), TrainError> {
+        let (scalars, summaries) = self.validate()?;
+        self.sink.write(self.state.step, &scalars)?;
+        on_event(Event::Validation {
+            step: self.state.step,
+            summaries: &summaries,
+        });
+        Ok(())
+    }
+
+    /// Runs validation with the current policy (held-out seeds).
+    pub fn validate(&mut self) -> Result<(Scalars, Vec<TagSummary>), TrainError> {
+        eval::validate(&mut self.engine, &self.policy, &self.tok, &self.cfg)
+    }
+
+    /// One training step; returns its metrics.
+    pub fn train_step(&mut self) -> Result<Scalars, TrainError> {
+        let t_step = Instant::now();
+        let mut scalars = Scalars::new();
+        // Validation may have filled the cache under this version: start every rollout from the
+        // same (empty) cache so a resumed run samples exactly what the original did.
+        self.engine.flush()?;
+        let (records, counters) = eval::run_manager(
+            &mut self.engine,
+            &self.policy,
+            &self.tok,
+            &self.cfg,
+            &self.cfg.train_env_manager,
+            self.cfg.seed,
+            self.state.next_group_id,
+            &self.cfg.generating_args,
+        )?;
+        self.state.next_group_id += self.cfg.train_env_manager.num_env_groups as u64;
+        let t_rollout = t_step.elapsed().as_secs_f64();
+        for r in &records {
+            self.dataset.append(r)?;
+        }
+        self.dataset.flush()?;
+        eval::env_metrics("env", &records, &mut scalars);
+        rollout_metrics(
+            &records,
+            &counters,
+            self.cfg.generating_args.max_new_tokens,
+            &mut scalars,
+        );
+
+        let t_adv = Instant::now();
+        let filter = uncertainty_filter(&records, &self.cfg.filter_config());
+        scalars.extend(filter.metrics.clone());
+        let sequences = self.sequences(&records);
+        let target = self.cfg.adv_estimator.critic_target();
+        let old_values = match target {
+            Some(t) => self.critic_values(&records, &sequences, t)?,
+            None => Vec::new(),
+        };
+        let advantages = self.advantages(&records, &old_values, target, &mut scalars)?;
+        let time_adv = t_adv.elapsed().as_secs_f64();
+
+        let t_update = Instant::now();
+        let critic_keep = if self.cfg.critic.train_on_filtered {
+            vec![true; records.len()]
+        } else {
+            filter.keep.clone()
+        };
+        let inputs = UpdateInputs {
+            records: &records,
+            sequences,
+            actor_keep: filter.keep,
+            critic_keep,
+            advantages: advantages.0,
+            returns: advantages.1,
+            old_values,
+            critic_target: target,
+        };
+        let update_scalars = self.update(&inputs)?;
+        self.state.skipped_updates += update_scalars["actor/skipped_updates"] as u64;
+        scalars.extend(update_scalars);
+        let time_update = t_update.elapsed().as_secs_f64();
+
+        self.state.step += 1;
+        self.engine.set_policy_version(self.state.step)?;
+        let time_step = t_step.elapsed().as_secs_f64();
+        let tokens: usize = records
+            .iter()
+            .map(|r| r.obs_ids.len() + r.response_ids.len())
+            .sum();
+        scalars.insert("time/rollout".into(), t_rollout);
+        scalars.insert("time/advantage".into(), time_adv);
+        scalars.insert("time/update".into(), time_update);
+        scalars.insert("time/step".into(), time_step);
+        scalars.insert(
+            "throughput/tokens_per_s".into(),
+            tokens as f64 / time_step.max(1e-9),
+        );
+        Ok(scalars)
+    }
+
+    /// Training sequences: whole trajectories (concat) or single steps (window).
+    fn sequences(&self, records: &[StepRecord]) -> Vec<Vec<usize>> {
+        let trajs = sft::trajectories(records);
+        match self.cfg.context {
+            ContextLayout::Concat => trajs,
+            ContextLayout::Window => trajs.into_iter().flatten().map(|i| vec![i]).collect(),
+        }
+    }
+
+    fn critic_values(
+        &self,
+        records: &[StepRecord],
+        sequences: &[Vec<usize>],
+        target: CriticTarget,
+    ) -> Result<Vec<Vec<f32>>, TrainError> {
+        let pad = self.tok.pad_id();
+        let device = self.policy.device().clone();
+        match &self.critic {
+            Some(c) => update::critic_values(
+                &|ids, mask| Ok(c.values(ids, mask)?),
+                records,
+                sequences,
+                target,
+                VALUE_CHUNK,
+                pad,
+                &device,
+            ),
+            None => update::critic_values(
+                &|ids, mask| Ok(self.policy.values(ids, mask)?),
+                records,
+                sequences,
+                target,
+                VALUE_CHUNK,
+                pad,
+                &device,
+            ),
+        }
+    }
+
+    /// Per-token advantages and returns of every record.
+    #[allow(clippy::type_complexity)]
+    fn advantages(
+        &self,
+        records: &[StepRecord],
+        values: &[Vec<f32>],
+        target: Option<CriticTarget>,
+        scalars: &mut Scalars,
+    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), TrainError> {
+        let step_values: Vec<f32>;
+        let mut inputs = AdvantageInputs::default();
+        match target {
+            Some(CriticTarget::StepStart) => {
+                step_values = values
+                    .iter()
+                    .map(|v| v.first().copied().unwrap_or(0.0))
+                    .collect();
+                inputs.values = Some(&step_values);
+            }
+            Some(CriticTarget::AllResponseTokens) => inputs.token_values = Some(values),
+            None => {}
+        }
+        let cfg = crate::algo::AdvantageConfig {
+            truncation: Truncation::Terminal,
+            ..self.cfg.advantage_config()
+        };
+        let out = compute_advantages(records, &inputs, &cfg)?;
+        for (k, v) in &out.metrics {
+            scalars.insert(critic_metric_name(k), *v);
+        }
+        Ok((out.token_advantages(records), out.token_returns(records)))
+    }
+
+    fn update(&mut self, inputs: &UpdateInputs) -> Result<Scalars, TrainError> {
+        let opt = self.cfg.optimizer_config();
+        let total = self.cfg.max_steps;
+        let update_index = self.state.step as usize;
+        let loss = self.cfg.loss_config();
+        let temperature = if self.cfg.generating_args.do_sample {
+            self.cfg.generating_args.temperature
+        } else {
+            1.0
+        };
+        let settings = UpdateSettings {
+            loss: &loss,
+            epochs: self.cfg.ppo_epochs,
+            mini_batch: self.cfg.ppo_mini_batch_size,
+            actor_lr: LrSchedule::actor(&opt, total).lr_at(update_index),
+            critic_lr: LrSchedule::critic(&opt, total).lr_at(update_index),
+            max_grad_norm: self.cfg.max_grad_norm as f64,
+            temperature,
+            pad_id: self.tok.pad_id(),
+            shuffle_seed: seed::derive(self.cfg.seed, &[SEED_SHUFFLE, self.state.step]),
+        };
+        let mut learners = Learners {
+            policy: &self.policy,
+            actor_opt: &mut self.actor_opt,
+            critic: self.critic.as_ref().zip(self.critic_opt.as_mut()),
+            shared_value_head: self.cfg.critic.mode == CriticMode::Shared,
+        };
+        update::ppo_update(inputs, &settings, &mut learners)
+    }
+
+    /// Writes `ckpt-<step>` atomically (never from non-finite weights) and points `ckpt-latest` at it.
+    pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
+        self.dataset.flush()?;
+        let writer = CheckpointWriter::begin(&self.run_dir, self.state.step)?;
+        let policy_vars = self.policy.named_vars();
+        writer.ensure_finite(policy_vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
+        let tmp = writer.tmp_dir().to_path_buf();
+        self.policy.save(&tmp.join("policy"), Some(&self.tok))?;
+        self.actor_opt.save(&tmp.join("optim_actor.safetensors"))?;
+        if let (Some(critic), Some(opt)) = (&self.critic, &self.critic_opt) {
+            let vars = critic.named_vars();
+            writer.ensure_finite(vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
+            critic.save(&tmp.join("critic"))?;
+            opt.save(&tmp.join("optim_critic.safetensors"))?;
+        }
+        writer.json("state", &self.state)?;
+        writer.json("config", &self.cfg)?;
+        Ok(writer.commit()?)
+    }
+}
+
+/// The algo estimators' `reward|advantage|return|value/{mean,min,max}` under ROLL/verl's
+/// `critic/{rewards,advantages,returns,values}/…`; other names unchanged.
+fn critic_metric_name(name: &str) -> String {
+    let renames = [
+        ("reward/", "critic/rewards/"),
+        ("advantage/", "critic/advantages/"),
+        ("return/", "critic/returns/"),
+        ("value/", "critic/values/"),
+    ];
+    for (from, to) in renames {
+        if let Some(stat) = name.strip_prefix(from) {
+            if matches!(stat, "mean" | "min" | "max") {
+                return format!("{to}{stat}");
+            }
+        }
+    }
+    name.to_string()
+}
+
+/// Rollout-side metrics: in-group reward std, prefix reuse, response lengths.
+fn rollout_metrics(
+    records: &[StepRecord],
+    counters: &crate::rollout::engine::CacheCounters,
+    max_new_tokens: usize,
+    out: &mut Scalars,
+) {
+    let stds: Vec<f64> = group_reward_std(records).into_values().collect();
+    if !stds.is_empty() {
+        let n = stds.len() as f64;
+        out.insert(
+            "rollout/in_group_reward_std".into(),
+            stds.iter().sum::<f64>() / n,
+        );
+        out.insert(
+            "rollout/in_group_reward_std_min".into(),
+            stds.iter().copied().fold(f64::INFINITY, f64::min),
+        );
+        out.insert(
+            "rollout/in_group_reward_std_max".into(),
+            stds.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        );
+    }
+    out.insert("rollout/prefix_hit_ratio".into(), counters.hit_ratio());
+    out.insert(
+        "rollout/prompt_tokens".into(),
+        counters.prompt_tokens as f64,
+    );
+    out.insert(
+        "rollout/prefilled_tokens".into(),
+        counters.tokens_prefilled as f64,
+    );
+    out.insert(
+        "rollout/cached_tokens".into(),
+        counters.tokens_from_cache as f64,
+    );
+    out.insert(
+        "rollout/generated_tokens".into(),
+        counters.decode_tokens as f64,
+    );
+    let lens: Vec<usize> = records.iter().map(|r| r.response_ids.len()).collect();
+    if !lens.is_empty() {
+        let n = lens.len() as f64;
+        out.insert(
+            "response_length/mean".into(),
+            lens.iter().sum::<usize>() as f64 / n,
+        );
+        out.insert(
+            "response_length/max".into(),
+            *lens.iter().max().unwrap() as f64,
+        );
+        out.insert(
+            "response_length/clip_ratio".into(),
+            lens.iter().filter(|&&l| l >= max_new_tokens).count() as f64 / n,
+        );
+    }
+    let trajs: BTreeMap<u64, ()> = records.iter().map(|r| (r.traj_id, ())).collect();
+    out.insert("rollout/trajectories".into(), trajs.len() as f64);
+    out.insert("rollout/steps".into(), records.len() as f64);
+}
+
+/// The rollout engine of a run (radix cache unless `cache.prefix_cache` is off).
+pub(crate) fn engine_for(cfg: &Config, policy: &Model) -> Result<Engine, TrainError> {
+    let engine_cfg = EngineConfig {
+        cache_mode: if cfg.cache.prefix_cache {
+            CacheMode::Radix
+        } else {
+            CacheMode::None
+        },
+        num_slots: cfg.cache.kv_slots,
+        ..EngineConfig::default()
+    };
+    Ok(Engine::new(policy.config(), engine_cfg, policy.device())?)
+}
+
+fn writer_options(cfg: &Config) -> WriterOptions {
+    let mut opts = WriterOptions::default();
+    opts.metadata.insert(
+        "exp_name".into(),
+        serde_json::Value::String(cfg.exp_name.clone()),
+    );
+    opts.metadata.insert(
+        "custom_envs".into(),
+        serde_json::to_value(&cfg.custom_envs).expect("env configs serialise"),
+    );
+    opts
+}
+
+/// The policy a fresh run starts from: the built-in model (`tiny`/`small`, initialised from the
+/// run seed) or an HF checkpoint directory.
+pub(crate) fn fresh_policy(
+    cfg: &Config,
+    device: &Device,
+) -> Result<(Model, Tokenizer), TrainError> {
+    if cfg.pretrain != "builtin" {
+        return Ok(crate::model::checkpoint::load_policy(
+            &cfg.pretrain,
+            device,
+        )?);
+    }
+    let tok = Tokenizer::builtin();
+    let mc = match cfg.builtin_size {
+        BuiltinSize::Tiny => ModelConfig::tiny(tok.vocab_size()),
+        BuiltinSize::Small => ModelConfig::small(tok.vocab_size()),
+    };
+    let model = Model::new(&mc, seed::derive(cfg.seed, &[SEED_POLICY]), device)?;
+    Ok((model, tok))
+}
+
+/// A separate critic: from `critic.pretrain` (or the policy's checkpoint directory), else a fresh
+/// model of the policy's shape.
+fn fresh_critic(cfg: &Config, policy: &Model, device: &Device) -> Result<Critic, TrainError> {
+    let seed = seed::derive(cfg.seed, &[SEED_CRITIC]);
+    let dir = cfg
+        .critic
+        .pretrain
+        .clone()
+        .or_else(|| (cfg.pretrain != "builtin").then(|| cfg.pretrain.clone()));
+    Ok(match dir.filter(|d| d != "builtin") {
+        Some(d) => Critic::load(Path::new(&d), device, seed)?,
+        None => Critic::new(policy.config(), seed, device)?,
+    })
+}
+
+/// The supervised warm start of a fresh run: behaviour cloning of `sft.agent` transcripts.
+fn warm_start(cfg: &Config, policy: &Model, tok: &Tokenizer) -> Result<SftReport, TrainError> {
+    let kind: AgentKind = cfg
+        .sft
+        .agent
+        .parse()
+        .map_err(|e: String| TrainError::Data(format!("sft.agent: {e}")))?;
+    let base = seed::derive(cfg.seed.wrapping_add(VAL_SEED_OFFSET * 2), &[SEED_SFT]);
+    let records = sft::agent_transcripts(cfg, tok, kind, cfg.sft.episodes, base)?;
+    sft::behaviour_clone(
+        policy,
+        tok.pad_id(),
+        &records,
+        cfg.sft.steps,
+        cfg.sft.batch_size,
+        cfg.sft.learning_rate,
+        base,
+    )
+}

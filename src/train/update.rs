@@ -1,0 +1,590 @@
+//! The PPO update of one rollout batch: `ppo_epochs` passes over shuffled mini-batches of
+//! sequences (whole trajectories in the `concat` layout, single steps in `window`). Each
+//! mini-batch runs one policy forward per sequence, gathers every step row's response-token
+//! log-probs and entropies, and applies the algo policy loss (per step row aggregation); the
+//! separate critic runs one forward too and is trained at each step's start position
+//! (`step_gae`) or at every response token (`token_gae`); a shared-trunk value head adds its loss
+//! to the actor's. A non-finite loss or gradient skips that update (counted and reported); the
+//! run goes on.
+
+use super::batch::{pack, pad, PackedBatch};
+use super::metrics::Scalars;
+use super::TrainError;
+use crate::algo::{policy_loss, value_loss, AdamW, CriticTarget, LossConfig};
+use crate::model::{Critic, Model};
+use crate::seed;
+use crate::store::StepRecord;
+use candle_core::{Device, Tensor, D};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+/// Everything the update reads, aligned with `records`.
+pub struct UpdateInputs<'a> {
+    pub records: &'a [StepRecord],
+    /// Sequences (lists of record indices in step order).
+    pub sequences: Vec<Vec<usize>>,
+    /// Whether a record's response trains the actor (false: dropped by the rollout filter).
+    pub actor_keep: Vec<bool>,
+    /// Whether a record trains the critic.
+    pub critic_keep: Vec<bool>,
+    /// Per record, per response token.
+    pub advantages: Vec<Vec<f32>>,
+    /// Per record, per response token (step-level estimators broadcast one value).
+    pub returns: Vec<Vec<f32>>,
+    /// Critic values at rollout time, per record and response token (`token_gae`) or one per
+    /// record (`step_gae`, broadcast); empty without a critic.
+    pub old_values: Vec<Vec<f32>>,
+    /// Where the critic is trained; `None` without a critic.
+    pub critic_target: Option<CriticTarget>,
+}
+
+/// Optimizer-side settings of the update.
+pub struct UpdateSettings<'a> {
+    pub loss: &'a LossConfig,
+    pub epochs: usize,
+    pub mini_batch: usize,
+    pub actor_lr: f64,
+    pub critic_lr: f64,
+    pub max_grad_norm: f64,
+    /// Temperature the rollout log-probs were computed under.
+    pub temperature: f32,
+    pub pad_id: u32,
+    /// Seed of the mini-batch shuffles.
+    pub shuffle_seed: u64,
+}
+
+/// The models and optimizers the update steps.
+pub struct Learners<'a> {
+    pub policy: &'a Model,
+    pub actor_opt: &'a mut AdamW,
+    /// Separate critic and its optimizer.
+    pub critic: Option<(&'a Critic, &'a mut AdamW)>,
+    /// The policy carries a shared value head trained with the actor loss.
+    pub shared_value_head: bool,
+}
+
+/// Running means of the update's metrics.
+#[derive(Default)]
+struct Means {
+    sums: Scalars,
+    counts: std::collections::BTreeMap<String, usize>,
+}
+
+impl Means {
+    fn add(&mut self, name: &str, v: f64) {
+        if v.is_finite() {
+            *self.sums.entry(name.into()).or_default() += v;
+            *self.counts.entry(name.into()).or_default() += 1;
+        }
+    }
+
+    fn into_scalars(self, out: &mut Scalars) {
+        for (k, s) in self.sums {
+            out.insert(k.clone(), s / self.counts[&k] as f64);
+        }
+    }
+}
+
+/// Runs the PPO epochs; returns the metrics (means over mini-batches) and the skipped count.
+pub fn ppo_update(
+    inputs: &UpdateInputs,
+    settings: &UpdateSettings,
+    learners: &mut Learners,
+) -> Result<Scalars, TrainError> {
+    let mut means = Means::default();
+    let mut skipped = 0usize;
+    let mut actor_updates = 0usize;
+    for epoch in 0..settings.epochs {
+        for chunk in mini_batches(inputs, settings, epoch as u64) {
+            let seqs: Vec<Vec<usize>> =
+                chunk.iter().map(|&s| inputs.sequences[s].clone()).collect();
+            let packed = pack(inputs.records, &seqs)?;
+            if packed.rows == 0 {
+                continue;
+            }
+            let device = learners.policy.device().clone();
+            let batch = DeviceBatch::new(&packed, settings.pad_id, &device)?;
+            let (actor_skipped, stepped) =
+                actor_step(inputs, settings, learners, &packed, &batch, &mut means)?;
+            skipped += usize::from(actor_skipped);
+            actor_updates += usize::from(stepped);
+            if let Some((critic, opt)) = learners.critic.as_mut() {
+                skipped += usize::from(critic_step(
+                    inputs, settings, critic, opt, &packed, &batch, &mut means,
+                )?);
+            }
+        }
+    }
+    let mut out = Scalars::new();
+    means.into_scalars(&mut out);
+    out.insert("actor/skipped_updates".into(), skipped as f64);
+    out.insert("actor/updates".into(), actor_updates as f64);
+    Ok(out)
+}
+
+/// The epoch's mini-batches: a seeded shuffle, then sequences of similar length grouped together
+/// (a stable sort by token count) so that padding, and with it the O(T²) attention cost, stays
+/// small; the mini-batches themselves come in shuffled order.
+fn mini_batches(inputs: &UpdateInputs, settings: &UpdateSettings, epoch: u64) -> Vec<Vec<usize>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(settings.shuffle_seed, &[epoch]));
+    let mut order: Vec<usize> = (0..inputs.sequences.len()).collect();
+    order.shuffle(&mut rng);
+    let len = |s: usize| -> usize {
+        inputs.sequences[s]
+            .iter()
+            .map(|&r| inputs.records[r].obs_ids.len() + inputs.records[r].response_ids.len())
+            .sum()
+    };
+    order.sort_by_key(|&s| len(s));
+    let mut batches: Vec<Vec<usize>> = order
+        .chunks(settings.mini_batch.max(1))
+        .map(<[usize]>::to_vec)
+        .collect();
+    batches.shuffle(&mut rng);
+    batches
+}
+
+/// The padded model inputs of a packed mini-batch on the device.
+struct DeviceBatch {
+    ids: Tensor,
+    mask: Tensor,
+    targets: Tensor,
+    token_index: Tensor,
+    value_index: Tensor,
+}
+
+impl DeviceBatch {
+    fn new(p: &PackedBatch, pad_id: u32, device: &Device) -> Result<Self, TrainError> {
+        let (b, t) = (p.inputs.len(), p.seq_len);
+        let (ids, mask) = pad(&p.inputs, t, pad_id);
+        let (targets, _) = pad(&p.targets, t, pad_id);
+        Ok(DeviceBatch {
+            ids: Tensor::from_vec(ids, (b, t), device)?,
+            mask: Tensor::from_vec(mask, (b, t), device)?,
+            targets: Tensor::from_vec(targets, (b, t), device)?,
+            token_index: Tensor::new(p.token_index.as_slice(), device)?,
+            value_index: Tensor::new(p.value_index.as_slice(), device)?,
+        })
+    }
+
+    /// `[B, T]` per-position values → `[rows, width]` at the response tokens.
+    fn at_tokens(&self, x: &Tensor, p: &PackedBatch) -> Result<Tensor, TrainError> {
+        Ok(x.flatten_all()?
+            .index_select(&self.token_index, D::Minus1)?
+            .reshape((p.rows, p.max_response_len))?)
+    }
+
+    /// `[B, T]` per-position values → `[rows, 1]` at each step's start.
+    fn at_step_starts(&self, x: &Tensor, p: &PackedBatch) -> Result<Tensor, TrainError> {
+        Ok(x.flatten_all()?
+            .index_select(&self.value_index, D::Minus1)?
+            .reshape((p.rows, 1))?)
+    }
+}
+
+/// A `[rows, width]` host matrix from per-row vectors (each at most `width` long, zero-padded).
+fn rows_tensor(
+    rows: impl Iterator<Item = Vec<f32>>,
+    n: usize,
+    width: usize,
+    device: &Device,
+) -> Result<Tensor, TrainError> {
+    let mut flat = vec![0f32; n * width];
+    for (i, row) in rows.enumerate() {
+        flat[i * width..i * width + row.len().min(width)]
+            .copy_from_slice(&row[..row.len().min(width)]);
+    }
+    Ok(Tensor::from_vec(flat, (n, width), device)?)
+}
+
+/// Token mask `[rows, width]` with rows not in `keep` zeroed.
+fn row_mask(
+    p: &PackedBatch,
+    keep: &[bool],
+    device: &Device,
+) -> Result<(Tensor, usize), TrainError> {
+    let w = p.max_response_len;
+    let mut m = p.token_mask.clone();
+    let mut kept = 0;
+    for (row, &r) in p.record_of_row.iter().enumerate() {
+        if keep[r] {
+            kept += 1;
+        } else {
+            m[row * w..(row + 1) * w].fill(0.0);
+        }
+    }
+    Ok((Tensor::from_vec(m, (p.rows, w), device)?, kept))
+}
+
+/// One actor update; returns (skipped, stepped).
+fn actor_step(
+    inputs: &UpdateInputs,
+    settings: &UpdateSettings,
+    learners: &mut Learners,
+    p: &PackedBatch,
+    batch: &DeviceBatch,
+    means: &mut Means,
+) -> Result<(bool, bool), TrainError> {
+    let device = learners.policy.device().clone();
+    let (mask, kept) = row_mask(p, &inputs.actor_keep, &device)?;
+    if kept == 0 {
+        return Ok((false, false));
+    }
+    let (logp, entropy, shared_values) = if learners.shared_value_head {
+        let (lp, ent, v) = shared_forward(learners.policy, batch, settings.temperature)?;
+        (lp, ent, Some(v))
+    } else {
+        let (lp, ent) = learners.policy.token_logprobs_entropy(
+            &batch.ids,
+            &batch.mask,
+            &batch.targets,
+            settings.temperature,
+        )?;
+        (lp, ent, None)
+    };
+    let logp = batch.at_tokens(&logp, p)?;
+    let entropy = batch.at_tokens(&entropy, p)?;
+    let rec = |r: usize| &inputs.records[r];
+    let old = rows_tensor(
+        p.record_of_row
+            .iter()
+            .map(|&r| rec(r).response_logprobs.clone()),
+        p.rows,
+        p.max_response_len,
+        &device,
+    )?;
+    let adv = rows_tensor(
+        p.record_of_row
+            .iter()
+            .map(|&r| inputs.advantages[r].clone()),
+        p.rows,
+        p.max_response_len,
+        &device,
+    )?;
+    let (mut loss, m) = policy_loss(&logp, &old, &adv, &mask, None, &entropy, settings.loss)?;
+    if let Some(values) = shared_values {
+        let (vf, _) = critic_loss(inputs, settings, &values, p, batch, means)?;
+        loss = (loss + vf)?;
+    }
+    means.add("actor/pg_loss", m.pg_loss);
+    means.add("actor/entropy", m.entropy);
+    means.add("actor/clipfrac", m.clipfrac);
+    means.add("actor/clipfrac_high", m.clipfrac_high);
+    means.add("actor/clipfrac_low", m.clipfrac_low);
+    means.add("actor/clipfrac_lower", m.clipfrac_lower);
+    means.add("actor/approx_kl", m.approx_kl);
+    means.add("actor/ratio_mean", m.ratio_mean);
+    means.add("actor/ratio_max", m.ratio_max);
+    means.add("actor/ratio_min", m.ratio_min);
+    let value = loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+    if !value.is_finite() {
+        return Ok((true, false));
+    }
+    let grads = loss.backward()?;
+    let report =
+        learners
+            .actor_opt
+            .step(&grads, settings.actor_lr, Some(settings.max_grad_norm))?;
+    means.add("actor/grad_norm", report.grad_norm);
+    means.add("actor/lr", report.lr);
+    Ok((report.skipped, !report.skipped))
+}
+
+/// One trunk pass for both heads of a policy with a shared value head: token log-probs and
+/// entropies (the LM head applied exactly as `Model::forward_train` does) and values, `[B, T]`
+/// each. Half the cost of running the policy and its value head separately.
+fn shared_forward(
+    policy: &Model,
+    batch: &DeviceBatch,
+    temperature: f32,
+) -> Result<(Tensor, Tensor, Tensor), TrainError> {
+    let hidden = policy.hidden_train(&batch.ids, &batch.mask)?;
+    let head_name = if policy.config().tie_word_embeddings {
+        "model.embed_tokens.weight"
+    } else {
+        "lm_head.weight"
+    };
+    let lm_head = crate::model::qwen2::Linear {
+        weight: crate::model::params::var_tensor(policy.varmap(), head_name)?,
+        bias: None,
+    };
+    let logits = (lm_head.forward(&hidden)? / f64::from(temperature))?;
+    let (logp, entropy) = crate::model::logprobs_entropy(&logits, &batch.targets)?;
+    let value_head = crate::model::ValueHead::from_varmap(policy.varmap())?.ok_or_else(|| {
+        TrainError::Data("critic.mode shared: the policy has no value head".into())
+    })?;
+    Ok((logp, entropy, value_head.forward(&hidden)?))
+}
+
+/// The value loss of `values` (`[B, T]`) at the critic target positions.
+fn critic_loss(
+    inputs: &UpdateInputs,
+    settings: &UpdateSettings,
+    values: &Tensor,
+    p: &PackedBatch,
+    batch: &DeviceBatch,
+    means: &mut Means,
+) -> Result<(Tensor, bool), TrainError> {
+    let device = values.device().clone();
+    let rows = || p.record_of_row.iter().copied();
+    let (v, ret, old, mask, kept) = match inputs.critic_target {
+        Some(CriticTarget::AllResponseTokens) => {
+            let (mask, kept) = row_mask(p, &inputs.critic_keep, &device)?;
+            let w = p.max_response_len;
+            (
+                batch.at_tokens(values, p)?,
+                rows_tensor(
+                    rows().map(|r| inputs.returns[r].clone()),
+                    p.rows,
+                    w,
+                    &device,
+                )?,
+                rows_tensor(
+                    rows().map(|r| inputs.old_values[r].clone()),
+                    p.rows,
+                    w,
+                    &device,
+                )?,
+                mask,
+                kept,
+            )
+        }
+        _ => {
+            let first = |xs: &Vec<f32>| vec![xs.first().copied().unwrap_or(0.0)];
+            let keep: Vec<f32> = rows()
+                .map(|r| f32::from(u8::from(inputs.critic_keep[r])))
+                .collect();
+            let kept = keep.iter().filter(|&&k| k > 0.0).count();
+            (
+                batch.at_step_starts(values, p)?,
+                rows_tensor(
+                    rows().map(|r| first(&inputs.returns[r])),
+                    p.rows,
+                    1,
+                    &device,
+                )?,
+                rows_tensor(
+                    rows().map(|r| first(&inputs.old_values[r])),
+                    p.rows,
+                    1,
+                    &device,
+                )?,
+                Tensor::from_vec(keep, (p.rows, 1), &device)?,
+                kept,
+            )
+        }
+    };
+    let (loss, m) = value_loss(&v, &old, &ret, &mask, settings.loss)?;
+    if kept > 0 {
+        means.add("critic/vf_loss", m.vf_loss);
+        means.add("critic/vf_clipfrac", m.vf_clipfrac);
+        means.add("critic/vf_explained_var", m.vf_explained_var);
+        means.add("critic/value_mean", m.value_mean);
+    }
+    Ok((loss, kept > 0))
+}
+
+/// One separate-critic update; returns whether it was skipped for a non-finite loss/gradient.
+fn critic_step(
+    inputs: &UpdateInputs,
+    settings: &UpdateSettings,
+    critic: &Critic,
+    opt: &mut AdamW,
+    p: &PackedBatch,
+    batch: &DeviceBatch,
+    means: &mut Means,
+) -> Result<bool, TrainError> {
+    let values = critic.values(&batch.ids, &batch.mask)?;
+    let (loss, any) = critic_loss(inputs, settings, &values, p, batch, means)?;
+    if !any {
+        return Ok(false);
+    }
+    let value = loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+    if !value.is_finite() {
+        return Ok(true);
+    }
+    let report = opt.step(
+        &loss.backward()?,
+        settings.critic_lr,
+        Some(settings.max_grad_norm),
+    )?;
+    means.add("critic/grad_norm", report.grad_norm);
+    Ok(report.skipped)
+}
+
+/// Critic values of every record at rollout time, no update: per record, one value at the step
+/// start (`StepStart`) or one per response token (`AllResponseTokens`).
+pub fn critic_values(
+    values_of: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor, TrainError>,
+    records: &[StepRecord],
+    sequences: &[Vec<usize>],
+    target: CriticTarget,
+    chunk: usize,
+    pad_id: u32,
+    device: &Device,
+) -> Result<Vec<Vec<f32>>, TrainError> {
+    let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
+    // Similar lengths together: less padding in each forward.
+    let mut by_len: Vec<&Vec<usize>> = sequences.iter().collect();
+    by_len.sort_by_key(|seq| {
+        seq.iter()
+            .map(|&r| records[r].obs_ids.len() + records[r].response_ids.len())
+            .sum::<usize>()
+    });
+    for seqs in by_len.chunks(chunk.max(1)) {
+        let seqs: Vec<Vec<usize>> = seqs.iter().map(|s| (*s).clone()).collect();
+        let p = pack(records, &seqs)?;
+        if p.rows == 0 {
+            continue;
+        }
+        let batch = DeviceBatch::new(&p, pad_id, device)?;
+        let values = values_of(&batch.ids, &batch.mask)?.detach();
+        match target {
+            CriticTarget::StepStart => {
+                let v = batch
+                    .at_step_starts(&values, &p)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                for (row, &r) in p.record_of_row.iter().enumerate() {
+                    out[r] = vec![v[row]];
+                }
+            }
+            CriticTarget::AllResponseTokens => {
+                let v = batch.at_tokens(&values, &p)?.to_vec2::<f32>()?;
+                for (row, &r) in p.record_of_row.iter().enumerate() {
+                    out[r] = v[row][..records[r].response_ids.len()].to_vec();
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::OptimizerConfig;
+    use crate::model::ModelConfig;
+
+    fn record(adv_len: usize) -> StepRecord {
+        StepRecord {
+            obs_ids: vec![5, 6, 7, 8],
+            response_ids: (10..10 + adv_len as u32).collect(),
+            response_logprobs: vec![-3.0; adv_len],
+            terminated: true,
+            ..Default::default()
+        }
+    }
+
+    /// Per-token log-probs of `rec`'s response under `policy` (what the rollout would record).
+    fn token_logprobs(policy: &Model, rec: &StepRecord) -> Vec<f32> {
+        let p = pack(std::slice::from_ref(rec), &[vec![0]]).unwrap();
+        let batch = DeviceBatch::new(&p, 0, &Device::Cpu).unwrap();
+        let (lp, _) = policy
+            .token_logprobs_entropy(&batch.ids, &batch.mask, &batch.targets, 1.0)
+            .unwrap();
+        batch
+            .at_tokens(&lp, &p)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    }
+
+    /// Sum of the log-probs of `rec`'s response under `policy`.
+    fn response_logprob(policy: &Model, rec: &StepRecord) -> f32 {
+        let p = pack(std::slice::from_ref(rec), &[vec![0]]).unwrap();
+        let batch = DeviceBatch::new(&p, 0, &Device::Cpu).unwrap();
+        let (lp, _) = policy
+            .token_logprobs_entropy(&batch.ids, &batch.mask, &batch.targets, 1.0)
+            .unwrap();
+        batch
+            .at_tokens(&lp, &p)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    fn run(advantage: f32) -> (Scalars, Vec<f32>, Vec<f32>) {
+        run_on(advantage).0
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn run_on(advantage: f32) -> ((Scalars, Vec<f32>, Vec<f32>), f32, f32) {
+        let device = Device::Cpu;
+        let policy = Model::new(&ModelConfig::tiny(64), 7, &device).unwrap();
+        let mut opt = AdamW::new(policy.named_vars(), &OptimizerConfig::default()).unwrap();
+        let mut records = vec![record(3)];
+        records[0].response_logprobs = token_logprobs(&policy, &records[0]);
+        let weights = |m: &Model| {
+            m.named_vars()[0]
+                .1
+                .as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let before = weights(&policy);
+        let lp_before = response_logprob(&policy, &records[0]);
+        let inputs = UpdateInputs {
+            records: &records,
+            sequences: vec![vec![0]],
+            actor_keep: vec![true],
+            critic_keep: vec![true],
+            advantages: vec![vec![advantage; 3]],
+            returns: vec![vec![0.0; 3]],
+            old_values: Vec::new(),
+            critic_target: None,
+        };
+        let loss = LossConfig::default();
+        let settings = UpdateSettings {
+            loss: &loss,
+            epochs: 1,
+            mini_batch: 1,
+            actor_lr: 1e-2,
+            critic_lr: 1e-2,
+            max_grad_norm: 1.0,
+            temperature: 1.0,
+            pad_id: 0,
+            shuffle_seed: 1,
+        };
+        let mut learners = Learners {
+            policy: &policy,
+            actor_opt: &mut opt,
+            critic: None,
+            shared_value_head: false,
+        };
+        let out = ppo_update(&inputs, &settings, &mut learners).unwrap();
+        let lp_after = response_logprob(&policy, &records[0]);
+        ((out, before, weights(&policy)), lp_before, lp_after)
+    }
+
+    #[test]
+    fn positive_advantage_raises_the_response_logprob() {
+        let (_, before, after) = run_on(1.0);
+        assert!(after > before, "{before} -> {after}");
+        let (_, before, after) = run_on(-1.0);
+        assert!(after < before, "{before} -> {after}");
+    }
+
+    #[test]
+    fn finite_update_changes_weights() {
+        let (out, before, after) = run(1.0);
+        assert_eq!(out["actor/skipped_updates"], 0.0);
+        assert_eq!(out["actor/updates"], 1.0);
+        assert_ne!(before, after);
+    }
+
+    #[test]
+    fn nan_loss_is_skipped_and_weights_stay() {
+        let (out, before, after) = run(f32::NAN);
+        assert_eq!(out["actor/skipped_updates"], 1.0);
+        assert_eq!(out["actor/updates"], 0.0);
+        assert_eq!(before, after);
+    }
+}

@@ -1,0 +1,169 @@
+//! `stepppo train | eval | plot` end to end on a tiny model (one short step), and config errors
+//! that name the key.
+
+use std::process::Command;
+use stepppo::train::metrics::{read_events, read_jsonl};
+
+const TINY: &[&str] = &[
+    "builtin_size=tiny",
+    "max_steps=1",
+    "eval_steps=1",
+    "sft.steps=2",
+    "sft.episodes=2",
+    "sft.batch_size=2",
+    "rollout_batch_size=2",
+    "ppo_mini_batch_size=2",
+    "train_env_manager.num_env_groups=1",
+    "train_env_manager.group_size=2",
+    "train_env_manager.num_groups_partition=[1]",
+    "val_batch_size=2",
+    "val_env_manager.num_env_groups=2",
+    "val_env_manager.num_groups_partition=[2]",
+    "generating_args.max_new_tokens=6",
+    "val_generating_args.max_new_tokens=6",
+    "custom_envs.SimpleFrozenLake.env_config.max_turns=1",
+    "cache.kv_slots=4096",
+];
+
+fn stepppo(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_stepppo"))
+        .args(args)
+        .output()
+        .expect("the stepppo binary runs")
+}
+
+fn with_sets<'a>(mut args: Vec<&'a str>, sets: &[&'a str]) -> Vec<&'a str> {
+    for s in sets {
+        args.push("--set");
+        args.push(s);
+    }
+    args
+}
+
+#[test]
+fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let run_s = run.to_str().unwrap();
+    let out = stepppo(&with_sets(vec!["train", "--out", run_s], TINY));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let rows = read_jsonl(&run.join("metrics.jsonl")).unwrap();
+    let step1: Vec<_> = rows.iter().filter(|(s, _)| *s == 1).collect();
+    let has = |name: &str| step1.iter().any(|(_, m)| m.contains_key(name));
+    for name in [
+        "env/SimpleFrozenLake/success",
+        "env/SimpleFrozenLake/action_is_valid",
+        "rollout/in_group_reward_std",
+        "rollout/prefix_hit_ratio",
+        "actor/pg_loss",
+        "actor/entropy",
+        "actor/grad_norm",
+        "critic/vf_loss",
+        "response_length/mean",
+        "time/rollout",
+        "throughput/tokens_per_s",
+        "val/SimpleFrozenLake/success",
+    ] {
+        assert!(has(name), "metrics.jsonl lacks {name}");
+    }
+    let tb = std::fs::read_dir(run.join("tb"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let events = read_events(&tb).unwrap();
+    assert_eq!(events[0].file_version.as_deref(), Some("brain.Event:2"));
+    assert!(events
+        .iter()
+        .any(|e| e.step == 1 && e.scalars.iter().any(|(t, _)| t == "actor/pg_loss")));
+    assert!(run.join("learning_curves.svg").is_file());
+    assert!(run.join("ckpt-1/policy/model.safetensors").is_file());
+
+    let ckpt = run.join("ckpt-latest");
+    let out = stepppo(&[
+        "eval",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--episodes",
+        "2",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary[0]["tag"], "SimpleFrozenLake");
+    assert_eq!(summary[0]["episodes"], 2);
+    assert!(summary[0]["success"].as_f64().unwrap() >= 0.0);
+
+    std::fs::remove_file(run.join("learning_curves.svg")).unwrap();
+    let out = stepppo(&["plot", run_s]);
+    assert!(out.status.success());
+    assert!(run.join("learning_curves.svg").is_file());
+}
+
+#[test]
+fn sft_clones_a_stored_dataset_into_a_loadable_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("oracle");
+    let model = dir.path().join("model");
+    let out = stepppo(&[
+        "collect",
+        "--env",
+        "frozen_lake",
+        "--agent",
+        "oracle",
+        "--episodes",
+        "4",
+        "--set",
+        "is_slippery=false",
+        "--out",
+        data.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = stepppo(&[
+        "sft",
+        "--dataset",
+        data.to_str().unwrap(),
+        "--out",
+        model.to_str().unwrap(),
+        "--set",
+        "builtin_size=tiny",
+        "--set",
+        "sft.steps=4",
+        "--set",
+        "sft.batch_size=2",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (policy, _) =
+        stepppo::model::checkpoint::load_policy(model.to_str().unwrap(), &candle_core::Device::Cpu)
+            .unwrap();
+    assert_eq!(policy.config().hidden_size, 32);
+}
+
+#[test]
+fn config_errors_name_the_key() {
+    let out = stepppo(&["train", "--set", "ppo_epocs=2"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("ppo_epocs"), "{err}");
+    let out = stepppo(&["train", "--set", "train_env_manager.group_size=5"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rollout_batch_size"), "{err}");
+}

@@ -1,0 +1,85 @@
+//! Resume exactness and checkpoint atomicity through the public trainer API (tiny model, few
+//! short episodes): 4 steps in one go and 2 steps + resume + 2 steps end with identical weights,
+//! and a crashed `.tmp` checkpoint directory is ignored on resume.
+
+use stepppo::config::{Config, EMBEDDED_DEFAULT_YAML};
+use stepppo::train::{checkpoint, Trainer};
+
+fn tiny_config() -> Config {
+    let sets: Vec<String> = [
+        "builtin_size=tiny",
+        "max_steps=4",
+        "eval_steps=2",
+        "save_steps=0",
+        "sft.steps=3",
+        "sft.episodes=4",
+        "sft.batch_size=2",
+        "rollout_batch_size=4",
+        "ppo_mini_batch_size=2",
+        "train_env_manager.num_env_groups=2",
+        "train_env_manager.group_size=2",
+        "train_env_manager.num_groups_partition=[2]",
+        "val_batch_size=2",
+        "val_env_manager.num_env_groups=2",
+        "val_env_manager.num_groups_partition=[2]",
+        "generating_args.max_new_tokens=6",
+        "val_generating_args.max_new_tokens=6",
+        "custom_envs.SimpleFrozenLake.env_config.max_turns=2",
+        "cache.kv_slots=8192",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, "test", &sets).unwrap()
+}
+
+fn weights(t: &Trainer) -> Vec<(String, Vec<f32>)> {
+    t.policy_weights()
+        .into_iter()
+        .map(|(n, w)| (n, w.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+#[test]
+fn two_plus_two_steps_equal_four_and_tmp_dirs_are_ignored() {
+    let root = tempfile::tempdir().unwrap();
+    let (a, b) = (root.path().join("a"), root.path().join("b"));
+
+    let mut straight = Trainer::create(tiny_config(), &a).unwrap();
+    straight.run(4, &mut |_| {}).unwrap();
+    let expected = weights(&straight);
+
+    let mut first = Trainer::create(tiny_config(), &b).unwrap();
+    first.run(2, &mut |_| {}).unwrap();
+    assert_eq!(first.state().step, 2);
+    let after_two = weights(&first);
+    drop(first);
+    assert_ne!(after_two, expected, "two steps must differ from four");
+
+    // A checkpoint that crashed mid-write: the resumed run must not pick it up.
+    let crashed = b.join("ckpt-3.tmp");
+    std::fs::create_dir_all(&crashed).unwrap();
+    std::fs::write(crashed.join("state.json"), "{ torn").unwrap();
+    assert_eq!(checkpoint::latest(&b).unwrap(), Some(b.join("ckpt-2")));
+
+    let mut resumed = Trainer::resume(tiny_config(), &b).unwrap();
+    assert_eq!(resumed.state().step, 2);
+    assert_eq!(weights(&resumed), after_two);
+    resumed.run(4, &mut |_| {}).unwrap();
+    assert_eq!(resumed.state(), straight.state());
+    assert_eq!(weights(&resumed), expected);
+}
+
+#[test]
+fn a_fresh_run_refuses_a_directory_holding_one() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config();
+    cfg.max_steps = 1;
+    cfg.sft.steps = 0;
+    cfg.eval_steps = 0;
+    let mut t = Trainer::create(cfg.clone(), root.path()).unwrap();
+    t.run(1, &mut |_| {}).unwrap();
+    drop(t);
+    let err = Trainer::create(cfg, root.path()).err().unwrap().to_string();
+    assert!(err.contains("--resume"), "{err}");
+}
