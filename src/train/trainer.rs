@@ -90,10 +90,11 @@ pub struct Trainer {
 }
 
 pub(crate) fn device_of(kind: DeviceKind) -> Result<Device, TrainError> {
-    Ok(match kind {
-        DeviceKind::Cpu => Device::Cpu,
-        DeviceKind::Cuda => Device::new_cuda(0)?,
-    })
+    let name = match kind {
+        DeviceKind::Cpu => "cpu",
+        DeviceKind::Cuda => "cuda",
+    };
+    crate::device::parse_device(name).map_err(|e| TrainError::Data(format!("key `device`: {e}")))
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -197,7 +198,7 @@ impl Trainer {
         cfg: Config,
         run_dir: &Path,
         tok: Tokenizer,
-        policy: Model,
+        mut policy: Model,
         critic: Option<Critic>,
         actor_opt: AdamW,
         critic_opt: Option<AdamW>,
@@ -205,6 +206,7 @@ impl Trainer {
         state: TrainState,
         warm_start: Option<SftReport>,
     ) -> Result<Self, TrainError> {
+        policy.refresh_rollout_weights()?;
         let mut engine = engine_for(&cfg, &policy)?;
         engine.set_policy_version(state.step)?;
         Ok(Trainer {
@@ -375,6 +377,7 @@ impl Trainer {
         let time_update = t_update.elapsed().as_secs_f64();
 
         self.state.step += 1;
+        self.policy.refresh_rollout_weights()?;
         self.engine.set_policy_version(self.state.step)?;
         let time_step = t_step.elapsed().as_secs_f64();
         let tokens: usize = records
