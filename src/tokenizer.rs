@@ -279,6 +279,22 @@ impl ChatTemplate {
         tok.encode("\n")
     }
 
+    /// The first prompt of an episode: the system message, then the user turn that opens the
+    /// assistant's response.
+    pub fn first_prompt(&self, tok: &Tokenizer, system: &str, user: &str) -> Vec<u32> {
+        let mut ids = self.system(tok, system);
+        ids.extend(self.user_turn(tok, user));
+        ids
+    }
+
+    /// The tokens that follow a sampled `response` in a concatenated context: what closes it
+    /// ([`ChatTemplate::close_response`]) and the next user turn.
+    pub fn next_turn(&self, tok: &Tokenizer, response: &[u32], user: &str) -> Vec<u32> {
+        let mut ids = self.close_response(tok, response);
+        ids.extend(self.user_turn(tok, user));
+        ids
+    }
+
     /// What closes `response`: `<|im_end|>\n` when it stopped without the end-of-turn token (length
     /// cap or stop string), else just [`ChatTemplate::after_response`].
     pub fn close_response(&self, tok: &Tokenizer, response: &[u32]) -> Vec<u32> {
@@ -387,5 +403,25 @@ mod tests {
         assert_eq!(tok.decode(&closed), "<|im_end|>\n");
         let closed = chat.close_response(&tok, &[tok.eos_id()]);
         assert_eq!(tok.decode(&closed), "\n");
+    }
+
+    #[test]
+    fn episode_contexts_grow_in_token_space() {
+        let tok = Tokenizer::builtin();
+        let chat = ChatTemplate;
+        let mut expected = chat.system(&tok, "S");
+        expected.extend(chat.user_turn(&tok, "Turn 1"));
+        assert_eq!(chat.first_prompt(&tok, "S", "Turn 1"), expected);
+        let cut = tok.encode("<answer>Up");
+        assert_eq!(
+            tok.decode(&chat.next_turn(&tok, &cut, "Turn 2")),
+            "<|im_end|>\n<|im_start|>user\nTurn 2<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let mut ended = tok.encode("<answer>Up</answer>");
+        ended.push(tok.eos_id());
+        assert_eq!(
+            tok.decode(&chat.next_turn(&tok, &ended, "Turn 2")),
+            "\n<|im_start|>user\nTurn 2<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 }

@@ -229,8 +229,7 @@ fn start_trajectories(
                 }
             })?;
             let first = session.reset(env_seed);
-            let mut context = template.system(tok, &session.system_prompt());
-            context.extend(template.user_turn(tok, &first));
+            let context = template.first_prompt(tok, &session.system_prompt(), &first);
             trajs.push(Trajectory {
                 session,
                 traj_id: group_id * cfg.group_size as u64 + member,
@@ -331,16 +330,15 @@ fn next_context(
         ContextLayout::Concat => {
             t.context.extend_from_slice(&record.response_ids);
             t.context_len = t.context.len();
-            if record.response_ids.last() != Some(&tok.eos_id()) {
-                t.context.push(tok.eos_id());
-            }
-            t.context.extend(template.after_response(tok));
-            t.context.extend(template.user_turn(tok, message));
+            t.context
+                .extend(template.next_turn(tok, &record.response_ids, message));
         }
         ContextLayout::Window { k } => {
-            t.context = template.system(tok, &t.session.system_prompt());
-            t.context
-                .extend(template.user_turn(tok, &t.session.window_user_message(k)));
+            t.context = template.first_prompt(
+                tok,
+                &t.session.system_prompt(),
+                &t.session.window_user_message(k),
+            );
             t.context_len = 0;
         }
     }

@@ -111,8 +111,7 @@ fn play_and_store(
 ) -> Result<Vec<StepRecord>, StoreError> {
     let template = ChatTemplate;
     let first_message = session.reset(ids.env_seed);
-    let mut obs_ids = template.system(tok, &session.system_prompt());
-    obs_ids.extend(template.user_turn(tok, &first_message));
+    let mut obs_ids = template.first_prompt(tok, &session.system_prompt(), &first_message);
     let mut context_len = 0u32;
     let mut steps = Vec::new();
     for step_index in 0u32.. {
@@ -144,8 +143,11 @@ fn play_and_store(
         let Some(message) = outcome.next_user_message else {
             break;
         };
-        obs_ids = template.after_response(tok);
-        obs_ids.extend(template.user_turn(tok, &message));
+        obs_ids = template.next_turn(
+            tok,
+            &steps.last().expect("just pushed").response_ids,
+            &message,
+        );
     }
     Ok(steps)
 }

@@ -56,8 +56,7 @@ pub fn agent_transcripts(
         let mut agent = Agent::new(kind, seed::derive(base_seed, &[ep, 1]));
         let env_seed = seed::derive(base_seed, &[ep, 0]);
         let first = session.reset(env_seed);
-        let mut context = template.system(tok, &session.system_prompt());
-        context.extend(template.user_turn(tok, &first));
+        let mut context = template.first_prompt(tok, &session.system_prompt(), &first);
         let mut context_len = 0usize;
         for step_index in 0u32.. {
             let state_hash = session.state_hash();
@@ -88,8 +87,8 @@ pub fn agent_transcripts(
             records.push(record);
             match next {
                 Some(message) => {
-                    context.extend(template.after_response(tok));
-                    context.extend(template.user_turn(tok, &message));
+                    let response = &records.last().expect("just pushed").response_ids;
+                    context.extend(template.next_turn(tok, response, &message));
                 }
                 None => break,
             }
