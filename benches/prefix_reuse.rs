@@ -8,37 +8,18 @@ use candle_core::Device;
 use criterion::{criterion_group, criterion_main, Criterion};
 use stepppo::model::{Model, ModelConfig};
 use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig};
-use stepppo::rollout::workload::{compare_arms, run_workload, Workload};
+use stepppo::rollout::workload::{compare_arms, run_workload, ArmReport, Workload};
 use stepppo::tokenizer::Tokenizer;
 
 const SEED: u64 = 0;
 
 fn table(model: &Model, tok: &Tokenizer) {
-    println!(
-        "{:<18} {:<12} {:>3} {:>2} {:>9} {:>9} {:>6} {:>7} {:>9} {:>8} {:>8} {:>7}",
-        "workload",
-        "arm",
-        "G",
-        "T",
-        "prefilled",
-        "cached",
-        "hit",
-        "min X",
-        "stateless",
-        "wall_s",
-        "speedup",
-        "flop×"
-    );
+    println!("{}", ArmReport::table_header());
     for w in Workload::standard() {
         let rows =
             compare_arms(model, tok, &w, &EngineConfig::default(), SEED).expect("workload runs");
         for r in &rows {
-            println!(
-                "{:<18} {:<12} {:>3} {:>2} {:>9} {:>9} {:>5.1}% {:>7} {:>9} {:>8.3} {:>7.2}× {:>6.2}×",
-                r.workload, r.arm, r.group_size, r.turns, r.tokens_prefilled, r.tokens_from_cache,
-                100.0 * r.hit_ratio, r.theoretical_min, r.stateless_total, r.wall_s,
-                r.speedup_vs_none, r.flop_ratio_vs_none
-            );
+            println!("{}", r.table_row());
         }
         let radix = rows.iter().find(|r| r.arm == "radix").expect("radix arm");
         let slack = (w.groups * w.group_size * (w.turns - 1)) as f64;

@@ -94,7 +94,7 @@ fn prefix(a: PrefixArgs) -> anyhow::Result<()> {
         workloads.push(parse_spec(spec)?);
     }
     if !a.json {
-        println!("{}", header());
+        println!("{}", ArmReport::table_header());
     }
     for w in &workloads {
         let rows = compare_arms(&model, &tok, w, &EngineConfig::default(), a.seed)
@@ -103,7 +103,7 @@ fn prefix(a: PrefixArgs) -> anyhow::Result<()> {
             if a.json {
                 println!("{}", serde_json::to_string(r)?);
             } else {
-                println!("{}", table_row(r));
+                println!("{}", r.table_row());
             }
         }
     }
@@ -137,44 +137,6 @@ fn selected(names: &[String]) -> anyhow::Result<Vec<Workload>> {
             })
         })
         .collect()
-}
-
-fn header() -> String {
-    format!(
-        "{:<18} {:<12} {:>3} {:>2} {:>9} {:>9} {:>9} {:>6} {:>9} {:>9} {:>8} {:>7} {:>7}",
-        "workload",
-        "arm",
-        "G",
-        "T",
-        "requested",
-        "prefilled",
-        "cached",
-        "hit",
-        "min X",
-        "stateless",
-        "wall_s",
-        "speedup",
-        "flop×"
-    )
-}
-
-fn table_row(r: &ArmReport) -> String {
-    format!(
-        "{:<18} {:<12} {:>3} {:>2} {:>9} {:>9} {:>9} {:>5.1}% {:>9} {:>9} {:>8.3} {:>6.2}× {:>6.2}×",
-        r.workload,
-        r.arm,
-        r.group_size,
-        r.turns,
-        r.prompt_tokens,
-        r.tokens_prefilled,
-        r.tokens_from_cache,
-        100.0 * r.hit_ratio,
-        r.theoretical_min,
-        r.stateless_total,
-        r.wall_s,
-        r.speedup_vs_none,
-        r.flop_ratio_vs_none
-    )
 }
 
 #[cfg(feature = "cuda")]

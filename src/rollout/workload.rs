@@ -205,6 +205,48 @@ pub struct ArmReport {
     pub flop_ratio_vs_none: f64,
 }
 
+impl ArmReport {
+    /// Header of the human-readable table (`stepppo bench prefix`, `cargo bench --bench prefix_reuse`).
+    pub fn table_header() -> String {
+        format!(
+            "{:<18} {:<12} {:>3} {:>2} {:>9} {:>9} {:>9} {:>6} {:>9} {:>9} {:>8} {:>7} {:>7}",
+            "workload",
+            "arm",
+            "G",
+            "T",
+            "requested",
+            "prefilled",
+            "cached",
+            "hit",
+            "min X",
+            "stateless",
+            "wall_s",
+            "speedup",
+            "flop×"
+        )
+    }
+
+    /// This arm as a row under [`ArmReport::table_header`].
+    pub fn table_row(&self) -> String {
+        format!(
+        "{:<18} {:<12} {:>3} {:>2} {:>9} {:>9} {:>9} {:>5.1}% {:>9} {:>9} {:>8.3} {:>6.2}× {:>6.2}×",
+        self.workload,
+        self.arm,
+        self.group_size,
+        self.turns,
+        self.prompt_tokens,
+        self.tokens_prefilled,
+        self.tokens_from_cache,
+        100.0 * self.hit_ratio,
+        self.theoretical_min,
+        self.stateless_total,
+        self.wall_s,
+        self.speedup_vs_none,
+        self.flop_ratio_vs_none
+    )
+    }
+}
+
 /// Runs `w` under every cache mode (same weights, seeds and inputs) on a fresh engine per arm.
 pub fn compare_arms(
     model: &Model,

@@ -81,13 +81,17 @@ pub fn collect(
     for traj_id in 0..cfg.episodes {
         let group_id = traj_id / group_size;
         let env_seed = seed::derive(cfg.seed, &[group_id]);
-        let agent = Agent::new(cfg.agent, seed::derive(env_seed, &[traj_id % group_size]));
+        let mut agent = Agent::new(cfg.agent, seed::derive(env_seed, &[traj_id % group_size]));
         let ids = EpisodeIds {
             traj_id,
             group_id,
             env_seed,
+            env_tag: session.env().tag().to_string(),
         };
-        let steps = play_and_store(&mut session, agent, ids, tokenizer, writer)?;
+        let steps = agent_episode(&mut session, &mut agent, &ids, tokenizer);
+        for step in &steps {
+            writer.append(step)?;
+        }
         summary.trajectories += 1;
         summary.steps += steps.len() as u64;
         summary.successes += u64::from(steps.iter().any(|s| s.info.success));
@@ -96,35 +100,43 @@ pub fn collect(
     Ok(summary)
 }
 
-struct EpisodeIds {
-    traj_id: u64,
-    group_id: u64,
-    env_seed: u64,
+/// Ids and tag given to the records of one episode.
+pub struct EpisodeIds {
+    pub traj_id: u64,
+    pub group_id: u64,
+    /// Seed the env is reset with.
+    pub env_seed: u64,
+    pub env_tag: String,
 }
 
-fn play_and_store(
+/// Plays one episode of a model-free `agent` through the agent protocol and returns its steps as
+/// token-space records: the first step's `obs_ids` are the system prompt and first user turn, each
+/// later step's are what closes the previous response and the next user turn; responses end with
+/// the end-of-turn token; log-probs are 0 and `policy_version` 0 (no policy sampled them). The
+/// last record always ends the trajectory (`is_last`).
+pub fn agent_episode(
     session: &mut AgentSession,
-    mut agent: Agent,
-    ids: EpisodeIds,
+    agent: &mut Agent,
+    ids: &EpisodeIds,
     tok: &Tokenizer,
-    writer: &mut DatasetWriter,
-) -> Result<Vec<StepRecord>, StoreError> {
+) -> Vec<StepRecord> {
     let template = ChatTemplate;
     let first_message = session.reset(ids.env_seed);
     let mut obs_ids = template.first_prompt(tok, &session.system_prompt(), &first_message);
     let mut context_len = 0u32;
-    let mut steps = Vec::new();
+    let mut steps: Vec<StepRecord> = Vec::new();
     for step_index in 0u32.. {
         let state_hash = session.state_hash();
         let response = agent.respond(session);
         let mut response_ids = tok.encode(&response);
         response_ids.push(tok.eos_id());
         let outcome = session.act(&response);
+        let next = outcome.next_user_message;
         let record = StepRecord {
             traj_id: ids.traj_id,
             group_id: ids.group_id,
             step_index,
-            env_tag: session.env().tag().to_string(),
+            env_tag: ids.env_tag.clone(),
             seed: ids.env_seed,
             policy_version: 0,
             context_len,
@@ -133,21 +145,18 @@ fn play_and_store(
             response_ids,
             reward: outcome.reward,
             terminated: outcome.terminated,
-            truncated: outcome.truncated,
+            truncated: outcome.truncated || (next.is_none() && !outcome.terminated),
             state_hash,
             info: outcome.info,
         };
-        writer.append(&record)?;
         context_len += (record.obs_ids.len() + record.response_ids.len()) as u32;
+        let message = next.filter(|_| !record.is_last());
+        let response = record.response_ids.clone();
         steps.push(record);
-        let Some(message) = outcome.next_user_message else {
+        let Some(message) = message else {
             break;
         };
-        obs_ids = template.next_turn(
-            tok,
-            &steps.last().expect("just pushed").response_ids,
-            &message,
-        );
+        obs_ids = template.next_turn(tok, &response, &message);
     }
-    Ok(steps)
+    steps
 }

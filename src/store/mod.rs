@@ -34,7 +34,7 @@ mod segment;
 mod verify;
 
 pub use codec::{StepMeta, StepView};
-pub use collect::{collect, CollectConfig, CollectSummary};
+pub use collect::{agent_episode, collect, CollectConfig, CollectSummary, EpisodeIds};
 pub use dataset::{
     Dataset, DatasetWriter, Group, Manifest, RecordLocation, SegmentEntry, Trajectory,
     WriterOptions, DEFAULT_ROLL_BYTES, MANIFEST_FILE,

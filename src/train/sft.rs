@@ -15,8 +15,8 @@ use crate::config::Config;
 use crate::env::{build_session, Agent, AgentKind};
 use crate::model::Model;
 use crate::seed;
-use crate::store::StepRecord;
-use crate::tokenizer::{ChatTemplate, Tokenizer};
+use crate::store::{agent_episode, EpisodeIds, StepRecord};
+use crate::tokenizer::Tokenizer;
 use candle_core::{Tensor, D};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -45,7 +45,6 @@ pub fn agent_transcripts(
     episodes: usize,
     base_seed: u64,
 ) -> Result<Vec<StepRecord>, TrainError> {
-    let template = ChatTemplate;
     let tags = cfg.train_env_manager.group_tags();
     let mut records = Vec::new();
     for ep in 0..episodes as u64 {
@@ -54,45 +53,13 @@ pub fn agent_transcripts(
         let mut session = build_session(&spec.env_type, &spec.env_config)
             .map_err(|e| TrainError::Env(format!("custom_envs.{tag}: {e}")))?;
         let mut agent = Agent::new(kind, seed::derive(base_seed, &[ep, 1]));
-        let env_seed = seed::derive(base_seed, &[ep, 0]);
-        let first = session.reset(env_seed);
-        let mut context = template.first_prompt(tok, &session.system_prompt(), &first);
-        let mut context_len = 0usize;
-        for step_index in 0u32.. {
-            let state_hash = session.state_hash();
-            let text = agent.respond(&session);
-            let mut response_ids = tok.encode(&text);
-            response_ids.push(tok.eos_id());
-            let outcome = session.act(&text);
-            let record = StepRecord {
-                traj_id: ep,
-                group_id: ep,
-                step_index,
-                env_tag: tag.to_string(),
-                seed: env_seed,
-                policy_version: 0,
-                context_len: context_len as u32,
-                obs_ids: context[context_len..].to_vec(),
-                response_logprobs: vec![0.0; response_ids.len()],
-                response_ids,
-                reward: outcome.reward,
-                terminated: outcome.terminated,
-                truncated: outcome.truncated || outcome.next_user_message.is_none(),
-                state_hash,
-                info: outcome.info,
-            };
-            let next = outcome.next_user_message.filter(|_| !record.is_last());
-            context.extend_from_slice(&record.response_ids);
-            context_len = context.len();
-            records.push(record);
-            match next {
-                Some(message) => {
-                    let response = &records.last().expect("just pushed").response_ids;
-                    context.extend(template.next_turn(tok, response, &message));
-                }
-                None => break,
-            }
-        }
+        let ids = EpisodeIds {
+            traj_id: ep,
+            group_id: ep,
+            env_seed: seed::derive(base_seed, &[ep, 0]),
+            env_tag: tag.to_string(),
+        };
+        records.extend(agent_episode(&mut session, &mut agent, &ids, tok));
     }
     Ok(records)
 }

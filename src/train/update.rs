@@ -495,18 +495,7 @@ mod tests {
 
     /// Sum of the log-probs of `rec`'s response under `policy`.
     fn response_logprob(policy: &Model, rec: &StepRecord) -> f32 {
-        let p = pack(std::slice::from_ref(rec), &[vec![0]]).unwrap();
-        let batch = DeviceBatch::new(&p, 0, &Device::Cpu).unwrap();
-        let (lp, _) = policy
-            .token_logprobs_entropy(&batch.ids, &batch.mask, &batch.targets, 1.0)
-            .unwrap();
-        batch
-            .at_tokens(&lp, &p)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
+        token_logprobs(policy, rec).iter().sum()
     }
 
     fn run(advantage: f32) -> (Scalars, Vec<f32>, Vec<f32>) {
