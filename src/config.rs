@@ -7,6 +7,7 @@
 //! (`context`, `critic`, `sft`, `cache`, ...) are stepppo's own. This module owns the schema and
 //! its checks only; what the values do lives with the trainer, the estimators and the envs.
 
+use crate::algo::config::KlEstimator;
 use crate::algo::config::{
     FilterType, GigpoConfig, Grouping, LossAggMode, NormMethod, RatioType, RewardNormalization,
     Schedule,
@@ -323,9 +324,13 @@ pub struct Config {
     pub ratio_type: RatioType,
     #[serde(default = "seq_mean_token_mean")]
     pub loss_agg_mode: LossAggMode,
-    /// KL-in-reward coefficient against the initial policy (0 = off, no reference model).
+    /// KL-in-reward coefficient against the reference policy (the policy as training starts,
+    /// after any warm start); 0 = off, no reference model is kept.
     #[serde(default)]
     pub init_kl_coef: f32,
+    /// KL estimator of the penalty (ROLL `kl_penalty`): `kl`/`k1` or `low_var_kl`/`k3`.
+    #[serde(default = "k1")]
+    pub kl_penalty: KlEstimator,
     #[serde(default)]
     pub entropy_loss_coef: f32,
     #[serde(default = "one_f32")]
@@ -351,6 +356,9 @@ fn concat() -> ContextLayout {
 }
 fn two() -> usize {
     2
+}
+fn k1() -> KlEstimator {
+    KlEstimator::K1
 }
 fn one_usize() -> usize {
     1
@@ -552,10 +560,10 @@ impl Config {
         if let Some(c) = self.advantage_clip {
             check_positive("advantage_clip", c as f64)?;
         }
-        if self.init_kl_coef != 0.0 {
+        if !(self.init_kl_coef.is_finite() && self.init_kl_coef >= 0.0) {
             return fail(
                 "init_kl_coef",
-                "KL against a reference policy is not supported; set 0 (StarPO-S, StepPO and DAPO run without KL)".into(),
+                format!("must be a finite number ≥ 0, got {}", self.init_kl_coef),
             );
         }
         if self.adv_estimator.needs_critic() && self.critic.mode == CriticMode::None {

@@ -155,6 +155,22 @@ fn sft_clones_a_stored_dataset_into_a_loadable_model() {
         stepppo::model::checkpoint::load_policy(model.to_str().unwrap(), &candle_core::Device::Cpu)
             .unwrap();
     assert_eq!(policy.config().hidden_size, 32);
+    // `eval` takes the model directory itself (validation envs from the embedded default).
+    let out = stepppo(&[
+        "eval",
+        "--checkpoint",
+        model.to_str().unwrap(),
+        "--episodes",
+        "3",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summaries: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summaries[0]["episodes"], 3, "{summaries}");
 }
 
 #[test]

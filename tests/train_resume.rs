@@ -83,3 +83,34 @@ fn a_fresh_run_refuses_a_directory_holding_one() {
     let err = Trainer::create(cfg, root.path()).err().unwrap().to_string();
     assert!(err.contains("--resume"), "{err}");
 }
+
+#[test]
+fn kl_to_the_reference_starts_at_zero_and_resumes_exactly() {
+    let cfg = || {
+        let mut cfg = tiny_config();
+        cfg.init_kl_coef = 0.5;
+        cfg
+    };
+    let root = tempfile::tempdir().unwrap();
+    let (a, b) = (root.path().join("a"), root.path().join("b"));
+    let mut kl = Vec::new();
+    let mut straight = Trainer::create(cfg(), &a).unwrap();
+    straight
+        .run(4, &mut |event| {
+            if let stepppo::train::trainer::Event::Step { scalars, .. } = event {
+                kl.push(scalars["actor/reward_kl_penalty"]);
+            }
+        })
+        .unwrap();
+    assert!(a.join("reference/model.safetensors").is_file());
+    assert_eq!(kl.len(), 4);
+    // Step 1 samples from the reference itself: only float noise between the two paths.
+    assert!(kl[0].abs() < 1e-3, "{kl:?}");
+
+    let mut first = Trainer::create(cfg(), &b).unwrap();
+    first.run(2, &mut |_| {}).unwrap();
+    drop(first);
+    let mut resumed = Trainer::resume(cfg(), &b).unwrap();
+    resumed.run(4, &mut |_| {}).unwrap();
+    assert_eq!(weights(&resumed), weights(&straight));
+}

@@ -249,6 +249,7 @@ pub enum LossAggMode {
 #[serde(rename_all = "snake_case")]
 pub enum KlEstimator {
     /// lr (verl `kl`).
+    #[serde(alias = "kl")]
     K1,
     /// exp(−lr) + lr − 1, clamped to [−10, 10] (verl `low_var_kl`).
     #[default]

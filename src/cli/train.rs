@@ -31,10 +31,12 @@ pub struct TrainArgs {
 
 #[derive(Args, Debug)]
 pub struct EvalArgs {
-    /// A checkpoint directory, a `ckpt-latest` pointer or a run directory.
+    /// A checkpoint directory, a `ckpt-latest` pointer, a run directory, or an HF-layout model
+    /// directory (e.g. the output of `stepppo sft`).
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Config whose validation envs to use (default: the one stored in the checkpoint).
+    /// Config whose validation envs to use (default: the one stored in the checkpoint; for a
+    /// model directory, the embedded default).
     #[arg(long)]
     config: Option<PathBuf>,
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -187,19 +189,19 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
 }
 
 pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
-    let ckpt = checkpoint::resolve(&a.checkpoint)?;
-    let mut cfg = match &a.config {
-        Some(p) => load_config(Some(p), &a.sets)?,
-        None => {
-            let stored: serde_json::Value = checkpoint::load_json(&ckpt, "config")?;
-            let mut v = stored;
-            for s in &a.sets {
-                stepppo::config::apply_set(&mut v, s)?;
-            }
-            let cfg = Config::from_value(v, &ckpt.join("config.json").display().to_string())?;
-            set_cpu_threads(cfg.cpu_threads);
-            cfg
+    let (policy_dir, mut cfg) = match checkpoint::resolve(&a.checkpoint) {
+        Ok(ckpt) => {
+            let cfg = match &a.config {
+                Some(p) => load_config(Some(p), &a.sets)?,
+                None => stored_config(&ckpt, &a.sets)?,
+            };
+            (ckpt.join("policy"), cfg)
         }
+        Err(_) if a.checkpoint.join("config.json").is_file() => (
+            a.checkpoint.clone(),
+            load_config(a.config.as_deref(), &a.sets)?,
+        ),
+        Err(e) => return Err(e.into()),
     };
     if let Some(n) = a.episodes {
         let m = &mut cfg.val_env_manager;
@@ -208,8 +210,19 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         m.num_env_groups = n * m.tags.len();
         cfg.val_batch_size = m.num_env_groups;
     }
-    let summaries = eval::evaluate_checkpoint(&ckpt, &cfg)?;
+    let summaries = eval::evaluate_policy(&policy_dir, &cfg)?;
     print_summaries(&summaries, a.json)
+}
+
+/// The config a checkpoint was trained with, with `--set` overrides applied.
+fn stored_config(ckpt: &Path, sets: &[String]) -> anyhow::Result<Config> {
+    let mut v: serde_json::Value = checkpoint::load_json(ckpt, "config")?;
+    for s in sets {
+        stepppo::config::apply_set(&mut v, s)?;
+    }
+    let cfg = Config::from_value(v, &ckpt.join("config.json").display().to_string())?;
+    set_cpu_threads(cfg.cpu_threads);
+    Ok(cfg)
 }
 
 fn print_summaries(summaries: &[TagSummary], json: bool) -> anyhow::Result<()> {

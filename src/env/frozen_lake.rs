@@ -8,6 +8,12 @@
 //! player in a hole, `√` player on the goal. Reward 1 on the goal, else 0; the episode terminates
 //! on G or H and is truncated after `max_steps` actions.
 //!
+//! `render: grid_local` appends one line to the grid naming what each move leads to and where the
+//! goal lies relative to the player (`Left: ice, Down: hole, Right: wall, Up: goal. Goal: 2 down,
+//! 1 left.`). A small model trained from scratch cannot locate cells in a row-major grid without
+//! absolute positions (RoPE gives only relative ones), so the built-in default uses this render;
+//! `grid` (the default) is RAGEN's text unchanged.
+//!
 //! Differences from RAGEN / ROLL:
 //! - `is_slippery` defaults to true (RAGEN's `FrozenLakeEnvConfig`); ROLL's `traj_envs.yaml` sets
 //!   it false. Slippery moves go the intended way with `success_rate` (default 1/3) and each
@@ -29,6 +35,17 @@ const ACTIONS: [&str; 4] = ["Left", "Down", "Right", "Up"];
 /// Row/column offsets of Left, Down, Right, Up (gymnasium order 0..3).
 const OFFSETS: [(isize, isize); 4] = [(0, -1), (1, 0), (0, 1), (-1, 0)];
 
+/// How a state is written for the agent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FrozenLakeRender {
+    /// RAGEN's grid: rows joined by `\n`.
+    #[default]
+    Grid,
+    /// The grid, then the four moves' outcomes and the goal's offset from the player.
+    GridLocal,
+}
+
 /// FrozenLake settings (`--set key=value`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -43,6 +60,9 @@ pub struct FrozenLakeConfig {
     pub success_rate: f64,
     /// Env actions per episode.
     pub max_steps: usize,
+    /// Observation text: `grid` (RAGEN) or `grid_local`.
+    #[serde(default)]
+    pub render: FrozenLakeRender,
 }
 
 impl Default for FrozenLakeConfig {
@@ -53,6 +73,7 @@ impl Default for FrozenLakeConfig {
             is_slippery: true,
             success_rate: 1.0 / 3.0,
             max_steps: 10,
+            render: FrozenLakeRender::Grid,
         }
     }
 }
@@ -169,6 +190,64 @@ impl FrozenLakeEnv {
             },
         }
     }
+
+    /// RAGEN's grid render.
+    fn grid_text(&self) -> String {
+        let size = self.cfg.size;
+        let rows: Vec<String> = self
+            .cells
+            .chunks(size)
+            .enumerate()
+            .map(|(r, row)| {
+                row.iter()
+                    .enumerate()
+                    .map(|(c, &cell)| match (r * size + c == self.player, cell) {
+                        (true, Cell::Hole) => 'X',
+                        (true, Cell::Goal) => '√',
+                        (true, Cell::Frozen) => 'P',
+                        (false, Cell::Hole) => 'O',
+                        (false, Cell::Goal) => 'G',
+                        (false, Cell::Frozen) => '_',
+                    })
+                    .collect()
+            })
+            .collect();
+        rows.join("\n")
+    }
+
+    /// What each move leads to and the goal's offset: `Left: ice, ... Goal: 2 down, 1 left.`
+    fn local_text(&self) -> String {
+        let size = self.cfg.size;
+        let moves: Vec<String> = (0..4)
+            .map(|dir| {
+                let next = neighbour(size, self.player, dir);
+                let what = match (next == self.player, self.cells[next]) {
+                    (true, _) => "wall",
+                    (false, Cell::Frozen) => "ice",
+                    (false, Cell::Hole) => "hole",
+                    (false, Cell::Goal) => "goal",
+                };
+                format!("{}: {what}", ACTIONS[dir])
+            })
+            .collect();
+        let goal = self
+            .cells
+            .iter()
+            .position(|&c| c == Cell::Goal)
+            .unwrap_or(0);
+        let (rows, cols) = (
+            (goal / size) as isize - (self.player / size) as isize,
+            (goal % size) as isize - (self.player % size) as isize,
+        );
+        let vertical = if rows < 0 { "up" } else { "down" };
+        let horizontal = if cols < 0 { "left" } else { "right" };
+        format!(
+            "{}. Goal: {} {vertical}, {} {horizontal}.",
+            moves.join(", "),
+            rows.unsigned_abs(),
+            cols.unsigned_abs()
+        )
+    }
 }
 
 /// Cell reached from `pos` by direction `dir`; moving off the grid stays in place.
@@ -269,26 +348,10 @@ impl Env for FrozenLakeEnv {
     }
 
     fn state_text(&self) -> String {
-        let size = self.cfg.size;
-        let rows: Vec<String> = self
-            .cells
-            .chunks(size)
-            .enumerate()
-            .map(|(r, row)| {
-                row.iter()
-                    .enumerate()
-                    .map(|(c, &cell)| match (r * size + c == self.player, cell) {
-                        (true, Cell::Hole) => 'X',
-                        (true, Cell::Goal) => '√',
-                        (true, Cell::Frozen) => 'P',
-                        (false, Cell::Hole) => 'O',
-                        (false, Cell::Goal) => 'G',
-                        (false, Cell::Frozen) => '_',
-                    })
-                    .collect()
-            })
-            .collect();
-        rows.join("\n")
+        match self.cfg.render {
+            FrozenLakeRender::Grid => self.grid_text(),
+            FrozenLakeRender::GridLocal => format!("{}\n{}", self.grid_text(), self.local_text()),
+        }
     }
 
     fn action_space(&self) -> ActionSpace {
@@ -330,6 +393,31 @@ mod tests {
         assert_eq!(text.matches('P').count(), 1);
         assert_eq!(text.matches('G').count(), 1);
         assert!(text.chars().all(|c| "P_OG\n".contains(c)));
+    }
+
+    #[test]
+    fn grid_local_names_each_move_and_the_goal_offset() {
+        let mut env = lake(FrozenLakeConfig {
+            is_slippery: false,
+            render: FrozenLakeRender::GridLocal,
+            ..FrozenLakeConfig::default()
+        });
+        env.reset(0);
+        env.cells = vec![Cell::Frozen; 16];
+        env.cells[5] = Cell::Hole; // row 1, col 1
+        env.cells[14] = Cell::Goal; // row 3, col 2
+        env.player = 4; // row 1, col 0
+        let text = env.state_text();
+        let (grid, local) = text.rsplit_once('\n').unwrap();
+        assert_eq!(grid, "____\nPO__\n____\n__G_");
+        assert_eq!(
+            local,
+            "Left: wall, Down: ice, Right: hole, Up: ice. Goal: 2 down, 2 right."
+        );
+        env.player = 15; // row 3, col 3: the goal is to the left
+        assert!(env
+            .state_text()
+            .ends_with("Left: goal, Down: wall, Right: wall, Up: ice. Goal: 0 down, 1 left."));
     }
 
     #[test]

@@ -259,12 +259,43 @@ impl Model {
         targets: &Tensor,
         temperature: f32,
     ) -> Result<(Tensor, Tensor)> {
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return Err(ModelError::Input(format!(
-                "temperature must be positive, got {temperature}"
-            )));
-        }
+        check_temperature(temperature)?;
         let logits = (self.forward_train(input_ids, attention_mask)? / f64::from(temperature))?;
+        logprobs_entropy(&logits, targets)
+    }
+
+    /// Log-prob of `targets[n]` and entropy at each of `positions` (flat indices into the padded
+    /// `[B, T]` batch), both `[N]`, under the logits divided by `temperature`, differentiable. The
+    /// LM head and its softmax run on those N positions only, not on all B×T.
+    pub fn logprobs_entropy_at(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        positions: &Tensor,
+        targets: &Tensor,
+        temperature: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        let hidden = self.hidden_train(input_ids, attention_mask)?;
+        self.head_logprobs_entropy(&hidden, positions, targets, temperature)
+    }
+
+    /// The LM head's log-probs of `targets` and entropies for trunk outputs `hidden` `[B, T, H]`
+    /// at `positions` (flat indices into `[B, T]`), both `[N]`.
+    pub fn head_logprobs_entropy(
+        &self,
+        hidden: &Tensor,
+        positions: &Tensor,
+        targets: &Tensor,
+        temperature: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        check_temperature(temperature)?;
+        let width = hidden.dim(D::Minus1)?;
+        let picked = hidden.reshape(((), width))?.index_select(positions, 0)?;
+        let head = Linear {
+            weight: self.lm_head.clone(),
+            bias: None,
+        };
+        let logits = (head.forward(&picked)? / f64::from(temperature))?;
         logprobs_entropy(&logits, targets)
     }
 
@@ -292,7 +323,18 @@ impl Model {
     }
 }
 
-/// Log-prob of `targets` and entropy per position from logits `[B, T, V]`.
+/// Sampling temperatures divide logits: they must be finite and positive.
+fn check_temperature(temperature: f32) -> Result<()> {
+    if temperature.is_finite() && temperature > 0.0 {
+        Ok(())
+    } else {
+        Err(ModelError::Input(format!(
+            "temperature must be positive, got {temperature}"
+        )))
+    }
+}
+
+/// Log-prob of `targets` and entropy per position from logits `[..., V]` (targets `[...]`).
 pub fn logprobs_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
     let picked = logp.gather(

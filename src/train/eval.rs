@@ -218,14 +218,15 @@ pub fn validate(
     Ok((scalars, summaries))
 }
 
-/// Loads the policy of checkpoint `ckpt` and validates it under `cfg` (`stepppo eval`).
-pub fn evaluate_checkpoint(
-    ckpt: &std::path::Path,
+/// Loads the policy in HF-layout directory `policy_dir` (a checkpoint's `policy/` or a model
+/// directory) and validates it under `cfg` (`stepppo eval`).
+pub fn evaluate_policy(
+    policy_dir: &std::path::Path,
     cfg: &Config,
 ) -> Result<Vec<TagSummary>, TrainError> {
     let device = super::trainer::device_of(cfg.device)?;
     let (policy, tok) =
-        crate::model::checkpoint::load_policy(&ckpt.join("policy").display().to_string(), &device)?;
+        crate::model::checkpoint::load_policy(&policy_dir.display().to_string(), &device)?;
     let mut engine = super::trainer::engine_for(cfg, &policy)?;
     Ok(validate(&mut engine, &policy, &tok, cfg)?.1)
 }

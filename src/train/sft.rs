@@ -17,7 +17,7 @@ use crate::model::Model;
 use crate::seed;
 use crate::store::{agent_episode, EpisodeIds, StepRecord};
 use crate::tokenizer::Tokenizer;
-use candle_core::{Tensor, D};
+use candle_core::Tensor;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -188,11 +188,15 @@ fn cross_entropy(
     let (targets, _) = pad(&packed.targets, t, pad_id);
     let ids = Tensor::from_vec(ids, (b, t), device)?;
     let mask = Tensor::from_vec(mask, (b, t), device)?;
-    let targets = Tensor::from_vec(targets, (b, t), device)?;
-    let (logp, _) = policy.token_logprobs_entropy(&ids, &mask, &targets, 1.0)?;
+    let token_targets: Vec<u32> = packed
+        .token_index
+        .iter()
+        .map(|&i| targets[i as usize])
+        .collect();
     let index = Tensor::new(packed.token_index.as_slice(), device)?;
+    let token_targets = Tensor::new(token_targets.as_slice(), device)?;
+    let (picked, _) = policy.logprobs_entropy_at(&ids, &mask, &index, &token_targets, 1.0)?;
     let weights = Tensor::new(packed.token_mask.as_slice(), device)?;
-    let picked = logp.flatten_all()?.index_select(&index, D::Minus1)?;
     let n = packed.num_tokens().max(1) as f64;
     Ok((picked * weights)?.sum_all()?.affine(-1.0 / n, 0.0)?)
 }

@@ -7,7 +7,9 @@
 //! so no KV of old weights is served). Validation runs every `eval_steps` (and at step 0, the
 //! warm-started base), checkpoints every `save_steps` and at the end; a checkpoint holds the
 //! weights, both AdamW states, the config and the [`TrainState`] counters, so a resumed run
-//! continues exactly where it stopped. Every RNG is derived from `seed` and those counters.
+//! continues exactly where it stopped. With `init_kl_coef > 0` the policy as training starts is
+//! frozen into `<run>/reference/` and every response token's reward is charged
+//! `init_kl_coef · KL` against it. Every RNG is derived from `seed` and those counters.
 
 use super::checkpoint::{self, CheckpointWriter};
 use super::collapse::CollapseDetector;
@@ -19,7 +21,8 @@ use super::TrainError;
 use crate::algo::config::Truncation;
 use crate::algo::filter::group_reward_std;
 use crate::algo::{
-    compute_advantages, uncertainty_filter, AdamW, AdvantageInputs, CriticTarget, LrSchedule,
+    compute_advantages, kl_reward_penalty, uncertainty_filter, AdamW, AdvantageInputs,
+    CriticTarget, LrSchedule,
 };
 use crate::config::{BuiltinSize, Config, ContextLayout, CriticMode, DeviceKind};
 use crate::env::AgentKind;
@@ -50,8 +53,10 @@ const SEED_POLICY: u64 = 1;
 const SEED_CRITIC: u64 = 2;
 const SEED_SFT: u64 = 3;
 const SEED_SHUFFLE: u64 = 4;
-/// Sequences per forward when reading critic values.
+/// Sequences per forward when reading critic values or reference log-probs.
 const VALUE_CHUNK: usize = 16;
+/// Where a run keeps its frozen reference policy (HF layout), when `init_kl_coef > 0`.
+const REFERENCE_DIR: &str = "reference";
 
 /// What the loop reports to its caller (progress bar, log lines).
 pub enum Event<'a> {
@@ -79,6 +84,8 @@ pub struct Trainer {
     tok: Tokenizer,
     policy: Model,
     critic: Option<Critic>,
+    /// The frozen policy the KL-in-reward penalty is measured against (`init_kl_coef > 0`).
+    reference: Option<Model>,
     actor_opt: AdamW,
     critic_opt: Option<AdamW>,
     engine: Engine,
@@ -130,6 +137,12 @@ impl Trainer {
         } else {
             None
         };
+        let reference = if cfg.init_kl_coef > 0.0 {
+            policy.save(&run_dir.join(REFERENCE_DIR), Some(&tok))?;
+            Some(load_reference(run_dir, &device)?)
+        } else {
+            None
+        };
         let opt = cfg.optimizer_config();
         let actor_opt = AdamW::new(policy.named_vars(), &opt)?;
         let critic_opt = critic
@@ -146,6 +159,7 @@ impl Trainer {
             tok,
             policy,
             critic,
+            reference,
             actor_opt,
             critic_opt,
             dataset,
@@ -186,10 +200,16 @@ impl Trainer {
             }
             None => None,
         };
+        let reference = if cfg.init_kl_coef > 0.0 {
+            Some(load_reference(run_dir, &device)?)
+        } else {
+            None
+        };
         let state: TrainState = checkpoint::load_json(&ckpt, "state")?;
         let dataset = DatasetWriter::open_append(&run_dir.join("dataset"), writer_options(&cfg))?;
         Self::assemble(
-            cfg, run_dir, tok, policy, critic, actor_opt, critic_opt, dataset, state, None,
+            cfg, run_dir, tok, policy, critic, reference, actor_opt, critic_opt, dataset, state,
+            None,
         )
     }
 
@@ -200,6 +220,7 @@ impl Trainer {
         tok: Tokenizer,
         mut policy: Model,
         critic: Option<Critic>,
+        reference: Option<Model>,
         actor_opt: AdamW,
         critic_opt: Option<AdamW>,
         dataset: DatasetWriter,
@@ -216,6 +237,7 @@ impl Trainer {
             tok,
             policy,
             critic,
+            reference,
             actor_opt,
             critic_opt,
             engine,
@@ -352,7 +374,14 @@ impl Trainer {
             Some(t) => self.critic_values(&records, &sequences, t)?,
             None => Vec::new(),
         };
-        let advantages = self.advantages(&records, &old_values, target, &mut scalars)?;
+        let kl_penalty = self.kl_penalty(&records, &sequences, &mut scalars)?;
+        let advantages = self.advantages(
+            &records,
+            &old_values,
+            target,
+            kl_penalty.as_deref(),
+            &mut scalars,
+        )?;
         let time_adv = t_adv.elapsed().as_secs_f64();
 
         let t_update = Instant::now();
@@ -434,6 +463,46 @@ impl Trainer {
         }
     }
 
+    /// The KL-in-reward penalty of every response token, `init_kl_coef · KL(π_rollout ‖ π_ref)`
+    /// (ROLL `init_kl_coef` / `kl_penalty`); `None` without a reference policy.
+    fn kl_penalty(
+        &self,
+        records: &[StepRecord],
+        sequences: &[Vec<usize>],
+        scalars: &mut Scalars,
+    ) -> Result<Option<Vec<Vec<f32>>>, TrainError> {
+        let Some(reference) = &self.reference else {
+            return Ok(None);
+        };
+        let reference_logprobs = update::response_logprobs(
+            reference,
+            records,
+            sequences,
+            VALUE_CHUNK,
+            self.tok.pad_id(),
+            self.cfg.generating_args.temperature,
+        )?;
+        let rollout_logprobs: Vec<Vec<f32>> = records
+            .iter()
+            .map(|r| r.response_logprobs.clone())
+            .collect();
+        let coef = self.cfg.init_kl_coef;
+        let penalty = kl_reward_penalty(
+            &rollout_logprobs,
+            &reference_logprobs,
+            coef,
+            self.cfg.kl_penalty,
+        )?;
+        let tokens = penalty.iter().map(Vec::len).sum::<usize>().max(1);
+        let total: f64 = penalty.iter().flatten().map(|&p| f64::from(p)).sum();
+        scalars.insert(
+            "actor/reward_kl_penalty".into(),
+            total / f64::from(coef) / tokens as f64,
+        );
+        scalars.insert("actor/reward_kl_penalty_coeff".into(), f64::from(coef));
+        Ok(Some(penalty))
+    }
+
     /// Per-token advantages and returns of every record.
     #[allow(clippy::type_complexity)]
     fn advantages(
@@ -441,10 +510,14 @@ impl Trainer {
         records: &[StepRecord],
         values: &[Vec<f32>],
         target: Option<CriticTarget>,
+        kl_penalty: Option<&[Vec<f32>]>,
         scalars: &mut Scalars,
     ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), TrainError> {
         let step_values: Vec<f32>;
-        let mut inputs = AdvantageInputs::default();
+        let mut inputs = AdvantageInputs {
+            token_reward_penalty: kl_penalty,
+            ..AdvantageInputs::default()
+        };
         match target {
             Some(CriticTarget::StepStart) => {
                 step_values = values
@@ -599,6 +672,13 @@ fn rollout_metrics(
 }
 
 /// The rollout engine of a run (radix cache unless `cache.prefix_cache` is off).
+/// The run's reference policy, written when the run was created.
+fn load_reference(run_dir: &Path, device: &Device) -> Result<Model, TrainError> {
+    let dir = run_dir.join(REFERENCE_DIR);
+    let (reference, _) = crate::model::checkpoint::load_policy(&dir.display().to_string(), device)?;
+    Ok(reference)
+}
+
 pub(crate) fn engine_for(cfg: &Config, policy: &Model) -> Result<Engine, TrainError> {
     let engine_cfg = EngineConfig {
         cache_mode: if cfg.cache.prefix_cache {

@@ -149,8 +149,9 @@ fn mini_batches(inputs: &UpdateInputs, settings: &UpdateSettings, epoch: u64) ->
 struct DeviceBatch {
     ids: Tensor,
     mask: Tensor,
-    targets: Tensor,
     token_index: Tensor,
+    /// The target token at each `token_index` position.
+    token_targets: Tensor,
     value_index: Tensor,
 }
 
@@ -159,10 +160,11 @@ impl DeviceBatch {
         let (b, t) = (p.inputs.len(), p.seq_len);
         let (ids, mask) = pad(&p.inputs, t, pad_id);
         let (targets, _) = pad(&p.targets, t, pad_id);
+        let token_targets: Vec<u32> = p.token_index.iter().map(|&i| targets[i as usize]).collect();
         Ok(DeviceBatch {
+            token_targets: Tensor::new(token_targets.as_slice(), device)?,
             ids: Tensor::from_vec(ids, (b, t), device)?,
             mask: Tensor::from_vec(mask, (b, t), device)?,
-            targets: Tensor::from_vec(targets, (b, t), device)?,
             token_index: Tensor::new(p.token_index.as_slice(), device)?,
             value_index: Tensor::new(p.value_index.as_slice(), device)?,
         })
@@ -235,16 +237,17 @@ fn actor_step(
         let (lp, ent, v) = shared_forward(learners.policy, batch, settings.temperature)?;
         (lp, ent, Some(v))
     } else {
-        let (lp, ent) = learners.policy.token_logprobs_entropy(
+        let (lp, ent) = learners.policy.logprobs_entropy_at(
             &batch.ids,
             &batch.mask,
-            &batch.targets,
+            &batch.token_index,
+            &batch.token_targets,
             settings.temperature,
         )?;
         (lp, ent, None)
     };
-    let logp = batch.at_tokens(&logp, p)?;
-    let entropy = batch.at_tokens(&entropy, p)?;
+    let logp = logp.reshape((p.rows, p.max_response_len))?;
+    let entropy = entropy.reshape((p.rows, p.max_response_len))?;
     let rec = |r: usize| &inputs.records[r];
     let old = rows_tensor(
         p.record_of_row
@@ -291,26 +294,21 @@ fn actor_step(
     Ok((report.skipped, !report.skipped))
 }
 
-/// One trunk pass for both heads of a policy with a shared value head: token log-probs and
-/// entropies (the LM head applied exactly as `Model::forward_train` does) and values, `[B, T]`
-/// each. Half the cost of running the policy and its value head separately.
+/// One trunk pass for both heads of a policy with a shared value head: log-probs and entropies
+/// at the response tokens (`[rows * width]`, the LM head on those positions only) and values at
+/// every position (`[B, T]`). Half the cost of running the policy and its value head separately.
 fn shared_forward(
     policy: &Model,
     batch: &DeviceBatch,
     temperature: f32,
 ) -> Result<(Tensor, Tensor, Tensor), TrainError> {
     let hidden = policy.hidden_train(&batch.ids, &batch.mask)?;
-    let head_name = if policy.config().tie_word_embeddings {
-        "model.embed_tokens.weight"
-    } else {
-        "lm_head.weight"
-    };
-    let lm_head = crate::model::qwen2::Linear {
-        weight: crate::model::params::var_tensor(policy.varmap(), head_name)?,
-        bias: None,
-    };
-    let logits = (lm_head.forward(&hidden)? / f64::from(temperature))?;
-    let (logp, entropy) = crate::model::logprobs_entropy(&logits, &batch.targets)?;
+    let (logp, entropy) = policy.head_logprobs_entropy(
+        &hidden,
+        &batch.token_index,
+        &batch.token_targets,
+        temperature,
+    )?;
     let value_head = crate::model::ValueHead::from_varmap(policy.varmap())?.ok_or_else(|| {
         TrainError::Data("critic.mode shared: the policy has no value head".into())
     })?;
@@ -413,6 +411,52 @@ fn critic_step(
     Ok(report.skipped)
 }
 
+/// Log-probs of every record's response tokens under `model` (no gradient), one forward per
+/// chunk of similar-length sequences: the reference policy's side of a KL penalty.
+pub fn response_logprobs(
+    model: &Model,
+    records: &[StepRecord],
+    sequences: &[Vec<usize>],
+    chunk: usize,
+    pad_id: u32,
+    temperature: f32,
+) -> Result<Vec<Vec<f32>>, TrainError> {
+    let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
+    for seqs in by_length(records, sequences).chunks(chunk.max(1)) {
+        let p = pack(records, seqs)?;
+        if p.rows == 0 {
+            continue;
+        }
+        let batch = DeviceBatch::new(&p, pad_id, model.device())?;
+        let (logp, _) = model.logprobs_entropy_at(
+            &batch.ids,
+            &batch.mask,
+            &batch.token_index,
+            &batch.token_targets,
+            temperature,
+        )?;
+        let logp = logp
+            .detach()
+            .reshape((p.rows, p.max_response_len))?
+            .to_vec2::<f32>()?;
+        for (row, &r) in p.record_of_row.iter().enumerate() {
+            out[r] = logp[row][..records[r].response_ids.len()].to_vec();
+        }
+    }
+    Ok(out)
+}
+
+/// `sequences` ordered by token length, so each forward pads little.
+fn by_length(records: &[StepRecord], sequences: &[Vec<usize>]) -> Vec<Vec<usize>> {
+    let mut sorted = sequences.to_vec();
+    sorted.sort_by_key(|seq| {
+        seq.iter()
+            .map(|&r| records[r].obs_ids.len() + records[r].response_ids.len())
+            .sum::<usize>()
+    });
+    sorted
+}
+
 /// Critic values of every record at rollout time, no update: per record, one value at the step
 /// start (`StepStart`) or one per response token (`AllResponseTokens`).
 pub fn critic_values(
@@ -425,16 +469,8 @@ pub fn critic_values(
     device: &Device,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
     let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
-    // Similar lengths together: less padding in each forward.
-    let mut by_len: Vec<&Vec<usize>> = sequences.iter().collect();
-    by_len.sort_by_key(|seq| {
-        seq.iter()
-            .map(|&r| records[r].obs_ids.len() + records[r].response_ids.len())
-            .sum::<usize>()
-    });
-    for seqs in by_len.chunks(chunk.max(1)) {
-        let seqs: Vec<Vec<usize>> = seqs.iter().map(|s| (*s).clone()).collect();
-        let p = pack(records, &seqs)?;
+    for seqs in by_length(records, sequences).chunks(chunk.max(1)) {
+        let p = pack(records, seqs)?;
         if p.rows == 0 {
             continue;
         }
@@ -481,8 +517,11 @@ mod tests {
     fn token_logprobs(policy: &Model, rec: &StepRecord) -> Vec<f32> {
         let p = pack(std::slice::from_ref(rec), &[vec![0]]).unwrap();
         let batch = DeviceBatch::new(&p, 0, &Device::Cpu).unwrap();
+        let (targets, _) = pad(&p.targets, p.seq_len, 0);
+        let targets = Tensor::from_vec(targets, batch.ids.dims(), &Device::Cpu).unwrap();
+        // The full-vocabulary path at every position, independent of the update's gathered head.
         let (lp, _) = policy
-            .token_logprobs_entropy(&batch.ids, &batch.mask, &batch.targets, 1.0)
+            .token_logprobs_entropy(&batch.ids, &batch.mask, &targets, 1.0)
             .unwrap();
         batch
             .at_tokens(&lp, &p)
