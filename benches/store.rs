@@ -102,7 +102,8 @@ fn write_jsonl(path: &Path, records: &[StepRecord], durable: bool) {
     }
 }
 
-/// Full scan over views: every token and log-prob touched, every metadata block decoded.
+/// Full scan over views: every token and log-prob touched, every metadata block decoded in
+/// place (texts resolved to slices of the segment; their lengths are summed so none is skipped).
 fn scan_store(dir: &Path) -> (u64, f64) {
     let dataset = Dataset::open(dir).unwrap();
     let (mut tokens, mut sum) = (0u64, 0f64);
@@ -111,10 +112,12 @@ fn scan_store(dir: &Path) -> (u64, f64) {
             .obs_ids
             .iter()
             .chain(view.response_ids.iter())
-            .map(|&t| t as u64)
+            .map(|t| t as u64)
             .sum::<u64>();
         sum += view.response_logprobs.iter().sum::<f32>() as f64;
-        sum += view.meta().unwrap().reward as f64;
+        let meta = view.meta_view().unwrap();
+        sum += meta.reward as f64;
+        tokens += (meta.env_tag.len() + meta.observation_text.len() + meta.action_text.len()) as u64;
     }
     (tokens, sum)
 }
