@@ -117,7 +117,8 @@ fn scan_store(dir: &Path) -> (u64, f64) {
         sum += view.response_logprobs.iter().sum::<f32>() as f64;
         let meta = view.meta_view().unwrap();
         sum += meta.reward as f64;
-        tokens += (meta.env_tag.len() + meta.observation_text.len() + meta.action_text.len()) as u64;
+        tokens +=
+            (meta.env_tag.len() + meta.observation_text.len() + meta.action_text.len()) as u64;
     }
     (tokens, sum)
 }

@@ -254,11 +254,13 @@ impl<'a> Cursor<'a> {
         Err(Self::ends_inside(what))
     }
 
+    #[inline]
     fn varint_u32(&mut self, what: &str) -> Result<u32, CodecError> {
         let v = self.varint(what)?;
         u32::try_from(v).map_err(|_| CodecError(format!("{what} {v} does not fit in u32")))
     }
 
+    #[inline]
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], CodecError> {
         if n > self.rest.len() {
             return Err(Self::ends_inside(what));
@@ -268,11 +270,13 @@ impl<'a> Cursor<'a> {
         Ok(head)
     }
 
+    #[inline]
     fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], CodecError> {
         let bytes = self.take(N, what)?;
         Ok(std::array::from_fn(|i| bytes[i]))
     }
 
+    #[inline]
     fn text(&mut self, field: TextField) -> Result<StoredText<'a>, CodecError> {
         let v = self.varint(field.name())?;
         if v & 1 == 1 {
@@ -283,6 +287,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// A length-prefixed string.
+    #[inline]
     fn str(&mut self, what: &str) -> Result<&'a str, CodecError> {
         let len = usize::try_from(self.varint(what)?).unwrap_or(usize::MAX);
         std::str::from_utf8(self.take(len, what)?)
@@ -408,7 +413,11 @@ fn encode_meta(record: &StepRecord, refs: TextRefs, out: &mut Vec<u8>) -> Result
         (stored(record.reward), FLAG_REWARD),
         (stored(info.format_penalty), FLAG_PENALTY),
     ];
-    out.push(flags.iter().fold(0, |acc, &(set, bit)| acc | (bit * set as u8)));
+    out.push(
+        flags
+            .iter()
+            .fold(0, |acc, &(set, bit)| acc | (bit * set as u8)),
+    );
     for (field, back) in TextField::ALL.into_iter().zip(refs) {
         encode_text(field.of(info), back, out)?;
     }
@@ -618,9 +627,8 @@ pub struct StepView<'a> {
 impl<'a> StepView<'a> {
     /// Views a payload whose `layout` came from [`parse_layout`] on the same bytes.
     pub fn new(payload: &'a [u8], layout: &PayloadLayout, format_version: u32) -> Self {
-        let ids = |at, width: u8| {
-            TokenIds::new(&payload[range(at)], width.into()).unwrap_or_default()
-        };
+        let ids =
+            |at, width: u8| TokenIds::new(&payload[range(at)], width.into()).unwrap_or_default();
         Self {
             path: Path::new(""),
             offset: 0,
@@ -910,7 +918,10 @@ mod tests {
         assert!(matches!(view.response_logprobs, Cow::Borrowed(_)));
         assert_eq!(view.to_record().unwrap(), sample());
         let meta = view.meta_view().unwrap();
-        assert_eq!((meta.env_tag, meta.action_text), ("frozen_lake", "<answer>Left</answer>"));
+        assert_eq!(
+            (meta.env_tag, meta.action_text),
+            ("frozen_lake", "<answer>Left</answer>")
+        );
     }
 
     #[test]
@@ -920,7 +931,10 @@ mod tests {
         record.reward = -0.0;
         record.info.format_penalty = f32::from_bits(1);
         let bytes = encoded(&record, [None; 2]);
-        let back = StepView::parse(&bytes, FORMAT_VERSION).unwrap().to_record().unwrap();
+        let back = StepView::parse(&bytes, FORMAT_VERSION)
+            .unwrap()
+            .to_record()
+            .unwrap();
         assert_eq!(back.reward.to_bits(), (-0.0f32).to_bits());
         assert_eq!(back.info.format_penalty.to_bits(), 1);
         record.reward = 0.0;

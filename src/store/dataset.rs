@@ -239,26 +239,22 @@ impl DatasetWriter {
 
     /// Appends one record (encoded straight into the active segment's buffer).
     pub fn append(&mut self, record: &StepRecord) -> Result<RecordLocation, StoreError> {
-        let (mut segment, mut writer) = match self.active.take() {
-            Some(active) => active,
-            None => self.start_segment()?,
-        };
-        let mut appended = writer.append(record, self.roll_bytes);
-        if matches!(appended, Ok(None)) {
-            self.seal_writer(writer)?;
-            (segment, writer) = self.start_segment()?;
-            appended = writer.append(record, u64::MAX);
+        if let Some((segment, writer)) = &mut self.active {
+            if let Some(offset) = writer.append(record, self.roll_bytes)? {
+                let segment = *segment;
+                return Ok(RecordLocation { segment, offset });
+            }
+            self.seal_active()?;
         }
-        let refused = || StoreError::Invalid {
-            path: writer.path().to_path_buf(),
-            reason: "a fresh segment refused a record".into(),
-        };
-        let offset = appended.and_then(|a| a.ok_or_else(refused));
+        let (segment, mut writer) = self.start_segment()?;
+        let appended = writer.append(record, u64::MAX);
+        let path = writer.path().to_path_buf();
         self.active = Some((segment, writer));
-        Ok(RecordLocation {
-            segment,
-            offset: offset?,
-        })
+        let offset = appended?.ok_or_else(|| StoreError::Invalid {
+            path,
+            reason: "a fresh segment refused a record".into(),
+        })?;
+        Ok(RecordLocation { segment, offset })
     }
 
     fn start_segment(&mut self) -> Result<(u64, SegmentWriter), StoreError> {

@@ -699,6 +699,42 @@ mod tests {
     }
 
     #[test]
+    fn a_reference_across_a_skipped_damaged_frame_still_resolves() {
+        let records = vec![
+            with_texts(0, "shared", "a"),
+            with_texts(1, "other", "b"),
+            with_texts(2, "shared", "c"),
+        ];
+        let mut bytes = segment_bytes(&records, false);
+        let damaged = scan(&bytes).frames[1];
+        bytes[damaged.offset as usize + FRAME_HEADER_LEN + 1] ^= 1;
+        let scan = scan(&bytes);
+        assert_eq!(scan.frames.len(), 2);
+        let last = scan.view(&bytes, &scan.frames[1]).to_record().unwrap();
+        assert_eq!(last, records[2]);
+    }
+
+    #[test]
+    fn a_text_is_stored_inline_again_once_out_of_the_reference_window() {
+        let window = codec::REFERENCE_WINDOW as usize;
+        let records: Vec<_> = (0..window as u64 + 2)
+            .map(|i| with_texts(i, "same", "same"))
+            .collect();
+        let bytes = segment_bytes(&records, true);
+        let scan = scan(&bytes);
+        let inline: Vec<bool> = (scan.frames.iter())
+            .map(|f| codec::inline_texts(f.payload(&bytes), &f.layout).unwrap()[0].is_some())
+            .collect();
+        let expected: Vec<bool> = (0..window + 2).map(|i| i % (window + 1) == 0).collect();
+        assert_eq!(inline, expected);
+        let last = scan.frames.last().unwrap();
+        assert_eq!(
+            scan.view(&bytes, last).to_record().unwrap(),
+            records[window + 1]
+        );
+    }
+
+    #[test]
     fn truncation_is_a_torn_tail_and_garbage_never_panics() {
         let bytes = segment_bytes(&[record(1, 0), record(1, 1)], false);
         let cut = bytes.len() - 5;

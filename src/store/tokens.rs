@@ -16,20 +16,53 @@ pub fn width_for(ids: &[u32]) -> usize {
 
 /// Appends `ids`, `width` little-endian bytes each (`width` from [`width_for`]), to `out`.
 pub fn extend_packed(out: &mut Vec<u8>, ids: &[u32], width: usize) {
+    let start = out.len();
+    out.resize(start + width * ids.len(), 0);
+    let slots = &mut out[start..];
     match width {
-        1 => pack::<1>(out, ids),
-        2 => pack::<2>(out, ids),
-        3 => pack::<3>(out, ids),
-        _ => pack::<4>(out, ids),
+        1 => pack::<1>(slots, ids),
+        2 => pack::<2>(slots, ids),
+        3 => pack_3(slots, ids),
+        _ => pack::<4>(slots, ids),
     }
 }
 
-fn pack<const W: usize>(out: &mut Vec<u8>, ids: &[u32]) {
-    let start = out.len();
-    out.resize(start + W * ids.len(), 0);
-    for (slot, id) in out[start..].chunks_exact_mut(W).zip(ids) {
+fn pack<const W: usize>(slots: &mut [u8], ids: &[u32]) {
+    for (slot, id) in slots.chunks_exact_mut(W).zip(ids) {
         slot.copy_from_slice(&id.to_le_bytes()[..W]);
     }
+}
+
+/// 3-byte ids, four at a time as three little-endian words.
+fn pack_3(slots: &mut [u8], ids: &[u32]) {
+    let quads = ids.len() / 4;
+    for (slot, q) in slots.chunks_exact_mut(12).zip(ids.chunks_exact(4)) {
+        let words = [
+            q[0] & 0xFF_FFFF | q[1] << 24,
+            (q[1] >> 8) & 0xFFFF | q[2] << 16,
+            (q[2] >> 16) & 0xFF | q[3] << 8,
+        ];
+        for (dst, w) in slot.chunks_exact_mut(4).zip(words) {
+            dst.copy_from_slice(&w.to_le_bytes());
+        }
+    }
+    pack::<3>(&mut slots[12 * quads..], &ids[4 * quads..]);
+}
+
+/// 3-byte ids, four at a time from three little-endian words.
+fn fold_3<B>(bytes: &[u8], init: B, mut f: impl FnMut(B, u32) -> B) -> B {
+    let word = |c: &[u8]| u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    let quads = bytes.chunks_exact(12);
+    let tail = quads.remainder();
+    let acc = quads.fold(init, |acc, c| {
+        let [a, b, d] = [word(&c[0..4]), word(&c[4..8]), word(&c[8..12])];
+        let acc = f(acc, a & 0xFF_FFFF);
+        let acc = f(acc, a >> 24 | (b & 0xFFFF) << 8);
+        let acc = f(acc, b >> 16 | (d & 0xFF) << 16);
+        f(acc, d >> 8)
+    });
+    tail.chunks_exact(3)
+        .fold(acc, |acc, c| f(acc, read::<3>(c)))
 }
 
 /// The id stored in the first `W` bytes of `bytes`.
@@ -187,7 +220,7 @@ impl Iterator for TokenIter<'_> {
         match self.ids.width {
             1 => self.fold_width::<1, B>(init, f),
             2 => self.fold_width::<2, B>(init, f),
-            3 => self.fold_width::<3, B>(init, f),
+            3 => fold_3(self.ids.bytes, init, f),
             _ => self.fold_width::<4, B>(init, f),
         }
     }
@@ -209,11 +242,12 @@ mod tests {
 
     #[test]
     fn every_width_round_trips_and_is_the_narrowest() {
-        let cases: [(&[u32], usize); 5] = [
+        let cases: [(&[u32], usize); 6] = [
             (&[], 1),
             (&[0, 255], 1),
             (&[7, 65_535], 2),
             (&[151_643, 0, 9], 3),
+            (&[1, 0xFF_FFFF, 0x12_3456, 4, 0xAB_CDEF, 6, 7, 8, 9], 3),
             (&[u32::MAX, 1], 4),
         ];
         for (ids, width) in cases {
