@@ -1,5 +1,6 @@
 //! Step store throughput and size against JSONL (serde_json) on the same realistic records, and a
-//! plain sequential read of a file of the store's size (the physical limit of this machine).
+//! plain sequential write and read of a file of the store's size (the physical limits of this
+//! machine).
 //!
 //! Records: real FrozenLake episodes (default config) played through `stepppo::env` by the random
 //! agent, in groups of 8 same-seed trajectories (group g: env seed `seed::derive(1, [g])`, member
@@ -163,6 +164,15 @@ fn plain_read(path: &Path) -> u64 {
     }
 }
 
+/// Writes `bytes` into a new file in 1 MiB writes (page cache, no fsync): the physical floor of
+/// the page-cache write benchmarks.
+fn plain_write(path: &Path, bytes: &[u8]) {
+    let mut file = File::create(path).unwrap();
+    for chunk in bytes.chunks(1 << 20) {
+        file.write_all(chunk).unwrap();
+    }
+}
+
 fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .unwrap()
@@ -223,6 +233,16 @@ fn bench_store(c: &mut Criterion) {
             )
         });
     }
+    let segment_bytes = std::fs::read(&segment).unwrap();
+    group.bench_function("plain_write_store_size", |b| {
+        b.iter_with_setup(
+            || tempfile::tempdir_in(tmp.path()).unwrap(),
+            |dir| {
+                plain_write(&dir.path().join("plain"), &segment_bytes);
+                dir
+            },
+        )
+    });
     group.bench_function("scan_store_views", |b| {
         b.iter(|| black_box(scan_store(&store_dir)))
     });

@@ -74,10 +74,20 @@ fn read<const W: usize>(bytes: &[u8]) -> u32 {
 }
 
 /// A token id array viewed in place: `width` little-endian bytes per id.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 pub struct TokenIds<'a> {
     bytes: &'a [u8],
     width: usize,
+}
+
+impl Default for TokenIds<'_> {
+    /// No ids.
+    fn default() -> Self {
+        Self {
+            bytes: &[],
+            width: 1,
+        }
+    }
 }
 
 impl<'a> TokenIds<'a> {
@@ -88,7 +98,7 @@ impl<'a> TokenIds<'a> {
     }
 
     pub fn len(&self) -> usize {
-        self.bytes.len().checked_div(self.width).unwrap_or(0)
+        self.bytes.len() / self.width
     }
 
     pub fn is_empty(&self) -> bool {
