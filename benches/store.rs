@@ -1,5 +1,6 @@
 //! Step store throughput and size against JSONL (serde_json) on the same realistic records, and a
-//! plain sequential read of a file of the store's size (the physical limit of this machine).
+//! plain sequential write and read of a file of the store's size (the physical limits of this
+//! machine).
 //!
 //! Records: real FrozenLake episodes (default config) played through `stepppo::env` by the random
 //! agent, in groups of 8 same-seed trajectories (group g: env seed `seed::derive(1, [g])`, member
@@ -102,7 +103,8 @@ fn write_jsonl(path: &Path, records: &[StepRecord], durable: bool) {
     }
 }
 
-/// Full scan over views: every token and log-prob touched, every metadata block decoded.
+/// Full scan over views: every token and log-prob touched, every metadata block decoded in
+/// place (texts resolved to slices of the segment; their lengths are summed so none is skipped).
 fn scan_store(dir: &Path) -> (u64, f64) {
     let dataset = Dataset::open(dir).unwrap();
     let (mut tokens, mut sum) = (0u64, 0f64);
@@ -111,10 +113,13 @@ fn scan_store(dir: &Path) -> (u64, f64) {
             .obs_ids
             .iter()
             .chain(view.response_ids.iter())
-            .map(|&t| t as u64)
+            .map(|t| t as u64)
             .sum::<u64>();
         sum += view.response_logprobs.iter().sum::<f32>() as f64;
-        sum += view.meta().unwrap().reward as f64;
+        let meta = view.meta_view().unwrap();
+        sum += meta.reward as f64;
+        tokens +=
+            (meta.env_tag.len() + meta.observation_text.len() + meta.action_text.len()) as u64;
     }
     (tokens, sum)
 }
@@ -156,6 +161,15 @@ fn plain_read(path: &Path) -> u64 {
                 .map(|&b| b as u64)
                 .sum::<u64>(),
         );
+    }
+}
+
+/// Writes `bytes` into a new file in 1 MiB writes (page cache, no fsync): the physical floor of
+/// the page-cache write benchmarks.
+fn plain_write(path: &Path, bytes: &[u8]) {
+    let mut file = File::create(path).unwrap();
+    for chunk in bytes.chunks(1 << 20) {
+        file.write_all(chunk).unwrap();
     }
 }
 
@@ -219,6 +233,16 @@ fn bench_store(c: &mut Criterion) {
             )
         });
     }
+    let segment_bytes = std::fs::read(&segment).unwrap();
+    group.bench_function("plain_write_store_size", |b| {
+        b.iter_with_setup(
+            || tempfile::tempdir_in(tmp.path()).unwrap(),
+            |dir| {
+                plain_write(&dir.path().join("plain"), &segment_bytes);
+                dir
+            },
+        )
+    });
     group.bench_function("scan_store_views", |b| {
         b.iter(|| black_box(scan_store(&store_dir)))
     });

@@ -143,7 +143,7 @@ fn full_context_is_rebuilt_from_the_trajectory_and_storage_is_linear() {
                 context.len(),
                 step.context_len as usize + step.obs_ids.len()
             );
-            assert_eq!(&context[step.context_len as usize..], &*step.obs_ids);
+            assert_eq!(step.obs_ids, context[step.context_len as usize..]);
         }
     }
     // Doubling the turns doubles the bytes (up to the fixed header/footer), never quadruples them.

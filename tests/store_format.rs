@@ -1,9 +1,12 @@
-//! The on-disk format stays readable: segments written by format versions 1 and 2 are pinned here
-//! byte for byte; arbitrary or mutated bytes never make the reader panic or return a changed record
-//! (format 2's backward text references included).
+//! The on-disk format stays readable: segments written by format versions 1, 2 and 3 are pinned
+//! here byte for byte; arbitrary or mutated bytes never make the reader panic or return a changed
+//! record (backward text references included); appending to a dataset whose last segment is an
+//! unsealed older-format one seals that segment and continues in a new one.
 
 use proptest::prelude::*;
-use stepppo::store::{scan_segment, StepInfo, StepRecord, FORMAT_VERSION};
+use stepppo::store::{
+    scan_segment, Dataset, DatasetWriter, StepInfo, StepRecord, WriterOptions, FORMAT_VERSION,
+};
 
 fn pinned_record() -> StepRecord {
     StepRecord {
@@ -142,6 +145,100 @@ fn version_2_segments_stay_readable_and_are_still_written_identically() {
     }
 }
 
+/// The records of the pinned version-3 segment: those of version 2 (ids 3 bytes and 1 byte wide,
+/// texts referenced) and one with 2-byte response ids, a new action text and zero floats.
+fn pinned_records_v3() -> Vec<StepRecord> {
+    let mut third = StepRecord {
+        traj_id: 7,
+        obs_ids: vec![7],
+        response_ids: vec![300, 65_535],
+        response_logprobs: vec![-0.75, f32::from_bits(0x8000_0001)],
+        reward: 0.0,
+        ..pinned_record()
+    };
+    third.info.format_penalty = 0.0;
+    third.info.action_text = "<answer>Down</answer>".into();
+    let mut records = pinned_records_v2();
+    records.push(third);
+    records
+}
+
+/// `seg-000000.stp` holding [`pinned_records_v3`], as written by format version 3.
+const V3_SEGMENT: &str = "\
+    535450504f534547030000000000000053545046640000004922c14700050201\
+    090302020a000000000000bf000000c00a00000b00005b50020000002a00005d\
+    50027a0823505f23263c616e737765723e55703c2f616e737765723e07736f6b\
+    6f62616e4d00000000000000efcdab89674523010302cdccccbdcdccccbd0000\
+    5354504644000000854508cc010602010901020208000000000000bf000000c0\
+    0c0000002a00005d50027a030307736f6b6f62616e4d00000000000000efcdab\
+    896745230103020000803fcdccccbd00535450465000000002d0634002070201\
+    0901020204000000000040bf01000080070000002c01ffff1a052a3c616e7377\
+    65723e446f776e3c2f616e737765723e07736f6b6f62616e4d00000000000000\
+    efcdab8967452301030200005354505303000000000000000500000000000000\
+    1000000000000000060000000000000080000000000000000700000000000000\
+    d0000000000000005ea1f4353800000053545045\
+";
+
+#[test]
+fn version_3_segments_stay_readable_and_are_still_written_identically() {
+    let bytes = unhex(V3_SEGMENT);
+    let scan = scan_segment(&bytes);
+    assert!(scan.problems.is_empty(), "{:?}", scan.problems);
+    assert_eq!(scan.format_version, 3);
+    let read: Vec<StepRecord> = read_all(&bytes).into_iter().map(Result::unwrap).collect();
+    assert_eq!(read, pinned_records_v3());
+    let widths: Vec<(usize, usize)> = (scan.frames.iter())
+        .map(|f| scan.view(&bytes, f))
+        .map(|v| (v.obs_ids.width(), v.response_ids.width()))
+        .collect();
+    assert_eq!(widths, [(3, 3), (1, 3), (1, 2)]);
+    if FORMAT_VERSION == 3 {
+        assert_eq!(
+            hex(&written_segment(&pinned_records_v3())),
+            hex(&bytes),
+            "format 3 changed: bump FORMAT_VERSION and keep reading 3"
+        );
+    }
+}
+
+#[test]
+fn appending_after_an_unsealed_version_1_segment_seals_it_and_continues_in_a_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let sealed_v1 = unhex(V1_SEGMENT);
+    let frame_end = scan_segment(&sealed_v1).frames[0].end() as usize;
+    std::fs::write(dir.path().join("seg-000000.stp"), &sealed_v1[..frame_end]).unwrap();
+    let manifest = serde_json::json!({
+        "format_version": 1, "created_by": "stepppo (format 1)", "metadata": {},
+        "segments": [{"file": "seg-000000.stp", "sealed": false, "records": 0, "bytes": 0}],
+    });
+    std::fs::write(dir.path().join("manifest.json"), manifest.to_string()).unwrap();
+
+    let mut writer = DatasetWriter::open_append(dir.path(), WriterOptions::default()).unwrap();
+    let appended = StepRecord {
+        traj_id: 6,
+        ..pinned_record()
+    };
+    let at = writer.append(&appended).unwrap();
+    assert_eq!(at.segment, 1, "version-3 frames go to a new segment");
+    writer.seal().unwrap();
+
+    let old = std::fs::read(dir.path().join("seg-000000.stp")).unwrap();
+    let old_scan = scan_segment(&old);
+    assert_eq!(old_scan.format_version, 1);
+    assert_eq!(
+        old_scan.footer.map(|f| f.record_count),
+        Some(1),
+        "sealed as it was"
+    );
+    assert_eq!(old[..frame_end], sealed_v1[..frame_end]);
+    let dataset = Dataset::open(dir.path()).unwrap();
+    assert!(dataset.problems().is_empty(), "{:?}", dataset.problems());
+    assert!(dataset.manifest().segments.iter().all(|s| s.sealed));
+    let read: Vec<StepRecord> = dataset.records().map(|v| v.to_record().unwrap()).collect();
+    assert_eq!(read, vec![pinned_record(), appended]);
+    assert_eq!(dataset.trajectory(5).unwrap().steps.len(), 1);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
@@ -173,6 +270,23 @@ proptest! {
         }
         if let Some(footer) = scan.footer {
             let _ = footer.lookup(&bytes, 5);
+        }
+    }
+
+    #[test]
+    fn mutated_version_3_segments_never_return_a_changed_record(
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let mut bytes = unhex(V3_SEGMENT);
+        for (at, value) in edits {
+            let i = at.index(bytes.len());
+            bytes[i] = value;
+        }
+        bytes.truncate(cut.index(bytes.len() + 1));
+        let originals = pinned_records_v3();
+        for record in read_all(&bytes).into_iter().flatten() {
+            prop_assert!(originals.contains(&record), "{record:?}");
         }
     }
 

@@ -13,9 +13,10 @@ fuzz_target!(|data: &[u8]| {
             .obs_ids
             .iter()
             .chain(view.response_ids.iter())
-            .map(|&t| t as u64)
+            .map(|t| t as u64)
             .sum();
-        std::hint::black_box((tokens, view.response_logprobs.len(), view.to_record().ok()));
+        std::hint::black_box((tokens, view.response_logprobs.len(), view.meta_view().ok()));
+        std::hint::black_box(view.to_record().ok());
     }
     if let Some(footer) = scan.footer {
         std::hint::black_box(footer.entries(data).count());

@@ -288,7 +288,7 @@ fn critic_values(dir: &Path, trajectories: &[Trajectory<'_>]) -> anyhow::Result<
         let ends = starts.iter().skip(1).copied().chain([traj.steps.len()]);
         for (start, end) in starts.iter().copied().zip(ends) {
             let mut tokens = traj.context(end - 1);
-            tokens.extend_from_slice(&traj.steps[end - 1].response_ids);
+            tokens.extend(traj.steps[end - 1].response_ids.iter());
             let values = critic_forward(&critic, &tokens)
                 .with_context(|| format!("critic on trajectory {}", traj.traj_id))?;
             let mut offset = 0;

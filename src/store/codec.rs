@@ -1,34 +1,42 @@
-//! Byte layout of one stored record (the payload of a segment frame) and the borrowed view over
-//! it. This is the only module that calls bincode.
+//! Byte layout of one stored record (the payload of a segment frame) and the borrowed views over
+//! it. This is the only module that calls bincode (formats 1 and 2 only).
 //!
-//! Payload layout (little-endian, 4-byte aligned when the frame is):
+//! Format version 3 (written by this build), little-endian, payload 4-byte aligned when the frame is:
 //!
 //! | bytes | content |
 //! |---|---|
-//! | 0..8 | `traj_id: u64` |
-//! | 8..16 | `group_id: u64` |
-//! | 16..20 | `step_index: u32` |
-//! | 20..24 | `context_len: u32` |
-//! | 24..40 | counts `n_obs, n_response, n_logprobs, meta_len: u32` |
-//! | 40.. | `obs_ids: [u32; n_obs]`, `response_ids: [u32; n_response]`, `response_logprobs: [f32; n_logprobs]` |
-//! | then | `meta_len` bytes of bincode (`config::standard`, serde) holding every other field (see below) |
-//! | then | zero padding to a multiple of 4 |
+//! | header | LEB128 varints `ordinal` (the frame's number in its segment, from 0), `traj_id, group_id, step_index, context_len, n_obs, n_response, n_logprobs`, then one byte of id widths: bits 0-1 = obs width − 1, bits 2-3 = response width − 1 (bits 4-7 zero) |
+//! | pad | zeros to a multiple of 4 |
+//! | logprobs | `response_logprobs: [f32; n_logprobs]` (exact bits) |
+//! | obs ids | `n_obs` ids of the obs width (1 to 4 bytes each: the narrowest that holds the array's largest id), zeros to a multiple of 4 |
+//! | response ids | `n_response` ids of the response width |
+//! | metadata | to the end of the payload (see below), then 0 to 3 zero bytes of padding |
 //!
-//! Ids and counts come first so that readers can index and group records without decoding the
-//! metadata; the arrays are viewed in place (`bytemuck`) and copied only when the bytes are
-//! misaligned or the host is big-endian. The metadata layout is fixed per segment format
-//! version, and every version this build writes or wrote stays readable:
+//! Version-3 metadata: one flag byte (bit 0 terminated, 1 truncated, 2 success,
+//! 3 action_is_valid, 4 action_is_effective, 5 `reward` stored, 6 `format_penalty` stored, 7 zero;
+//! a float that is not stored is +0.0); two text entries `observation_text`, `action_text`;
+//! `env_tag` (varint length, UTF-8 bytes); `seed: u64`, `state_hash: u64`; varints
+//! `policy_version`, `num_actions`; then `reward: f32` and `format_penalty: f32` when their flag
+//! is set. A text entry starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes
+//! following; odd = a backward reference: the frame numbered `v / 2` (1 to
+//! [`REFERENCE_WINDOW`]) before this one in the same segment holds the identical text inline in
+//! the same field (the writer keeps a text → frame table per segment, compares texts, not
+//! hashes, and stores a text inline again once its last inline copy is out of the window, so a
+//! damaged frame can only cost the texts of the records up to that many frames after it). A
+//! reader finds the referenced frame in O(1) through the scan's frame list (by binary search
+//! over frame numbers when damaged frames were skipped in between); when it is not a valid
+//! earlier frame the referencing record reports an error, never a wrong text.
 //!
-//! - version 1: [`StepMeta`] as is (texts inline);
-//! - version 2: two text entries, `observation_text` then `action_text`, then bincode of
-//!   `StoredFields` (every other field, `info` flattened). A text entry starts with a LEB128
-//!   varint `v`: even = the text inline, `v / 2` UTF-8 bytes following; odd = a backward
-//!   reference to byte offset `v / 2`: an earlier frame of the same segment whose same field
-//!   holds the identical text inline (the writer
-//!   keeps a text → offset table per segment and compares texts, not hashes). A reader resolves
-//!   a reference only to a frame its scan validated (framing, crc, counts) that starts before
-//!   the referencing frame; when that fails the referencing record reports an error
-//!   naming both offsets and never a wrong text.
+//! Ids come first so that readers can index and group records without decoding the metadata;
+//! arrays are viewed in place: log-probs as `&[f32]` (copied only when misaligned or on a
+//! big-endian host), ids through [`TokenIds`]. Every version this build wrote stays readable:
+//!
+//! - version 1: a 40-byte header (`traj_id, group_id: u64`, `step_index, context_len, n_obs,
+//!   n_response, n_logprobs, meta_len: u32`), `u32` ids and `f32` log-probs, then [`StepMeta`]
+//!   in bincode (`config::standard`, serde), zero padding to a multiple of 4;
+//! - version 2: as version 1, but the metadata is two text entries (`observation_text`,
+//!   `action_text`; a reference holds the byte offset of the earlier frame instead of a frame
+//!   count) followed by bincode of every other field (`info` flattened).
 
 use std::borrow::Cow;
 use std::path::Path;
@@ -38,13 +46,18 @@ use serde::{Deserialize, Serialize};
 use super::error::StoreError;
 use super::record::{StepInfo, StepRecord};
 use super::segment::Frame;
+use super::tokens::{self, TokenIds};
 
-/// Bytes of the fixed header at the start of every payload.
-pub const PAYLOAD_HEADER_LEN: usize = 40;
-/// Largest metadata block accepted on write and on read (guards allocations from bad bytes).
+/// Bytes of the fixed payload header of format versions 1 and 2.
+const LEGACY_HEADER_LEN: usize = 40;
+/// Largest metadata block accepted on read of versions 1 and 2 (guards allocations from bad bytes).
 pub const MAX_META_LEN: usize = 64 << 20;
+/// How many frames back a version-3 text reference may point.
+pub const REFERENCE_WINDOW: u64 = 256;
+/// Segment format version written by this build.
+pub const FORMAT_VERSION: u32 = 3;
 /// Segment format versions whose payloads this build decodes.
-pub const SUPPORTED_VERSIONS: std::ops::RangeInclusive<u32> = 1..=2;
+pub const SUPPORTED_VERSIONS: std::ops::RangeInclusive<u32> = 1..=FORMAT_VERSION;
 
 type MetaConfig = bincode::config::Configuration<
     bincode::config::LittleEndian,
@@ -61,7 +74,8 @@ fn meta_config() -> MetaConfig {
 #[error("{0}")]
 pub struct CodecError(pub String);
 
-/// Every field of a record that is not an id or an array: the bincode block (format version 1).
+/// Every field of a record that is not an id or an array, owned (and, as is, the bincode block
+/// of format version 1).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepMeta {
     pub env_tag: String,
@@ -74,76 +88,78 @@ pub struct StepMeta {
     pub info: StepInfo,
 }
 
-/// A text of a version-2 record: inline, or the offset of an earlier frame of the same segment
-/// holding the same field's identical text inline.
+/// The metadata of a record decoded in place: texts borrowed from the mapped segment (text
+/// references resolved to the earlier frame's bytes), nothing allocated.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum StoredText<'a> {
-    Inline(&'a str),
-    Earlier(u64),
+pub struct StepMetaView<'a> {
+    pub env_tag: &'a str,
+    pub seed: u64,
+    pub policy_version: u64,
+    pub reward: f32,
+    pub terminated: bool,
+    pub truncated: bool,
+    pub state_hash: u64,
+    pub success: bool,
+    pub action_is_valid: bool,
+    pub action_is_effective: bool,
+    pub format_penalty: f32,
+    pub num_actions: u32,
+    pub observation_text: &'a str,
+    pub action_text: &'a str,
 }
 
-fn encode_varint(mut v: u64, out: &mut Vec<u8>) {
-    while v >= 0x80 {
-        out.push((v as u8) | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
-}
-
-/// Reads a LEB128 varint of at most 10 bytes; returns it and the bytes after it.
-fn decode_varint(bytes: &[u8]) -> Result<(u64, &[u8]), CodecError> {
-    let mut v = 0u64;
-    for (i, &b) in bytes.iter().enumerate().take(10) {
-        v |= u64::from(b & 0x7F).checked_shl(7 * i as u32).unwrap_or(0);
-        if b & 0x80 == 0 {
-            return Ok((v, &bytes[i + 1..]));
+impl StepMetaView<'_> {
+    /// Copies the view into an owned [`StepMeta`].
+    pub fn to_meta(&self) -> StepMeta {
+        StepMeta {
+            env_tag: self.env_tag.to_string(),
+            seed: self.seed,
+            policy_version: self.policy_version,
+            reward: self.reward,
+            terminated: self.terminated,
+            truncated: self.truncated,
+            state_hash: self.state_hash,
+            info: StepInfo {
+                success: self.success,
+                action_is_valid: self.action_is_valid,
+                action_is_effective: self.action_is_effective,
+                format_penalty: self.format_penalty,
+                num_actions: self.num_actions,
+                observation_text: self.observation_text.to_string(),
+                action_text: self.action_text.to_string(),
+            },
         }
     }
-    Err(CodecError("metadata ends inside a text entry".into()))
 }
 
-fn encode_text(text: &str, earlier: Option<u64>, out: &mut Vec<u8>) -> Result<(), CodecError> {
-    let tag = |n: u64, odd: u64| {
-        n.checked_mul(2)
-            .map(|v| v | odd)
-            .ok_or_else(|| CodecError(format!("text entry value {n} is too large")))
-    };
-    match earlier {
-        Some(offset) => encode_varint(tag(offset, 1)?, out),
-        None => {
-            encode_varint(tag(text.len() as u64, 0)?, out);
-            out.extend_from_slice(text.as_bytes());
-        }
-    }
-    Ok(())
+/// Version-1 metadata read in place (same bincode layout as [`StepMeta`]).
+#[derive(Deserialize)]
+struct MetaV1<'a> {
+    env_tag: &'a str,
+    seed: u64,
+    policy_version: u64,
+    reward: f32,
+    terminated: bool,
+    truncated: bool,
+    state_hash: u64,
+    #[serde(borrow)]
+    info: InfoV1<'a>,
 }
 
-/// Reads the text entry at the start of `bytes`; returns it and the bytes after it.
-fn decode_text(bytes: &[u8]) -> Result<(StoredText<'_>, &[u8]), CodecError> {
-    let (v, rest) = decode_varint(bytes)?;
-    if v & 1 == 1 {
-        return Ok((StoredText::Earlier(v >> 1), rest));
-    }
-    let len = usize::try_from(v >> 1)
-        .ok()
-        .filter(|&n| n <= rest.len())
-        .ok_or_else(|| CodecError(format!("text of {} bytes runs past the metadata", v >> 1)))?;
-    let text = std::str::from_utf8(&rest[..len])
-        .map_err(|e| CodecError(format!("text is not UTF-8: {e}")))?;
-    Ok((StoredText::Inline(text), &rest[len..]))
+#[derive(Deserialize)]
+struct InfoV1<'a> {
+    success: bool,
+    action_is_valid: bool,
+    action_is_effective: bool,
+    format_penalty: f32,
+    num_actions: u32,
+    observation_text: &'a str,
+    action_text: &'a str,
 }
 
-/// The two text entries at the start of a version-2 metadata block (indexed like
-/// [`TextField::ALL`]) and the bincode bytes after them.
-fn decode_texts(meta: &[u8]) -> Result<([StoredText<'_>; 2], &[u8]), CodecError> {
-    let (observation, rest) = decode_text(meta)?;
-    let (action, rest) = decode_text(rest)?;
-    Ok(([observation, action], rest))
-}
-
-/// The bincode part of a version-2 metadata block (borrowing its string from the payload).
-#[derive(Serialize, Deserialize)]
-struct StoredFields<'a> {
+/// The bincode part of a version-2 metadata block (after its two text entries).
+#[derive(Deserialize)]
+struct FieldsV2<'a> {
     env_tag: &'a str,
     seed: u64,
     policy_version: u64,
@@ -158,7 +174,15 @@ struct StoredFields<'a> {
     num_actions: u32,
 }
 
-/// The two texts of a record that may be stored as backward references.
+/// A stored text: inline (UTF-8 not yet checked), or a reference to an earlier frame (format 2:
+/// its byte offset; format 3: how many frame numbers back).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum StoredText<'a> {
+    Inline(&'a [u8]),
+    Earlier(u64),
+}
+
+/// The texts a record may store as backward references.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TextField {
     Observation,
@@ -166,6 +190,8 @@ pub enum TextField {
 }
 
 impl TextField {
+    /// The text entries at the start of a version-2 metadata block and after the flag byte of
+    /// a version-3 one, in stored order.
     pub const ALL: [TextField; 2] = [TextField::Observation, TextField::Action];
 
     fn name(self) -> &'static str {
@@ -184,41 +210,150 @@ impl TextField {
     }
 }
 
-/// Frame offsets of earlier frames holding a record's texts (`None`: store the text inline),
-/// indexed like [`TextField::ALL`].
+/// Per text field (indexed like [`TextField::ALL`]): how many frames back an earlier frame of
+/// the segment holds the same text inline (`None`: store the text inline).
 pub type TextRefs = [Option<u64>; 2];
 
-/// Offsets of the parts of a validated payload; produced by [`parse_layout`].
+const FLAG_TERMINATED: u8 = 1;
+const FLAG_TRUNCATED: u8 = 1 << 1;
+const FLAG_SUCCESS: u8 = 1 << 2;
+const FLAG_VALID: u8 = 1 << 3;
+const FLAG_EFFECTIVE: u8 = 1 << 4;
+const FLAG_REWARD: u8 = 1 << 5;
+const FLAG_PENALTY: u8 = 1 << 6;
+
+fn encode_varint(mut v: u64, out: &mut Vec<u8>) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// Reads values off the front of a byte slice; every read names what ran out.
+struct Cursor<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Cursor<'a> {
+    fn ends_inside(what: &str) -> CodecError {
+        CodecError(format!("bytes end inside {what}"))
+    }
+
+    /// A LEB128 varint of at most 10 bytes.
+    #[inline]
+    fn varint(&mut self, what: &str) -> Result<u64, CodecError> {
+        let mut v = 0u64;
+        for (i, &b) in self.rest.iter().enumerate().take(10) {
+            v |= u64::from(b & 0x7F).checked_shl(7 * i as u32).unwrap_or(0);
+            if b & 0x80 == 0 {
+                self.rest = &self.rest[i + 1..];
+                return Ok(v);
+            }
+        }
+        Err(Self::ends_inside(what))
+    }
+
+    #[inline]
+    fn varint_u32(&mut self, what: &str) -> Result<u32, CodecError> {
+        let v = self.varint(what)?;
+        u32::try_from(v).map_err(|_| CodecError(format!("{what} {v} does not fit in u32")))
+    }
+
+    #[inline]
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], CodecError> {
+        if n > self.rest.len() {
+            return Err(Self::ends_inside(what));
+        }
+        let (head, tail) = self.rest.split_at(n);
+        self.rest = tail;
+        Ok(head)
+    }
+
+    #[inline]
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], CodecError> {
+        let bytes = self.take(N, what)?;
+        Ok(std::array::from_fn(|i| bytes[i]))
+    }
+
+    #[inline]
+    fn text(&mut self, field: TextField) -> Result<StoredText<'a>, CodecError> {
+        let v = self.varint(field.name())?;
+        if v & 1 == 1 {
+            return Ok(StoredText::Earlier(v >> 1));
+        }
+        let len = usize::try_from(v >> 1).unwrap_or(usize::MAX);
+        Ok(StoredText::Inline(self.take(len, field.name())?))
+    }
+
+    /// A length-prefixed string.
+    #[inline]
+    fn str(&mut self, what: &str) -> Result<&'a str, CodecError> {
+        let len = usize::try_from(self.varint(what)?).unwrap_or(usize::MAX);
+        std::str::from_utf8(self.take(len, what)?)
+            .map_err(|e| CodecError(format!("{what} is not UTF-8: {e}")))
+    }
+}
+
+fn utf8(bytes: &[u8], field: TextField) -> Result<&str, CodecError> {
+    std::str::from_utf8(bytes)
+        .map_err(|e| CodecError(format!("{} is not UTF-8: {e}", field.name())))
+}
+
+fn encode_text(text: &str, back: Option<u64>, out: &mut Vec<u8>) -> Result<(), CodecError> {
+    let tag = |n: u64, odd: u64| {
+        n.checked_mul(2)
+            .map(|v| v | odd)
+            .ok_or_else(|| CodecError(format!("text entry value {n} is too large")))
+    };
+    match back {
+        Some(frames) => encode_varint(tag(frames, 1)?, out),
+        None => {
+            encode_varint(tag(text.len() as u64, 0)?, out);
+            out.extend_from_slice(text.as_bytes());
+        }
+    }
+    Ok(())
+}
+
+/// The entry of `field` in a metadata block of `version` (texts of earlier fields skipped).
+fn text_entry(version: u32, meta: &[u8], field: TextField) -> Result<StoredText<'_>, CodecError> {
+    let start = if version == 2 { 0 } else { 1 };
+    let mut cursor = Cursor {
+        rest: meta.get(start..).unwrap_or_default(),
+    };
+    let observation = cursor.text(TextField::Observation)?;
+    match field {
+        TextField::Observation => Ok(observation),
+        TextField::Action => cursor.text(TextField::Action),
+    }
+}
+
+/// Where the parts of a validated payload lie (byte ranges into the payload); produced by
+/// [`parse_layout`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PayloadLayout {
+    /// Number of the frame in its segment (format 3; 0 in older formats).
+    pub ordinal: u64,
     pub traj_id: u64,
     pub group_id: u64,
     pub step_index: u32,
     pub context_len: u32,
-    n_obs: u32,
-    n_response: u32,
-    n_logprobs: u32,
-    meta_len: u32,
+    obs: [u32; 2],
+    obs_width: u8,
+    response: [u32; 2],
+    response_width: u8,
+    logprobs: [u32; 2],
+    meta: [u32; 2],
+}
+
+fn range([start, end]: [u32; 2]) -> std::ops::Range<usize> {
+    start as usize..end as usize
 }
 
 impl PayloadLayout {
-    fn obs_range(&self) -> std::ops::Range<usize> {
-        PAYLOAD_HEADER_LEN..PAYLOAD_HEADER_LEN + 4 * self.n_obs as usize
-    }
-
-    fn response_range(&self) -> std::ops::Range<usize> {
-        let start = self.obs_range().end;
-        start..start + 4 * self.n_response as usize
-    }
-
-    fn logprob_range(&self) -> std::ops::Range<usize> {
-        let start = self.response_range().end;
-        start..start + 4 * self.n_logprobs as usize
-    }
-
-    fn meta_range(&self) -> std::ops::Range<usize> {
-        let start = self.logprob_range().end;
-        start..start + self.meta_len as usize
+    pub(crate) fn meta_range(&self) -> std::ops::Range<usize> {
+        range(self.meta)
     }
 }
 
@@ -227,70 +362,77 @@ pub fn align4(n: usize) -> usize {
     (n + 3) & !3
 }
 
-/// Appends the version-2 payload of `record` (padded to a multiple of 4) to `out`, storing each
-/// text with a `refs` entry as a reference. On error `out` may hold a partial payload.
+fn pad4(out: &mut Vec<u8>, start: usize) {
+    out.resize(start + align4(out.len() - start), 0);
+}
+
+/// Appends the version-3 payload of `record` as frame number `ordinal` of its segment (padded
+/// to a multiple of 4) to `out`, storing each text with a `refs` entry as a reference. On error
+/// `out` may hold a partial payload.
 pub fn encode_payload(
     record: &StepRecord,
+    ordinal: u64,
     refs: TextRefs,
     out: &mut Vec<u8>,
 ) -> Result<(), CodecError> {
-    let info = &record.info;
-    let fields = StoredFields {
-        env_tag: &record.env_tag,
-        seed: record.seed,
-        policy_version: record.policy_version,
-        reward: record.reward,
-        terminated: record.terminated,
-        truncated: record.truncated,
-        state_hash: record.state_hash,
-        success: info.success,
-        action_is_valid: info.action_is_valid,
-        action_is_effective: info.action_is_effective,
-        format_penalty: info.format_penalty,
-        num_actions: info.num_actions,
-    };
-    let count = |n: usize, what: &str| {
-        u32::try_from(n).map_err(|_| CodecError(format!("{what} has {n} elements, more than u32")))
-    };
     let start = out.len();
-    out.extend_from_slice(&record.traj_id.to_le_bytes());
-    out.extend_from_slice(&record.group_id.to_le_bytes());
-    out.extend_from_slice(&record.step_index.to_le_bytes());
-    out.extend_from_slice(&record.context_len.to_le_bytes());
-    out.extend_from_slice(&count(record.obs_ids.len(), "obs_ids")?.to_le_bytes());
-    out.extend_from_slice(&count(record.response_ids.len(), "response_ids")?.to_le_bytes());
-    out.extend_from_slice(
-        &count(record.response_logprobs.len(), "response_logprobs")?.to_le_bytes(),
-    );
-    out.extend_from_slice(&0u32.to_le_bytes()); // meta_len, patched below
-    extend_le_u32(out, &record.obs_ids);
-    extend_le_u32(out, &record.response_ids);
+    let obs_width = tokens::width_for(&record.obs_ids);
+    let response_width = tokens::width_for(&record.response_ids);
+    for v in [
+        ordinal,
+        record.traj_id,
+        record.group_id,
+        record.step_index.into(),
+        record.context_len.into(),
+        record.obs_ids.len() as u64,
+        record.response_ids.len() as u64,
+        record.response_logprobs.len() as u64,
+    ] {
+        encode_varint(v, out);
+    }
+    out.push((obs_width - 1) as u8 | ((response_width - 1) as u8) << 2);
+    pad4(out, start);
     extend_le_f32(out, &record.response_logprobs);
-    let meta_start = out.len();
-    for (field, earlier) in TextField::ALL.into_iter().zip(refs) {
-        encode_text(field.of(info), earlier, out)?;
-    }
-    bincode::serde::encode_into_std_write(&fields, out, meta_config())
-        .map_err(|e| CodecError(format!("metadata does not encode: {e}")))?;
-    let meta_len = out.len() - meta_start;
-    if meta_len > MAX_META_LEN {
-        return Err(CodecError(format!(
-            "metadata is {meta_len} bytes, more than the {MAX_META_LEN} allowed"
-        )));
-    }
-    out[start + 36..start + 40].copy_from_slice(&(meta_len as u32).to_le_bytes());
-    out.resize(start + align4(out.len() - start), 0);
+    tokens::extend_packed(out, &record.obs_ids, obs_width);
+    pad4(out, start);
+    tokens::extend_packed(out, &record.response_ids, response_width);
+    encode_meta(record, refs, out)?;
+    pad4(out, start);
     Ok(())
 }
 
-fn extend_le_u32(out: &mut Vec<u8>, values: &[u32]) {
-    if cfg!(target_endian = "little") {
-        out.extend_from_slice(bytemuck::cast_slice(values));
-    } else {
-        values
+fn encode_meta(record: &StepRecord, refs: TextRefs, out: &mut Vec<u8>) -> Result<(), CodecError> {
+    let info = &record.info;
+    let stored = |x: f32| x.to_bits() != 0;
+    let flags = [
+        (record.terminated, FLAG_TERMINATED),
+        (record.truncated, FLAG_TRUNCATED),
+        (info.success, FLAG_SUCCESS),
+        (info.action_is_valid, FLAG_VALID),
+        (info.action_is_effective, FLAG_EFFECTIVE),
+        (stored(record.reward), FLAG_REWARD),
+        (stored(info.format_penalty), FLAG_PENALTY),
+    ];
+    out.push(
+        flags
             .iter()
-            .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+            .fold(0, |acc, &(set, bit)| acc | (bit * set as u8)),
+    );
+    for (field, back) in TextField::ALL.into_iter().zip(refs) {
+        encode_text(field.of(info), back, out)?;
     }
+    encode_varint(record.env_tag.len() as u64, out);
+    out.extend_from_slice(record.env_tag.as_bytes());
+    out.extend_from_slice(&record.seed.to_le_bytes());
+    out.extend_from_slice(&record.state_hash.to_le_bytes());
+    encode_varint(record.policy_version, out);
+    encode_varint(info.num_actions.into(), out);
+    for x in [record.reward, info.format_penalty] {
+        if stored(x) {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    Ok(())
 }
 
 fn extend_le_f32(out: &mut Vec<u8>, values: &[f32]) {
@@ -311,45 +453,111 @@ fn read_u64(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(std::array::from_fn(|i| bytes[at + i]))
 }
 
-/// Checks that the counts in the payload header describe exactly `payload.len()` bytes.
-pub fn parse_layout(payload: &[u8]) -> Result<PayloadLayout, CodecError> {
-    if payload.len() < PAYLOAD_HEADER_LEN {
+/// Checks that the header of a payload of format `version` describes `payload` and returns
+/// where its parts lie.
+pub fn parse_layout(payload: &[u8], version: u32) -> Result<PayloadLayout, CodecError> {
+    if payload.len() > u32::MAX as usize {
         return Err(CodecError(format!(
-            "payload of {} bytes is shorter than its {PAYLOAD_HEADER_LEN}-byte header",
+            "payload of {} bytes is too large",
             payload.len()
         )));
     }
-    let layout = PayloadLayout {
+    match version {
+        1 | 2 => parse_legacy_layout(payload),
+        _ => parse_layout_v3(payload),
+    }
+}
+
+fn parse_layout_v3(payload: &[u8]) -> Result<PayloadLayout, CodecError> {
+    let mut cursor = Cursor { rest: payload };
+    let ordinal = cursor.varint("the payload header")?;
+    let traj_id = cursor.varint("the payload header")?;
+    let group_id = cursor.varint("the payload header")?;
+    let step_index = cursor.varint_u32("step_index")?;
+    let context_len = cursor.varint_u32("context_len")?;
+    let counts = [
+        cursor.varint("the payload header")?,
+        cursor.varint("the payload header")?,
+        cursor.varint("the payload header")?,
+    ];
+    let widths = cursor.array::<1>("the payload header")?[0];
+    if widths >> 4 != 0 {
+        return Err(CodecError(format!("unknown id width bits {widths:#x}")));
+    }
+    let (obs_width, response_width) = ((widths & 3) + 1, ((widths >> 2) & 3) + 1);
+    let [n_obs, n_response, n_logprobs] = counts;
+    let mut at = align4(payload.len() - cursor.rest.len()) as u64;
+    let mut next = |bytes: u64, align: bool| {
+        let start = at;
+        at = start.saturating_add(bytes);
+        let end = at;
+        if align {
+            at = at.saturating_add(3) & !3;
+        }
+        [start, end]
+    };
+    let logprobs = next(n_logprobs.saturating_mul(4), false);
+    let obs = next(n_obs.saturating_mul(obs_width.into()), true);
+    let response = next(n_response.saturating_mul(response_width.into()), false);
+    if at > payload.len() as u64 {
+        return Err(CodecError(format!(
+            "payload header counts ({n_obs} obs, {n_response} response, {n_logprobs} logprob) run past its {} bytes",
+            payload.len()
+        )));
+    }
+    let narrow = |[start, end]: [u64; 2]| [start as u32, end as u32];
+    Ok(PayloadLayout {
+        ordinal,
+        traj_id,
+        group_id,
+        step_index,
+        context_len,
+        obs: narrow(obs),
+        obs_width,
+        response: narrow(response),
+        response_width,
+        logprobs: narrow(logprobs),
+        meta: [at as u32, payload.len() as u32],
+    })
+}
+
+fn parse_legacy_layout(payload: &[u8]) -> Result<PayloadLayout, CodecError> {
+    if payload.len() < LEGACY_HEADER_LEN {
+        return Err(CodecError(format!(
+            "payload of {} bytes is shorter than its {LEGACY_HEADER_LEN}-byte header",
+            payload.len()
+        )));
+    }
+    let [n_obs, n_response, n_logprobs, meta_len] =
+        [24, 28, 32, 36].map(|at| read_u32(payload, at) as u64);
+    let arrays = 4 * (n_obs + n_response + n_logprobs);
+    let expected = LEGACY_HEADER_LEN as u64 + arrays + meta_len;
+    let padded = (expected + 3) & !3;
+    if padded != payload.len() as u64 || meta_len as usize > MAX_META_LEN {
+        return Err(CodecError(format!(
+            "payload header counts ({n_obs} obs, {n_response} response, {n_logprobs} logprob, {meta_len} meta bytes) do not match its {} bytes",
+            payload.len()
+        )));
+    }
+    let mut at = LEGACY_HEADER_LEN as u32;
+    let mut next = |bytes: u64| {
+        let start = at;
+        at += bytes as u32;
+        [start, at]
+    };
+    Ok(PayloadLayout {
+        ordinal: 0,
         traj_id: read_u64(payload, 0),
         group_id: read_u64(payload, 8),
         step_index: read_u32(payload, 16),
         context_len: read_u32(payload, 20),
-        n_obs: read_u32(payload, 24),
-        n_response: read_u32(payload, 28),
-        n_logprobs: read_u32(payload, 32),
-        meta_len: read_u32(payload, 36),
-    };
-    let arrays = 4 * (layout.n_obs as u64 + layout.n_response as u64 + layout.n_logprobs as u64);
-    let expected = PAYLOAD_HEADER_LEN as u64 + arrays + layout.meta_len as u64;
-    let padded = (expected + 3) & !3;
-    if padded != payload.len() as u64 || layout.meta_len as usize > MAX_META_LEN {
-        return Err(CodecError(format!(
-            "payload header counts ({} obs, {} response, {} logprob, {} meta bytes) do not match its {} bytes",
-            layout.n_obs,
-            layout.n_response,
-            layout.n_logprobs,
-            layout.meta_len,
-            payload.len()
-        )));
-    }
-    Ok(layout)
-}
-
-fn view_u32(bytes: &[u8]) -> Cow<'_, [u32]> {
-    match bytemuck::try_cast_slice(bytes) {
-        Ok(slice) if cfg!(target_endian = "little") => Cow::Borrowed(slice),
-        _ => Cow::Owned(bytes.chunks_exact(4).map(|c| read_u32(c, 0)).collect()),
-    }
+        obs: next(4 * n_obs),
+        obs_width: 4,
+        response: next(4 * n_response),
+        response_width: 4,
+        logprobs: next(4 * n_logprobs),
+        meta: next(meta_len),
+    })
 }
 
 fn view_f32(bytes: &[u8]) -> Cow<'_, [f32]> {
@@ -376,47 +584,51 @@ fn decode_exact<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError
     Ok(value)
 }
 
-/// Decodes a version-1 metadata block (texts inline).
-pub fn decode_meta_v1(bytes: &[u8]) -> Result<StepMeta, CodecError> {
-    decode_exact(bytes)
-}
-
-/// The texts a version-2 payload stores inline (`None` for references), indexed like
+/// The texts a version-3 payload stores inline (`None` for references), indexed like
 /// [`TextField::ALL`]; used to rebuild a writer's text table when it resumes a segment.
-pub fn inline_texts(payload: &[u8]) -> Result<[Option<&str>; 2], CodecError> {
-    let layout = parse_layout(payload)?;
-    let (texts, _) = decode_texts(&payload[layout.meta_range()])?;
-    Ok(texts.map(|text| match text {
-        StoredText::Inline(text) => Some(text),
-        StoredText::Earlier(_) => None,
-    }))
+pub fn inline_texts<'a>(
+    payload: &'a [u8],
+    layout: &PayloadLayout,
+) -> Result<[Option<&'a str>; 2], CodecError> {
+    let meta = &payload[layout.meta_range()];
+    let mut texts = [None; 2];
+    for (slot, field) in texts.iter_mut().zip(TextField::ALL) {
+        if let StoredText::Inline(bytes) = text_entry(FORMAT_VERSION, meta, field)? {
+            *slot = Some(utf8(bytes, field)?);
+        }
+    }
+    Ok(texts)
 }
 
-/// A record read in place: ids and token arrays borrowed from the mapped segment, the rest
-/// decoded on demand with [`StepView::meta`] or [`StepView::to_record`].
+/// A record read in place: ids, token arrays and (through [`StepView::meta_view`]) texts
+/// borrowed from the mapped segment; owned copies with [`StepView::meta`] or
+/// [`StepView::to_record`].
 #[derive(Clone, Debug)]
 pub struct StepView<'a> {
     pub traj_id: u64,
     pub group_id: u64,
     pub step_index: u32,
     pub context_len: u32,
-    pub obs_ids: Cow<'a, [u32]>,
-    pub response_ids: Cow<'a, [u32]>,
+    pub obs_ids: TokenIds<'a>,
+    pub response_ids: TokenIds<'a>,
     pub response_logprobs: Cow<'a, [f32]>,
     /// Segment file and frame offset the record was read from (empty path, 0 for a bare payload).
     pub path: &'a Path,
     pub offset: u64,
     meta_bytes: &'a [u8],
     format_version: u32,
-    /// Bytes of the whole segment and its validated frames (empty for a bare payload): where
-    /// text references are resolved.
+    /// Bytes of the whole segment, its validated frames and this frame's position among them
+    /// (empty for a bare payload): where text references are resolved.
     segment: &'a [u8],
     frames: &'a [Frame],
+    index: usize,
 }
 
 impl<'a> StepView<'a> {
     /// Views a payload whose `layout` came from [`parse_layout`] on the same bytes.
     pub fn new(payload: &'a [u8], layout: &PayloadLayout, format_version: u32) -> Self {
+        let ids =
+            |at, width: u8| TokenIds::new(&payload[range(at)], width.into()).unwrap_or_default();
         Self {
             path: Path::new(""),
             offset: 0,
@@ -424,19 +636,20 @@ impl<'a> StepView<'a> {
             group_id: layout.group_id,
             step_index: layout.step_index,
             context_len: layout.context_len,
-            obs_ids: view_u32(&payload[layout.obs_range()]),
-            response_ids: view_u32(&payload[layout.response_range()]),
-            response_logprobs: view_f32(&payload[layout.logprob_range()]),
+            obs_ids: ids(layout.obs, layout.obs_width),
+            response_ids: ids(layout.response, layout.response_width),
+            response_logprobs: view_f32(&payload[range(layout.logprobs)]),
             meta_bytes: &payload[layout.meta_range()],
             format_version,
             segment: &[],
             frames: &[],
+            index: 0,
         }
     }
 
     /// Validates and views a payload in one call.
     pub fn parse(payload: &'a [u8], format_version: u32) -> Result<Self, CodecError> {
-        let layout = parse_layout(payload)?;
+        let layout = parse_layout(payload, format_version)?;
         Ok(Self::new(payload, &layout, format_version))
     }
 
@@ -450,12 +663,13 @@ impl<'a> StepView<'a> {
     }
 
     /// Places the view in its segment (the segment's bytes, its validated frames in offset
-    /// order, this frame's offset): needed to resolve the text references of format version 2.
-    pub(crate) fn in_segment(self, segment: &'a [u8], frames: &'a [Frame], offset: u64) -> Self {
+    /// order, this frame's position among them): needed to resolve text references.
+    pub(crate) fn in_segment(self, segment: &'a [u8], frames: &'a [Frame], index: usize) -> Self {
         Self {
             segment,
             frames,
-            offset,
+            index,
+            offset: frames.get(index).map_or(self.offset, |f| f.offset),
             ..self
         }
     }
@@ -468,64 +682,167 @@ impl<'a> StepView<'a> {
         }
     }
 
-    /// Decodes the metadata block (env tag, seed, rewards, flags, texts), resolving text
-    /// references against earlier frames of the segment.
-    pub fn meta(&self) -> Result<StepMeta, StoreError> {
+    /// Decodes the metadata block in place (env tag, seed, rewards, flags, texts), resolving
+    /// text references against earlier frames of the segment; allocates nothing.
+    pub fn meta_view(&self) -> Result<StepMetaView<'a>, StoreError> {
         match self.format_version {
-            1 => decode_meta_v1(self.meta_bytes).map_err(|e| self.corrupt(e.0)),
-            2 => {
-                let (texts, fields) =
-                    decode_texts(self.meta_bytes).map_err(|e| self.corrupt(e.0))?;
-                let meta: StoredFields<'_> = decode_exact(fields).map_err(|e| self.corrupt(e.0))?;
-                let [observation_text, action_text] =
-                    [0, 1].map(|i| self.resolve(texts[i], TextField::ALL[i]));
-                Ok(StepMeta {
-                    env_tag: meta.env_tag.to_string(),
-                    seed: meta.seed,
-                    policy_version: meta.policy_version,
-                    reward: meta.reward,
-                    terminated: meta.terminated,
-                    truncated: meta.truncated,
-                    state_hash: meta.state_hash,
-                    info: StepInfo {
-                        success: meta.success,
-                        action_is_valid: meta.action_is_valid,
-                        action_is_effective: meta.action_is_effective,
-                        format_penalty: meta.format_penalty,
-                        num_actions: meta.num_actions,
-                        observation_text: observation_text?,
-                        action_text: action_text?,
-                    },
-                })
-            }
+            1 => self.meta_v1(),
+            2 => self.meta_v2(),
+            FORMAT_VERSION => self.meta_v3(),
             other => Err(self.corrupt(format!(
                 "segment format version {other} is not supported by this build"
             ))),
         }
     }
 
+    /// Decodes the metadata block into an owned [`StepMeta`].
+    pub fn meta(&self) -> Result<StepMeta, StoreError> {
+        self.meta_view().map(|m| m.to_meta())
+    }
+
+    fn meta_v1(&self) -> Result<StepMetaView<'a>, StoreError> {
+        let m: MetaV1<'a> = decode_exact(self.meta_bytes).map_err(|e| self.corrupt(e.0))?;
+        Ok(StepMetaView {
+            env_tag: m.env_tag,
+            seed: m.seed,
+            policy_version: m.policy_version,
+            reward: m.reward,
+            terminated: m.terminated,
+            truncated: m.truncated,
+            state_hash: m.state_hash,
+            success: m.info.success,
+            action_is_valid: m.info.action_is_valid,
+            action_is_effective: m.info.action_is_effective,
+            format_penalty: m.info.format_penalty,
+            num_actions: m.info.num_actions,
+            observation_text: m.info.observation_text,
+            action_text: m.info.action_text,
+        })
+    }
+
+    fn meta_v2(&self) -> Result<StepMetaView<'a>, StoreError> {
+        self.decode_v2().map_err(|e| self.corrupt(e.0))
+    }
+
+    fn decode_v2(&self) -> Result<StepMetaView<'a>, CodecError> {
+        let mut cursor = Cursor {
+            rest: self.meta_bytes,
+        };
+        let mut texts = [""; 2];
+        for (text, field) in texts.iter_mut().zip(TextField::ALL) {
+            let stored = cursor.text(field)?;
+            *text = self.resolve(stored, field)?;
+        }
+        let m: FieldsV2<'a> = decode_exact(cursor.rest)?;
+        Ok(StepMetaView {
+            env_tag: m.env_tag,
+            seed: m.seed,
+            policy_version: m.policy_version,
+            reward: m.reward,
+            terminated: m.terminated,
+            truncated: m.truncated,
+            state_hash: m.state_hash,
+            success: m.success,
+            action_is_valid: m.action_is_valid,
+            action_is_effective: m.action_is_effective,
+            format_penalty: m.format_penalty,
+            num_actions: m.num_actions,
+            observation_text: texts[0],
+            action_text: texts[1],
+        })
+    }
+
+    fn meta_v3(&self) -> Result<StepMetaView<'a>, StoreError> {
+        self.decode_v3().map_err(|e| self.corrupt(e.0))
+    }
+
+    fn decode_v3(&self) -> Result<StepMetaView<'a>, CodecError> {
+        let mut cursor = Cursor {
+            rest: self.meta_bytes,
+        };
+        let [flags] = cursor.array::<1>("the flags")?;
+        if flags & 0x80 != 0 {
+            return Err(CodecError(format!("unknown flag bits {flags:#x}")));
+        }
+        let mut texts = [""; 2];
+        for (text, field) in texts.iter_mut().zip(TextField::ALL) {
+            let stored = cursor.text(field)?;
+            *text = self.resolve(stored, field)?;
+        }
+        let env_tag = cursor.str("env_tag")?;
+        let seed = u64::from_le_bytes(cursor.array("seed")?);
+        let state_hash = u64::from_le_bytes(cursor.array("state_hash")?);
+        let policy_version = cursor.varint("policy_version")?;
+        let num_actions = cursor.varint_u32("num_actions")?;
+        let mut float = |bit: u8, what: &str| -> Result<f32, CodecError> {
+            match flags & bit {
+                0 => Ok(0.0),
+                _ => Ok(f32::from_le_bytes(cursor.array(what)?)),
+            }
+        };
+        let reward = float(FLAG_REWARD, "reward")?;
+        let format_penalty = float(FLAG_PENALTY, "format_penalty")?;
+        if cursor.rest.len() > 3 || cursor.rest.iter().any(|&b| b != 0) {
+            let n = cursor.rest.len();
+            return Err(CodecError(format!("metadata has {n} trailing bytes")));
+        }
+        let set = |bit: u8| flags & bit != 0;
+        Ok(StepMetaView {
+            env_tag,
+            seed,
+            policy_version,
+            reward,
+            terminated: set(FLAG_TERMINATED),
+            truncated: set(FLAG_TRUNCATED),
+            state_hash,
+            success: set(FLAG_SUCCESS),
+            action_is_valid: set(FLAG_VALID),
+            action_is_effective: set(FLAG_EFFECTIVE),
+            format_penalty,
+            num_actions,
+            observation_text: texts[0],
+            action_text: texts[1],
+        })
+    }
+
+    /// The validated frame before this one that a reference points at: format 2 by byte offset,
+    /// format 3 by frame number (`earlier` numbers back; found at once when no damaged frame
+    /// was skipped in between, else by binary search).
+    fn referenced_frame(&self, earlier: u64) -> Option<&'a Frame> {
+        let before = self.frames.get(..self.index)?;
+        let found = if self.format_version == 2 {
+            before.binary_search_by_key(&earlier, |f| f.offset)
+        } else {
+            let this = self.frames.get(self.index)?.layout.ordinal;
+            let target = this.checked_sub(earlier).filter(|_| earlier > 0)?;
+            let back = usize::try_from(earlier).ok()?;
+            match self.index.checked_sub(back).map(|i| (i, &self.frames[i])) {
+                Some((i, frame)) if frame.layout.ordinal == target => Ok(i),
+                _ => before.binary_search_by_key(&target, |f| f.layout.ordinal),
+            }
+        };
+        before.get(found.ok()?)
+    }
+
     /// The text `stored` stands for: itself when inline, else the same field of the earlier frame.
-    fn resolve(&self, stored: StoredText<'_>, field: TextField) -> Result<String, StoreError> {
-        let at = match stored {
-            StoredText::Inline(text) => return Ok(text.to_string()),
-            StoredText::Earlier(at) => at,
+    fn resolve(&self, stored: StoredText<'a>, field: TextField) -> Result<&'a str, CodecError> {
+        let earlier = match stored {
+            StoredText::Inline(bytes) => return utf8(bytes, field),
+            StoredText::Earlier(earlier) => earlier,
         };
         let broken = |why: &str| {
-            self.corrupt(format!(
-                "{} refers to the record at byte {at}, which {why}",
-                field.name()
-            ))
+            let target = match self.format_version {
+                2 => format!("the record at byte {earlier}"),
+                _ => format!("the record {earlier} frames back"),
+            };
+            CodecError(format!("{} refers to {target}, which {why}", field.name()))
         };
-        let frame = (at < self.offset)
-            .then(|| self.frames.binary_search_by_key(&at, |f| f.offset).ok())
-            .flatten()
-            .map(|i| self.frames[i])
+        let frame = self
+            .referenced_frame(earlier)
             .ok_or_else(|| broken("is not a valid earlier record of this segment"))?;
-        let payload = frame.payload(self.segment);
-        let (texts, _) =
-            decode_texts(&payload[frame.layout.meta_range()]).map_err(|e| broken(&e.0))?;
-        match texts[field as usize] {
-            StoredText::Inline(text) => Ok(text.to_string()),
+        let meta = &frame.payload(self.segment)[frame.layout.meta_range()];
+        match text_entry(self.format_version, meta, field).map_err(|e| broken(&e.0))? {
+            StoredText::Inline(bytes) => utf8(bytes, field).map_err(|e| broken(&e.0)),
             StoredText::Earlier(_) => Err(broken("holds a reference, not the text")),
         }
     }
@@ -566,7 +883,7 @@ mod tests {
             seed: 99,
             policy_version: 4,
             context_len: 120,
-            obs_ids: vec![1, 2, 3],
+            obs_ids: vec![1, 2, 151_643],
             response_ids: vec![10, 11],
             response_logprobs: vec![-0.5, -1.25],
             reward: 1.0,
@@ -585,45 +902,84 @@ mod tests {
         }
     }
 
-    #[test]
-    fn payload_round_trips_and_is_aligned() {
+    fn encoded(record: &StepRecord, refs: TextRefs) -> Vec<u8> {
         let mut bytes = Vec::new();
-        encode_payload(&sample(), [None, None], &mut bytes).unwrap();
+        encode_payload(record, 20, refs, &mut bytes).unwrap();
+        bytes
+    }
+
+    #[test]
+    fn payload_round_trips_at_the_narrowest_widths_and_is_aligned() {
+        let bytes = encoded(&sample(), [None; 2]);
         assert_eq!(bytes.len() % 4, 0);
-        let view = StepView::parse(&bytes, 2).unwrap();
-        assert_eq!(&*view.obs_ids, &[1, 2, 3]);
+        let view = StepView::parse(&bytes, FORMAT_VERSION).unwrap();
+        assert_eq!((view.obs_ids.width(), view.response_ids.width()), (3, 1));
+        assert_eq!(view.obs_ids, vec![1, 2, 151_643]);
+        assert!(matches!(view.response_logprobs, Cow::Borrowed(_)));
         assert_eq!(view.to_record().unwrap(), sample());
+        let meta = view.meta_view().unwrap();
+        assert_eq!(
+            (meta.env_tag, meta.action_text),
+            ("frozen_lake", "<answer>Left</answer>")
+        );
+    }
+
+    #[test]
+    fn floats_keep_their_exact_bits_and_zero_floats_take_no_bytes() {
+        let mut record = sample();
+        let with_floats = encoded(&record, [None; 2]).len();
+        record.reward = -0.0;
+        record.info.format_penalty = f32::from_bits(1);
+        let bytes = encoded(&record, [None; 2]);
+        let back = StepView::parse(&bytes, FORMAT_VERSION)
+            .unwrap()
+            .to_record()
+            .unwrap();
+        assert_eq!(back.reward.to_bits(), (-0.0f32).to_bits());
+        assert_eq!(back.info.format_penalty.to_bits(), 1);
+        record.reward = 0.0;
+        record.info.format_penalty = 0.0;
+        let zeros = encoded(&record, [None; 2]);
+        assert_eq!(zeros.len() + 8, with_floats);
+        let back = StepView::parse(&zeros, FORMAT_VERSION).unwrap();
+        assert_eq!(back.to_record().unwrap(), record);
     }
 
     #[test]
     fn inconsistent_counts_are_rejected() {
-        let mut bytes = Vec::new();
-        encode_payload(&sample(), [None, None], &mut bytes).unwrap();
-        bytes[24] = 200;
-        assert!(parse_layout(&bytes).is_err());
-        assert!(parse_layout(&bytes[..10]).is_err());
+        let mut bytes = encoded(&sample(), [None; 2]);
+        bytes[5] = 120; // n_obs
+        assert!(parse_layout(&bytes, FORMAT_VERSION).is_err());
+        assert!(parse_layout(&bytes[..3], FORMAT_VERSION).is_err());
+        assert!(parse_layout(&bytes[..10], 2).is_err());
     }
 
     #[test]
     fn garbage_metadata_is_an_error() {
-        assert!(decode_meta_v1(&[0xFF; 9]).is_err());
-        let mut bytes = Vec::new();
-        encode_payload(&sample(), [None, None], &mut bytes).unwrap();
-        assert!(StepView::parse(&bytes, 3).unwrap().meta().is_err());
+        let view = StepView::parse(&[0xFF; 44], 1);
+        assert!(view.is_err() || view.unwrap().meta().is_err());
+        let bytes = encoded(&sample(), [None; 2]);
+        assert!(StepView::parse(&bytes, 4).unwrap().meta().is_err());
+        let mut trailing = bytes.clone();
+        trailing.extend_from_slice(&[0, 0, 0, 7]);
+        let view = StepView::parse(&trailing, FORMAT_VERSION).unwrap();
+        assert!(view.meta().unwrap_err().to_string().contains("trailing"));
     }
 
     #[test]
-    fn a_reference_without_its_segment_is_an_error_naming_both_offsets() {
-        let mut bytes = Vec::new();
-        encode_payload(&sample(), [None, Some(16)], &mut bytes).unwrap();
-        assert_eq!(inline_texts(&bytes).unwrap(), [Some("_P_\nG__"), None]);
-        let view = StepView::parse(&bytes, 2)
+    fn a_reference_without_its_segment_is_an_error_naming_the_record() {
+        let bytes = encoded(&sample(), [None, Some(16)]);
+        let layout = parse_layout(&bytes, FORMAT_VERSION).unwrap();
+        assert_eq!(layout.ordinal, 20);
+        let inline = inline_texts(&bytes, &layout).unwrap();
+        assert_eq!(inline, [Some("_P_\nG__"), None]);
+        let view = StepView::parse(&bytes, FORMAT_VERSION)
             .unwrap()
             .at(Path::new("s.stp"), 96);
         let err = view.to_record().unwrap_err().to_string();
         assert!(
             err.contains("s.stp at byte 96")
-                && err.contains("action_text refers to the record at byte 16"),
+                && err.contains("action_text refers to the record 16 frames back"),
             "{err}"
         );
     }
@@ -631,8 +987,9 @@ mod tests {
     #[test]
     fn misaligned_bytes_are_copied() {
         let mut bytes = vec![0u8];
-        encode_payload(&sample(), [None, None], &mut bytes).unwrap();
-        let view = StepView::parse(&bytes[1..], 2).unwrap();
+        encode_payload(&sample(), 0, [None; 2], &mut bytes).unwrap();
+        let view = StepView::parse(&bytes[1..], FORMAT_VERSION).unwrap();
+        assert!(matches!(view.response_logprobs, Cow::Owned(_)));
         assert_eq!(view.to_record().unwrap(), sample());
     }
 }

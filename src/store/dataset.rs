@@ -190,8 +190,9 @@ impl DatasetWriter {
         })
     }
 
-    /// Opens an existing, undamaged dataset to append more records (its last segment is resumed
-    /// when unsealed and of the current format version; otherwise a new segment is started).
+    /// Opens an existing, undamaged dataset to append more records. An unsealed last segment of
+    /// the current format version is resumed; one of an older version is sealed as it is (one
+    /// file holds frames of one version) and the next record starts a new segment.
     /// `opts.metadata` is merged into the manifest.
     pub fn open_append(dir: &Path, opts: WriterOptions) -> Result<Self, StoreError> {
         let dataset = Dataset::open(dir)?;
@@ -202,26 +203,29 @@ impl DatasetWriter {
         }
         let mut manifest = dataset.manifest.clone();
         manifest.metadata.extend(opts.metadata);
+        manifest.format_version = segment::FORMAT_VERSION;
         let last = dataset.segments.last();
-        let next_number = last.map_or(0, |(n, _)| n + 1);
-        let active = match last {
-            Some((_, seg))
-                if seg.scan.footer.is_none()
-                    && seg.scan.format_version == segment::FORMAT_VERSION =>
-            {
-                Some((next_number - 1, SegmentWriter::resume(seg, opts.durable)?))
+        let resumed = match last {
+            Some((number, seg)) if seg.scan.footer.is_none() => {
+                Some((*number, SegmentWriter::resume(seg, opts.durable)?))
             }
             _ => None,
         };
-        manifest.replace(dir, opts.durable)?;
-        Ok(Self {
+        let mut writer = Self {
             dir: dir.to_path_buf(),
             manifest,
             roll_bytes: opts.roll_bytes,
             durable: opts.durable,
-            active,
-            next_number,
-        })
+            active: None,
+            next_number: last.map_or(0, |(n, _)| n + 1),
+        };
+        match resumed {
+            Some(active) if active.1.appendable() => writer.active = Some(active),
+            Some((_, older)) => writer.seal_writer(older)?,
+            None => {}
+        }
+        writer.manifest.replace(dir, opts.durable)?;
+        Ok(writer)
     }
 
     /// Sets one entry of the manifest's `metadata` map (written at the next roll or seal).
@@ -235,26 +239,22 @@ impl DatasetWriter {
 
     /// Appends one record (encoded straight into the active segment's buffer).
     pub fn append(&mut self, record: &StepRecord) -> Result<RecordLocation, StoreError> {
-        let (mut segment, mut writer) = match self.active.take() {
-            Some(active) => active,
-            None => self.start_segment()?,
-        };
-        let mut appended = writer.append(record, self.roll_bytes);
-        if matches!(appended, Ok(None)) {
-            self.seal_writer(writer)?;
-            (segment, writer) = self.start_segment()?;
-            appended = writer.append(record, u64::MAX);
+        if let Some((segment, writer)) = &mut self.active {
+            if let Some(offset) = writer.append(record, self.roll_bytes)? {
+                let segment = *segment;
+                return Ok(RecordLocation { segment, offset });
+            }
+            self.seal_active()?;
         }
-        let refused = || StoreError::Invalid {
-            path: writer.path().to_path_buf(),
-            reason: "a fresh segment refused a record".into(),
-        };
-        let offset = appended.and_then(|a| a.ok_or_else(refused));
+        let (segment, mut writer) = self.start_segment()?;
+        let appended = writer.append(record, u64::MAX);
+        let path = writer.path().to_path_buf();
         self.active = Some((segment, writer));
-        Ok(RecordLocation {
-            segment,
-            offset: offset?,
-        })
+        let offset = appended?.ok_or_else(|| StoreError::Invalid {
+            path,
+            reason: "a fresh segment refused a record".into(),
+        })?;
+        Ok(RecordLocation { segment, offset })
     }
 
     fn start_segment(&mut self) -> Result<(u64, SegmentWriter), StoreError> {
@@ -343,10 +343,9 @@ impl Trajectory<'_> {
             .unwrap_or(0);
         let mut tokens = Vec::with_capacity(step.context_len as usize + step.obs_ids.len());
         for earlier in &self.steps[start..t] {
-            tokens.extend_from_slice(&earlier.obs_ids);
-            tokens.extend_from_slice(&earlier.response_ids);
+            tokens.extend(earlier.obs_ids.iter().chain(earlier.response_ids.iter()));
         }
-        tokens.extend_from_slice(&step.obs_ids);
+        tokens.extend(step.obs_ids.iter());
         tokens
     }
 }

@@ -2,13 +2,16 @@
 //! memory-mapped segment files with crc-framed records, a footer index by trajectory, readers
 //! for records / trajectories / groups, verify and repair, replay rendering and statistics.
 //!
-//! Layout: `codec` (record bytes, the only bincode user), `segment` (one file), `dataset`
-//! (directory + manifest, writer and readers), `verify` (verify / repair).
+//! Layout: `codec` (record bytes, the only bincode user), `tokens` (id arrays at 1 to 4 bytes
+//! per id), `segment` (one file), `dataset` (directory + manifest, writer and readers), `verify`
+//! (verify / repair).
 //!
-//! Format version 2 (written since store2) stores an observation or action text that already
-//! appeared in the same segment as a backward reference to the earlier frame; version 1
-//! segments stay readable. `WriterOptions::durable` (default true) decides whether sealing and
-//! manifest replacement fsync.
+//! Format version 3 (written since store-perf) stores each token id array at the narrowest
+//! width that holds its largest id (3 bytes for a 151k vocabulary; read in place through
+//! [`TokenIds`]), varint ids and counts, flags in one byte, and every text (env tag, observation,
+//! action) already in the same segment as a backward reference counted in frames. Versions 1
+//! and 2 stay readable. [`StepView::meta_view`] decodes metadata without allocating.
+//! `WriterOptions::durable` (default true) decides whether sealing and manifest replacement fsync.
 //!
 //! Fuzzing: `fuzz/` is a cargo-fuzz crate (its own workspace); `framed_payloads` wraps arbitrary
 //! payloads in valid frames (past the crc gate); `segment_reader` feeds
@@ -21,7 +24,7 @@
 //! RUSTC_BOOTSTRAP=1 cargo fuzz run framed_payloads fuzz/corpus/framed_payloads -- -max_total_time=120
 //! ```
 //!
-//! (`fuzz/seeds/segment_reader` holds the pinned v1 and v2 segments of `tests/store_format.rs`;
+//! (`fuzz/seeds/segment_reader` holds the pinned v1, v2 and v3 segments of `tests/store_format.rs`;
 //! new inputs go to the git-ignored `fuzz/corpus`.) What was run and found: BENCHMARKS.md, STORE.
 
 mod codec;
@@ -31,9 +34,10 @@ mod error;
 mod record;
 mod replay;
 mod segment;
+mod tokens;
 mod verify;
 
-pub use codec::{StepMeta, StepView};
+pub use codec::{StepMeta, StepMetaView, StepView};
 pub use collect::{agent_episode, collect, CollectConfig, CollectSummary, EpisodeIds};
 pub use dataset::{
     Dataset, DatasetWriter, Group, Manifest, RecordLocation, SegmentEntry, Trajectory,
@@ -43,4 +47,5 @@ pub use error::{Problem, ProblemKind, StoreError};
 pub use record::{StepInfo, StepRecord};
 pub use replay::{decode_trajectory, jsonl_line, transcript, DatasetStats, Stats, Summary};
 pub use segment::{scan as scan_segment, SegmentScan, FORMAT_VERSION, SEGMENT_MAGIC};
+pub use tokens::{TokenIds, TokenIter};
 pub use verify::{repair, verify, RepairReport, VerifyReport};

@@ -15,8 +15,10 @@
 //!
 //! The writer encodes each frame straight into one large in-memory buffer (no per-record
 //! allocation or system call), hands the buffer to the OS when it passes [`WRITE_BUFFER_BYTES`]
-//! or on flush/seal, and keeps the per-segment text table behind the backward text references of
-//! format version 2 (see `codec`).
+//! or on flush/seal, and keeps the per-segment text table behind the backward text references
+//! (see `codec`). It appends only to segments of the current format version; an unsealed segment
+//! of an older version is sealed as it is (the footer is the same in every version) and the
+//! dataset continues in a new segment, since one file holds frames of one version only.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -32,7 +34,7 @@ use super::record::{StepInfo, StepRecord};
 /// First eight bytes of every segment file.
 pub const SEGMENT_MAGIC: [u8; 8] = *b"STPPOSEG";
 /// Format version written by this build (see `codec::SUPPORTED_VERSIONS` for what it reads).
-pub const FORMAT_VERSION: u32 = 2;
+pub use super::codec::FORMAT_VERSION;
 /// Bytes of the segment header.
 pub const HEADER_LEN: usize = 16;
 /// Bytes before the payload of every frame.
@@ -61,15 +63,17 @@ fn frame_crc(len_field: u32, payload: &[u8]) -> u32 {
     hasher.finalize()
 }
 
-/// Appends `record` as one complete frame to `out`; on error `out` is left as it was.
+/// Appends `record` as one complete frame, number `ordinal` of its segment, to `out`; on error
+/// `out` is left as it was.
 fn encode_frame(
     record: &StepRecord,
+    ordinal: u64,
     refs: TextRefs,
     out: &mut Vec<u8>,
 ) -> Result<(), codec::CodecError> {
     let start = out.len();
     out.extend_from_slice(&[0; FRAME_HEADER_LEN]);
-    let encoded = codec::encode_payload(record, refs, out).and_then(|()| {
+    let encoded = codec::encode_payload(record, ordinal, refs, out).and_then(|()| {
         let payload_len = out.len() - start - FRAME_HEADER_LEN;
         if payload_len > MAX_PAYLOAD {
             return Err(codec::CodecError(format!(
@@ -99,6 +103,8 @@ pub struct Frame {
     /// Byte offset of the frame (its magic) in the segment file.
     pub offset: u64,
     pub payload_len: u32,
+    /// Position of this frame among the scan's valid frames.
+    pub index: u32,
     pub layout: PayloadLayout,
 }
 
@@ -172,12 +178,13 @@ impl SegmentScan {
         StepView::new(frame.payload(bytes), &frame.layout, self.format_version).in_segment(
             bytes,
             &self.frames,
-            frame.offset,
+            frame.index as usize,
         )
     }
 }
 
-fn frame_at(bytes: &[u8], pos: usize, end: usize) -> Option<Frame> {
+/// The frame at `pos` when it is valid (numbered as if it came next after `scan`'s frames).
+fn frame_at(bytes: &[u8], pos: usize, end: usize, scan: &SegmentScan) -> Option<Frame> {
     if read_u32(bytes, pos)? != FRAME_MAGIC {
         return None;
     }
@@ -191,18 +198,19 @@ fn frame_at(bytes: &[u8], pos: usize, end: usize) -> Option<Frame> {
     if frame_crc(len_field, payload) != read_u32(bytes, pos + 8)? {
         return None;
     }
-    let layout = codec::parse_layout(payload).ok()?;
+    let layout = codec::parse_layout(payload, scan.format_version).ok()?;
     Some(Frame {
         offset: pos as u64,
         payload_len: len_field,
+        index: scan.frames.len() as u32,
         layout,
     })
 }
 
-fn next_valid_frame(bytes: &[u8], from: usize, end: usize) -> Option<Frame> {
+fn next_valid_frame(bytes: &[u8], from: usize, end: usize, scan: &SegmentScan) -> Option<Frame> {
     (from..end.saturating_sub(FRAME_HEADER_LEN - 1))
         .step_by(4)
-        .find_map(|pos| frame_at(bytes, pos, end))
+        .find_map(|pos| frame_at(bytes, pos, end, scan))
 }
 
 fn parse_footer(bytes: &[u8]) -> Option<Footer> {
@@ -271,12 +279,12 @@ pub fn scan(bytes: &[u8]) -> SegmentScan {
     let end = scan.footer.map_or(bytes.len(), |f| f.seal_offset as usize);
     let mut pos = HEADER_LEN;
     while pos < end {
-        if let Some(frame) = frame_at(bytes, pos, end) {
+        if let Some(frame) = frame_at(bytes, pos, end, &scan) {
             scan.frames.push(frame);
             pos = frame.end() as usize;
             continue;
         }
-        match next_valid_frame(bytes, pos + 4, end) {
+        match next_valid_frame(bytes, pos + 4, end, &scan) {
             Some(next) => {
                 let skipped = next.offset - pos as u64;
                 scan.problems
@@ -373,14 +381,28 @@ impl std::hash::BuildHasher for FxBuild {
     }
 }
 
+impl FxHasher {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
 impl std::hash::Hasher for FxHasher {
     fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.0 = (self.0.rotate_left(5) ^ u64::from_le_bytes(word))
-                .wrapping_mul(0x517c_c1b7_2722_0a95);
+        let words = bytes.chunks_exact(8);
+        let tail = words.remainder();
+        for word in words {
+            self.add(u64::from_le_bytes(std::array::from_fn(|i| word[i])));
         }
+        if !tail.is_empty() {
+            let mut word = [0u8; 8];
+            word[..tail.len()].copy_from_slice(tail);
+            self.add(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u8(&mut self, byte: u8) {
+        self.add(byte.into());
     }
 
     fn finish(&self) -> u64 {
@@ -388,27 +410,33 @@ impl std::hash::Hasher for FxHasher {
     }
 }
 
-/// Per segment: each distinct text written inline, by field, with the offset of its frame.
+/// Per segment: each distinct text, by field, with the number of the last frame that stored it
+/// inline.
 #[derive(Debug, Default)]
 struct TextTable {
     by_field: [HashMap<String, u64, FxBuild>; 2],
 }
 
 impl TextTable {
-    /// Offsets of earlier frames holding `info`'s texts (equal texts, not just equal hashes).
-    fn refs(&self, info: &StepInfo) -> TextRefs {
-        let [observation, action] = &self.by_field;
-        [
-            observation.get(TextField::Observation.of(info)).copied(),
-            action.get(TextField::Action.of(info)).copied(),
-        ]
+    /// For the frame numbered `ordinal`: how many frames back an earlier frame within
+    /// [`codec::REFERENCE_WINDOW`] holds each of `info`'s texts inline (equal texts, not just
+    /// equal hashes).
+    fn refs(&self, info: &StepInfo, ordinal: u64) -> TextRefs {
+        TextField::ALL.map(|field| {
+            let earlier = self.by_field[field as usize].get(field.of(info))?;
+            Some(ordinal - earlier).filter(|&back| back <= codec::REFERENCE_WINDOW)
+        })
     }
 
-    /// Records the texts that the frame at `offset` stored inline.
-    fn remember(&mut self, texts: [Option<&str>; 2], offset: u64) {
+    /// Records the texts that the frame numbered `ordinal` stored inline.
+    fn remember(&mut self, texts: [Option<&str>; 2], ordinal: u64) {
         for (table, text) in self.by_field.iter_mut().zip(texts) {
-            if let Some(text) = text {
-                table.entry(text.to_string()).or_insert(offset);
+            match text.map(|t| (table.get_mut(t), t)) {
+                Some((Some(last), _)) => *last = ordinal,
+                Some((None, t)) => {
+                    table.insert(t.to_string(), ordinal);
+                }
+                None => {}
             }
         }
     }
@@ -425,6 +453,8 @@ pub struct SegmentWriter {
     written: u64,
     index: Vec<(u64, u64)>,
     texts: TextTable,
+    /// Format version of the file: only [`FORMAT_VERSION`] accepts appends.
+    format_version: u32,
     /// Whether `seal` fsyncs the file.
     durable: bool,
 }
@@ -449,17 +479,19 @@ impl SegmentWriter {
             written: 0,
             index: Vec::new(),
             texts: TextTable::default(),
+            format_version: FORMAT_VERSION,
             durable,
         })
     }
 
-    /// Reopens an unsealed, undamaged segment of the current format to append to it.
+    /// Reopens an unsealed, undamaged segment: to append to it when it has the current format
+    /// version, else only to seal it ([`SegmentWriter::append`] refuses).
     pub fn resume(segment: &MappedSegment, durable: bool) -> Result<Self, StoreError> {
         let path = &segment.path;
-        if segment.scan.footer.is_some() || segment.scan.format_version != FORMAT_VERSION {
+        if segment.scan.footer.is_some() {
             return Err(StoreError::Invalid {
                 path: path.clone(),
-                reason: "segment is sealed or of another format version".into(),
+                reason: "segment is already sealed".into(),
             });
         }
         if segment.bytes().is_empty() {
@@ -477,20 +509,29 @@ impl SegmentWriter {
             written: segment.bytes().len() as u64,
             index: Vec::new(),
             texts: TextTable::default(),
+            format_version: segment.scan.format_version,
             durable,
         };
         for frame in &segment.scan.frames {
-            let texts = codec::inline_texts(frame.payload(segment.bytes())).map_err(|e| {
-                StoreError::Corrupt {
-                    path: path.clone(),
-                    offset: frame.offset,
-                    reason: e.0,
-                }
-            })?;
-            writer.texts.remember(texts, frame.offset);
+            if writer.appendable() {
+                let payload = frame.payload(segment.bytes());
+                let texts = codec::inline_texts(payload, &frame.layout).map_err(|e| {
+                    StoreError::Corrupt {
+                        path: path.clone(),
+                        offset: frame.offset,
+                        reason: e.0,
+                    }
+                })?;
+                writer.texts.remember(texts, writer.index.len() as u64);
+            }
             writer.index.push((frame.layout.traj_id, frame.offset));
         }
         Ok(writer)
+    }
+
+    /// Whether this segment takes more records (it has the current format version).
+    pub fn appendable(&self) -> bool {
+        self.format_version == FORMAT_VERSION
     }
 
     pub fn path(&self) -> &Path {
@@ -505,13 +546,23 @@ impl SegmentWriter {
     /// Encodes `record` as a frame at the end of the segment and returns its offset, or `None`
     /// (nothing written) when the segment already holds records and would grow past `max_len`.
     pub fn append(&mut self, record: &StepRecord, max_len: u64) -> Result<Option<u64>, StoreError> {
+        if !self.appendable() {
+            return Err(StoreError::Invalid {
+                path: self.path.clone(),
+                reason: format!(
+                    "segment has format version {}; only version {FORMAT_VERSION} takes appends",
+                    self.format_version
+                ),
+            });
+        }
         if self.buffer.len() >= WRITE_BUFFER_BYTES {
             self.flush()?;
         }
         let offset = self.len();
         let start = self.buffer.len();
-        let refs = self.texts.refs(&record.info);
-        encode_frame(record, refs, &mut self.buffer).map_err(|e| StoreError::Encode {
+        let ordinal = self.index.len() as u64;
+        let refs = self.texts.refs(&record.info, ordinal);
+        encode_frame(record, ordinal, refs, &mut self.buffer).map_err(|e| StoreError::Encode {
             path: self.path.clone(),
             traj_id: record.traj_id,
             step_index: record.step_index,
@@ -525,7 +576,7 @@ impl SegmentWriter {
             let i = field as usize;
             refs[i].is_none().then(|| field.of(&record.info))
         });
-        self.texts.remember(inline, offset);
+        self.texts.remember(inline, ordinal);
         self.index.push((record.traj_id, offset));
         Ok(Some(offset))
     }
@@ -634,12 +685,13 @@ mod tests {
         let sizes: Vec<u64> = scan.frames.iter().map(|f| f.end() - f.offset).collect();
         assert!(sizes[1] + long.len() as u64 - 20 < sizes[0], "{sizes:?}");
         // Texts are compared per field: record 3's observation equals an action text, stored inline.
-        let texts = codec::inline_texts(scan.frames[3].payload(&bytes)).unwrap();
+        let frame = scan.frames[3];
+        let texts = codec::inline_texts(frame.payload(&bytes), &frame.layout).unwrap();
         assert_eq!(texts, [Some("<answer>Up</answer>"), Some("other")]);
     }
 
     #[test]
-    fn a_corrupt_referenced_frame_fails_the_dependent_record_naming_both_offsets() {
+    fn a_corrupt_referenced_frame_fails_the_dependent_record() {
         let long = "x".repeat(100);
         let records = vec![with_texts(0, &long, "a"), with_texts(1, &long, "b")];
         let mut bytes = segment_bytes(&records, false);
@@ -654,10 +706,46 @@ mod tests {
             .unwrap_err()
             .to_string();
         let both = format!(
-            "at byte {}: observation_text refers to the record at byte {}",
-            second.offset, first.offset
+            "at byte {}: observation_text refers to the record 1 frames back, which is not a valid",
+            second.offset
         );
         assert!(err.contains(&both), "{err}");
+    }
+
+    #[test]
+    fn a_reference_across_a_skipped_damaged_frame_still_resolves() {
+        let records = vec![
+            with_texts(0, "shared", "a"),
+            with_texts(1, "other", "b"),
+            with_texts(2, "shared", "c"),
+        ];
+        let mut bytes = segment_bytes(&records, false);
+        let damaged = scan(&bytes).frames[1];
+        bytes[damaged.offset as usize + FRAME_HEADER_LEN + 1] ^= 1;
+        let scan = scan(&bytes);
+        assert_eq!(scan.frames.len(), 2);
+        let last = scan.view(&bytes, &scan.frames[1]).to_record().unwrap();
+        assert_eq!(last, records[2]);
+    }
+
+    #[test]
+    fn a_text_is_stored_inline_again_once_out_of_the_reference_window() {
+        let window = codec::REFERENCE_WINDOW as usize;
+        let records: Vec<_> = (0..window as u64 + 2)
+            .map(|i| with_texts(i, "same", "same"))
+            .collect();
+        let bytes = segment_bytes(&records, true);
+        let scan = scan(&bytes);
+        let inline: Vec<bool> = (scan.frames.iter())
+            .map(|f| codec::inline_texts(f.payload(&bytes), &f.layout).unwrap()[0].is_some())
+            .collect();
+        let expected: Vec<bool> = (0..window + 2).map(|i| i % (window + 1) == 0).collect();
+        assert_eq!(inline, expected);
+        let last = scan.frames.last().unwrap();
+        assert_eq!(
+            scan.view(&bytes, last).to_record().unwrap(),
+            records[window + 1]
+        );
     }
 
     #[test]

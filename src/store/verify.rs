@@ -42,7 +42,7 @@ pub fn verify(dir: &Path) -> Result<VerifyReport, StoreError> {
 
 fn undecodable_records(seg: &MappedSegment) -> impl Iterator<Item = Problem> + '_ {
     seg.scan.frames.iter().filter_map(|frame| {
-        let why = match seg.view(frame).meta().err()? {
+        let why = match seg.view(frame).meta_view().err()? {
             StoreError::Corrupt { reason, .. } => reason,
             other => other.to_string(),
         };
