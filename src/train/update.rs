@@ -422,39 +422,56 @@ pub fn response_logprobs(
     temperature: f32,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
     let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
-    for seqs in by_length(records, sequences).chunks(chunk.max(1)) {
-        let p = pack(records, seqs)?;
-        if p.rows == 0 {
-            continue;
-        }
-        let batch = DeviceBatch::new(&p, pad_id, model.device())?;
-        let (logp, _) = model.logprobs_entropy_at(
-            &batch.ids,
-            &batch.mask,
-            &batch.token_index,
-            &batch.token_targets,
-            temperature,
-        )?;
-        let logp = logp
-            .detach()
-            .reshape((p.rows, p.max_response_len))?
-            .to_vec2::<f32>()?;
-        for (row, &r) in p.record_of_row.iter().enumerate() {
-            out[r] = logp[row][..records[r].response_ids.len()].to_vec();
-        }
-    }
+    for_each_chunk(
+        records,
+        sequences,
+        chunk,
+        pad_id,
+        model.device(),
+        |p, batch| {
+            let (logp, _) = model.logprobs_entropy_at(
+                &batch.ids,
+                &batch.mask,
+                &batch.token_index,
+                &batch.token_targets,
+                temperature,
+            )?;
+            let logp = logp
+                .detach()
+                .reshape((p.rows, p.max_response_len))?
+                .to_vec2::<f32>()?;
+            for (row, &r) in p.record_of_row.iter().enumerate() {
+                out[r] = logp[row][..records[r].response_ids.len()].to_vec();
+            }
+            Ok(())
+        },
+    )?;
     Ok(out)
 }
 
-/// `sequences` ordered by token length, so each forward pads little.
-fn by_length(records: &[StepRecord], sequences: &[Vec<usize>]) -> Vec<Vec<usize>> {
+/// Packs `sequences` in chunks of `chunk` similar-length sequences (little padding per forward)
+/// and hands each chunk, on `device`, to `visit`.
+fn for_each_chunk(
+    records: &[StepRecord],
+    sequences: &[Vec<usize>],
+    chunk: usize,
+    pad_id: u32,
+    device: &Device,
+    mut visit: impl FnMut(&PackedBatch, &DeviceBatch) -> Result<(), TrainError>,
+) -> Result<(), TrainError> {
     let mut sorted = sequences.to_vec();
     sorted.sort_by_key(|seq| {
         seq.iter()
             .map(|&r| records[r].obs_ids.len() + records[r].response_ids.len())
             .sum::<usize>()
     });
-    sorted
+    for seqs in sorted.chunks(chunk.max(1)) {
+        let p = pack(records, seqs)?;
+        if p.rows > 0 {
+            visit(&p, &DeviceBatch::new(&p, pad_id, device)?)?;
+        }
+    }
+    Ok(())
 }
 
 /// Critic values of every record at rollout time, no update: per record, one value at the step
@@ -469,17 +486,12 @@ pub fn critic_values(
     device: &Device,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
     let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
-    for seqs in by_length(records, sequences).chunks(chunk.max(1)) {
-        let p = pack(records, seqs)?;
-        if p.rows == 0 {
-            continue;
-        }
-        let batch = DeviceBatch::new(&p, pad_id, device)?;
+    for_each_chunk(records, sequences, chunk, pad_id, device, |p, batch| {
         let values = values_of(&batch.ids, &batch.mask)?.detach();
         match target {
             CriticTarget::StepStart => {
                 let v = batch
-                    .at_step_starts(&values, &p)?
+                    .at_step_starts(&values, p)?
                     .flatten_all()?
                     .to_vec1::<f32>()?;
                 for (row, &r) in p.record_of_row.iter().enumerate() {
@@ -487,13 +499,14 @@ pub fn critic_values(
                 }
             }
             CriticTarget::AllResponseTokens => {
-                let v = batch.at_tokens(&values, &p)?.to_vec2::<f32>()?;
+                let v = batch.at_tokens(&values, p)?.to_vec2::<f32>()?;
                 for (row, &r) in p.record_of_row.iter().enumerate() {
                     out[r] = v[row][..records[r].response_ids.len()].to_vec();
                 }
             }
         }
-    }
+        Ok(())
+    })?;
     Ok(out)
 }
 
