@@ -189,6 +189,46 @@ fn rollout_logprobs_equal_training_logprobs() {
             );
         }
     }
+    // The training path scores only the generated positions: same log-probs and entropies.
+    let width = batch.input_ids.dim(1).unwrap();
+    let positions: Vec<u32> = prompts
+        .iter()
+        .zip(&gens)
+        .enumerate()
+        .flat_map(|(b, (p, g))| {
+            (0..g.logprobs.len()).map(move |i| (b * width + p.len() - 1 + i) as u32)
+        })
+        .collect();
+    let flat_targets = tgt
+        .input_ids
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap();
+    let picked: Vec<u32> = positions
+        .iter()
+        .map(|&i| flat_targets[i as usize])
+        .collect();
+    let (at_logp, at_entropy) = model
+        .logprobs_entropy_at(
+            &batch.input_ids,
+            &batch.attention_mask,
+            &Tensor::new(positions.as_slice(), &Device::Cpu).unwrap(),
+            &Tensor::new(picked.as_slice(), &Device::Cpu).unwrap(),
+            params.temperature,
+        )
+        .unwrap();
+    let rollout: Vec<f32> = gens.iter().flat_map(|g| g.logprobs.clone()).collect();
+    let full_entropy = entropy.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let at_logp = at_logp.to_vec1::<f32>().unwrap();
+    let at_entropy = at_entropy.to_vec1::<f32>().unwrap();
+    for (k, &pos) in positions.iter().enumerate() {
+        assert!((at_logp[k] - rollout[k]).abs() < 1e-4, "position {pos}");
+        assert!(
+            (at_entropy[k] - full_entropy[pos as usize]).abs() < 1e-4,
+            "position {pos}"
+        );
+    }
 }
 
 #[test]

@@ -197,7 +197,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
             };
             (ckpt.join("policy"), cfg)
         }
-        Err(_) if a.checkpoint.join("config.json").is_file() => (
+        Err(_) if is_model_dir(&a.checkpoint) => (
             a.checkpoint.clone(),
             load_config(a.config.as_deref(), &a.sets)?,
         ),
@@ -212,6 +212,14 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     }
     let summaries = eval::evaluate_policy(&policy_dir, &cfg)?;
     print_summaries(&summaries, a.json)
+}
+
+/// An HF-layout model directory: `config.json` plus single-file or sharded safetensors weights
+/// (a run directory without checkpoints also holds a `config.json`, but no weights).
+fn is_model_dir(dir: &Path) -> bool {
+    dir.join("config.json").is_file()
+        && (dir.join("model.safetensors").is_file()
+            || dir.join("model.safetensors.index.json").is_file())
 }
 
 /// The config a checkpoint was trained with, with `--set` overrides applied.

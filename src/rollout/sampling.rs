@@ -1,7 +1,7 @@
 //! Token sampling from one row of logits: greedy, or temperature with optional top-k and top-p
 //! truncation, drawing from a caller-owned RNG. The returned log-prob is the token's under the
 //! temperature-scaled, *untruncated* distribution — the quantity the training path recomputes
-//! (`Model::token_logprobs_entropy` with the same temperature), so PPO ratios start at 1.
+//! (`Model::logprobs_entropy_at` with the same temperature), so PPO ratios start at 1.
 
 use rand::Rng;
 
