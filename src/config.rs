@@ -7,7 +7,7 @@
 //! (`context`, `critic`, `sft`, `cache`, ...) are stepppo's own. This module owns the schema and
 //! its checks only; what the values do lives with the trainer, the estimators and the envs.
 
-use crate::algo::config::KlEstimator;
+use crate::algo::config::{CriticTarget, KlEstimator};
 use crate::algo::config::{
     FilterType, GigpoConfig, Grouping, LossAggMode, NormMethod, RatioType, RewardNormalization,
     Schedule,
@@ -189,6 +189,22 @@ pub struct SftConfig {
     /// Trajectories per gradient step.
     pub batch_size: usize,
     pub learning_rate: f64,
+    /// Critic warm-up: weight of the value regression on the transcripts' discounted returns
+    /// (γ = `gamma`) trained alongside the cloning; 0 leaves the critic untrained. Needs a
+    /// step-start critic (`adv_estimator: step_gae`).
+    pub value_loss_coef: f64,
+}
+
+impl SftConfig {
+    /// The cloning settings of this section; `seed` orders the mini-batches.
+    pub fn settings(&self, seed: u64) -> crate::train::sft::CloneSettings {
+        crate::train::sft::CloneSettings {
+            steps: self.steps,
+            batch_size: self.batch_size,
+            lr: self.learning_rate,
+            seed,
+        }
+    }
 }
 
 impl Default for SftConfig {
@@ -199,6 +215,7 @@ impl Default for SftConfig {
             agent: "random".into(),
             batch_size: 16,
             learning_rate: 1e-3,
+            value_loss_coef: 0.0,
         }
     }
 }
@@ -629,6 +646,7 @@ impl Config {
                 );
             }
             check_positive("sft.learning_rate", self.sft.learning_rate)?;
+            self.validate_value_warmup()?;
             if !matches!(self.sft.agent.as_str(), "random" | "oracle") {
                 return fail(
                     "sft.agent",
@@ -685,6 +703,24 @@ impl Config {
                     ),
                 );
             }
+        }
+        Ok(())
+    }
+
+    /// `sft.value_loss_coef`: finite, ≥ 0, and only with a step-start critic.
+    fn validate_value_warmup(&self) -> Result<(), (String, String)> {
+        let fail = |msg: String| Err(("sft.value_loss_coef".to_string(), msg));
+        let coef = self.sft.value_loss_coef;
+        if !(coef.is_finite() && coef >= 0.0) {
+            return fail(format!("must be a finite number ≥ 0, got {coef}"));
+        }
+        let step_start = self.adv_estimator.critic_target() == Some(CriticTarget::StepStart);
+        if coef > 0.0 && !step_start {
+            return fail(format!(
+                "the critic warm-up regresses step-start values; adv_estimator {:?} has none \
+                     (use step_gae or set it to 0)",
+                self.adv_estimator
+            ));
         }
         Ok(())
     }
@@ -850,6 +886,22 @@ mod tests {
             &["reward_normalization.method=median".into()],
         ));
         assert!(e.contains("reward_normalization.method"), "{e}");
+    }
+
+    #[test]
+    fn critic_warmup_needs_a_step_start_critic() {
+        let with = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, "x.yaml", &sets)
+        };
+        assert!(with(&["sft.value_loss_coef=0.5"]).is_ok());
+        let e = err_text(with(&["sft.value_loss_coef=0.5", "adv_estimator=grpo"]));
+        assert!(
+            e.contains("sft.value_loss_coef") && e.contains("step_gae"),
+            "{e}"
+        );
+        let e = err_text(with(&["sft.value_loss_coef=-1"]));
+        assert!(e.contains("sft.value_loss_coef"), "{e}");
     }
 
     #[test]

@@ -135,8 +135,15 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     let mut last_val: Option<f64> = None;
     trainer.run(max_steps, &mut |event| match event {
         Event::WarmStart(r) => progress.println(format!(
-            "warm start: {} steps on {} trajectories in {:.1}s, loss {:.3} → {:.3}",
-            r.steps, r.trajectories, r.seconds, r.first_loss, r.final_loss
+            "warm start: {} steps on {} trajectories in {:.1}s, loss {:.3} → {:.3}{}",
+            r.steps,
+            r.trajectories,
+            r.seconds,
+            r.first_loss,
+            r.final_loss,
+            r.value_loss.map_or(String::new(), |(first, last)| format!(
+                ", value loss {first:.4} → {last:.4}"
+            ))
         )),
         Event::Step { step, scalars } => {
             let mean_of = |suffix: &str| {

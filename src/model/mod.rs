@@ -315,11 +315,17 @@ impl Model {
 
     /// Values `[B, T]` of the shared-trunk head on the final hidden states.
     pub fn values(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+        self.head_values(&self.hidden_train(input_ids, attention_mask)?)
+    }
+
+    /// Values `[B, T]` of the shared-trunk head on `hidden` (from [`Model::hidden_train`]), so
+    /// one trunk pass serves both heads.
+    pub fn head_values(&self, hidden: &Tensor) -> Result<Tensor> {
         let head = self
             .value_head
             .as_ref()
             .ok_or_else(|| ModelError::Input("this policy has no shared value head".into()))?;
-        head.forward(&self.hidden_train(input_ids, attention_mask)?)
+        head.forward(hidden)
     }
 }
 

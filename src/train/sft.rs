@@ -8,16 +8,17 @@
 //! such records (e.g. `stepppo collect` datasets). Warm-starting on the *random* agent teaches the
 //! answer format, not the task: the policy's success starts near the random agent's.
 
-use super::batch::{pack, pad};
+use super::batch::{pack, pad, PackedBatch};
 use super::TrainError;
+use crate::algo::normalize::discounted_returns;
 use crate::algo::{AdamW, OptimizerConfig};
 use crate::config::Config;
 use crate::env::{build_session, Agent, AgentKind};
-use crate::model::Model;
+use crate::model::{Critic, Model};
 use crate::seed;
 use crate::store::{agent_episode, EpisodeIds, StepRecord};
 use crate::tokenizer::Tokenizer;
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -31,6 +32,8 @@ pub struct SftReport {
     /// Mean token cross-entropy of the first and the last few steps.
     pub first_loss: f64,
     pub final_loss: f64,
+    /// First and final value loss of a critic warm-up.
+    pub value_loss: Option<(f64, f64)>,
     pub skipped: usize,
     /// Wall-clock seconds of the warm start.
     pub seconds: f64,
@@ -79,19 +82,130 @@ pub fn trajectories(records: &[StepRecord]) -> Vec<Vec<usize>> {
         .collect()
 }
 
+/// How long and how fast a warm start trains.
+#[derive(Clone, Copy, Debug)]
+pub struct CloneSettings {
+    /// AdamW updates.
+    pub steps: usize,
+    /// Sequences per update.
+    pub batch_size: usize,
+    pub lr: f64,
+    /// Seeds the shuffling of the sequences.
+    pub seed: u64,
+}
+
+/// The critic side of a warm start (a critic warm-up, as verl's `critic_warmup`): next to cloning
+/// the responses, the value at each step start is regressed on the transcript's discounted return,
+/// so the critic has learnt to read the state before the first policy update. On random-agent
+/// transcripts these are the random policy's values: nothing about the better action is taught.
+#[derive(Clone, Copy)]
+pub struct ValueWarmup<'a> {
+    /// Discount of the returns (the run's `gamma`).
+    pub gamma: f64,
+    /// Weight of the value loss (mean squared error) next to the cross-entropy.
+    pub coef: f64,
+    /// A separate critic and its learning rate; `None` = the policy's shared value head.
+    pub separate: Option<(&'a Critic, f64)>,
+}
+
 /// Teacher-forced cross-entropy on the response tokens of `records` (whole trajectories per
-/// sequence; window-layout records each form their own sequence): `steps` AdamW updates over
-/// shuffled mini-batches of `batch_size` sequences.
+/// sequence; window-layout records each form their own sequence): `settings.steps` AdamW updates
+/// over shuffled mini-batches, plus the value regression of `value` when given.
 pub fn behaviour_clone(
     policy: &Model,
     pad_id: u32,
     records: &[StepRecord],
-    steps: usize,
-    batch_size: usize,
-    lr: f64,
-    base_seed: u64,
+    settings: CloneSettings,
+    value: Option<ValueWarmup>,
 ) -> Result<SftReport, TrainError> {
-    let sequences: Vec<Vec<usize>> = trajectories(records)
+    let sequences = clone_sequences(records);
+    if sequences.is_empty() {
+        return Err(TrainError::Data("no trajectories to clone".into()));
+    }
+    let returns = value.map(|v| step_returns(records, v.gamma));
+    let opt_cfg = OptimizerConfig {
+        lr: settings.lr,
+        weight_decay: 0.0,
+        ..OptimizerConfig::default()
+    };
+    let start = std::time::Instant::now();
+    let mut opt = AdamW::new(policy.named_vars(), &opt_cfg)?;
+    let mut critic_opt = match value.and_then(|v| v.separate) {
+        Some((critic, lr)) => Some(AdamW::new(
+            critic.named_vars(),
+            &OptimizerConfig { lr, ..opt_cfg },
+        )?),
+        None => None,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(settings.seed, &[0x5F7]));
+    let mut order: Vec<usize> = Vec::new();
+    let (mut losses, mut value_losses) = (Vec::new(), Vec::new());
+    let mut skipped = 0;
+    for _ in 0..settings.steps {
+        if order.len() < settings.batch_size {
+            let mut epoch: Vec<usize> = (0..sequences.len()).collect();
+            epoch.shuffle(&mut rng);
+            order.extend(epoch);
+        }
+        let chosen: Vec<Vec<usize>> = order
+            .drain(..settings.batch_size.min(order.len()))
+            .map(|s| sequences[s].clone())
+            .collect();
+        let batch = CloneBatch::new(policy.device(), pad_id, records, &chosen)?;
+        let hidden = policy.hidden_train(&batch.ids, &batch.mask)?;
+        let ce = batch.cross_entropy(policy, &hidden)?;
+        let mut loss = ce.clone();
+        if let (Some(v), Some(returns)) = (value, &returns) {
+            let vf = match v.separate {
+                None => batch.value_loss(&policy.head_values(&hidden)?, returns)?,
+                Some((critic, lr)) => {
+                    let vf = batch.value_loss(&critic.values(&batch.ids, &batch.mask)?, returns)?;
+                    let opt = critic_opt.as_mut().expect("built with the separate critic");
+                    let value = vf.to_scalar::<f32>()? as f64;
+                    if value.is_finite() {
+                        let report = opt.step(&vf.backward()?, lr, Some(1.0))?;
+                        skipped += usize::from(report.skipped);
+                    }
+                    vf.detach()
+                }
+            };
+            value_losses.push(vf.to_scalar::<f32>()? as f64);
+            if v.separate.is_none() {
+                loss = (loss + vf.affine(v.coef, 0.0)?)?;
+            }
+        }
+        let value = loss.to_scalar::<f32>()? as f64;
+        if !value.is_finite() {
+            skipped += 1;
+            continue;
+        }
+        let report = opt.step(&loss.backward()?, settings.lr, Some(1.0))?;
+        skipped += usize::from(report.skipped);
+        losses.push(ce.to_scalar::<f32>()? as f64);
+    }
+    let (first_loss, final_loss) = first_and_final(&losses);
+    Ok(SftReport {
+        steps: settings.steps,
+        trajectories: sequences.len(),
+        first_loss,
+        final_loss,
+        value_loss: returns.map(|_| first_and_final(&value_losses)),
+        skipped,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// Means of the first and the last few (up to 10) of `xs`.
+fn first_and_final(xs: &[f64]) -> (f64, f64) {
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
+    let k = (xs.len() / 2).clamp(1, 10).min(xs.len());
+    (mean(&xs[..k]), mean(&xs[xs.len() - k..]))
+}
+
+/// The sequences a warm start trains on: whole trajectories, or single steps for records stored
+/// in the window layout (every `context_len` 0).
+fn clone_sequences(records: &[StepRecord]) -> Vec<Vec<usize>> {
+    trajectories(records)
         .into_iter()
         .flat_map(|traj| {
             if traj.iter().all(|&i| records[i].context_len == 0) {
@@ -100,51 +214,77 @@ pub fn behaviour_clone(
                 vec![traj]
             }
         })
-        .collect();
-    if sequences.is_empty() {
-        return Err(TrainError::Data("no trajectories to clone".into()));
-    }
-    let opt_cfg = OptimizerConfig {
-        lr,
-        weight_decay: 0.0,
-        ..OptimizerConfig::default()
-    };
-    let start = std::time::Instant::now();
-    let mut opt = AdamW::new(policy.named_vars(), &opt_cfg)?;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(base_seed, &[0x5F7]));
-    let mut order: Vec<usize> = Vec::new();
-    let mut losses = Vec::with_capacity(steps);
-    let mut skipped = 0;
-    for _ in 0..steps {
-        if order.len() < batch_size {
-            let mut epoch: Vec<usize> = (0..sequences.len()).collect();
-            epoch.shuffle(&mut rng);
-            order.extend(epoch);
+        .collect()
+}
+
+/// The discounted return from each record's step to the end of its trajectory, by record index.
+fn step_returns(records: &[StepRecord], gamma: f64) -> Vec<f64> {
+    let mut out = vec![0.0; records.len()];
+    for traj in trajectories(records) {
+        let rewards: Vec<f64> = traj.iter().map(|&i| f64::from(records[i].reward)).collect();
+        for (&i, g) in traj.iter().zip(discounted_returns(&rewards, gamma)) {
+            out[i] = g;
         }
-        let chosen: Vec<Vec<usize>> = order
-            .drain(..batch_size.min(order.len()))
-            .map(|s| sequences[s].clone())
+    }
+    out
+}
+
+/// One packed mini-batch of a warm start on the device.
+struct CloneBatch {
+    packed: PackedBatch,
+    ids: Tensor,
+    mask: Tensor,
+}
+
+impl CloneBatch {
+    fn new(
+        device: &Device,
+        pad_id: u32,
+        records: &[StepRecord],
+        sequences: &[Vec<usize>],
+    ) -> Result<Self, TrainError> {
+        let packed = pack(records, sequences)?;
+        let (b, t) = (sequences.len(), packed.seq_len);
+        let (ids, mask) = pad(&packed.inputs, t, pad_id);
+        Ok(CloneBatch {
+            ids: Tensor::from_vec(ids, (b, t), device)?,
+            mask: Tensor::from_vec(mask, (b, t), device)?,
+            packed,
+        })
+    }
+
+    /// Mean negative log-likelihood of the response tokens (a scalar with gradient).
+    fn cross_entropy(&self, policy: &Model, hidden: &Tensor) -> Result<Tensor, TrainError> {
+        let packed = &self.packed;
+        let device = policy.device();
+        let (targets, _) = pad(&packed.targets, packed.seq_len, 0);
+        let token_targets: Vec<u32> = packed
+            .token_index
+            .iter()
+            .map(|&i| targets[i as usize])
             .collect();
-        let loss = cross_entropy(policy, pad_id, records, &chosen)?;
-        let value = loss.to_scalar::<f32>()? as f64;
-        if !value.is_finite() {
-            skipped += 1;
-            continue;
-        }
-        let report = opt.step(&loss.backward()?, lr, Some(1.0))?;
-        skipped += usize::from(report.skipped);
-        losses.push(value);
+        let index = Tensor::new(packed.token_index.as_slice(), device)?;
+        let token_targets = Tensor::new(token_targets.as_slice(), device)?;
+        let (picked, _) = policy.head_logprobs_entropy(hidden, &index, &token_targets, 1.0)?;
+        let weights = Tensor::new(packed.token_mask.as_slice(), device)?;
+        let n = packed.num_tokens().max(1) as f64;
+        Ok((picked * weights)?.sum_all()?.affine(-1.0 / n, 0.0)?)
     }
-    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
-    let k = (losses.len() / 2).clamp(1, 10).min(losses.len());
-    Ok(SftReport {
-        steps,
-        trajectories: sequences.len(),
-        first_loss: mean(&losses[..k]),
-        final_loss: mean(&losses[losses.len() - k..]),
-        skipped,
-        seconds: start.elapsed().as_secs_f64(),
-    })
+
+    /// Mean squared error of `values` (`[B, T]`) at each step start against `returns` (by record).
+    fn value_loss(&self, values: &Tensor, returns: &[f64]) -> Result<Tensor, TrainError> {
+        let packed = &self.packed;
+        let device = values.device();
+        let index = Tensor::new(packed.value_index.as_slice(), device)?;
+        let predicted = values.flatten_all()?.index_select(&index, 0)?;
+        let target: Vec<f32> = packed
+            .record_of_row
+            .iter()
+            .map(|&r| returns[r] as f32)
+            .collect();
+        let target = Tensor::new(target.as_slice(), device)?;
+        Ok((predicted - target)?.sqr()?.mean_all()?)
+    }
 }
 
 /// `stepppo sft`: behaviour-clones `records` into the config's initial policy (`pretrain`,
@@ -165,38 +305,96 @@ pub fn clone_into(
         &policy,
         tok.pad_id(),
         records,
-        cfg.sft.steps,
-        cfg.sft.batch_size,
-        cfg.sft.learning_rate,
-        cfg.seed,
+        cfg.sft.settings(cfg.seed),
+        None,
     )?;
     policy.save(out, Some(&tok))?;
     Ok(report)
 }
 
-/// Mean negative log-likelihood of the response tokens of `sequences` (a scalar with gradient).
-fn cross_entropy(
-    policy: &Model,
-    pad_id: u32,
-    records: &[StepRecord],
-    sequences: &[Vec<usize>],
-) -> Result<Tensor, TrainError> {
-    let packed = pack(records, sequences)?;
-    let device = policy.device();
-    let (b, t) = (sequences.len(), packed.seq_len);
-    let (ids, mask) = pad(&packed.inputs, t, pad_id);
-    let (targets, _) = pad(&packed.targets, t, pad_id);
-    let ids = Tensor::from_vec(ids, (b, t), device)?;
-    let mask = Tensor::from_vec(mask, (b, t), device)?;
-    let token_targets: Vec<u32> = packed
-        .token_index
-        .iter()
-        .map(|&i| targets[i as usize])
-        .collect();
-    let index = Tensor::new(packed.token_index.as_slice(), device)?;
-    let token_targets = Tensor::new(token_targets.as_slice(), device)?;
-    let (picked, _) = policy.logprobs_entropy_at(&ids, &mask, &index, &token_targets, 1.0)?;
-    let weights = Tensor::new(packed.token_mask.as_slice(), device)?;
-    let n = packed.num_tokens().max(1) as f64;
-    Ok((picked * weights)?.sum_all()?.affine(-1.0 / n, 0.0)?)
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ModelConfig;
+
+    /// Single-step trajectories whose return is 1 after one observation token and 0 after
+    /// another: the warm-up must learn to tell them apart.
+    fn two_kinds_of_steps() -> Vec<StepRecord> {
+        (0..8u64)
+            .map(|traj_id| StepRecord {
+                traj_id,
+                group_id: traj_id,
+                obs_ids: vec![3, 10 + (traj_id % 2) as u32],
+                response_ids: vec![7, 8],
+                response_logprobs: vec![0.0, 0.0],
+                reward: (traj_id % 2) as f32,
+                terminated: true,
+                ..StepRecord::default()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn returns_are_discounted_within_each_trajectory() {
+        let step = |traj_id, step_index, reward| StepRecord {
+            traj_id,
+            step_index,
+            reward,
+            ..StepRecord::default()
+        };
+        let records = [step(0, 1, 1.0), step(1, 0, 5.0), step(0, 0, 0.0)];
+        assert_eq!(step_returns(&records, 0.5), vec![1.0, 5.0, 0.5]);
+    }
+
+    #[test]
+    fn critic_warmup_learns_values_on_the_shared_head() {
+        let device = Device::Cpu;
+        let mut policy = Model::new(&ModelConfig::tiny(32), 1, &device).unwrap();
+        policy.attach_value_head(2).unwrap();
+        let records = two_kinds_of_steps();
+        let settings = CloneSettings {
+            steps: 60,
+            batch_size: 8,
+            lr: 1e-2,
+            seed: 3,
+        };
+        let value = ValueWarmup {
+            gamma: 1.0,
+            coef: 1.0,
+            separate: None,
+        };
+        let report = behaviour_clone(&policy, 0, &records, settings, Some(value)).unwrap();
+        let (first, last) = report.value_loss.unwrap();
+        assert!(
+            last < 0.05 && last < first / 3.0,
+            "value loss {first} → {last}"
+        );
+        assert!(report.final_loss < report.first_loss);
+    }
+
+    #[test]
+    fn critic_warmup_trains_a_separate_critic() {
+        let device = Device::Cpu;
+        let cfg = ModelConfig::tiny(32);
+        let policy = Model::new(&cfg, 1, &device).unwrap();
+        let critic = Critic::new(&cfg, 4, &device).unwrap();
+        let records = two_kinds_of_steps();
+        let settings = CloneSettings {
+            steps: 60,
+            batch_size: 8,
+            lr: 1e-2,
+            seed: 3,
+        };
+        let value = ValueWarmup {
+            gamma: 1.0,
+            coef: 1.0,
+            separate: Some((&critic, 1e-2)),
+        };
+        let report = behaviour_clone(&policy, 0, &records, settings, Some(value)).unwrap();
+        let (first, last) = report.value_loss.unwrap();
+        assert!(
+            last < 0.05 && last < first / 3.0,
+            "value loss {first} → {last}"
+        );
+    }
 }

@@ -133,7 +133,7 @@ impl Trainer {
             CriticMode::None => None,
         };
         let warm_start = if cfg.sft.steps > 0 {
-            Some(warm_start(&cfg, &policy, &tok)?)
+            Some(warm_start(&cfg, &policy, critic.as_ref(), &tok)?)
         } else {
             None
         };
@@ -741,8 +741,14 @@ fn fresh_critic(cfg: &Config, policy: &Model, device: &Device) -> Result<Critic,
     })
 }
 
-/// The supervised warm start of a fresh run: behaviour cloning of `sft.agent` transcripts.
-fn warm_start(cfg: &Config, policy: &Model, tok: &Tokenizer) -> Result<SftReport, TrainError> {
+/// The supervised warm start of a fresh run: behaviour cloning of `sft.agent` transcripts, with
+/// the critic warm-up on the same transcripts when `sft.value_loss_coef > 0`.
+fn warm_start(
+    cfg: &Config,
+    policy: &Model,
+    critic: Option<&Critic>,
+    tok: &Tokenizer,
+) -> Result<SftReport, TrainError> {
     let kind: AgentKind = cfg
         .sft
         .agent
@@ -750,13 +756,16 @@ fn warm_start(cfg: &Config, policy: &Model, tok: &Tokenizer) -> Result<SftReport
         .map_err(|e: String| TrainError::Data(format!("sft.agent: {e}")))?;
     let base = seed::derive(cfg.seed.wrapping_add(VAL_SEED_OFFSET * 2), &[SEED_SFT]);
     let records = sft::agent_transcripts(cfg, tok, kind, cfg.sft.episodes, base)?;
+    let value = (cfg.sft.value_loss_coef > 0.0).then(|| sft::ValueWarmup {
+        gamma: f64::from(cfg.gamma),
+        coef: cfg.sft.value_loss_coef,
+        separate: critic.map(|c| (c, cfg.critic.learning_rate)),
+    });
     sft::behaviour_clone(
         policy,
         tok.pad_id(),
         &records,
-        cfg.sft.steps,
-        cfg.sft.batch_size,
-        cfg.sft.learning_rate,
-        base,
+        cfg.sft.settings(base),
+        value,
     )
 }

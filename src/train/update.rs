@@ -309,10 +309,7 @@ fn shared_forward(
         &batch.token_targets,
         temperature,
     )?;
-    let value_head = crate::model::ValueHead::from_varmap(policy.varmap())?.ok_or_else(|| {
-        TrainError::Data("critic.mode shared: the policy has no value head".into())
-    })?;
-    Ok((logp, entropy, value_head.forward(&hidden)?))
+    Ok((logp, entropy, policy.head_values(&hidden)?))
 }
 
 /// The value loss of `values` (`[B, T]`) at the critic target positions.
