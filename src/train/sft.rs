@@ -122,7 +122,7 @@ pub fn behaviour_clone(
     if sequences.is_empty() {
         return Err(TrainError::Data("no trajectories to clone".into()));
     }
-    let returns = value.map(|v| step_returns(records, v.gamma));
+    let mut critic = value.map(|v| CriticWarmup::new(v, records)).transpose()?;
     let opt_cfg = OptimizerConfig {
         lr: settings.lr,
         weight_decay: 0.0,
@@ -130,16 +130,9 @@ pub fn behaviour_clone(
     };
     let start = std::time::Instant::now();
     let mut opt = AdamW::new(policy.named_vars(), &opt_cfg)?;
-    let mut critic_opt = match value.and_then(|v| v.separate) {
-        Some((critic, lr)) => Some(AdamW::new(
-            critic.named_vars(),
-            &OptimizerConfig { lr, ..opt_cfg },
-        )?),
-        None => None,
-    };
     let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(settings.seed, &[0x5F7]));
     let mut order: Vec<usize> = Vec::new();
-    let (mut losses, mut value_losses) = (Vec::new(), Vec::new());
+    let mut losses = Vec::new();
     let mut skipped = 0;
     for _ in 0..settings.steps {
         if order.len() < settings.batch_size {
@@ -155,23 +148,9 @@ pub fn behaviour_clone(
         let hidden = policy.hidden_train(&batch.ids, &batch.mask)?;
         let ce = batch.cross_entropy(policy, &hidden)?;
         let mut loss = ce.clone();
-        if let (Some(v), Some(returns)) = (value, &returns) {
-            let vf = match v.separate {
-                None => batch.value_loss(&policy.head_values(&hidden)?, returns)?,
-                Some((critic, lr)) => {
-                    let vf = batch.value_loss(&critic.values(&batch.ids, &batch.mask)?, returns)?;
-                    let opt = critic_opt.as_mut().expect("built with the separate critic");
-                    let value = vf.to_scalar::<f32>()? as f64;
-                    if value.is_finite() {
-                        let report = opt.step(&vf.backward()?, lr, Some(1.0))?;
-                        skipped += usize::from(report.skipped);
-                    }
-                    vf.detach()
-                }
-            };
-            value_losses.push(vf.to_scalar::<f32>()? as f64);
-            if v.separate.is_none() {
-                loss = (loss + vf.affine(v.coef, 0.0)?)?;
+        if let Some(critic) = critic.as_mut() {
+            if let Some(shared) = critic.step(&batch, policy, &hidden, &mut skipped)? {
+                loss = (loss + shared)?;
             }
         }
         let value = loss.to_scalar::<f32>()? as f64;
@@ -189,10 +168,71 @@ pub fn behaviour_clone(
         trajectories: sequences.len(),
         first_loss,
         final_loss,
-        value_loss: returns.map(|_| first_and_final(&value_losses)),
+        value_loss: critic.map(|c| first_and_final(&c.losses)),
         skipped,
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// The running state of a critic warm-up.
+struct CriticWarmup<'a> {
+    /// Discounted return of each record's step.
+    returns: Vec<f64>,
+    coef: f64,
+    /// A separate critic with its optimizer and learning rate.
+    separate: Option<(&'a Critic, AdamW, f64)>,
+    /// Unweighted value loss of every update.
+    losses: Vec<f64>,
+}
+
+impl<'a> CriticWarmup<'a> {
+    fn new(v: ValueWarmup<'a>, records: &[StepRecord]) -> Result<Self, TrainError> {
+        let separate = match v.separate {
+            Some((critic, lr)) => {
+                let cfg = OptimizerConfig {
+                    lr,
+                    weight_decay: 0.0,
+                    ..OptimizerConfig::default()
+                };
+                Some((critic, AdamW::new(critic.named_vars(), &cfg)?, lr))
+            }
+            None => None,
+        };
+        Ok(CriticWarmup {
+            returns: step_returns(records, v.gamma),
+            coef: v.coef,
+            separate,
+            losses: Vec::new(),
+        })
+    }
+
+    /// The weighted value loss of `batch`: returned for the policy's update when the value head is
+    /// shared (`hidden` is the policy trunk's output); a separate critic is updated here instead.
+    fn step(
+        &mut self,
+        batch: &CloneBatch,
+        policy: &Model,
+        hidden: &Tensor,
+        skipped: &mut usize,
+    ) -> Result<Option<Tensor>, TrainError> {
+        let values = match &self.separate {
+            None => policy.head_values(hidden)?,
+            Some((critic, _, _)) => critic.values(&batch.ids, &batch.mask)?,
+        };
+        let vf = batch.value_loss(&values, &self.returns)?;
+        let value = vf.to_scalar::<f32>()? as f64;
+        self.losses.push(value);
+        let weighted = vf.affine(self.coef, 0.0)?;
+        let Some((_, opt, lr)) = self.separate.as_mut() else {
+            return Ok(Some(weighted));
+        };
+        if value.is_finite() {
+            *skipped += usize::from(opt.step(&weighted.backward()?, *lr, Some(1.0))?.skipped);
+        } else {
+            *skipped += 1;
+        }
+        Ok(None)
+    }
 }
 
 /// Means of the first and the last few (up to 10) of `xs`.
