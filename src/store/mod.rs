@@ -31,6 +31,7 @@ mod codec;
 mod collect;
 mod dataset;
 mod error;
+mod io_thread;
 mod record;
 mod replay;
 mod segment;

@@ -13,22 +13,23 @@
 //! next valid frame, so one flipped byte never hides other records. Bytes after the last valid frame
 //! of an unsealed segment are a torn tail (a crash mid-write, or a write still in progress).
 //!
-//! The writer encodes each frame straight into one large in-memory buffer (no per-record
-//! allocation or system call), hands the buffer to the OS when it passes [`WRITE_BUFFER_BYTES`]
-//! or on flush/seal, and keeps the per-segment text table behind the backward text references
+//! The writer encodes each frame straight into an in-memory buffer (no per-record allocation or
+//! system call); when the buffer passes [`WRITE_BUFFER_BYTES`] it goes to the segment's I/O
+//! thread (`io_thread`), which copies it into the file while the next buffer is encoded, and
+//! flush/seal wait for that thread. The writer keeps the per-segment text table behind the backward text references
 //! (see `codec`). It appends only to segments of the current format version; an unsealed segment
 //! of an older version is sealed as it is (the footer is the same in every version) and the
 //! dataset continues in a new segment, since one file holds frames of one version only.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
 use super::codec::{self, PayloadLayout, StepView, TextField, TextRefs};
 use super::error::{ProblemKind, StoreError};
+use super::io_thread::IoThread;
 use super::record::{StepInfo, StepRecord};
 
 /// First eight bytes of every segment file.
@@ -45,8 +46,8 @@ const TRAILER_MAGIC: u32 = u32::from_le_bytes(*b"STPE");
 const TRAILER_LEN: usize = 12;
 const INDEX_ENTRY_LEN: usize = 16;
 const MAX_PAYLOAD: usize = 1 << 30;
-/// Bytes the segment writer buffers before handing them to the OS.
-pub const WRITE_BUFFER_BYTES: usize = 1 << 20;
+/// Bytes the segment writer buffers before handing them to its I/O thread.
+pub const WRITE_BUFFER_BYTES: usize = 256 << 10;
 
 fn read_u32(bytes: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
@@ -446,10 +447,11 @@ impl TextTable {
 #[derive(Debug)]
 pub struct SegmentWriter {
     path: PathBuf,
-    file: File,
-    /// Encoded bytes not yet handed to the OS.
+    /// Writes full buffers to the file in the background.
+    io: IoThread,
+    /// Encoded bytes not yet handed to the I/O thread.
     buffer: Vec<u8>,
-    /// Bytes already in the file.
+    /// Bytes in the file or handed to the I/O thread.
     written: u64,
     index: Vec<(u64, u64)>,
     texts: TextTable,
@@ -468,18 +470,31 @@ impl SegmentWriter {
             .create_new(true)
             .open(path)
             .map_err(StoreError::io(path))?;
-        let mut buffer = Vec::with_capacity(WRITE_BUFFER_BYTES * 2);
-        buffer.extend_from_slice(&SEGMENT_MAGIC);
-        buffer.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        buffer.extend_from_slice(&0u32.to_le_bytes());
+        let mut writer = Self::start(path, file, 0, FORMAT_VERSION, durable)?;
+        writer.buffer.extend_from_slice(&SEGMENT_MAGIC);
+        writer
+            .buffer
+            .extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        writer.buffer.extend_from_slice(&0u32.to_le_bytes());
+        Ok(writer)
+    }
+
+    /// A writer appending to `file` (open for writing at byte `written`, its end).
+    fn start(
+        path: &Path,
+        file: File,
+        written: u64,
+        format_version: u32,
+        durable: bool,
+    ) -> Result<Self, StoreError> {
         Ok(Self {
             path: path.to_path_buf(),
-            file,
-            buffer,
-            written: 0,
+            io: IoThread::start(path, file)?,
+            buffer: Vec::with_capacity(WRITE_BUFFER_BYTES * 2),
+            written,
             index: Vec::new(),
             texts: TextTable::default(),
-            format_version: FORMAT_VERSION,
+            format_version,
             durable,
         })
     }
@@ -502,16 +517,9 @@ impl SegmentWriter {
             .append(true)
             .open(path)
             .map_err(StoreError::io(path))?;
-        let mut writer = Self {
-            path: path.clone(),
-            file,
-            buffer: Vec::with_capacity(WRITE_BUFFER_BYTES * 2),
-            written: segment.bytes().len() as u64,
-            index: Vec::new(),
-            texts: TextTable::default(),
-            format_version: segment.scan.format_version,
-            durable,
-        };
+        let written = segment.bytes().len() as u64;
+        let version = segment.scan.format_version;
+        let mut writer = Self::start(path, file, written, version, durable)?;
         for frame in &segment.scan.frames {
             if writer.appendable() {
                 let payload = frame.payload(segment.bytes());
@@ -556,7 +564,7 @@ impl SegmentWriter {
             });
         }
         if self.buffer.len() >= WRITE_BUFFER_BYTES {
-            self.flush()?;
+            self.hand_off()?;
         }
         let offset = self.len();
         let start = self.buffer.len();
@@ -581,14 +589,21 @@ impl SegmentWriter {
         Ok(Some(offset))
     }
 
-    /// Hands buffered frames to the OS: from now on readers see them.
-    pub fn flush(&mut self) -> Result<(), StoreError> {
-        self.file
-            .write_all(&self.buffer)
-            .map_err(StoreError::io(&self.path))?;
-        self.written += self.buffer.len() as u64;
-        self.buffer.clear();
+    /// Gives the buffered frames to the I/O thread and continues in an empty buffer.
+    fn hand_off(&mut self) -> Result<(), StoreError> {
+        let full = std::mem::take(&mut self.buffer);
+        self.written += full.len() as u64;
+        self.buffer = self.io.submit(full)?;
         Ok(())
+    }
+
+    /// Writes every buffered frame to the file and waits for it: from now on readers see them.
+    /// Returns the error of any earlier background write as well.
+    pub fn flush(&mut self) -> Result<(), StoreError> {
+        if !self.buffer.is_empty() {
+            self.hand_off()?;
+        }
+        self.io.wait()
     }
 
     /// Writes the footer, flushes and (when durable) syncs; returns (records, bytes).
@@ -610,7 +625,7 @@ impl SegmentWriter {
         self.buffer.extend_from_slice(&TRAILER_MAGIC.to_le_bytes());
         self.flush()?;
         if self.durable {
-            self.file.sync_all().map_err(StoreError::io(&self.path))?;
+            (self.io.file().sync_all()).map_err(StoreError::io(&self.path))?;
         }
         Ok((self.index.len() as u64, self.len()))
     }
@@ -746,6 +761,76 @@ mod tests {
             scan.view(&bytes, last).to_record().unwrap(),
             records[window + 1]
         );
+    }
+
+    /// Records of `ids` 2-byte ids each, enough of them to fill several write buffers.
+    fn big_records(count: u64, ids: usize) -> Vec<StepRecord> {
+        (0..count)
+            .map(|i| StepRecord {
+                obs_ids: (0..ids as u32)
+                    .map(|t| (t * 7 + i as u32) % 50_000)
+                    .collect(),
+                ..record(i, 0)
+            })
+            .collect()
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_failed_background_write_is_returned_with_the_path_by_every_later_call() {
+        let path = Path::new("/dev/full");
+        let file = OpenOptions::new().write(true).open(path).unwrap();
+        let mut writer = SegmentWriter::start(path, file, 0, FORMAT_VERSION, false).unwrap();
+        for r in big_records(3 * (WRITE_BUFFER_BYTES as u64 / 20_000 + 1), 10_000) {
+            // Appends that hand a buffer over may already see the failure.
+            if writer.append(&r, u64::MAX).is_err() {
+                break;
+            }
+        }
+        for _ in 0..2 {
+            let err = writer.flush().unwrap_err().to_string();
+            assert!(err.starts_with("/dev/full: "), "{err}");
+            assert!(err.contains("No space left"), "{err}");
+        }
+        let err = writer
+            .append(&record(9, 0), u64::MAX)
+            .and_then(|_| writer.flush());
+        assert!(err.is_err());
+        assert!(writer.seal().unwrap_err().to_string().contains("/dev/full"));
+    }
+
+    #[test]
+    fn readers_see_a_prefix_of_complete_frames_while_buffers_are_written_in_the_background() {
+        let records = big_records(120, 6_000);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("seg.stp");
+        let mut writer = SegmentWriter::create(&path, false).unwrap();
+        let check = |bytes: &[u8]| {
+            let scan = scan(bytes);
+            for (frame, expected) in scan.frames.iter().zip(&records) {
+                assert_eq!(&scan.view(bytes, frame).to_record().unwrap(), expected);
+            }
+            let torn = [(
+                scan.frames.last().map_or(HEADER_LEN as u64, |f| f.end()),
+                ProblemKind::TornTail,
+            )];
+            assert!(
+                scan.problems.is_empty() || scan.problems == torn,
+                "{:?}",
+                scan.problems
+            );
+            scan.frames.len()
+        };
+        let mut seen = 0;
+        for r in &records {
+            writer.append(r, u64::MAX).unwrap();
+            let now = check(&std::fs::read(&path).unwrap());
+            assert!(now >= seen);
+            seen = now;
+        }
+        assert!(seen > 0 && seen < records.len(), "{seen}");
+        writer.flush().unwrap();
+        assert_eq!(check(&std::fs::read(&path).unwrap()), records.len());
     }
 
     #[test]
