@@ -29,7 +29,7 @@ use memmap2::Mmap;
 
 use super::codec::{self, PayloadLayout, StepView, TextField, TextRefs};
 use super::error::{ProblemKind, StoreError};
-use super::io_thread::IoThread;
+use super::io_thread::{Batch, IoThread};
 use super::record::{StepInfo, StepRecord};
 
 /// First eight bytes of every segment file.
@@ -64,8 +64,8 @@ fn frame_crc(len_field: u32, payload: &[u8]) -> u32 {
     hasher.finalize()
 }
 
-/// Appends `record` as one complete frame, number `ordinal` of its segment, to `out`; on error
-/// `out` is left as it was.
+/// Appends `record` as frame number `ordinal` of its segment to `out`, complete but for its crc
+/// (see [`finish_frames`]); on error `out` is left as it was.
 fn encode_frame(
     record: &StepRecord,
     ordinal: u64,
@@ -90,12 +90,25 @@ fn encode_frame(
             return Err(e);
         }
     };
-    let crc = frame_crc(len_field, &out[start + FRAME_HEADER_LEN..]);
     let header = &mut out[start..start + FRAME_HEADER_LEN];
     header[0..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
     header[4..8].copy_from_slice(&len_field.to_le_bytes());
-    header[8..12].copy_from_slice(&crc.to_le_bytes());
     Ok(())
+}
+
+/// Fills in the crc of each frame that [`encode_frame`] put at the offsets `frames` of `bytes`
+/// (run by the I/O thread just before the bytes are written).
+fn finish_frames(bytes: &mut [u8], frames: &[u32]) {
+    for &start in frames {
+        let start = start as usize;
+        let len_field = read_u32(bytes, start + 4).unwrap_or(0);
+        let payload_start = start + FRAME_HEADER_LEN;
+        let crc = frame_crc(
+            len_field,
+            &bytes[payload_start..payload_start + len_field as usize],
+        );
+        bytes[start + 8..payload_start].copy_from_slice(&crc.to_le_bytes());
+    }
 }
 
 /// A validated frame: where it starts and how its payload is laid out.
@@ -449,8 +462,8 @@ pub struct SegmentWriter {
     path: PathBuf,
     /// Writes full buffers to the file in the background.
     io: IoThread,
-    /// Encoded bytes not yet handed to the I/O thread.
-    buffer: Vec<u8>,
+    /// Encoded frames not yet handed to the I/O thread.
+    batch: Batch,
     /// Bytes in the file or handed to the I/O thread.
     written: u64,
     index: Vec<(u64, u64)>,
@@ -471,11 +484,10 @@ impl SegmentWriter {
             .open(path)
             .map_err(StoreError::io(path))?;
         let mut writer = Self::start(path, file, 0, FORMAT_VERSION, durable)?;
-        writer.buffer.extend_from_slice(&SEGMENT_MAGIC);
-        writer
-            .buffer
-            .extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        writer.buffer.extend_from_slice(&0u32.to_le_bytes());
+        let header = &mut writer.batch.bytes;
+        header.extend_from_slice(&SEGMENT_MAGIC);
+        header.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        header.extend_from_slice(&0u32.to_le_bytes());
         Ok(writer)
     }
 
@@ -489,8 +501,11 @@ impl SegmentWriter {
     ) -> Result<Self, StoreError> {
         Ok(Self {
             path: path.to_path_buf(),
-            io: IoThread::start(path, file)?,
-            buffer: Vec::with_capacity(WRITE_BUFFER_BYTES * 2),
+            io: IoThread::start(path, file, finish_frames)?,
+            batch: Batch {
+                bytes: Vec::with_capacity(WRITE_BUFFER_BYTES * 2),
+                frames: Vec::new(),
+            },
             written,
             index: Vec::new(),
             texts: TextTable::default(),
@@ -548,7 +563,7 @@ impl SegmentWriter {
 
     /// Bytes written so far (header included, buffered bytes included).
     pub fn len(&self) -> u64 {
-        self.written + self.buffer.len() as u64
+        self.written + self.batch.bytes.len() as u64
     }
 
     /// Encodes `record` as a frame at the end of the segment and returns its offset, or `None`
@@ -563,23 +578,26 @@ impl SegmentWriter {
                 ),
             });
         }
-        if self.buffer.len() >= WRITE_BUFFER_BYTES {
+        if self.batch.bytes.len() >= WRITE_BUFFER_BYTES {
             self.hand_off()?;
         }
         let offset = self.len();
-        let start = self.buffer.len();
+        let start = self.batch.bytes.len();
         let ordinal = self.index.len() as u64;
         let refs = self.texts.refs(&record.info, ordinal);
-        encode_frame(record, ordinal, refs, &mut self.buffer).map_err(|e| StoreError::Encode {
-            path: self.path.clone(),
-            traj_id: record.traj_id,
-            step_index: record.step_index,
-            reason: e.0,
+        encode_frame(record, ordinal, refs, &mut self.batch.bytes).map_err(|e| {
+            StoreError::Encode {
+                path: self.path.clone(),
+                traj_id: record.traj_id,
+                step_index: record.step_index,
+                reason: e.0,
+            }
         })?;
         if !self.index.is_empty() && self.len() > max_len {
-            self.buffer.truncate(start);
+            self.batch.bytes.truncate(start);
             return Ok(None);
         }
+        self.batch.frames.push(start as u32);
         let inline = TextField::ALL.map(|field| {
             let i = field as usize;
             refs[i].is_none().then(|| field.of(&record.info))
@@ -591,16 +609,16 @@ impl SegmentWriter {
 
     /// Gives the buffered frames to the I/O thread and continues in an empty buffer.
     fn hand_off(&mut self) -> Result<(), StoreError> {
-        let full = std::mem::take(&mut self.buffer);
-        self.written += full.len() as u64;
-        self.buffer = self.io.submit(full)?;
+        let full = std::mem::take(&mut self.batch);
+        self.written += full.bytes.len() as u64;
+        self.batch = self.io.submit(full)?;
         Ok(())
     }
 
     /// Writes every buffered frame to the file and waits for it: from now on readers see them.
     /// Returns the error of any earlier background write as well.
     pub fn flush(&mut self) -> Result<(), StoreError> {
-        if !self.buffer.is_empty() {
+        if !self.batch.is_empty() {
             self.hand_off()?;
         }
         self.io.wait()
@@ -610,19 +628,18 @@ impl SegmentWriter {
     pub fn seal(mut self) -> Result<(u64, u64), StoreError> {
         self.index.sort_unstable();
         let body_len = 8 + self.index.len() * INDEX_ENTRY_LEN;
-        self.buffer.extend_from_slice(&SEAL_MARK.to_le_bytes());
-        let body_start = self.buffer.len();
-        self.buffer
-            .extend_from_slice(&(self.index.len() as u64).to_le_bytes());
+        let out = &mut self.batch.bytes;
+        out.extend_from_slice(&SEAL_MARK.to_le_bytes());
+        let body_start = out.len();
+        out.extend_from_slice(&(self.index.len() as u64).to_le_bytes());
         for (traj_id, offset) in &self.index {
-            self.buffer.extend_from_slice(&traj_id.to_le_bytes());
-            self.buffer.extend_from_slice(&offset.to_le_bytes());
+            out.extend_from_slice(&traj_id.to_le_bytes());
+            out.extend_from_slice(&offset.to_le_bytes());
         }
-        let crc = crc32fast::hash(&self.buffer[body_start..]);
-        self.buffer.extend_from_slice(&crc.to_le_bytes());
-        self.buffer
-            .extend_from_slice(&(body_len as u32).to_le_bytes());
-        self.buffer.extend_from_slice(&TRAILER_MAGIC.to_le_bytes());
+        let crc = crc32fast::hash(&out[body_start..]);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out.extend_from_slice(&(body_len as u32).to_le_bytes());
+        out.extend_from_slice(&TRAILER_MAGIC.to_le_bytes());
         self.flush()?;
         if self.durable {
             (self.io.file().sync_all()).map_err(StoreError::io(&self.path))?;
