@@ -21,7 +21,6 @@
 //! of an older version is sealed as it is (the footer is the same in every version) and the
 //! dataset continues in a new segment, since one file holds frames of one version only.
 
-use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 
@@ -380,77 +379,96 @@ impl MappedSegment {
     }
 }
 
-/// FxHash (rotate, xor, multiply per 8 bytes): the writer hashes its own texts, so a fast
-/// non-keyed hash is enough; the table still compares the texts themselves.
-#[derive(Clone, Copy, Debug, Default)]
-struct FxBuild;
+/// Slots per text field of the writer's text cache: a power of two, four times
+/// [`codec::REFERENCE_WINDOW`], so that the texts of the window rarely share a slot.
+const TEXT_SLOTS: usize = 1024;
 
-struct FxHasher(u64);
-
-impl std::hash::BuildHasher for FxBuild {
-    type Hasher = FxHasher;
-
-    fn build_hasher(&self) -> FxHasher {
-        FxHasher(0)
+/// FxHash of `text` (rotate, xor, multiply per 8 bytes, then the length): the writer hashes its
+/// own texts, so a fast non-keyed hash is enough; the cache still compares the texts themselves.
+fn text_hash(text: &str) -> u64 {
+    let add = |h: u64, word: u64| (h.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+    let words = text.as_bytes().chunks_exact(8);
+    let tail = words.remainder();
+    let mut h = words.fold(0, |h, w| {
+        add(h, u64::from_le_bytes(std::array::from_fn(|i| w[i])))
+    });
+    if !tail.is_empty() {
+        let mut word = [0u8; 8];
+        word[..tail.len()].copy_from_slice(tail);
+        h = add(h, u64::from_le_bytes(word));
     }
+    add(h, text.len() as u64)
 }
 
-impl FxHasher {
-    fn add(&mut self, word: u64) {
-        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
-    }
+#[derive(Clone, Debug, Default)]
+struct TextSlot {
+    hash: u64,
+    /// Number of the last frame that stored `text` inline (`None`: empty slot).
+    ordinal: Option<u64>,
+    text: String,
 }
 
-impl std::hash::Hasher for FxHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        let words = bytes.chunks_exact(8);
-        let tail = words.remainder();
-        for word in words {
-            self.add(u64::from_le_bytes(std::array::from_fn(|i| word[i])));
+/// Where a text of the record being appended goes in the [`TextCache`], and how many frames
+/// back an earlier frame holds it inline (within [`codec::REFERENCE_WINDOW`]).
+#[derive(Clone, Copy, Debug)]
+struct Probe {
+    slot: usize,
+    hash: u64,
+    back: Option<u64>,
+}
+
+/// Per segment and text field: a direct-mapped cache from a text's hash to the text and the
+/// number of the last frame that stored it inline. A text whose slot another text has taken is
+/// simply stored inline again; a reference is only made to an equal text (compared, not just
+/// its hash).
+#[derive(Debug)]
+struct TextCache {
+    /// `TEXT_SLOTS` slots per field, field by field.
+    slots: Vec<TextSlot>,
+}
+
+impl Default for TextCache {
+    fn default() -> Self {
+        Self {
+            slots: vec![TextSlot::default(); TEXT_SLOTS * TextField::ALL.len()],
         }
-        if !tail.is_empty() {
-            let mut word = [0u8; 8];
-            word[..tail.len()].copy_from_slice(tail);
-            self.add(u64::from_le_bytes(word));
-        }
-    }
-
-    fn write_u8(&mut self, byte: u8) {
-        self.add(byte.into());
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
     }
 }
 
-/// Per segment: each distinct text, by field, with the number of the last frame that stored it
-/// inline.
-#[derive(Debug, Default)]
-struct TextTable {
-    by_field: [HashMap<String, u64, FxBuild>; 2],
-}
+impl TextCache {
+    /// For the frame numbered `ordinal`: where `text` of `field` goes and whether it can be a
+    /// reference.
+    fn probe(&self, field: TextField, text: &str, ordinal: u64) -> Probe {
+        let hash = text_hash(text);
+        let slot =
+            field as usize * TEXT_SLOTS + (hash >> (64 - TEXT_SLOTS.trailing_zeros())) as usize;
+        let held = &self.slots[slot];
+        let back = held
+            .ordinal
+            .filter(|_| held.hash == hash && held.text == text)
+            .map(|earlier| ordinal - earlier)
+            .filter(|&back| back <= codec::REFERENCE_WINDOW);
+        Probe { slot, hash, back }
+    }
 
-impl TextTable {
-    /// For the frame numbered `ordinal`: how many frames back an earlier frame within
-    /// [`codec::REFERENCE_WINDOW`] holds each of `info`'s texts inline (equal texts, not just
-    /// equal hashes).
-    fn refs(&self, info: &StepInfo, ordinal: u64) -> TextRefs {
-        TextField::ALL.map(|field| {
-            let earlier = self.by_field[field as usize].get(field.of(info))?;
-            Some(ordinal - earlier).filter(|&back| back <= codec::REFERENCE_WINDOW)
-        })
+    fn probes(&self, info: &StepInfo, ordinal: u64) -> [Probe; 2] {
+        TextField::ALL.map(|field| self.probe(field, field.of(info), ordinal))
+    }
+
+    /// Records that the frame numbered `ordinal` stored `text` inline at `probe`'s slot.
+    fn store(&mut self, probe: Probe, text: &str, ordinal: u64) {
+        let slot = &mut self.slots[probe.slot];
+        slot.hash = probe.hash;
+        slot.ordinal = Some(ordinal);
+        slot.text.clear();
+        slot.text.push_str(text);
     }
 
     /// Records the texts that the frame numbered `ordinal` stored inline.
     fn remember(&mut self, texts: [Option<&str>; 2], ordinal: u64) {
-        for (table, text) in self.by_field.iter_mut().zip(texts) {
-            match text.map(|t| (table.get_mut(t), t)) {
-                Some((Some(last), _)) => *last = ordinal,
-                Some((None, t)) => {
-                    table.insert(t.to_string(), ordinal);
-                }
-                None => {}
+        for (field, text) in TextField::ALL.into_iter().zip(texts) {
+            if let Some(text) = text {
+                self.store(self.probe(field, text, ordinal), text, ordinal);
             }
         }
     }
@@ -467,7 +485,7 @@ pub struct SegmentWriter {
     /// Bytes in the file or handed to the I/O thread.
     written: u64,
     index: Vec<(u64, u64)>,
-    texts: TextTable,
+    texts: TextCache,
     /// Format version of the file: only [`FORMAT_VERSION`] accepts appends.
     format_version: u32,
     /// Whether `seal` fsyncs the file.
@@ -508,7 +526,7 @@ impl SegmentWriter {
             },
             written,
             index: Vec::new(),
-            texts: TextTable::default(),
+            texts: TextCache::default(),
             format_version,
             durable,
         })
@@ -584,7 +602,8 @@ impl SegmentWriter {
         let offset = self.len();
         let start = self.batch.bytes.len();
         let ordinal = self.index.len() as u64;
-        let refs = self.texts.refs(&record.info, ordinal);
+        let probes = self.texts.probes(&record.info, ordinal);
+        let refs = probes.map(|p| p.back);
         encode_frame(record, ordinal, refs, &mut self.batch.bytes).map_err(|e| {
             StoreError::Encode {
                 path: self.path.clone(),
@@ -598,11 +617,11 @@ impl SegmentWriter {
             return Ok(None);
         }
         self.batch.frames.push(start as u32);
-        let inline = TextField::ALL.map(|field| {
-            let i = field as usize;
-            refs[i].is_none().then(|| field.of(&record.info))
-        });
-        self.texts.remember(inline, ordinal);
+        for (field, probe) in TextField::ALL.into_iter().zip(probes) {
+            if probe.back.is_none() {
+                self.texts.store(probe, field.of(&record.info), ordinal);
+            }
+        }
         self.index.push((record.traj_id, offset));
         Ok(Some(offset))
     }
