@@ -20,7 +20,7 @@
 //! is set. A text entry starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes
 //! following; odd = a backward reference: the frame numbered `v / 2` (1 to
 //! [`REFERENCE_WINDOW`]) before this one in the same segment holds the identical text inline in
-//! the same field (the writer keeps a text → frame table per segment, compares texts, not
+//! the same field (the writer keeps a text → frame cache per segment, compares texts, not
 //! hashes, and stores a text inline again once its last inline copy is out of the window, so a
 //! damaged frame can only cost the texts of the records up to that many frames after it). A
 //! reader finds the referenced frame in O(1) through the scan's frame list (by binary search

@@ -3,8 +3,9 @@
 //! for records / trajectories / groups, verify and repair, replay rendering and statistics.
 //!
 //! Layout: `codec` (record bytes, the only bincode user), `tokens` (id arrays at 1 to 4 bytes
-//! per id), `segment` (one file), `dataset` (directory + manifest, writer and readers), `verify`
-//! (verify / repair).
+//! per id), `segment` (one file), `io_thread` (the segment writer's background writes: crc and
+//! copy into the file overlap the encoding of the next buffer), `dataset` (directory + manifest,
+//! writer and readers), `verify` (verify / repair).
 //!
 //! Format version 3 (written since store-perf) stores each token id array at the narrowest
 //! width that holds its largest id (3 bytes for a 151k vocabulary; read in place through
@@ -31,6 +32,7 @@ mod codec;
 mod collect;
 mod dataset;
 mod error;
+mod io_thread;
 mod record;
 mod replay;
 mod segment;

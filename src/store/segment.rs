@@ -13,22 +13,22 @@
 //! next valid frame, so one flipped byte never hides other records. Bytes after the last valid frame
 //! of an unsealed segment are a torn tail (a crash mid-write, or a write still in progress).
 //!
-//! The writer encodes each frame straight into one large in-memory buffer (no per-record
-//! allocation or system call), hands the buffer to the OS when it passes [`WRITE_BUFFER_BYTES`]
-//! or on flush/seal, and keeps the per-segment text table behind the backward text references
+//! The writer encodes each frame straight into an in-memory buffer (no per-record allocation or
+//! system call); when the buffer passes [`WRITE_BUFFER_BYTES`] it goes to the segment's I/O
+//! thread (`io_thread`), which copies it into the file while the next buffer is encoded, and
+//! flush/seal wait for that thread. The writer keeps the per-segment text table behind the backward text references
 //! (see `codec`). It appends only to segments of the current format version; an unsealed segment
 //! of an older version is sealed as it is (the footer is the same in every version) and the
 //! dataset continues in a new segment, since one file holds frames of one version only.
 
-use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
 use super::codec::{self, PayloadLayout, StepView, TextField, TextRefs};
 use super::error::{ProblemKind, StoreError};
+use super::io_thread::{Batch, IoThread};
 use super::record::{StepInfo, StepRecord};
 
 /// First eight bytes of every segment file.
@@ -45,8 +45,8 @@ const TRAILER_MAGIC: u32 = u32::from_le_bytes(*b"STPE");
 const TRAILER_LEN: usize = 12;
 const INDEX_ENTRY_LEN: usize = 16;
 const MAX_PAYLOAD: usize = 1 << 30;
-/// Bytes the segment writer buffers before handing them to the OS.
-pub const WRITE_BUFFER_BYTES: usize = 1 << 20;
+/// Bytes the segment writer buffers before handing them to its I/O thread.
+pub const WRITE_BUFFER_BYTES: usize = 256 << 10;
 
 fn read_u32(bytes: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
@@ -63,8 +63,8 @@ fn frame_crc(len_field: u32, payload: &[u8]) -> u32 {
     hasher.finalize()
 }
 
-/// Appends `record` as one complete frame, number `ordinal` of its segment, to `out`; on error
-/// `out` is left as it was.
+/// Appends `record` as frame number `ordinal` of its segment to `out`, complete but for its crc
+/// (see [`finish_frames`]); on error `out` is left as it was.
 fn encode_frame(
     record: &StepRecord,
     ordinal: u64,
@@ -89,12 +89,25 @@ fn encode_frame(
             return Err(e);
         }
     };
-    let crc = frame_crc(len_field, &out[start + FRAME_HEADER_LEN..]);
     let header = &mut out[start..start + FRAME_HEADER_LEN];
     header[0..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
     header[4..8].copy_from_slice(&len_field.to_le_bytes());
-    header[8..12].copy_from_slice(&crc.to_le_bytes());
     Ok(())
+}
+
+/// Fills in the crc of each frame that [`encode_frame`] put at the offsets `frames` of `bytes`
+/// (run by the I/O thread just before the bytes are written).
+fn finish_frames(bytes: &mut [u8], frames: &[u32]) {
+    for &start in frames {
+        let start = start as usize;
+        let len_field = read_u32(bytes, start + 4).unwrap_or(0);
+        let payload_start = start + FRAME_HEADER_LEN;
+        let crc = frame_crc(
+            len_field,
+            &bytes[payload_start..payload_start + len_field as usize],
+        );
+        bytes[start + 8..payload_start].copy_from_slice(&crc.to_le_bytes());
+    }
 }
 
 /// A validated frame: where it starts and how its payload is laid out.
@@ -366,77 +379,96 @@ impl MappedSegment {
     }
 }
 
-/// FxHash (rotate, xor, multiply per 8 bytes): the writer hashes its own texts, so a fast
-/// non-keyed hash is enough; the table still compares the texts themselves.
-#[derive(Clone, Copy, Debug, Default)]
-struct FxBuild;
+/// Slots per text field of the writer's text cache: a power of two, four times
+/// [`codec::REFERENCE_WINDOW`], so that the texts of the window rarely share a slot.
+const TEXT_SLOTS: usize = 1024;
 
-struct FxHasher(u64);
-
-impl std::hash::BuildHasher for FxBuild {
-    type Hasher = FxHasher;
-
-    fn build_hasher(&self) -> FxHasher {
-        FxHasher(0)
+/// FxHash of `text` (rotate, xor, multiply per 8 bytes, then the length): the writer hashes its
+/// own texts, so a fast non-keyed hash is enough; the cache still compares the texts themselves.
+fn text_hash(text: &str) -> u64 {
+    let add = |h: u64, word: u64| (h.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+    let words = text.as_bytes().chunks_exact(8);
+    let tail = words.remainder();
+    let mut h = words.fold(0, |h, w| {
+        add(h, u64::from_le_bytes(std::array::from_fn(|i| w[i])))
+    });
+    if !tail.is_empty() {
+        let mut word = [0u8; 8];
+        word[..tail.len()].copy_from_slice(tail);
+        h = add(h, u64::from_le_bytes(word));
     }
+    add(h, text.len() as u64)
 }
 
-impl FxHasher {
-    fn add(&mut self, word: u64) {
-        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
-    }
+#[derive(Clone, Debug, Default)]
+struct TextSlot {
+    hash: u64,
+    /// Number of the last frame that stored `text` inline (`None`: empty slot).
+    ordinal: Option<u64>,
+    text: String,
 }
 
-impl std::hash::Hasher for FxHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        let words = bytes.chunks_exact(8);
-        let tail = words.remainder();
-        for word in words {
-            self.add(u64::from_le_bytes(std::array::from_fn(|i| word[i])));
+/// Where a text of the record being appended goes in the [`TextCache`], and how many frames
+/// back an earlier frame holds it inline (within [`codec::REFERENCE_WINDOW`]).
+#[derive(Clone, Copy, Debug)]
+struct Probe {
+    slot: usize,
+    hash: u64,
+    back: Option<u64>,
+}
+
+/// Per segment and text field: a direct-mapped cache from a text's hash to the text and the
+/// number of the last frame that stored it inline. A text whose slot another text has taken is
+/// simply stored inline again; a reference is only made to an equal text (compared, not just
+/// its hash).
+#[derive(Debug)]
+struct TextCache {
+    /// `TEXT_SLOTS` slots per field, field by field.
+    slots: Vec<TextSlot>,
+}
+
+impl Default for TextCache {
+    fn default() -> Self {
+        Self {
+            slots: vec![TextSlot::default(); TEXT_SLOTS * TextField::ALL.len()],
         }
-        if !tail.is_empty() {
-            let mut word = [0u8; 8];
-            word[..tail.len()].copy_from_slice(tail);
-            self.add(u64::from_le_bytes(word));
-        }
-    }
-
-    fn write_u8(&mut self, byte: u8) {
-        self.add(byte.into());
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
     }
 }
 
-/// Per segment: each distinct text, by field, with the number of the last frame that stored it
-/// inline.
-#[derive(Debug, Default)]
-struct TextTable {
-    by_field: [HashMap<String, u64, FxBuild>; 2],
-}
+impl TextCache {
+    /// For the frame numbered `ordinal`: where `text` of `field` goes and whether it can be a
+    /// reference.
+    fn probe(&self, field: TextField, text: &str, ordinal: u64) -> Probe {
+        let hash = text_hash(text);
+        let slot =
+            field as usize * TEXT_SLOTS + (hash >> (64 - TEXT_SLOTS.trailing_zeros())) as usize;
+        let held = &self.slots[slot];
+        let back = held
+            .ordinal
+            .filter(|_| held.hash == hash && held.text == text)
+            .map(|earlier| ordinal - earlier)
+            .filter(|&back| back <= codec::REFERENCE_WINDOW);
+        Probe { slot, hash, back }
+    }
 
-impl TextTable {
-    /// For the frame numbered `ordinal`: how many frames back an earlier frame within
-    /// [`codec::REFERENCE_WINDOW`] holds each of `info`'s texts inline (equal texts, not just
-    /// equal hashes).
-    fn refs(&self, info: &StepInfo, ordinal: u64) -> TextRefs {
-        TextField::ALL.map(|field| {
-            let earlier = self.by_field[field as usize].get(field.of(info))?;
-            Some(ordinal - earlier).filter(|&back| back <= codec::REFERENCE_WINDOW)
-        })
+    fn probes(&self, info: &StepInfo, ordinal: u64) -> [Probe; 2] {
+        TextField::ALL.map(|field| self.probe(field, field.of(info), ordinal))
+    }
+
+    /// Records that the frame numbered `ordinal` stored `text` inline at `probe`'s slot.
+    fn store(&mut self, probe: Probe, text: &str, ordinal: u64) {
+        let slot = &mut self.slots[probe.slot];
+        slot.hash = probe.hash;
+        slot.ordinal = Some(ordinal);
+        slot.text.clear();
+        slot.text.push_str(text);
     }
 
     /// Records the texts that the frame numbered `ordinal` stored inline.
     fn remember(&mut self, texts: [Option<&str>; 2], ordinal: u64) {
-        for (table, text) in self.by_field.iter_mut().zip(texts) {
-            match text.map(|t| (table.get_mut(t), t)) {
-                Some((Some(last), _)) => *last = ordinal,
-                Some((None, t)) => {
-                    table.insert(t.to_string(), ordinal);
-                }
-                None => {}
+        for (field, text) in TextField::ALL.into_iter().zip(texts) {
+            if let Some(text) = text {
+                self.store(self.probe(field, text, ordinal), text, ordinal);
             }
         }
     }
@@ -446,13 +478,14 @@ impl TextTable {
 #[derive(Debug)]
 pub struct SegmentWriter {
     path: PathBuf,
-    file: File,
-    /// Encoded bytes not yet handed to the OS.
-    buffer: Vec<u8>,
-    /// Bytes already in the file.
+    /// Writes full buffers to the file in the background.
+    io: IoThread,
+    /// Encoded frames not yet handed to the I/O thread.
+    batch: Batch,
+    /// Bytes in the file or handed to the I/O thread.
     written: u64,
     index: Vec<(u64, u64)>,
-    texts: TextTable,
+    texts: TextCache,
     /// Format version of the file: only [`FORMAT_VERSION`] accepts appends.
     format_version: u32,
     /// Whether `seal` fsyncs the file.
@@ -468,18 +501,33 @@ impl SegmentWriter {
             .create_new(true)
             .open(path)
             .map_err(StoreError::io(path))?;
-        let mut buffer = Vec::with_capacity(WRITE_BUFFER_BYTES * 2);
-        buffer.extend_from_slice(&SEGMENT_MAGIC);
-        buffer.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        buffer.extend_from_slice(&0u32.to_le_bytes());
+        let mut writer = Self::start(path, file, 0, FORMAT_VERSION, durable)?;
+        let header = &mut writer.batch.bytes;
+        header.extend_from_slice(&SEGMENT_MAGIC);
+        header.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        header.extend_from_slice(&0u32.to_le_bytes());
+        Ok(writer)
+    }
+
+    /// A writer appending to `file` (open for writing at byte `written`, its end).
+    fn start(
+        path: &Path,
+        file: File,
+        written: u64,
+        format_version: u32,
+        durable: bool,
+    ) -> Result<Self, StoreError> {
         Ok(Self {
             path: path.to_path_buf(),
-            file,
-            buffer,
-            written: 0,
+            io: IoThread::start(path, file, finish_frames)?,
+            batch: Batch {
+                bytes: Vec::with_capacity(WRITE_BUFFER_BYTES * 2),
+                frames: Vec::new(),
+            },
+            written,
             index: Vec::new(),
-            texts: TextTable::default(),
-            format_version: FORMAT_VERSION,
+            texts: TextCache::default(),
+            format_version,
             durable,
         })
     }
@@ -502,16 +550,9 @@ impl SegmentWriter {
             .append(true)
             .open(path)
             .map_err(StoreError::io(path))?;
-        let mut writer = Self {
-            path: path.clone(),
-            file,
-            buffer: Vec::with_capacity(WRITE_BUFFER_BYTES * 2),
-            written: segment.bytes().len() as u64,
-            index: Vec::new(),
-            texts: TextTable::default(),
-            format_version: segment.scan.format_version,
-            durable,
-        };
+        let written = segment.bytes().len() as u64;
+        let version = segment.scan.format_version;
+        let mut writer = Self::start(path, file, written, version, durable)?;
         for frame in &segment.scan.frames {
             if writer.appendable() {
                 let payload = frame.payload(segment.bytes());
@@ -540,7 +581,7 @@ impl SegmentWriter {
 
     /// Bytes written so far (header included, buffered bytes included).
     pub fn len(&self) -> u64 {
-        self.written + self.buffer.len() as u64
+        self.written + self.batch.bytes.len() as u64
     }
 
     /// Encodes `record` as a frame at the end of the segment and returns its offset, or `None`
@@ -555,62 +596,72 @@ impl SegmentWriter {
                 ),
             });
         }
-        if self.buffer.len() >= WRITE_BUFFER_BYTES {
-            self.flush()?;
+        if self.batch.bytes.len() >= WRITE_BUFFER_BYTES {
+            self.hand_off()?;
         }
         let offset = self.len();
-        let start = self.buffer.len();
+        let start = self.batch.bytes.len();
         let ordinal = self.index.len() as u64;
-        let refs = self.texts.refs(&record.info, ordinal);
-        encode_frame(record, ordinal, refs, &mut self.buffer).map_err(|e| StoreError::Encode {
-            path: self.path.clone(),
-            traj_id: record.traj_id,
-            step_index: record.step_index,
-            reason: e.0,
+        let probes = self.texts.probes(&record.info, ordinal);
+        let refs = probes.map(|p| p.back);
+        encode_frame(record, ordinal, refs, &mut self.batch.bytes).map_err(|e| {
+            StoreError::Encode {
+                path: self.path.clone(),
+                traj_id: record.traj_id,
+                step_index: record.step_index,
+                reason: e.0,
+            }
         })?;
         if !self.index.is_empty() && self.len() > max_len {
-            self.buffer.truncate(start);
+            self.batch.bytes.truncate(start);
             return Ok(None);
         }
-        let inline = TextField::ALL.map(|field| {
-            let i = field as usize;
-            refs[i].is_none().then(|| field.of(&record.info))
-        });
-        self.texts.remember(inline, ordinal);
+        self.batch.frames.push(start as u32);
+        for (field, probe) in TextField::ALL.into_iter().zip(probes) {
+            if probe.back.is_none() {
+                self.texts.store(probe, field.of(&record.info), ordinal);
+            }
+        }
         self.index.push((record.traj_id, offset));
         Ok(Some(offset))
     }
 
-    /// Hands buffered frames to the OS: from now on readers see them.
-    pub fn flush(&mut self) -> Result<(), StoreError> {
-        self.file
-            .write_all(&self.buffer)
-            .map_err(StoreError::io(&self.path))?;
-        self.written += self.buffer.len() as u64;
-        self.buffer.clear();
+    /// Gives the buffered frames to the I/O thread and continues in an empty buffer.
+    fn hand_off(&mut self) -> Result<(), StoreError> {
+        let full = std::mem::take(&mut self.batch);
+        self.written += full.bytes.len() as u64;
+        self.batch = self.io.submit(full)?;
         Ok(())
+    }
+
+    /// Writes every buffered frame to the file and waits for it: from now on readers see them.
+    /// Returns the error of any earlier background write as well.
+    pub fn flush(&mut self) -> Result<(), StoreError> {
+        if !self.batch.is_empty() {
+            self.hand_off()?;
+        }
+        self.io.wait()
     }
 
     /// Writes the footer, flushes and (when durable) syncs; returns (records, bytes).
     pub fn seal(mut self) -> Result<(u64, u64), StoreError> {
         self.index.sort_unstable();
         let body_len = 8 + self.index.len() * INDEX_ENTRY_LEN;
-        self.buffer.extend_from_slice(&SEAL_MARK.to_le_bytes());
-        let body_start = self.buffer.len();
-        self.buffer
-            .extend_from_slice(&(self.index.len() as u64).to_le_bytes());
+        let out = &mut self.batch.bytes;
+        out.extend_from_slice(&SEAL_MARK.to_le_bytes());
+        let body_start = out.len();
+        out.extend_from_slice(&(self.index.len() as u64).to_le_bytes());
         for (traj_id, offset) in &self.index {
-            self.buffer.extend_from_slice(&traj_id.to_le_bytes());
-            self.buffer.extend_from_slice(&offset.to_le_bytes());
+            out.extend_from_slice(&traj_id.to_le_bytes());
+            out.extend_from_slice(&offset.to_le_bytes());
         }
-        let crc = crc32fast::hash(&self.buffer[body_start..]);
-        self.buffer.extend_from_slice(&crc.to_le_bytes());
-        self.buffer
-            .extend_from_slice(&(body_len as u32).to_le_bytes());
-        self.buffer.extend_from_slice(&TRAILER_MAGIC.to_le_bytes());
+        let crc = crc32fast::hash(&out[body_start..]);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out.extend_from_slice(&(body_len as u32).to_le_bytes());
+        out.extend_from_slice(&TRAILER_MAGIC.to_le_bytes());
         self.flush()?;
         if self.durable {
-            self.file.sync_all().map_err(StoreError::io(&self.path))?;
+            (self.io.file().sync_all()).map_err(StoreError::io(&self.path))?;
         }
         Ok((self.index.len() as u64, self.len()))
     }
@@ -746,6 +797,76 @@ mod tests {
             scan.view(&bytes, last).to_record().unwrap(),
             records[window + 1]
         );
+    }
+
+    /// Records of `ids` 2-byte ids each, enough of them to fill several write buffers.
+    fn big_records(count: u64, ids: usize) -> Vec<StepRecord> {
+        (0..count)
+            .map(|i| StepRecord {
+                obs_ids: (0..ids as u32)
+                    .map(|t| (t * 7 + i as u32) % 50_000)
+                    .collect(),
+                ..record(i, 0)
+            })
+            .collect()
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_failed_background_write_is_returned_with_the_path_by_every_later_call() {
+        let path = Path::new("/dev/full");
+        let file = OpenOptions::new().write(true).open(path).unwrap();
+        let mut writer = SegmentWriter::start(path, file, 0, FORMAT_VERSION, false).unwrap();
+        for r in big_records(3 * (WRITE_BUFFER_BYTES as u64 / 20_000 + 1), 10_000) {
+            // Appends that hand a buffer over may already see the failure.
+            if writer.append(&r, u64::MAX).is_err() {
+                break;
+            }
+        }
+        for _ in 0..2 {
+            let err = writer.flush().unwrap_err().to_string();
+            assert!(err.starts_with("/dev/full: "), "{err}");
+            assert!(err.contains("No space left"), "{err}");
+        }
+        let err = writer
+            .append(&record(9, 0), u64::MAX)
+            .and_then(|_| writer.flush());
+        assert!(err.is_err());
+        assert!(writer.seal().unwrap_err().to_string().contains("/dev/full"));
+    }
+
+    #[test]
+    fn readers_see_a_prefix_of_complete_frames_while_buffers_are_written_in_the_background() {
+        let records = big_records(120, 6_000);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("seg.stp");
+        let mut writer = SegmentWriter::create(&path, false).unwrap();
+        let check = |bytes: &[u8]| {
+            let scan = scan(bytes);
+            for (frame, expected) in scan.frames.iter().zip(&records) {
+                assert_eq!(&scan.view(bytes, frame).to_record().unwrap(), expected);
+            }
+            let torn = [(
+                scan.frames.last().map_or(HEADER_LEN as u64, |f| f.end()),
+                ProblemKind::TornTail,
+            )];
+            assert!(
+                scan.problems.is_empty() || scan.problems == torn,
+                "{:?}",
+                scan.problems
+            );
+            scan.frames.len()
+        };
+        let mut seen = 0;
+        for r in &records {
+            writer.append(r, u64::MAX).unwrap();
+            let now = check(&std::fs::read(&path).unwrap());
+            assert!(now >= seen);
+            seen = now;
+        }
+        assert!(seen > 0 && seen < records.len(), "{seen}");
+        writer.flush().unwrap();
+        assert_eq!(check(&std::fs::read(&path).unwrap()), records.len());
     }
 
     #[test]
