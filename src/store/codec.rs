@@ -290,14 +290,22 @@ impl<'a> Cursor<'a> {
     #[inline]
     fn str(&mut self, what: &str) -> Result<&'a str, CodecError> {
         let len = usize::try_from(self.varint(what)?).unwrap_or(usize::MAX);
-        std::str::from_utf8(self.take(len, what)?)
-            .map_err(|e| CodecError(format!("{what} is not UTF-8: {e}")))
+        as_text(self.take(len, what)?).map_err(|e| CodecError(format!("{what} is not UTF-8: {e}")))
     }
 }
 
 fn utf8(bytes: &[u8], field: TextField) -> Result<&str, CodecError> {
+    as_text(bytes).map_err(|e| CodecError(format!("{} is not UTF-8: {e}", field.name())))
+}
+
+/// `bytes` as text. Stored texts are mostly short ASCII (and a reference makes the same text be
+/// checked once per record that points to it), so the word-at-a-time ASCII test runs first.
+fn as_text(bytes: &[u8]) -> Result<&str, std::str::Utf8Error> {
+    if bytes.is_ascii() {
+        // SAFETY: ASCII bytes are valid UTF-8.
+        return Ok(unsafe { std::str::from_utf8_unchecked(bytes) });
+    }
     std::str::from_utf8(bytes)
-        .map_err(|e| CodecError(format!("{} is not UTF-8: {e}", field.name())))
 }
 
 fn encode_text(text: &str, back: Option<u64>, out: &mut Vec<u8>) -> Result<(), CodecError> {
@@ -952,6 +960,15 @@ mod tests {
         assert!(parse_layout(&bytes, FORMAT_VERSION).is_err());
         assert!(parse_layout(&bytes[..3], FORMAT_VERSION).is_err());
         assert!(parse_layout(&bytes[..10], 2).is_err());
+    }
+
+    #[test]
+    fn texts_are_checked_ascii_first_then_as_utf8() {
+        assert_eq!(as_text(b"Left: hole"), Ok("Left: hole"));
+        assert_eq!(as_text("P √ G".as_bytes()), Ok("P √ G"));
+        assert!(as_text(b"ok\xFF").is_err());
+        let e = utf8(b"\xC3", TextField::ALL[0]).unwrap_err();
+        assert!(e.0.contains("is not UTF-8"), "{}", e.0);
     }
 
     #[test]

@@ -386,12 +386,9 @@ mod tests {
         assert_eq!(step_returns(&records, 0.5), vec![1.0, 5.0, 0.5]);
     }
 
-    #[test]
-    fn critic_warmup_learns_values_on_the_shared_head() {
-        let device = Device::Cpu;
-        let mut policy = Model::new(&ModelConfig::tiny(32), 1, &device).unwrap();
-        policy.attach_value_head(2).unwrap();
-        let records = two_kinds_of_steps();
+    /// Warms up `policy` (and `separate`, when given) on [`two_kinds_of_steps`] and checks that
+    /// the value loss fell to near zero.
+    fn warm_up_values(policy: &Model, separate: Option<(&Critic, f64)>) -> SftReport {
         let settings = CloneSettings {
             steps: 60,
             batch_size: 8,
@@ -401,40 +398,31 @@ mod tests {
         let value = ValueWarmup {
             gamma: 1.0,
             coef: 1.0,
-            separate: None,
+            separate,
         };
-        let report = behaviour_clone(&policy, 0, &records, settings, Some(value)).unwrap();
+        let records = two_kinds_of_steps();
+        let report = behaviour_clone(policy, 0, &records, settings, Some(value)).unwrap();
         let (first, last) = report.value_loss.unwrap();
         assert!(
             last < 0.05 && last < first / 3.0,
             "value loss {first} → {last}"
         );
+        report
+    }
+
+    #[test]
+    fn critic_warmup_learns_values_on_the_shared_head() {
+        let mut policy = Model::new(&ModelConfig::tiny(32), 1, &Device::Cpu).unwrap();
+        policy.attach_value_head(2).unwrap();
+        let report = warm_up_values(&policy, None);
         assert!(report.final_loss < report.first_loss);
     }
 
     #[test]
     fn critic_warmup_trains_a_separate_critic() {
-        let device = Device::Cpu;
         let cfg = ModelConfig::tiny(32);
-        let policy = Model::new(&cfg, 1, &device).unwrap();
-        let critic = Critic::new(&cfg, 4, &device).unwrap();
-        let records = two_kinds_of_steps();
-        let settings = CloneSettings {
-            steps: 60,
-            batch_size: 8,
-            lr: 1e-2,
-            seed: 3,
-        };
-        let value = ValueWarmup {
-            gamma: 1.0,
-            coef: 1.0,
-            separate: Some((&critic, 1e-2)),
-        };
-        let report = behaviour_clone(&policy, 0, &records, settings, Some(value)).unwrap();
-        let (first, last) = report.value_loss.unwrap();
-        assert!(
-            last < 0.05 && last < first / 3.0,
-            "value loss {first} → {last}"
-        );
+        let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
+        let critic = Critic::new(&cfg, 4, &Device::Cpu).unwrap();
+        warm_up_values(&policy, Some((&critic, 1e-2)));
     }
 }
