@@ -8,7 +8,8 @@
 //! such records (e.g. `stepppo collect` datasets). Warm-starting on the *random* agent teaches the
 //! answer format, not the task: the policy's success starts near the random agent's.
 
-use super::batch::{pack, pad, PackedBatch};
+use super::batch::{pack, PackedBatch};
+use super::update::DeviceBatch;
 use super::TrainError;
 use crate::algo::normalize::discounted_returns;
 use crate::algo::{AdamW, OptimizerConfig};
@@ -18,7 +19,7 @@ use crate::model::{Critic, Model};
 use crate::seed;
 use crate::store::{agent_episode, EpisodeIds, StepRecord};
 use crate::tokenizer::Tokenizer;
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -144,12 +145,13 @@ pub fn behaviour_clone(
             .drain(..settings.batch_size.min(order.len()))
             .map(|s| sequences[s].clone())
             .collect();
-        let batch = CloneBatch::new(policy.device(), pad_id, records, &chosen)?;
+        let packed = pack(records, &chosen)?;
+        let batch = DeviceBatch::new(&packed, pad_id, policy.device())?;
         let hidden = policy.hidden_train(&batch.ids, &batch.mask)?;
-        let ce = batch.cross_entropy(policy, &hidden)?;
+        let ce = cross_entropy(policy, &packed, &batch, &hidden)?;
         let mut loss = ce.clone();
         if let Some(critic) = critic.as_mut() {
-            if let Some(shared) = critic.step(&batch, policy, &hidden, &mut skipped)? {
+            if let Some(shared) = critic.step(&packed, &batch, policy, &hidden, &mut skipped)? {
                 loss = (loss + shared)?;
             }
         }
@@ -210,7 +212,8 @@ impl<'a> CriticWarmup<'a> {
     /// shared (`hidden` is the policy trunk's output); a separate critic is updated here instead.
     fn step(
         &mut self,
-        batch: &CloneBatch,
+        packed: &PackedBatch,
+        batch: &DeviceBatch,
         policy: &Model,
         hidden: &Tensor,
         skipped: &mut usize,
@@ -219,7 +222,7 @@ impl<'a> CriticWarmup<'a> {
             None => policy.head_values(hidden)?,
             Some((critic, _, _)) => critic.values(&batch.ids, &batch.mask)?,
         };
-        let vf = batch.value_loss(&values, &self.returns)?;
+        let vf = value_loss(packed, batch, &values, &self.returns)?;
         let value = vf.to_scalar::<f32>()? as f64;
         self.losses.push(value);
         let weighted = vf.affine(self.coef, 0.0)?;
@@ -269,62 +272,36 @@ fn step_returns(records: &[StepRecord], gamma: f64) -> Vec<f64> {
     out
 }
 
-/// One packed mini-batch of a warm start on the device.
-struct CloneBatch {
-    packed: PackedBatch,
-    ids: Tensor,
-    mask: Tensor,
+/// Mean negative log-likelihood of `batch`'s response tokens (a scalar with gradient), from the
+/// policy trunk's output `hidden`.
+fn cross_entropy(
+    policy: &Model,
+    packed: &PackedBatch,
+    batch: &DeviceBatch,
+    hidden: &Tensor,
+) -> Result<Tensor, TrainError> {
+    let (picked, _) =
+        policy.head_logprobs_entropy(hidden, &batch.token_index, &batch.token_targets, 1.0)?;
+    let weights = Tensor::new(packed.token_mask.as_slice(), policy.device())?;
+    let n = packed.num_tokens().max(1) as f64;
+    Ok((picked * weights)?.sum_all()?.affine(-1.0 / n, 0.0)?)
 }
 
-impl CloneBatch {
-    fn new(
-        device: &Device,
-        pad_id: u32,
-        records: &[StepRecord],
-        sequences: &[Vec<usize>],
-    ) -> Result<Self, TrainError> {
-        let packed = pack(records, sequences)?;
-        let (b, t) = (sequences.len(), packed.seq_len);
-        let (ids, mask) = pad(&packed.inputs, t, pad_id);
-        Ok(CloneBatch {
-            ids: Tensor::from_vec(ids, (b, t), device)?,
-            mask: Tensor::from_vec(mask, (b, t), device)?,
-            packed,
-        })
-    }
-
-    /// Mean negative log-likelihood of the response tokens (a scalar with gradient).
-    fn cross_entropy(&self, policy: &Model, hidden: &Tensor) -> Result<Tensor, TrainError> {
-        let packed = &self.packed;
-        let device = policy.device();
-        let (targets, _) = pad(&packed.targets, packed.seq_len, 0);
-        let token_targets: Vec<u32> = packed
-            .token_index
-            .iter()
-            .map(|&i| targets[i as usize])
-            .collect();
-        let index = Tensor::new(packed.token_index.as_slice(), device)?;
-        let token_targets = Tensor::new(token_targets.as_slice(), device)?;
-        let (picked, _) = policy.head_logprobs_entropy(hidden, &index, &token_targets, 1.0)?;
-        let weights = Tensor::new(packed.token_mask.as_slice(), device)?;
-        let n = packed.num_tokens().max(1) as f64;
-        Ok((picked * weights)?.sum_all()?.affine(-1.0 / n, 0.0)?)
-    }
-
-    /// Mean squared error of `values` (`[B, T]`) at each step start against `returns` (by record).
-    fn value_loss(&self, values: &Tensor, returns: &[f64]) -> Result<Tensor, TrainError> {
-        let packed = &self.packed;
-        let device = values.device();
-        let index = Tensor::new(packed.value_index.as_slice(), device)?;
-        let predicted = values.flatten_all()?.index_select(&index, 0)?;
-        let target: Vec<f32> = packed
-            .record_of_row
-            .iter()
-            .map(|&r| returns[r] as f32)
-            .collect();
-        let target = Tensor::new(target.as_slice(), device)?;
-        Ok((predicted - target)?.sqr()?.mean_all()?)
-    }
+/// Mean squared error of `values` (`[B, T]`) at each step start against `returns` (by record).
+fn value_loss(
+    packed: &PackedBatch,
+    batch: &DeviceBatch,
+    values: &Tensor,
+    returns: &[f64],
+) -> Result<Tensor, TrainError> {
+    let predicted = batch.at_step_starts(values, packed)?.flatten_all()?;
+    let target: Vec<f32> = packed
+        .record_of_row
+        .iter()
+        .map(|&r| returns[r] as f32)
+        .collect();
+    let target = Tensor::new(target.as_slice(), values.device())?;
+    Ok((predicted - target)?.sqr()?.mean_all()?)
 }
 
 /// `stepppo sft`: behaviour-clones `records` into the config's initial policy (`pretrain`,
@@ -356,6 +333,7 @@ pub fn clone_into(
 mod tests {
     use super::*;
     use crate::model::ModelConfig;
+    use candle_core::Device;
 
     /// Single-step trajectories whose return is 1 after one observation token and 0 after
     /// another: the warm-up must learn to tell them apart.

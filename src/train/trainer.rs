@@ -671,7 +671,6 @@ fn rollout_metrics(
     out.insert("rollout/steps".into(), records.len() as f64);
 }
 
-/// The rollout engine of a run (radix cache unless `cache.prefix_cache` is off).
 /// The run's reference policy, written when the run was created.
 fn load_reference(run_dir: &Path, device: &Device) -> Result<Model, TrainError> {
     let dir = run_dir.join(REFERENCE_DIR);
@@ -679,6 +678,7 @@ fn load_reference(run_dir: &Path, device: &Device) -> Result<Model, TrainError> 
     Ok(reference)
 }
 
+/// The rollout engine of a run (radix cache unless `cache.prefix_cache` is off).
 pub(crate) fn engine_for(cfg: &Config, policy: &Model) -> Result<Engine, TrainError> {
     let engine_cfg = EngineConfig {
         cache_mode: if cfg.cache.prefix_cache {

@@ -145,18 +145,19 @@ fn mini_batches(inputs: &UpdateInputs, settings: &UpdateSettings, epoch: u64) ->
     batches
 }
 
-/// The padded model inputs of a packed mini-batch on the device.
-struct DeviceBatch {
-    ids: Tensor,
-    mask: Tensor,
-    token_index: Tensor,
+/// The padded model inputs of a packed mini-batch on the device (the update's and the warm
+/// start's).
+pub(super) struct DeviceBatch {
+    pub(super) ids: Tensor,
+    pub(super) mask: Tensor,
+    pub(super) token_index: Tensor,
     /// The target token at each `token_index` position.
-    token_targets: Tensor,
+    pub(super) token_targets: Tensor,
     value_index: Tensor,
 }
 
 impl DeviceBatch {
-    fn new(p: &PackedBatch, pad_id: u32, device: &Device) -> Result<Self, TrainError> {
+    pub(super) fn new(p: &PackedBatch, pad_id: u32, device: &Device) -> Result<Self, TrainError> {
         let (b, t) = (p.inputs.len(), p.seq_len);
         let (ids, mask) = pad(&p.inputs, t, pad_id);
         let (targets, _) = pad(&p.targets, t, pad_id);
@@ -178,7 +179,7 @@ impl DeviceBatch {
     }
 
     /// `[B, T]` per-position values → `[rows, 1]` at each step's start.
-    fn at_step_starts(&self, x: &Tensor, p: &PackedBatch) -> Result<Tensor, TrainError> {
+    pub(super) fn at_step_starts(&self, x: &Tensor, p: &PackedBatch) -> Result<Tensor, TrainError> {
         Ok(x.flatten_all()?
             .index_select(&self.value_index, D::Minus1)?
             .reshape((p.rows, 1))?)
