@@ -7,7 +7,7 @@
 //! (`context`, `critic`, `sft`, `cache`, ...) are stepppo's own. This module owns the schema and
 //! its checks only; what the values do lives with the trainer, the estimators and the envs.
 
-use crate::algo::config::{CriticTarget, KlEstimator};
+use crate::algo::config::{CriticTarget, KlConfig, KlEstimator, KlMode};
 use crate::algo::config::{
     FilterType, GigpoConfig, Grouping, LossAggMode, NormMethod, RatioType, RewardNormalization,
     Schedule,
@@ -193,6 +193,10 @@ pub struct SftConfig {
     /// (γ = `gamma`) trained alongside the cloning; 0 leaves the critic untrained. Needs a
     /// step-start critic (`adv_estimator: step_gae`).
     pub value_loss_coef: f64,
+    /// Weight of the cross-entropy on the environment's tokens (the observations the transcripts
+    /// received: the model learns to read and predict the env's text, not which action is better);
+    /// 0 trains on the responses only.
+    pub observation_loss_coef: f64,
 }
 
 impl SftConfig {
@@ -202,6 +206,7 @@ impl SftConfig {
             steps: self.steps,
             batch_size: self.batch_size,
             lr: self.learning_rate,
+            observation_loss_coef: self.observation_loss_coef,
             seed,
         }
     }
@@ -216,6 +221,7 @@ impl Default for SftConfig {
             batch_size: 16,
             learning_rate: 1e-3,
             value_loss_coef: 0.0,
+            observation_loss_coef: 0.0,
         }
     }
 }
@@ -345,9 +351,16 @@ pub struct Config {
     /// after any warm start); 0 = off, no reference model is kept.
     #[serde(default)]
     pub init_kl_coef: f32,
-    /// KL estimator of the penalty (ROLL `kl_penalty`): `kl`/`k1` or `low_var_kl`/`k3`.
+    /// KL estimator of the penalty and of the KL loss (ROLL `kl_penalty`): `kl`/`k1` or
+    /// `low_var_kl`/`k3`.
     #[serde(default = "k1")]
     pub kl_penalty: KlEstimator,
+    /// KL loss against the reference policy (ROLL/verl `use_kl_loss`): the actor loss gains
+    /// `kl_loss_coef · agg(KL(π ‖ π_ref))` over the response tokens.
+    #[serde(default)]
+    pub use_kl_loss: bool,
+    #[serde(default)]
+    pub kl_loss_coef: f32,
     #[serde(default)]
     pub entropy_loss_coef: f32,
     #[serde(default = "one_f32")]
@@ -496,8 +509,22 @@ impl Config {
             loss_agg_mode: self.loss_agg_mode,
             entropy_loss_coef: self.entropy_loss_coef,
             value_clip: self.critic.value_clip,
+            kl: KlConfig {
+                coef: if self.use_kl_loss {
+                    self.kl_loss_coef
+                } else {
+                    0.0
+                },
+                estimator: self.kl_penalty,
+                mode: KlMode::Loss,
+            },
             ..LossConfig::default()
         }
+    }
+
+    /// Whether the run keeps a frozen reference policy (KL in the reward or as a loss).
+    pub fn keeps_reference(&self) -> bool {
+        self.init_kl_coef > 0.0 || self.use_kl_loss
     }
 
     /// AdamW settings (actor `learning_rate`, `critic.learning_rate`).
@@ -577,10 +604,18 @@ impl Config {
         if let Some(c) = self.advantage_clip {
             check_positive("advantage_clip", c as f64)?;
         }
-        if !(self.init_kl_coef.is_finite() && self.init_kl_coef >= 0.0) {
+        for (key, coef) in [
+            ("init_kl_coef", self.init_kl_coef),
+            ("kl_loss_coef", self.kl_loss_coef),
+        ] {
+            if !(coef.is_finite() && coef >= 0.0) {
+                return fail(key, format!("must be a finite number ≥ 0, got {coef}"));
+            }
+        }
+        if self.use_kl_loss && self.kl_loss_coef == 0.0 {
             return fail(
-                "init_kl_coef",
-                format!("must be a finite number ≥ 0, got {}", self.init_kl_coef),
+                "kl_loss_coef",
+                "must be > 0 when use_kl_loss is true".into(),
             );
         }
         if self.adv_estimator.needs_critic() && self.critic.mode == CriticMode::None {
@@ -902,6 +937,33 @@ mod tests {
         );
         let e = err_text(with(&["sft.value_loss_coef=-1"]));
         assert!(e.contains("sft.value_loss_coef"), "{e}");
+    }
+
+    #[test]
+    fn kl_loss_needs_a_positive_coefficient_and_keeps_a_reference() {
+        let with = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, "x.yaml", &sets)
+        };
+        let c = with(&[
+            "use_kl_loss=true",
+            "kl_loss_coef=0.1",
+            "kl_penalty=low_var_kl",
+        ])
+        .unwrap();
+        assert!(c.keeps_reference());
+        let kl = c.loss_config().kl;
+        assert_eq!((kl.coef, kl.estimator), (0.1, KlEstimator::K3));
+        let off = with(&["kl_loss_coef=0.1"]).unwrap();
+        assert!(!off.keeps_reference());
+        assert_eq!(off.loss_config().kl.coef, 0.0);
+        let e = err_text(with(&["use_kl_loss=true"]));
+        assert!(
+            e.contains("kl_loss_coef") && e.contains("use_kl_loss"),
+            "{e}"
+        );
+        let e = err_text(with(&["use_kl_loss=true", "kl_loss_coef=-1"]));
+        assert!(e.contains("kl_loss_coef"), "{e}");
     }
 
     #[test]

@@ -23,7 +23,7 @@ use candle_core::Tensor;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 /// What a warm start did.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -91,6 +91,8 @@ pub struct CloneSettings {
     /// Sequences per update.
     pub batch_size: usize,
     pub lr: f64,
+    /// Weight of the cross-entropy on observation tokens next to the response tokens' (0 = off).
+    pub observation_loss_coef: f64,
     /// Seeds the shuffling of the sequences.
     pub seed: u64,
 }
@@ -150,6 +152,10 @@ pub fn behaviour_clone(
         let hidden = policy.hidden_train(&batch.ids, &batch.mask)?;
         let ce = cross_entropy(policy, &packed, &batch, &hidden)?;
         let mut loss = ce.clone();
+        if settings.observation_loss_coef > 0.0 {
+            let obs = observation_cross_entropy(policy, &packed, &hidden)?;
+            loss = (loss + obs.affine(settings.observation_loss_coef, 0.0)?)?;
+        }
         if let Some(critic) = critic.as_mut() {
             if let Some(shared) = critic.step(&packed, &batch, policy, &hidden, &mut skipped)? {
                 loss = (loss + shared)?;
@@ -287,6 +293,44 @@ fn cross_entropy(
     Ok((picked * weights)?.sum_all()?.affine(-1.0 / n, 0.0)?)
 }
 
+/// Mean negative log-likelihood of every observation token of `packed`, from the policy trunk's
+/// output `hidden`.
+fn observation_cross_entropy(
+    policy: &Model,
+    packed: &PackedBatch,
+    hidden: &Tensor,
+) -> Result<Tensor, TrainError> {
+    let (positions, targets) = observation_targets(packed);
+    let device = policy.device();
+    let positions = Tensor::new(positions.as_slice(), device)?;
+    let targets = Tensor::new(targets.as_slice(), device)?;
+    let (picked, _) = policy.head_logprobs_entropy(hidden, &positions, &targets, 1.0)?;
+    Ok(picked.mean_all()?.neg()?)
+}
+
+/// Flat `[B * T]` output positions and target ids of the observation tokens of `packed`: every
+/// real target position that does not predict a response token.
+fn observation_targets(packed: &PackedBatch) -> (Vec<u32>, Vec<u32>) {
+    let responses: HashSet<u32> = packed
+        .token_index
+        .iter()
+        .zip(&packed.token_mask)
+        .filter(|(_, &m)| m > 0.0)
+        .map(|(&i, _)| i)
+        .collect();
+    let mut out = (Vec::new(), Vec::new());
+    for (b, seq) in packed.targets.iter().enumerate() {
+        for (j, &target) in seq.iter().enumerate() {
+            let flat = (b * packed.seq_len + j) as u32;
+            if !responses.contains(&flat) {
+                out.0.push(flat);
+                out.1.push(target);
+            }
+        }
+    }
+    out
+}
+
 /// Mean squared error of `values` (`[B, T]`) at each step start against `returns` (by record).
 fn value_loss(
     packed: &PackedBatch,
@@ -371,6 +415,7 @@ mod tests {
             steps: 60,
             batch_size: 8,
             lr: 1e-2,
+            observation_loss_coef: 0.0,
             seed: 3,
         };
         let value = ValueWarmup {
@@ -402,5 +447,71 @@ mod tests {
         let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
         let critic = Critic::new(&cfg, 4, &Device::Cpu).unwrap();
         warm_up_values(&policy, Some((&critic, 1e-2)));
+    }
+
+    /// Two-step trajectories (concat layout) whose second observation token follows from the
+    /// first: `[3, 10+k]`, response `[7]`, then `[20+k]`, response `[8]`, for k in 0..4.
+    fn predictable_observations() -> Vec<StepRecord> {
+        (0..8u64)
+            .flat_map(|traj_id| {
+                let k = (traj_id % 4) as u32;
+                let first = StepRecord {
+                    traj_id,
+                    group_id: traj_id,
+                    obs_ids: vec![3, 10 + k],
+                    response_ids: vec![7],
+                    response_logprobs: vec![0.0],
+                    ..StepRecord::default()
+                };
+                let second = StepRecord {
+                    step_index: 1,
+                    context_len: 3,
+                    obs_ids: vec![20 + k],
+                    response_ids: vec![8],
+                    terminated: true,
+                    ..first.clone()
+                };
+                [first, second]
+            })
+            .collect()
+    }
+
+    #[test]
+    fn observation_targets_skip_response_tokens_and_padding() {
+        let records = predictable_observations();
+        // Trajectory 0 is [3, 10, 7, 20, 8]; trajectory 1 alone is one step, [3, 11, 7].
+        let packed = pack(&records, &[vec![0, 1], vec![2]]).unwrap();
+        assert_eq!(packed.seq_len, 4);
+        let (positions, targets) = observation_targets(&packed);
+        assert_eq!(positions, vec![0, 2, 4]);
+        assert_eq!(targets, vec![10, 20, 11]);
+    }
+
+    #[test]
+    fn observation_loss_teaches_the_env_text() {
+        let records = predictable_observations();
+        let sequences = clone_sequences(&records);
+        let packed = pack(&records, &sequences).unwrap();
+        let loss_after = |coef: f64| {
+            let policy = Model::new(&ModelConfig::tiny(32), 1, &Device::Cpu).unwrap();
+            let settings = CloneSettings {
+                steps: 60,
+                batch_size: 8,
+                lr: 1e-2,
+                observation_loss_coef: coef,
+                seed: 3,
+            };
+            behaviour_clone(&policy, 0, &records, settings, None).unwrap();
+            let batch = DeviceBatch::new(&packed, 0, policy.device()).unwrap();
+            let hidden = policy.hidden_train(&batch.ids, &batch.mask).unwrap();
+            let ce = observation_cross_entropy(&policy, &packed, &hidden).unwrap();
+            ce.to_scalar::<f32>().unwrap()
+        };
+        let (without, with) = (loss_after(0.0), loss_after(1.0));
+        // Half the observation tokens ([10+k]) are a uniform pick of four: ln 4 / 2 ≈ 0.69 is the floor.
+        assert!(
+            with < 1.0 && with < without / 2.0,
+            "observation CE {without} → {with}"
+        );
     }
 }

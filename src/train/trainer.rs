@@ -7,9 +7,10 @@
 //! so no KV of old weights is served). Validation runs every `eval_steps` (and at step 0, the
 //! warm-started base), checkpoints every `save_steps` and at the end; a checkpoint holds the
 //! weights, both AdamW states, the config and the [`TrainState`] counters, so a resumed run
-//! continues exactly where it stopped. With `init_kl_coef > 0` the policy as training starts is
-//! frozen into `<run>/reference/` and every response token's reward is charged
-//! `init_kl_coef · KL` against it. Every RNG is derived from `seed` and those counters.
+//! continues exactly where it stopped. With `init_kl_coef > 0` or `use_kl_loss` the policy as
+//! training starts is frozen into `<run>/reference/`; every response token's reward is charged
+//! `init_kl_coef · KL` against it, and/or the actor loss gains `kl_loss_coef · KL`. Every RNG is
+//! derived from `seed` and those counters.
 
 use super::checkpoint::{self, CheckpointWriter};
 use super::collapse::CollapseDetector;
@@ -55,7 +56,7 @@ const SEED_SFT: u64 = 3;
 const SEED_SHUFFLE: u64 = 4;
 /// Sequences per forward when reading critic values or reference log-probs.
 const VALUE_CHUNK: usize = 16;
-/// Where a run keeps its frozen reference policy (HF layout), when `init_kl_coef > 0`.
+/// Where a run keeps its frozen reference policy (HF layout), when it has one.
 const REFERENCE_DIR: &str = "reference";
 
 /// What the loop reports to its caller (progress bar, log lines).
@@ -84,7 +85,8 @@ pub struct Trainer {
     tok: Tokenizer,
     policy: Model,
     critic: Option<Critic>,
-    /// The frozen policy the KL-in-reward penalty is measured against (`init_kl_coef > 0`).
+    /// The frozen policy the KL penalty and the KL loss are measured against
+    /// ([`Config::keeps_reference`]).
     reference: Option<Model>,
     actor_opt: AdamW,
     critic_opt: Option<AdamW>,
@@ -137,7 +139,7 @@ impl Trainer {
         } else {
             None
         };
-        let reference = if cfg.init_kl_coef > 0.0 {
+        let reference = if cfg.keeps_reference() {
             policy.save(&run_dir.join(REFERENCE_DIR), Some(&tok))?;
             Some(load_reference(run_dir, &device)?)
         } else {
@@ -200,7 +202,7 @@ impl Trainer {
             }
             None => None,
         };
-        let reference = if cfg.init_kl_coef > 0.0 {
+        let reference = if cfg.keeps_reference() {
             Some(load_reference(run_dir, &device)?)
         } else {
             None
@@ -374,7 +376,8 @@ impl Trainer {
             Some(t) => self.critic_values(&records, &sequences, t)?,
             None => Vec::new(),
         };
-        let kl_penalty = self.kl_penalty(&records, &sequences, &mut scalars)?;
+        let reference_logprobs = self.reference_logprobs(&records, &sequences)?;
+        let kl_penalty = self.kl_penalty(&records, reference_logprobs.as_deref(), &mut scalars)?;
         let advantages = self.advantages(
             &records,
             &old_values,
@@ -399,6 +402,7 @@ impl Trainer {
             returns: advantages.1,
             old_values,
             critic_target: target,
+            ref_logprobs: reference_logprobs.filter(|_| self.cfg.use_kl_loss),
         };
         let update_scalars = self.update(&inputs)?;
         self.state.skipped_updates += update_scalars["actor/skipped_updates"] as u64;
@@ -463,25 +467,37 @@ impl Trainer {
         }
     }
 
-    /// The KL-in-reward penalty of every response token, `init_kl_coef · KL(π_rollout ‖ π_ref)`
-    /// (ROLL `init_kl_coef` / `kl_penalty`); `None` without a reference policy.
-    fn kl_penalty(
+    /// The reference policy's log-prob of every response token; `None` without a reference.
+    fn reference_logprobs(
         &self,
         records: &[StepRecord],
         sequences: &[Vec<usize>],
-        scalars: &mut Scalars,
     ) -> Result<Option<Vec<Vec<f32>>>, TrainError> {
         let Some(reference) = &self.reference else {
             return Ok(None);
         };
-        let reference_logprobs = update::response_logprobs(
+        Ok(Some(update::response_logprobs(
             reference,
             records,
             sequences,
             VALUE_CHUNK,
             self.tok.pad_id(),
-            self.cfg.generating_args.temperature,
-        )?;
+            self.update_temperature(),
+        )?))
+    }
+
+    /// The KL-in-reward penalty of every response token, `init_kl_coef · KL(π_rollout ‖ π_ref)`
+    /// (ROLL `init_kl_coef` / `kl_penalty`); `None` when it is off.
+    fn kl_penalty(
+        &self,
+        records: &[StepRecord],
+        reference_logprobs: Option<&[Vec<f32>]>,
+        scalars: &mut Scalars,
+    ) -> Result<Option<Vec<Vec<f32>>>, TrainError> {
+        let Some(reference_logprobs) = reference_logprobs.filter(|_| self.cfg.init_kl_coef > 0.0)
+        else {
+            return Ok(None);
+        };
         let rollout_logprobs: Vec<Vec<f32>> = records
             .iter()
             .map(|r| r.response_logprobs.clone())
@@ -489,7 +505,7 @@ impl Trainer {
         let coef = self.cfg.init_kl_coef;
         let penalty = kl_reward_penalty(
             &rollout_logprobs,
-            &reference_logprobs,
+            reference_logprobs,
             coef,
             self.cfg.kl_penalty,
         )?;
@@ -545,11 +561,7 @@ impl Trainer {
         let total = self.cfg.max_steps;
         let update_index = self.state.step as usize;
         let loss = self.cfg.loss_config();
-        let temperature = if self.cfg.generating_args.do_sample {
-            self.cfg.generating_args.temperature
-        } else {
-            1.0
-        };
+        let temperature = self.update_temperature();
         let settings = UpdateSettings {
             loss: &loss,
             epochs: self.cfg.ppo_epochs,
@@ -568,6 +580,16 @@ impl Trainer {
             shared_value_head: self.cfg.critic.mode == CriticMode::Shared,
         };
         update::ppo_update(inputs, &settings, &mut learners)
+    }
+
+    /// The temperature the rollout sampled at: the update's (and the reference's) log-probs
+    /// are computed under it.
+    fn update_temperature(&self) -> f32 {
+        if self.cfg.generating_args.do_sample {
+            self.cfg.generating_args.temperature
+        } else {
+            1.0
+        }
     }
 
     /// Writes `ckpt-<step>` atomically (never from non-finite weights) and points `ckpt-latest` at it.

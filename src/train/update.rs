@@ -37,6 +37,8 @@ pub struct UpdateInputs<'a> {
     pub old_values: Vec<Vec<f32>>,
     /// Where the critic is trained; `None` without a critic.
     pub critic_target: Option<CriticTarget>,
+    /// Reference log-probs per record and response token, for the KL loss (`use_kl_loss`).
+    pub ref_logprobs: Option<Vec<Vec<f32>>>,
 }
 
 /// Optimizer-side settings of the update.
@@ -266,7 +268,27 @@ fn actor_step(
         p.max_response_len,
         &device,
     )?;
-    let (mut loss, m) = policy_loss(&logp, &old, &adv, &mask, None, &entropy, settings.loss)?;
+    let reference = match &inputs.ref_logprobs {
+        Some(r) => Some(rows_tensor(
+            p.record_of_row.iter().map(|&row| r[row].clone()),
+            p.rows,
+            p.max_response_len,
+            &device,
+        )?),
+        None => None,
+    };
+    let (mut loss, m) = policy_loss(
+        &logp,
+        &old,
+        &adv,
+        &mask,
+        reference.as_ref(),
+        &entropy,
+        settings.loss,
+    )?;
+    if reference.is_some() {
+        means.add("actor/kl_loss", m.kl_loss);
+    }
     if let Some(values) = shared_values {
         let (vf, _) = critic_loss(inputs, settings, &values, p, batch, means)?;
         loss = (loss + vf)?;
@@ -554,6 +576,17 @@ mod tests {
 
     #[allow(clippy::type_complexity)]
     fn run_on(advantage: f32) -> ((Scalars, Vec<f32>, Vec<f32>), f32, f32) {
+        run_with(advantage, LossConfig::default(), None)
+    }
+
+    /// One update of a tiny policy on one 3-token response; `reference_shift` sets the reference
+    /// log-probs to the policy's own plus that shift (for the KL loss).
+    #[allow(clippy::type_complexity)]
+    fn run_with(
+        advantage: f32,
+        loss: LossConfig,
+        reference_shift: Option<f32>,
+    ) -> ((Scalars, Vec<f32>, Vec<f32>), f32, f32) {
         let device = Device::Cpu;
         let policy = Model::new(&ModelConfig::tiny(64), 7, &device).unwrap();
         let mut opt = AdamW::new(policy.named_vars(), &OptimizerConfig::default()).unwrap();
@@ -579,8 +612,14 @@ mod tests {
             returns: vec![vec![0.0; 3]],
             old_values: Vec::new(),
             critic_target: None,
+            ref_logprobs: reference_shift.map(|shift| {
+                vec![records[0]
+                    .response_logprobs
+                    .iter()
+                    .map(|l| l + shift)
+                    .collect()]
+            }),
         };
-        let loss = LossConfig::default();
         let settings = UpdateSettings {
             loss: &loss,
             epochs: 1,
@@ -609,6 +648,24 @@ mod tests {
         assert!(after > before, "{before} -> {after}");
         let (_, before, after) = run_on(-1.0);
         assert!(after < before, "{before} -> {after}");
+    }
+
+    #[test]
+    fn kl_loss_pulls_the_response_towards_the_reference() {
+        let loss = LossConfig {
+            kl: crate::algo::config::KlConfig {
+                coef: 1.0,
+                estimator: crate::algo::config::KlEstimator::K3,
+                mode: crate::algo::config::KlMode::Loss,
+            },
+            ..LossConfig::default()
+        };
+        // Zero advantage: only the KL term moves the policy.
+        let ((out, _, _), before, after) = run_with(0.0, loss.clone(), Some(1.0));
+        assert!(out["actor/kl_loss"] > 0.0, "{out:?}");
+        assert!(after > before, "reference more likely: {before} -> {after}");
+        let (_, before, after) = run_with(0.0, loss, Some(-1.0));
+        assert!(after < before, "reference less likely: {before} -> {after}");
     }
 
     #[test]
