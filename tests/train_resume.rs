@@ -89,19 +89,27 @@ fn kl_to_the_reference_starts_at_zero_and_resumes_exactly() {
     let cfg = || {
         let mut cfg = tiny_config();
         cfg.init_kl_coef = 0.5;
+        cfg.use_kl_loss = true;
+        cfg.kl_loss_coef = 0.1;
+        cfg.kl_penalty = stepppo::algo::config::KlEstimator::K3;
         cfg
     };
     let root = tempfile::tempdir().unwrap();
     let (a, b) = (root.path().join("a"), root.path().join("b"));
-    let mut kl = Vec::new();
+    let (mut kl, mut kl_loss) = (Vec::new(), Vec::new());
     let mut straight = Trainer::create(cfg(), &a).unwrap();
     straight
         .run(4, &mut |event| {
             if let stepppo::train::trainer::Event::Step { scalars, .. } = event {
                 kl.push(scalars["actor/reward_kl_penalty"]);
+                kl_loss.push(scalars["actor/kl_loss"]);
             }
         })
         .unwrap();
+    assert!(
+        kl_loss.iter().all(|&k| k.is_finite() && k >= 0.0),
+        "{kl_loss:?}"
+    );
     assert!(a.join("reference/model.safetensors").is_file());
     assert_eq!(kl.len(), 4);
     // Step 1 samples from the reference itself: only float noise between the two paths.
