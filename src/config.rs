@@ -311,6 +311,10 @@ pub struct Config {
     pub whiten_advantages: Option<bool>,
     #[serde(default)]
     pub advantage_clip: Option<f32>,
+    /// Cap at 0 the advantage of steps whose response did not parse (see
+    /// [`AdvantageConfig::clamp_invalid_advantages`]).
+    #[serde(default)]
+    pub clamp_invalid_advantages: bool,
     #[serde(default)]
     pub reward_clip: Option<f32>,
     /// γ of the discounted step returns of `gigpo` and `step_reinforce`.
@@ -486,6 +490,7 @@ impl Config {
             reward_normalization: self.reward_normalization.clone(),
             step_reward_gamma: self.step_reward_gamma,
             gigpo: self.gigpo.clone(),
+            clamp_invalid_advantages: self.clamp_invalid_advantages,
             ..AdvantageConfig::default()
         }
     }

@@ -271,6 +271,46 @@ fn score_estimator_returns_are_reward_to_go() {
 }
 
 #[test]
+fn invalid_steps_earn_no_positive_advantage_when_clamped() {
+    let valid = |mut r: StepRecord| {
+        r.info.action_is_valid = true;
+        r
+    };
+    // Trajectory 0: a malformed answer (penalty −0.1), then the goal; trajectory 1: one valid
+    // step into a hole; trajectory 2: one malformed answer and the end.
+    let records = vec![
+        rec(0, 0, 0, -0.1, 2),
+        last(valid(rec(0, 0, 1, 1.0, 2))),
+        last(valid(rec(1, 0, 0, 0.0, 2))),
+        last(rec(2, 0, 0, -0.1, 2)),
+    ];
+    let values = [0.0f32; 4];
+    let inputs = AdvantageInputs {
+        values: Some(&values),
+        ..Default::default()
+    };
+    let c = |clamp| AdvantageConfig {
+        whiten_advantages: Some(false),
+        clamp_invalid_advantages: clamp,
+        ..cfg(Estimator::StepGae)
+    };
+    // γ = λ = 1, V = 0: Â = reward-to-go = [0.9, 1, 0, −0.1].
+    let plain = compute_advantages(&records, &inputs, &c(false)).unwrap();
+    let want = [0.9, 1.0, 0.0, -0.1];
+    for (s, w) in plain.per_step.iter().zip(want) {
+        close(s.advantage, w);
+    }
+    let clamped = compute_advantages(&records, &inputs, &c(true)).unwrap();
+    for (s, w) in clamped.per_step.iter().zip([0.0, 1.0, 0.0, -0.1]) {
+        close(s.advantage, w);
+    }
+    assert_eq!(clamped.token_advantages(&records)[0], vec![0.0, 0.0]);
+    assert_eq!(clamped.metrics["advantage/invalid_clamped_frac"], 0.25);
+    // The return targets (the critic's) are untouched.
+    close(clamped.per_step[0].ret, 0.9);
+}
+
+#[test]
 fn whitening_and_advantage_clip_on_a_step_level_estimator() {
     let c = AdvantageConfig {
         whiten_advantages: Some(true),

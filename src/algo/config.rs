@@ -172,6 +172,11 @@ pub struct AdvantageConfig {
     pub step_reward_gamma: f32,
     pub gigpo: GigpoConfig,
     pub truncation: Truncation,
+    /// Caps at 0 the final advantage of every step whose response did not parse
+    /// (`action_is_valid` false). Such a step left the env where it was, so it earns no credit for
+    /// what the trajectory did next; without the cap a malformed answer in a successful
+    /// trajectory is reinforced, rare tokens and all.
+    pub clamp_invalid_advantages: bool,
 }
 
 impl Default for AdvantageConfig {
@@ -187,6 +192,7 @@ impl Default for AdvantageConfig {
             step_reward_gamma: 0.95,
             gigpo: GigpoConfig::default(),
             truncation: Truncation::Bootstrap,
+            clamp_invalid_advantages: false,
         }
     }
 }

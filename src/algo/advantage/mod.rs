@@ -203,6 +203,13 @@ fn finish(layout: &Layout, raw: RawAdvantages, cfg: &AdvantageConfig) -> Advanta
             clipped as f64 / total.max(1) as f64,
         );
     }
+    if cfg.clamp_invalid_advantages {
+        let clamped = clamp_invalid(records, &mut adv, token_adv.as_mut());
+        metrics.insert(
+            "advantage/invalid_clamped_frac".into(),
+            clamped as f64 / records.len().max(1) as f64,
+        );
+    }
     let per_step: Vec<StepAdvantage> = (0..records.len())
         .map(|i| StepAdvantage {
             reward: layout.step_rewards[i] as f32,
@@ -224,6 +231,32 @@ fn finish(layout: &Layout, raw: RawAdvantages, cfg: &AdvantageConfig) -> Advanta
         per_token,
         metrics,
     }
+}
+
+/// Caps at 0 the advantages of the steps whose response did not parse (and their tokens'); returns
+/// how many steps had a positive advantage.
+fn clamp_invalid(
+    records: &[StepRecord],
+    adv: &mut [f64],
+    tokens: Option<&mut Vec<Vec<f64>>>,
+) -> usize {
+    let invalid = |i: usize| !records[i].info.action_is_valid;
+    let clamped = (0..records.len())
+        .filter(|&i| invalid(i) && adv[i] > 0.0)
+        .count();
+    for (i, a) in adv.iter_mut().enumerate() {
+        if invalid(i) {
+            *a = a.min(0.0);
+        }
+    }
+    if let Some(tokens) = tokens {
+        for (i, row) in tokens.iter_mut().enumerate() {
+            if invalid(i) {
+                row.iter_mut().for_each(|a| *a = a.min(0.0));
+            }
+        }
+    }
+    clamped
 }
 
 /// Token-weighted whitening of per-step values broadcast to their tokens; steps without
