@@ -878,6 +878,12 @@ pub fn apply_set(root: &mut serde_json::Value, arg: &str) -> Result<(), ConfigEr
 mod tests {
     use super::*;
 
+    /// The embedded default with `sets` applied as `--set` overrides.
+    fn with(sets: &[&str]) -> Result<Config, ConfigError> {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, "x.yaml", &sets)
+    }
+
     fn err_text(r: Result<Config, ConfigError>) -> String {
         r.expect_err("expected a config error").to_string()
     }
@@ -930,10 +936,6 @@ mod tests {
 
     #[test]
     fn critic_warmup_needs_a_step_start_critic() {
-        let with = |sets: &[&str]| {
-            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
-            Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, "x.yaml", &sets)
-        };
         assert!(with(&["sft.value_loss_coef=0.5"]).is_ok());
         let e = err_text(with(&["sft.value_loss_coef=0.5", "adv_estimator=grpo"]));
         assert!(
@@ -946,10 +948,6 @@ mod tests {
 
     #[test]
     fn kl_loss_needs_a_positive_coefficient_and_keeps_a_reference() {
-        let with = |sets: &[&str]| {
-            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
-            Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, "x.yaml", &sets)
-        };
         let c = with(&[
             "use_kl_loss=true",
             "kl_loss_coef=0.1",

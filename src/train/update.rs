@@ -268,15 +268,14 @@ fn actor_step(
         p.max_response_len,
         &device,
     )?;
-    let reference = match &inputs.ref_logprobs {
-        Some(r) => Some(rows_tensor(
-            p.record_of_row.iter().map(|&row| r[row].clone()),
-            p.rows,
-            p.max_response_len,
-            &device,
-        )?),
-        None => None,
-    };
+    let reference = inputs
+        .ref_logprobs
+        .as_ref()
+        .map(|r| {
+            let rows = p.record_of_row.iter().map(|&row| r[row].clone());
+            rows_tensor(rows, p.rows, p.max_response_len, &device)
+        })
+        .transpose()?;
     let (mut loss, m) = policy_loss(
         &logp,
         &old,

@@ -238,22 +238,17 @@ fn finish(layout: &Layout, raw: RawAdvantages, cfg: &AdvantageConfig) -> Advanta
 fn clamp_invalid(
     records: &[StepRecord],
     adv: &mut [f64],
-    tokens: Option<&mut Vec<Vec<f64>>>,
+    mut tokens: Option<&mut Vec<Vec<f64>>>,
 ) -> usize {
-    let invalid = |i: usize| !records[i].info.action_is_valid;
-    let clamped = (0..records.len())
-        .filter(|&i| invalid(i) && adv[i] > 0.0)
-        .count();
-    for (i, a) in adv.iter_mut().enumerate() {
-        if invalid(i) {
-            *a = a.min(0.0);
+    let mut clamped = 0;
+    for (i, r) in records.iter().enumerate() {
+        if r.info.action_is_valid {
+            continue;
         }
-    }
-    if let Some(tokens) = tokens {
-        for (i, row) in tokens.iter_mut().enumerate() {
-            if invalid(i) {
-                row.iter_mut().for_each(|a| *a = a.min(0.0));
-            }
+        clamped += usize::from(adv[i] > 0.0);
+        adv[i] = adv[i].min(0.0);
+        if let Some(tokens) = tokens.as_deref_mut() {
+            tokens[i].iter_mut().for_each(|a| *a = a.min(0.0));
         }
     }
     clamped
