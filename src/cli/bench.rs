@@ -1,7 +1,8 @@
 //! `stepppo bench prefix`: the prefix-reuse workloads over the four cache arms, with the
 //! built-in tokenizer and a freshly initialised model (built-in size or an HF config.json),
 //! printed as a table or JSON lines. `stepppo bench kernels`: the CUDA decode kernel's achieved
-//! bandwidth next to a device-to-device copy (feature `cuda`).
+//! bandwidth next to a device-to-device copy (feature `cuda`). `stepppo bench attention`: the
+//! training forward's attention, fused CPU op against the matmul path, forward + backward.
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
@@ -17,6 +18,27 @@ pub enum BenchCommand {
     Prefix(PrefixArgs),
     /// CUDA decode-attention bandwidth against a device copy (needs `--features cuda` and a GPU).
     Kernels(KernelArgs),
+    /// Training attention on CPU: the fused causal op against the matmul path, forward + backward.
+    Attention(AttentionArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct AttentionArgs {
+    /// Sequences in the batch.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Padded length; real lengths are spread evenly over [len/2, len] (right padding).
+    #[arg(long, default_value_t = 640)]
+    len: usize,
+    /// Model shape (heads, kv heads, head size): `tiny`, `small` or an HF config.json.
+    #[arg(long, default_value = "small")]
+    model: String,
+    /// Timed repetitions of each implementation (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -67,6 +89,7 @@ pub fn run(c: BenchCommand) -> anyhow::Result<()> {
     match c {
         BenchCommand::Prefix(a) => prefix(a),
         BenchCommand::Kernels(a) => kernels::run(a),
+        BenchCommand::Attention(a) => attention(a),
     }
 }
 
@@ -106,6 +129,62 @@ fn prefix(a: PrefixArgs) -> anyhow::Result<()> {
                 println!("{}", r.table_row());
             }
         }
+    }
+    Ok(())
+}
+
+fn attention(a: AttentionArgs) -> anyhow::Result<()> {
+    use candle_core::{Device, Tensor, Var};
+    use stepppo::model::attention::TrainingAttention;
+
+    anyhow::ensure!(
+        a.batch > 0 && a.len > 1 && a.iters > 0,
+        "--batch, --len and --iters must be positive (--len ≥ 2)"
+    );
+    let cfg = model_config(&a.model, &Tokenizer::builtin())?;
+    let (heads, kv, d) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim(),
+    );
+    let real: Vec<Vec<u32>> = (0..a.batch)
+        .map(|b| {
+            let n = a.len / 2 + (a.len - a.len / 2) * (b + 1) / a.batch;
+            (0..a.len).map(|t| u32::from(t < n)).collect()
+        })
+        .collect();
+    let var = |h: usize| Var::randn(0f32, 1.0, (a.batch, h, a.len, d), &Device::Cpu);
+    let (q, k, v) = (var(heads)?, var(kv)?, var(kv)?);
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut millis = Vec::new();
+    for imp in [TrainingAttention::Matmul, TrainingAttention::Fused] {
+        let run = || -> anyhow::Result<()> {
+            let out: Tensor = imp.forward(&q, &k, &v, &real, scale)?;
+            out.sum_all()?.backward()?;
+            Ok(())
+        };
+        run()?;
+        let start = std::time::Instant::now();
+        for _ in 0..a.iters {
+            run()?;
+        }
+        millis.push(start.elapsed().as_secs_f64() * 1e3 / a.iters as f64);
+    }
+    // Score and value products of the full T×T square (matmul path) and of the causal triangle.
+    let full = (a.batch * heads * a.len * a.len * d) as f64;
+    let causal = full * (a.len + 1) as f64 / (2 * a.len) as f64;
+    let report = serde_json::json!({
+        "batch": a.batch, "len": a.len, "heads": heads, "kv_heads": kv, "head_dim": d,
+        "matmul_ms": millis[0], "fused_ms": millis[1], "speedup": millis[0] / millis[1],
+        "flop_ratio": full / causal,
+    });
+    if a.json {
+        println!("{report}");
+    } else {
+        println!(
+            "attention fwd+bwd, batch {} × len {} (heads {heads}/{kv}, head_dim {d}): matmul {:.1} ms, fused {:.1} ms, speedup {:.2}× (the causal triangle alone would give {:.2}× at equal FLOP rate)",
+            a.batch, a.len, millis[0], millis[1], millis[0] / millis[1], full / causal
+        );
     }
     Ok(())
 }

@@ -8,11 +8,14 @@
 //! player in a hole, `√` player on the goal. Reward 1 on the goal, else 0; the episode terminates
 //! on G or H and is truncated after `max_steps` actions.
 //!
-//! `render: grid_local` appends one line to the grid naming what each move leads to and where the
-//! goal lies relative to the player (`Left: ice, Down: hole, Right: wall, Up: goal. Goal: 2 down,
-//! 1 left.`). A small model trained from scratch cannot locate cells in a row-major grid without
-//! absolute positions (RoPE gives only relative ones), so the built-in default uses this render;
-//! `grid` (the default) is RAGEN's text unchanged.
+//! `render: grid_local` appends lines to the grid naming what each move leads to and the moves that
+//! bring the player toward the goal with their distance (`Left: ice`, `Down: hole`, `Right: wall`,
+//! `Up: goal`, `Goal:`, `Down 2`, `Left 1`). A small model trained from scratch cannot locate cells
+//! in a row-major grid without absolute positions (RoPE gives only relative ones), so the built-in
+//! default uses this render. Every action word starts a line, so it is the very token the answer
+//! writes: the model can relate them by identity instead of learning that ` down` means `Down`
+//! (that alone took oracle cloning from 0.09 to 0.73 success after 100 updates). `grid` (the
+//! default) is RAGEN's text unchanged.
 //!
 //! Differences from RAGEN / ROLL:
 //! - `is_slippery` defaults to true (RAGEN's `FrozenLakeEnvConfig`); ROLL's `traj_envs.yaml` sets
@@ -215,10 +218,12 @@ impl FrozenLakeEnv {
         rows.join("\n")
     }
 
-    /// What each move leads to and the goal's offset: `Left: ice, ... Goal: 2 down, 1 left.`
+    /// What each move leads to, then the moves toward the goal with their distance, one per line
+    /// (`Left: ice` … `Up: goal`, `Goal:`, `Down 2`, `Left 1`). Each line starts with the action
+    /// word, so it is the same token the answer uses (a leading space would make it another one).
     fn local_text(&self) -> String {
         let size = self.cfg.size;
-        let moves: Vec<String> = (0..4)
+        let mut lines: Vec<String> = (0..4)
             .map(|dir| {
                 let next = neighbour(size, self.player, dir);
                 let what = match (next == self.player, self.cells[next]) {
@@ -235,18 +240,20 @@ impl FrozenLakeEnv {
             .iter()
             .position(|&c| c == Cell::Goal)
             .unwrap_or(0);
-        let (rows, cols) = (
-            (goal / size) as isize - (self.player / size) as isize,
-            (goal % size) as isize - (self.player % size) as isize,
+        let rows = (goal / size) as isize - (self.player / size) as isize;
+        let cols = (goal % size) as isize - (self.player % size) as isize;
+        let toward = [
+            (rows, if rows < 0 { "Up" } else { "Down" }),
+            (cols, if cols < 0 { "Left" } else { "Right" }),
+        ];
+        lines.push("Goal:".into());
+        lines.extend(
+            toward
+                .iter()
+                .filter(|(distance, _)| *distance != 0)
+                .map(|(distance, dir)| format!("{dir} {}", distance.unsigned_abs())),
         );
-        let vertical = if rows < 0 { "up" } else { "down" };
-        let horizontal = if cols < 0 { "left" } else { "right" };
-        format!(
-            "{}. Goal: {} {vertical}, {} {horizontal}.",
-            moves.join(", "),
-            rows.unsigned_abs(),
-            cols.unsigned_abs()
-        )
+        lines.join("\n")
     }
 }
 
@@ -408,16 +415,34 @@ mod tests {
         env.cells[14] = Cell::Goal; // row 3, col 2
         env.player = 4; // row 1, col 0
         let text = env.state_text();
-        let (grid, local) = text.rsplit_once('\n').unwrap();
-        assert_eq!(grid, "____\nPO__\n____\n__G_");
         assert_eq!(
-            local,
-            "Left: wall, Down: ice, Right: hole, Up: ice. Goal: 2 down, 2 right."
+            text,
+            "____\nPO__\n____\n__G_\nLeft: wall\nDown: ice\nRight: hole\nUp: ice\nGoal:\nDown 2\nRight 2"
         );
-        env.player = 15; // row 3, col 3: the goal is to the left
+        env.player = 15; // row 3, col 3: the goal is on the same row, to the left
         assert!(env
             .state_text()
-            .ends_with("Left: goal, Down: wall, Right: wall, Up: ice. Goal: 0 down, 1 left."));
+            .ends_with("Left: goal\nDown: wall\nRight: wall\nUp: ice\nGoal:\nLeft 1"));
+    }
+
+    #[test]
+    fn grid_local_writes_action_words_as_the_answer_tokens() {
+        let tok = crate::tokenizer::Tokenizer::builtin();
+        let mut env = lake(FrozenLakeConfig {
+            is_slippery: false,
+            render: FrozenLakeRender::GridLocal,
+            ..FrozenLakeConfig::default()
+        });
+        env.reset(3);
+        let observed = tok.encode(&env.state_text());
+        for action in ACTIONS {
+            let answer = tok.encode(action);
+            assert_eq!(answer.len(), 1);
+            assert!(
+                observed.contains(&answer[0]),
+                "{action} is not in the observation's tokens"
+            );
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! plus token log-probs/entropy. [`Critic`] is a model of the same family with a value head;
 //! a shared-trunk value head on the policy is the option. Checkpoint files are [`checkpoint`]'s.
 
+pub mod attention;
 pub mod checkpoint;
 pub mod config;
 pub mod critic;

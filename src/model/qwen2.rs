@@ -1,7 +1,8 @@
 //! The Qwen2/Llama decoder trunk (embedding, blocks, final norm) with HF parameter names, and its
 //! two forward passes over the same weights:
 //! - [`Trunk::forward_train`]: padded `[B, T]` batches, causal + padding mask, built only from
-//!   differentiable candle ops (manual RMSNorm, rotate-half RoPE, matmul attention, `ops::softmax`);
+//!   differentiable candle ops (manual RMSNorm, rotate-half RoPE); attention is the fused causal
+//!   op of [`super::attention`] on CPU and matmuls with `ops::softmax` elsewhere;
 //! - [`Trunk::forward_incremental`]: new tokens of many sequences at once, K/V written to and read
 //!   from a [`KvPool`] by slot; projections and MLP are batched matmuls, attention is the pool's
 //!   CPU kernel. Callers pass detached weights so nothing is recorded for autograd.
@@ -11,6 +12,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
+use super::attention::TrainingAttention;
 use super::{ModelConfig, ModelError, Result};
 use crate::kv::{KvPool, SeqSlots};
 
@@ -216,7 +218,7 @@ impl Trunk {
             .flat_map(|row| positions_from_mask(row))
             .collect();
         let (cos, sin) = rope_tensors(cfg, &positions, (b_sz, 1, t_len, hd), dev)?;
-        let bias = attention_bias(&mask, dev)?;
+        let attention = TrainingAttention::for_device(dev);
         let mut x = self
             .embed
             .index_select(&input_ids.flatten_all()?, 0)?
@@ -232,12 +234,10 @@ impl Trunk {
                     .contiguous()?)
             };
             let q = apply_rope(&heads(&b.q, nh)?, &cos, &sin)?;
-            let k = repeat_kv(&apply_rope(&heads(&b.k, nkv)?, &cos, &sin)?, nh / nkv)?;
-            let v = repeat_kv(&heads(&b.v, nkv)?, nh / nkv)?;
-            let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?.broadcast_add(&bias)?;
-            let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
-            let o = probs
-                .matmul(&v)?
+            let k = apply_rope(&heads(&b.k, nkv)?, &cos, &sin)?;
+            let v = heads(&b.v, nkv)?;
+            let o = attention
+                .forward(&q, &k, &v, &mask, scale)?
                 .transpose(1, 2)?
                 .reshape((b_sz, t_len, nh * hd))?;
             x = (x + b.o.forward(&o)?)?;
@@ -357,34 +357,6 @@ fn positions_from_mask(row: &[u32]) -> Vec<u32> {
             p
         })
         .collect()
-}
-
-/// Additive attention bias `[B, 1, T, T]`: 0 where query t may see key s (s ≤ t and s is a real
-/// token, or s = t so padded rows stay finite), −∞ elsewhere.
-fn attention_bias(mask: &[Vec<u32>], dev: &Device) -> Result<Tensor> {
-    let (b_sz, t_len) = (mask.len(), mask.first().map_or(0, Vec::len));
-    let mut bias = vec![f32::NEG_INFINITY; b_sz * t_len * t_len];
-    for (b, row) in mask.iter().enumerate() {
-        for t in 0..t_len {
-            for s in 0..=t {
-                if row[s] != 0 || s == t {
-                    bias[(b * t_len + t) * t_len + s] = 0.0;
-                }
-            }
-        }
-    }
-    Ok(Tensor::from_vec(bias, (b_sz, 1, t_len, t_len), dev)?)
-}
-
-/// `[B, kv, T, d]` → `[B, kv·rep, T, d]`, each kv head repeated for its `rep` query heads.
-fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
-    if rep == 1 {
-        return Ok(x.clone());
-    }
-    let (b, kv, t, d) = x.dims4()?;
-    Ok(x.unsqueeze(2)?
-        .broadcast_as((b, kv, rep, t, d))?
-        .reshape((b, kv * rep, t, d))?)
 }
 
 /// Fails on the first id outside the vocabulary.

@@ -1,0 +1,644 @@
+//! Causal self-attention of the training forward, in two implementations with one contract:
+//! `q [B, H, T, D]`, `k`, `v [B, KV, T, D]` (grouped-query heads share a kv head) and a `[B, T]`
+//! real-token mask → `[B, H, T, D]`, where query `t` sees key `s` when `s ≤ t` and `s` is a real
+//! token, or `s = t` (so padded rows stay finite).
+//!
+//! - [`TrainingAttention::Fused`] (CPU): one candle op with its own backward. The matmul form
+//!   materialises `[B, H, T, T]` scores, bias, probabilities and their gradients; on a small
+//!   model those element-wise passes and the page faults of allocating them cost more than the
+//!   products, and half the work lies above the causal diagonal. The fused op takes each
+//!   (sequence, head) in blocks of query rows: a block's scores are one small matrix product over
+//!   the keys up to its last row only, its softmax is masked in place, and the backward recomputes
+//!   the probabilities from `q`, `k` (flash-attention style) instead of storing them. K/V are never
+//!   repeated for grouped heads; work is split over (sequence, head) pairs with rayon, and each
+//!   pair's arithmetic is sequential, so results do not depend on the thread count.
+//! - [`TrainingAttention::Matmul`] (any device): differentiable candle ops with an additive bias.
+//!
+//! `stepppo bench attention` times the two side by side.
+
+use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use super::Result;
+
+/// Which implementation computes the training forward's attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TrainingAttention {
+    /// The fused causal op (CPU only).
+    Fused,
+    /// Matmuls, additive bias and `ops::softmax` (any device; the reference).
+    Matmul,
+}
+
+impl TrainingAttention {
+    /// The fused op on CPU, matmuls elsewhere.
+    pub fn for_device(device: &Device) -> Self {
+        match device {
+            Device::Cpu => Self::Fused,
+            _ => Self::Matmul,
+        }
+    }
+
+    /// Attention of `q`, `k`, `v` under the causal and real-token mask `real_tokens [B][T]`.
+    pub fn forward(
+        self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        real_tokens: &[Vec<u32>],
+        scale: f64,
+    ) -> Result<Tensor> {
+        match self {
+            Self::Fused => fused_attention(q, k, v, real_tokens, scale as f32),
+            Self::Matmul => {
+                let bias = attention_bias(real_tokens, q.device())?;
+                matmul_attention(q, k, v, &bias, scale)
+            }
+        }
+    }
+}
+
+fn fused_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    real_tokens: &[Vec<u32>],
+    scale: f32,
+) -> Result<Tensor> {
+    let op = CausalAttention {
+        real: real_tokens
+            .iter()
+            .map(|row| row.iter().map(|&m| m != 0).collect())
+            .collect(),
+        scale,
+    };
+    Ok(q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?)
+}
+
+/// Additive attention bias `[B, 1, T, T]`: 0 where query t may see key s, −∞ elsewhere.
+fn attention_bias(mask: &[Vec<u32>], dev: &Device) -> Result<Tensor> {
+    let (b_sz, t_len) = (mask.len(), mask.first().map_or(0, Vec::len));
+    let mut bias = vec![f32::NEG_INFINITY; b_sz * t_len * t_len];
+    for (b, row) in mask.iter().enumerate() {
+        for t in 0..t_len {
+            for s in 0..=t {
+                if row[s] != 0 || s == t {
+                    bias[(b * t_len + t) * t_len + s] = 0.0;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(bias, (b_sz, 1, t_len, t_len), dev)?)
+}
+
+/// Masked softmax attention from matmuls with an additive `bias [B, 1, T, T]`.
+fn matmul_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let rep = q.dim(1)? / k.dim(1)?;
+    let (k, v) = (repeat_kv(k, rep)?, repeat_kv(v, rep)?);
+    let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?.broadcast_add(bias)?;
+    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
+    Ok(probs.matmul(&v)?)
+}
+
+/// `[B, kv, T, d]` → `[B, kv·rep, T, d]`, each kv head repeated for its `rep` query heads.
+fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
+    if rep == 1 {
+        return Ok(x.clone());
+    }
+    let (b, kv, t, d) = x.dims4()?;
+    Ok(x.unsqueeze(2)?
+        .broadcast_as((b, kv, rep, t, d))?
+        .reshape((b, kv * rep, t, d))?)
+}
+
+/// The op: which key positions are real tokens, per sequence, and the score scale.
+#[derive(Clone)]
+struct CausalAttention {
+    real: Vec<Vec<bool>>,
+    scale: f32,
+}
+
+/// Shapes of one call, read from the layouts.
+#[derive(Clone, Copy)]
+struct Dims {
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    len: usize,
+    head_dim: usize,
+}
+
+impl Dims {
+    fn rep(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+}
+
+impl CausalAttention {
+    fn dims(&self, q: &Layout, k: &Layout, v: &Layout) -> candle_core::Result<Dims> {
+        let (batch, heads, len, head_dim) = q.shape().dims4()?;
+        let kv = k.shape().dims4()?;
+        if kv != v.shape().dims4()?
+            || kv.0 != batch
+            || kv.2 != len
+            || kv.3 != head_dim
+            || kv.1 == 0
+            || !heads.is_multiple_of(kv.1)
+            || self.real.len() != batch
+            || self.real.iter().any(|row| row.len() != len)
+        {
+            candle_core::bail!(
+                "causal attention: q {:?}, k {:?}, v {:?}, mask {}×{}",
+                q.shape(),
+                k.shape(),
+                v.shape(),
+                self.real.len(),
+                self.real.first().map_or(0, Vec::len)
+            );
+        }
+        Ok(Dims {
+            batch,
+            heads,
+            kv_heads: kv.1,
+            len,
+            head_dim,
+        })
+    }
+
+    /// Probabilities of query rows `t0..t0 + rows` over keys `0..t0 + rows`, row-major in
+    /// `probs`: scaled scores from one matrix product, then a softmax over the keys each row may
+    /// see (the rest get 0).
+    fn block_probabilities(&self, b: usize, t0: usize, block: Block, probs: &mut [f32]) {
+        let (rows, keys, d) = (block.rows, t0 + block.rows, block.head_dim);
+        matmul(
+            probs,
+            Shape2(rows, keys),
+            d,
+            Operand::rows(&block.q[t0 * d..], d),
+            Operand::transposed(block.k, d),
+            Accumulate::No(self.scale),
+        );
+        let real = &self.real[b];
+        for (r, row) in probs.chunks_exact_mut(keys).enumerate() {
+            let t = t0 + r;
+            let visible = |s: usize| s <= t && (real[s] || s == t);
+            let max = (0..keys)
+                .filter(|&s| visible(s))
+                .map(|s| row[s])
+                .fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for (s, p) in row.iter_mut().enumerate() {
+                *p = if visible(s) { (*p - max).exp() } else { 0.0 };
+                sum += *p;
+            }
+            row.iter_mut().for_each(|p| *p /= sum);
+        }
+    }
+
+    fn forward(&self, dims: Dims, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+        let Dims {
+            len, head_dim: d, ..
+        } = dims;
+        let head = len * d;
+        let mut out = vec![0.0f32; dims.batch * dims.heads * head];
+        out.par_chunks_mut(head)
+            .enumerate()
+            .for_each(|(bh, out_head)| {
+                let (b, h) = (bh / dims.heads, bh % dims.heads);
+                let kv_at = (b * dims.kv_heads + h / dims.rep()) * head;
+                let v = &v[kv_at..kv_at + head];
+                let mut probs = vec![0.0f32; BLOCK * len];
+                for t0 in (0..len).step_by(BLOCK) {
+                    let block = Block {
+                        q: &q[bh * head..(bh + 1) * head],
+                        k: &k[kv_at..kv_at + head],
+                        rows: BLOCK.min(len - t0),
+                        head_dim: d,
+                    };
+                    let (rows, keys) = (block.rows, t0 + block.rows);
+                    let probs = &mut probs[..rows * keys];
+                    self.block_probabilities(b, t0, block, probs);
+                    matmul(
+                        &mut out_head[t0 * d..],
+                        Shape2(rows, d),
+                        keys,
+                        Operand::rows(probs, keys),
+                        Operand::rows(v, d),
+                        Accumulate::No(1.0),
+                    );
+                }
+            });
+        out
+    }
+
+    /// Gradients of q, k, v given the output `o` and its gradient `grad_o`.
+    fn backward(&self, dims: Dims, inputs: [&[f32]; 5]) -> [Vec<f32>; 3] {
+        let [q, k, v, o, grad_o] = inputs;
+        let head = dims.len * dims.head_dim;
+        let rep = dims.rep();
+        let mut grad_q = vec![0.0f32; q.len()];
+        let mut grad_k = vec![0.0f32; k.len()];
+        let mut grad_v = vec![0.0f32; v.len()];
+        grad_q
+            .par_chunks_mut(rep * head)
+            .zip(grad_k.par_chunks_mut(head))
+            .zip(grad_v.par_chunks_mut(head))
+            .enumerate()
+            .for_each(|(bg, ((grad_q_group, grad_k), grad_v))| {
+                let kv = bg * head..(bg + 1) * head;
+                let mut scratch = BlockScratch::new(dims.len);
+                for r in 0..rep {
+                    let at = (bg * rep + r) * head..(bg * rep + r + 1) * head;
+                    let head_io = HeadIo {
+                        q: &q[at.clone()],
+                        k: &k[kv.clone()],
+                        v: &v[kv.clone()],
+                        o: &o[at.clone()],
+                        grad_o: &grad_o[at],
+                    };
+                    let grads = HeadGrads {
+                        q: &mut grad_q_group[r * head..(r + 1) * head],
+                        k: grad_k,
+                        v: grad_v,
+                    };
+                    self.head_backward(bg / dims.kv_heads, dims, head_io, grads, &mut scratch);
+                }
+            });
+        [grad_q, grad_k, grad_v]
+    }
+
+    /// One query head's contribution to the gradients, block of query rows by block.
+    fn head_backward(
+        &self,
+        b: usize,
+        dims: Dims,
+        io: HeadIo,
+        grads: HeadGrads,
+        scratch: &mut BlockScratch,
+    ) {
+        let d = dims.head_dim;
+        for t0 in (0..dims.len).step_by(BLOCK) {
+            let block = Block {
+                q: io.q,
+                k: io.k,
+                rows: BLOCK.min(dims.len - t0),
+                head_dim: d,
+            };
+            let (rows, keys) = (block.rows, t0 + block.rows);
+            let probs = &mut scratch.probs[..rows * keys];
+            let grad_scores = &mut scratch.grad_scores[..rows * keys];
+            self.block_probabilities(b, t0, block, probs);
+            let grad_o = &io.grad_o[t0 * d..];
+            // dV[..keys] += Pᵀ dO
+            matmul(
+                grads.v,
+                Shape2(keys, d),
+                rows,
+                Operand::transposed(probs, keys),
+                Operand::rows(grad_o, d),
+                Accumulate::Yes(1.0),
+            );
+            // dP = dO Vᵀ, then dS = P ∘ (dP − rowsum(dO ∘ O))
+            matmul(
+                grad_scores,
+                Shape2(rows, keys),
+                d,
+                Operand::rows(grad_o, d),
+                Operand::transposed(io.v, d),
+                Accumulate::No(1.0),
+            );
+            for (r, (grad_row, prob_row)) in grad_scores
+                .chunks_exact_mut(keys)
+                .zip(probs.chunks_exact(keys))
+                .enumerate()
+            {
+                let t = (t0 + r) * d..(t0 + r + 1) * d;
+                let delta = dot(&io.grad_o[t.clone()], &io.o[t]);
+                grad_row
+                    .iter_mut()
+                    .zip(prob_row)
+                    .for_each(|(g, p)| *g = p * (*g - delta));
+            }
+            // dQ = scale · dS K;  dK[..keys] += scale · dSᵀ Q
+            matmul(
+                &mut grads.q[t0 * d..],
+                Shape2(rows, d),
+                keys,
+                Operand::rows(grad_scores, keys),
+                Operand::rows(io.k, d),
+                Accumulate::No(self.scale),
+            );
+            matmul(
+                grads.k,
+                Shape2(keys, d),
+                rows,
+                Operand::transposed(grad_scores, keys),
+                Operand::rows(&io.q[t0 * d..], d),
+                Accumulate::Yes(self.scale),
+            );
+        }
+    }
+}
+
+/// Query rows per block: a block's scores are one `[BLOCK, keys]` matrix product, and keys past
+/// the block's last row (all above the causal diagonal) are never computed.
+const BLOCK: usize = 64;
+
+/// One block of query rows of one head, and the keys it scores against.
+#[derive(Clone, Copy)]
+struct Block<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    rows: usize,
+    head_dim: usize,
+}
+
+/// A query head's inputs and output (`[T, D]` each; `k`, `v` are its kv head's).
+struct HeadIo<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    o: &'a [f32],
+    grad_o: &'a [f32],
+}
+
+/// Where a query head's gradients go: its own `q` rows, and its kv head's `k`, `v` (shared with
+/// the other query heads of the group, so added to).
+struct HeadGrads<'a> {
+    q: &'a mut [f32],
+    k: &'a mut [f32],
+    v: &'a mut [f32],
+}
+
+/// Per-task buffers of one block's probabilities and score gradients.
+struct BlockScratch {
+    probs: Vec<f32>,
+    grad_scores: Vec<f32>,
+}
+
+impl BlockScratch {
+    fn new(len: usize) -> Self {
+        Self {
+            probs: vec![0.0; BLOCK * len],
+            grad_scores: vec![0.0; BLOCK * len],
+        }
+    }
+}
+
+/// Rows × columns of a matrix product's result.
+#[derive(Clone, Copy)]
+struct Shape2(usize, usize);
+
+/// A row-major matrix read as itself or transposed; `width` is its row length in memory.
+#[derive(Clone, Copy)]
+struct Operand<'a> {
+    data: &'a [f32],
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> Operand<'a> {
+    fn rows(data: &'a [f32], width: usize) -> Self {
+        Self {
+            data,
+            row_stride: width,
+            col_stride: 1,
+        }
+    }
+
+    fn transposed(data: &'a [f32], width: usize) -> Self {
+        Self {
+            data,
+            row_stride: 1,
+            col_stride: width,
+        }
+    }
+
+    /// Panics unless a `rows × cols` view fits in the slice (what makes the gemm call sound).
+    fn check(&self, rows: usize, cols: usize) {
+        if rows > 0 && cols > 0 {
+            let last = (rows - 1) * self.row_stride + (cols - 1) * self.col_stride;
+            assert!(last < self.data.len(), "matrix view past its slice");
+        }
+    }
+}
+
+/// Whether a product overwrites its destination or is added to it, and its scale.
+#[derive(Clone, Copy)]
+enum Accumulate {
+    No(f32),
+    Yes(f32),
+}
+
+/// `dst[..m × n]` (row-major, width `n`) = or += `scale · lhs[m × inner] · rhs[inner × n]`,
+/// single-threaded (the callers run one per rayon task).
+fn matmul(
+    dst: &mut [f32],
+    Shape2(m, n): Shape2,
+    inner: usize,
+    lhs: Operand,
+    rhs: Operand,
+    accumulate: Accumulate,
+) {
+    lhs.check(m, inner);
+    rhs.check(inner, n);
+    assert!(m * n <= dst.len(), "matrix product past its destination");
+    let (read_dst, scale) = match accumulate {
+        Accumulate::No(scale) => (false, scale),
+        Accumulate::Yes(scale) => (true, scale),
+    };
+    // SAFETY: both operand views were checked to lie inside their slices and the destination
+    // inside `dst`; `dst` is borrowed mutably, so it aliases neither operand.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            inner,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            read_dst,
+            lhs.data.as_ptr(),
+            lhs.col_stride as isize,
+            lhs.row_stride as isize,
+            rhs.data.as_ptr(),
+            rhs.col_stride as isize,
+            rhs.row_stride as isize,
+            1.0,
+            scale,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// Dot product with eight independent partial sums, so the compiler can keep them in SIMD lanes
+/// (a single running sum is a serial chain it may not reorder).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let (a_blocks, b_blocks) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = a_blocks
+        .remainder()
+        .iter()
+        .zip(b_blocks.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a_blocks.zip(b_blocks) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(data), Some((start, end))) => Ok(&data[start..end]),
+        _ => candle_core::bail!("causal attention takes contiguous f32 tensors"),
+    }
+}
+
+impl CustomOp3 for CausalAttention {
+    fn name(&self) -> &'static str {
+        "causal-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims = self.dims(l1, l2, l3)?;
+        let out = self.forward(
+            dims,
+            f32_slice(s1, l1)?,
+            f32_slice(s2, l2)?,
+            f32_slice(s3, l3)?,
+        );
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dims = self.dims(q.layout(), k.layout(), v.layout())?;
+        let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+        let (qv, kv, vv, ov, gv) = (flat(q)?, flat(k)?, flat(v)?, flat(out)?, flat(grad_out)?);
+        let [gq, gk, gv] = self.backward(dims, [&qv, &kv, &vv, &ov, &gv]);
+        let dev = q.device();
+        Ok((
+            Some(Tensor::from_vec(gq, q.shape(), dev)?),
+            Some(Tensor::from_vec(gk, k.shape(), dev)?),
+            Some(Tensor::from_vec(gv, v.shape(), dev)?),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+
+    use super::*;
+
+    fn random(shape: (usize, usize, usize, usize), seed: u64) -> Var {
+        let n = shape.0 * shape.1 * shape.2 * shape.3;
+        let mut state = seed;
+        let data: Vec<f32> = (0..n)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+            })
+            .collect();
+        Var::from_vec(data, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// Output and q/k/v gradients of one attention implementation under a fixed downstream loss.
+    fn run(fused: bool, mask: &[Vec<u32>]) -> Vec<Tensor> {
+        let len = mask[0].len();
+        let (q, k, v) = (
+            random((2, 4, len, 8), 1),
+            random((2, 2, len, 8), 2),
+            random((2, 2, len, 8), 3),
+        );
+        let weights = random((2, 4, len, 8), 4);
+        let scale = 1.0 / 8f64.sqrt();
+        let attention = if fused {
+            TrainingAttention::Fused
+        } else {
+            TrainingAttention::Matmul
+        };
+        let out = attention.forward(&q, &k, &v, mask, scale).unwrap();
+        let grads = (&out * weights.as_tensor())
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let mut all = vec![out];
+        all.extend([&q, &k, &v].map(|x| grads.get(x).unwrap().clone()));
+        all
+    }
+
+    #[test]
+    fn fused_attention_matches_the_matmul_path_with_padding_and_grouped_heads() {
+        // Two blocks of query rows; sequence 0 is full, sequence 1 is right-padded after 50
+        // tokens and has a padded hole at position 3.
+        let len = BLOCK + 6;
+        let mut padded = vec![1; len];
+        padded[3] = 0;
+        padded[50..].iter_mut().for_each(|m| *m = 0);
+        let mask = vec![vec![1; len], padded];
+        let (fused, reference) = (run(true, &mask), run(false, &mask));
+        for (name, (a, b)) in ["output", "grad q", "grad k", "grad v"]
+            .iter()
+            .zip(fused.iter().zip(&reference))
+        {
+            assert_eq!(a.dims(), b.dims(), "{name}");
+            let diff = max_diff(a, b);
+            assert!(diff < 1e-5, "{name} differs by {diff}");
+        }
+    }
+
+    #[test]
+    fn mismatched_shapes_are_an_error() {
+        let q = random((1, 4, 6, 8), 1);
+        let k = random((1, 3, 6, 8), 2);
+        let err = TrainingAttention::Fused
+            .forward(&q, &k, &k, &[vec![1; 6]], 1.0)
+            .unwrap_err();
+        assert!(err.to_string().contains("causal attention"), "{err}");
+    }
+}
