@@ -957,10 +957,10 @@ mod tests {
         assert!(c.keeps_reference());
         let kl = c.loss_config().kl;
         assert_eq!((kl.coef, kl.estimator), (0.1, KlEstimator::K3));
-        let off = with(&["kl_loss_coef=0.1"]).unwrap();
+        let off = with(&["use_kl_loss=false"]).unwrap();
         assert!(!off.keeps_reference());
         assert_eq!(off.loss_config().kl.coef, 0.0);
-        let e = err_text(with(&["use_kl_loss=true"]));
+        let e = err_text(with(&["use_kl_loss=true", "kl_loss_coef=0"]));
         assert!(
             e.contains("kl_loss_coef") && e.contains("use_kl_loss"),
             "{e}"
