@@ -433,15 +433,21 @@ mod tests {
             render: FrozenLakeRender::GridLocal,
             ..FrozenLakeConfig::default()
         });
-        env.reset(3);
-        let observed = tok.encode(&env.state_text());
-        for action in ACTIONS {
-            let answer = tok.encode(action);
-            assert_eq!(answer.len(), 1);
-            assert!(
-                observed.contains(&answer[0]),
-                "{action} is not in the observation's tokens"
-            );
+        for seed in 0..8 {
+            env.reset(seed);
+            let text = env.state_text();
+            let observed = tok.encode(&text);
+            for action in ACTIONS {
+                let answer = tok.encode(action);
+                assert_eq!(answer.len(), 1);
+                // Every time the word appears (move lines and goal lines), it is the answer's token.
+                let written = text
+                    .split(|c: char| !c.is_alphanumeric())
+                    .filter(|w| w.eq_ignore_ascii_case(action))
+                    .count();
+                let as_answer = observed.iter().filter(|&&id| id == answer[0]).count();
+                assert_eq!(as_answer, written, "seed {seed}, {action} in {text:?}");
+            }
         }
     }
 

@@ -481,23 +481,8 @@ fn matmul(
     }
 }
 
-/// Dot product with eight independent partial sums, so the compiler can keep them in SIMD lanes
-/// (a single running sum is a serial chain it may not reorder).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; 8];
-    let (a_blocks, b_blocks) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = a_blocks
-        .remainder()
-        .iter()
-        .zip(b_blocks.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in a_blocks.zip(b_blocks) {
-        for i in 0..8 {
-            lanes[i] += x[i] * y[i];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
