@@ -48,7 +48,8 @@ pub enum ConfigError {
 pub enum ContextLayout {
     /// Append-only: step t+1's context is step t's context + response + new observation.
     Concat,
-    /// Re-rendered prompt per step with the last `history_length` rounds.
+    /// Re-rendered prompt per step with the last `history_length` rounds (0: the current state only,
+    /// for Markov envs).
     Window,
 }
 
@@ -648,12 +649,6 @@ impl Config {
             return fail(
                 "train_env_manager.group_size",
                 "rloo needs at least 2 trajectories per group".into(),
-            );
-        }
-        if self.context == ContextLayout::Window && self.history_length == 0 {
-            return fail(
-                "history_length",
-                "must be at least 1 in the window layout".into(),
             );
         }
         for (tag, spec) in &self.custom_envs {

@@ -124,6 +124,23 @@ fn window_layout_starts_every_step_afresh() {
 }
 
 #[test]
+fn window_layout_without_history_prompts_with_the_current_state_only() {
+    let mut s = setup(CacheMode::Radix);
+    let out = rollout(
+        &mut s,
+        &config(ContextLayout::Window { k: 0 }),
+        &mut Vec::new(),
+    );
+    let later: Vec<_> = out.records.iter().filter(|r| r.step_index > 0).collect();
+    assert!(!later.is_empty(), "some episode lasted past its first step");
+    for r in later {
+        let prompt = s.tok.decode(&r.obs_ids);
+        assert!(!prompt.contains("Recent history"), "{prompt}");
+        assert_eq!(prompt.matches("State:").count(), 1, "{prompt}");
+    }
+}
+
+#[test]
 fn a_new_policy_version_is_never_served_old_prefixes() {
     let mut s = setup(CacheMode::Radix);
     let cfg = config(ContextLayout::Concat);

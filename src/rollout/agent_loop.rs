@@ -46,7 +46,8 @@ pub enum ContextLayout {
     /// The whole trajectory in context, each step appending to the last (the default).
     #[default]
     Concat,
-    /// A fresh prompt per step holding the last `k` rounds (StepPO's HotpotQA flow).
+    /// A fresh prompt per step holding the last `k` rounds (StepPO's HotpotQA flow); `k` 0 holds
+    /// the current state only.
     Window { k: usize },
 }
 
@@ -205,9 +206,6 @@ fn validate(cfg: &RolloutConfig) -> Result<()> {
     }
     if cfg.max_turns == 0 || cfg.max_new_tokens == 0 {
         return bad("max_turns and max_new_tokens must be at least 1");
-    }
-    if let ContextLayout::Window { k: 0 } = cfg.layout {
-        return bad("window layout needs k >= 1");
     }
     Ok(())
 }
