@@ -141,14 +141,17 @@ impl FrozenLakeEnv {
         self.cfg.size
     }
 
-    /// Manhattan distance from `pos` to the goal.
-    fn goal_distance(&self, pos: usize) -> usize {
-        let size = self.cfg.size;
-        let goal = self
-            .cells
+    /// The goal's cell index (every generated map has one).
+    fn goal(&self) -> usize {
+        self.cells
             .iter()
             .position(|&c| c == Cell::Goal)
-            .unwrap_or(0);
+            .unwrap_or(0)
+    }
+
+    /// Manhattan distance from `pos` to the goal.
+    fn goal_distance(&self, pos: usize) -> usize {
+        let (size, goal) = (self.cfg.size, self.goal());
         (pos / size).abs_diff(goal / size) + (pos % size).abs_diff(goal % size)
     }
 
@@ -257,11 +260,7 @@ impl FrozenLakeEnv {
                 format!("{}: {what}", ACTIONS[dir])
             })
             .collect();
-        let goal = self
-            .cells
-            .iter()
-            .position(|&c| c == Cell::Goal)
-            .unwrap_or(0);
+        let goal = self.goal();
         let rows = (goal / size) as isize - (self.player / size) as isize;
         let cols = (goal % size) as isize - (self.player % size) as isize;
         let toward = [
