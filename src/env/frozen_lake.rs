@@ -155,6 +155,16 @@ impl FrozenLakeEnv {
         (pos / size).abs_diff(goal / size) + (pos % size).abs_diff(goal % size)
     }
 
+    /// The `distance_reward` of the move from `before` to the current cell (no map scan when off).
+    fn shaping(&self, before: usize) -> f32 {
+        let coef = self.cfg.distance_reward;
+        if coef == 0.0 {
+            return 0.0;
+        }
+        let closer = self.goal_distance(before) as f64 - self.goal_distance(self.player) as f64;
+        (coef * closer) as f32
+    }
+
     /// Shortest start→goal move sequence on the non-slippery map, from the current position.
     pub fn shortest_path(&self) -> Option<Vec<usize>> {
         shortest_path(&self.cells, self.cfg.size, self.player)
@@ -350,11 +360,10 @@ impl Env for FrozenLakeEnv {
         let cell = self.cells[self.player];
         let terminated = cell != Cell::Frozen;
         self.finished = terminated || self.steps >= self.cfg.max_steps;
-        let closer = self.goal_distance(before) as f64 - self.goal_distance(self.player) as f64;
         let goal_reward = if cell == Cell::Goal { 1.0 } else { 0.0 };
         Transition {
             observation: self.state_text(),
-            reward: goal_reward + (self.cfg.distance_reward * closer) as f32,
+            reward: goal_reward + self.shaping(before),
             terminated,
             truncated: !terminated && self.steps >= self.cfg.max_steps,
             info: EnvInfo {
