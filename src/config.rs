@@ -290,6 +290,11 @@ pub struct Config {
     /// Rounds kept in the re-rendered prompt of the `window` layout.
     #[serde(default = "two")]
     pub history_length: usize,
+    /// Responses follow the env's answer grammar (`rollout::grammar`): the tags are forced and
+    /// the model only chooses among the action names, in the rollout and in the update alike.
+    /// Needs envs with named actions (not `hotpotqa`).
+    #[serde(default)]
+    pub constrained_decoding: bool,
     #[serde(default)]
     pub cache: CacheConfig,
     #[serde(default)]
@@ -652,8 +657,19 @@ impl Config {
             );
         }
         for (tag, spec) in &self.custom_envs {
-            if let Err(e) = crate::env::build_session(&spec.env_type, &spec.env_config) {
-                return fail(&format!("custom_envs.{tag}"), e.to_string());
+            let session = match crate::env::build_session(&spec.env_type, &spec.env_config) {
+                Ok(session) => session,
+                Err(e) => return fail(&format!("custom_envs.{tag}"), e.to_string()),
+            };
+            let named = matches!(
+                session.env().action_space(),
+                crate::env::ActionSpace::Named(_)
+            );
+            if self.constrained_decoding && !named {
+                return fail(
+                    "constrained_decoding",
+                    format!("env `{tag}` ({}) answers free text, which the answer grammar cannot enumerate", spec.env_type),
+                );
             }
         }
         if self.cache.kv_slots == 0 {
@@ -962,6 +978,21 @@ mod tests {
         );
         let e = err_text(with(&["use_kl_loss=true", "kl_loss_coef=-1"]));
         assert!(e.contains("kl_loss_coef"), "{e}");
+    }
+
+    #[test]
+    fn constrained_decoding_needs_envs_with_named_actions() {
+        assert!(with(&["constrained_decoding=true"]).is_ok());
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        let qa = Config::load(
+            &dir.join("hotpotqa_steppo.yaml"),
+            &["constrained_decoding=true".into()],
+        );
+        let e = err_text(qa);
+        assert!(
+            e.contains("constrained_decoding") && e.contains("free text"),
+            "{e}"
+        );
     }
 
     #[test]

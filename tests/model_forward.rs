@@ -216,6 +216,7 @@ fn rollout_logprobs_equal_training_logprobs() {
             &Tensor::new(positions.as_slice(), &Device::Cpu).unwrap(),
             &Tensor::new(picked.as_slice(), &Device::Cpu).unwrap(),
             params.temperature,
+            None,
         )
         .unwrap();
     let rollout: Vec<f32> = gens.iter().flat_map(|g| g.logprobs.clone()).collect();

@@ -4,8 +4,11 @@ use candle_core::Device;
 use stepppo::model::{Model, ModelConfig};
 use stepppo::rollout::agent_loop::{run_rollout, ContextLayout, Rollout, RolloutConfig};
 use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig};
+use stepppo::rollout::grammar::ResponseGrammar;
 use stepppo::store::StepRecord;
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
+use stepppo::train::sft::trajectories;
+use stepppo::train::update::{response_logprobs, ResponseMasks};
 
 struct Setup {
     tok: Tokenizer,
@@ -156,4 +159,53 @@ fn a_new_policy_version_is_never_served_old_prefixes() {
     rollout(&mut unflushed, &cfg, &mut Vec::new());
     let again = rollout(&mut unflushed, &cfg, &mut Vec::new());
     assert!(again.stats.cache.tokens_from_cache > second.stats.cache.tokens_from_cache);
+}
+
+#[test]
+fn constrained_decoding_answers_with_an_action_and_the_update_scores_it_alike() {
+    let mut s = setup(CacheMode::Radix);
+    let cfg = RolloutConfig {
+        constrained_decoding: true,
+        ..config(ContextLayout::Concat)
+    };
+    let out = rollout(&mut s, &cfg, &mut Vec::new());
+    let names = ["Left", "Down", "Right", "Up"];
+    for r in &out.records {
+        let text = s.tok.decode(&r.response_ids);
+        let action = text
+            .strip_prefix("<answer>")
+            .and_then(|t| t.strip_suffix("</answer>"))
+            .unwrap_or_else(|| panic!("not an answer: {text:?}"));
+        assert!(names.contains(&action), "{text:?}");
+        assert!(r.info.action_is_valid, "{text:?}");
+        // The tags are forced: log-prob 0.
+        let lp = &r.response_logprobs;
+        assert_eq!((lp[0], lp[lp.len() - 1]), (0.0, 0.0), "{text:?}");
+    }
+    // The update recomputes the rollout's log-probs under the same grammar (ratio 1); without
+    // it the action tokens score lower, over the whole vocabulary.
+    let session = stepppo::env::build_session("frozen_lake", &cfg.env_config).unwrap();
+    let grammar = ResponseGrammar::for_session(&s.tok, &session).unwrap();
+    let tag = out.records[0].env_tag.clone();
+    let vocab = s.model.config().vocab_size;
+    let masks = ResponseMasks::new([(tag, grammar)].into(), vocab);
+    let seqs = trajectories(&out.records);
+    let pad = s.tok.pad_id();
+    let scored = response_logprobs(&s.model, &out.records, &seqs, 4, pad, 1.0, &masks).unwrap();
+    let free = response_logprobs(
+        &s.model,
+        &out.records,
+        &seqs,
+        4,
+        pad,
+        1.0,
+        &ResponseMasks::default(),
+    )
+    .unwrap();
+    for (r, (lp, free)) in out.records.iter().zip(scored.iter().zip(&free)) {
+        for (j, (&a, &b)) in r.response_logprobs.iter().zip(lp).enumerate() {
+            assert!((a - b).abs() < 1e-4, "token {j}: rollout {a} update {b}");
+        }
+        assert!(free[1] < lp[1] - 1e-3, "{free:?} vs {lp:?}");
+    }
 }

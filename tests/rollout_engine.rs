@@ -105,6 +105,7 @@ fn requests_arriving_together_share_an_uncached_head() {
             max_new_tokens: 3,
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
+            grammar: None,
         })
         .collect();
     let gens = engine.generate(&model, &tok, &requests).unwrap();

@@ -267,7 +267,8 @@ impl Model {
 
     /// Log-prob of `targets[n]` and entropy at each of `positions` (flat indices into the padded
     /// `[B, T]` batch), both `[N]`, under the logits divided by `temperature`, differentiable. The
-    /// LM head and its softmax run on those N positions only, not on all B×T.
+    /// LM head and its softmax run on those N positions only, not on all B×T. `logit_bias`
+    /// (`[N, vocab]`, added after the temperature) masks tokens a response grammar forbids.
     pub fn logprobs_entropy_at(
         &self,
         input_ids: &Tensor,
@@ -275,19 +276,22 @@ impl Model {
         positions: &Tensor,
         targets: &Tensor,
         temperature: f32,
+        logit_bias: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
         let hidden = self.hidden_train(input_ids, attention_mask)?;
-        self.head_logprobs_entropy(&hidden, positions, targets, temperature)
+        self.head_logprobs_entropy(&hidden, positions, targets, temperature, logit_bias)
     }
 
     /// The LM head's log-probs of `targets` and entropies for trunk outputs `hidden` `[B, T, H]`
-    /// at `positions` (flat indices into `[B, T]`), both `[N]`.
+    /// at `positions` (flat indices into `[B, T]`), both `[N]`, with the optional `[N, vocab]`
+    /// `logit_bias` added to the scaled logits.
     pub fn head_logprobs_entropy(
         &self,
         hidden: &Tensor,
         positions: &Tensor,
         targets: &Tensor,
         temperature: f32,
+        logit_bias: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
         check_temperature(temperature)?;
         let width = hidden.dim(D::Minus1)?;
@@ -296,7 +300,10 @@ impl Model {
             weight: self.lm_head.clone(),
             bias: None,
         };
-        let logits = (head.forward(&picked)? / f64::from(temperature))?;
+        let mut logits = (head.forward(&picked)? / f64::from(temperature))?;
+        if let Some(bias) = logit_bias {
+            logits = logits.broadcast_add(&bias.to_dtype(logits.dtype())?)?;
+        }
         logprobs_entropy(&logits, targets)
     }
 

@@ -8,6 +8,7 @@
 //! renders a fresh prompt with the last k rounds at every step (`context_len == 0`). The loop owns
 //! neither the model nor the cache: it borrows an [`Engine`] whose counters it reports.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -15,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::env::{build_session, AgentSession, EnvError};
 use crate::model::Model;
 use crate::rollout::engine::{CacheCounters, Engine, EngineError, FinishReason, GenRequest};
+use crate::rollout::grammar::{GrammarError, ResponseGrammar};
 use crate::rollout::sampling::SamplingParams;
 use crate::seed;
 use crate::store::StepRecord;
@@ -35,6 +37,8 @@ pub enum RolloutError {
     },
     #[error("rollout config: {0}")]
     Config(String),
+    #[error(transparent)]
+    Grammar(#[from] GrammarError),
 }
 
 pub type Result<T> = std::result::Result<T, RolloutError>;
@@ -71,6 +75,8 @@ pub struct RolloutConfig {
     /// A trajectory whose next context would exceed this is truncated.
     pub max_context_tokens: usize,
     pub layout: ContextLayout,
+    /// Constrained decoding: responses follow the env's answer grammar ([`ResponseGrammar`]).
+    pub constrained_decoding: bool,
 }
 
 impl Default for RolloutConfig {
@@ -88,6 +94,7 @@ impl Default for RolloutConfig {
             max_turns: 64,
             max_context_tokens: 2048,
             layout: ContextLayout::Concat,
+            constrained_decoding: false,
         }
     }
 }
@@ -151,6 +158,12 @@ pub fn run_rollout(
     let start = Instant::now();
     engine.take_counters();
     let mut trajs = start_trajectories(tok, template, cfg)?;
+    let grammar = match trajs.first() {
+        Some(t) if cfg.constrained_decoding => {
+            Some(Arc::new(ResponseGrammar::for_session(tok, &t.session)?))
+        }
+        _ => None,
+    };
     let (mut generate_s, mut env_s) = (0.0, 0.0);
     let mut length_cut = 0;
     for turn in 0..cfg.max_turns {
@@ -160,7 +173,7 @@ pub fn run_rollout(
         }
         let requests: Vec<GenRequest> = active
             .iter()
-            .map(|&i| request(&trajs[i], turn as u32, tok, cfg))
+            .map(|&i| request(&trajs[i], turn as u32, tok, cfg, grammar.clone()))
             .collect();
         let t0 = Instant::now();
         let gens = engine.generate(model, tok, &requests)?;
@@ -245,7 +258,13 @@ fn start_trajectories(
     Ok(trajs)
 }
 
-fn request(t: &Trajectory, turn: u32, tok: &Tokenizer, cfg: &RolloutConfig) -> GenRequest {
+fn request(
+    t: &Trajectory,
+    turn: u32,
+    tok: &Tokenizer,
+    cfg: &RolloutConfig,
+    grammar: Option<Arc<ResponseGrammar>>,
+) -> GenRequest {
     GenRequest {
         tokens: t.context.clone(),
         traj: t.traj_id,
@@ -256,6 +275,7 @@ fn request(t: &Trajectory, turn: u32, tok: &Tokenizer, cfg: &RolloutConfig) -> G
         max_new_tokens: cfg.max_new_tokens,
         stop_token_ids: vec![tok.eos_id()],
         stop_strings: t.session.stop_strings(),
+        grammar,
     }
 }
 

@@ -9,6 +9,7 @@
 //! tokens that have K/V to the tree, free duplicate slots and release their locks. Cached prefixes
 //! live in a namespace salted with the policy version; [`Engine::set_policy_version`] also flushes.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Device;
@@ -19,7 +20,8 @@ use serde::{Deserialize, Serialize};
 use crate::kv::radix::{NodeRef, RadixError, RadixTree};
 use crate::kv::{KvError, KvPool};
 use crate::model::{LogitsWanted, Model, ModelConfig, ModelError, SeqChunk};
-use crate::rollout::sampling::{sample, SamplingParams};
+use crate::rollout::grammar::ResponseGrammar;
+use crate::rollout::sampling::{sample_allowed, SamplingParams};
 use crate::seed;
 use crate::tokenizer::Tokenizer;
 
@@ -164,6 +166,8 @@ pub struct GenRequest {
     pub stop_token_ids: Vec<u32>,
     /// Texts that end the response once generated (e.g. `</answer>`).
     pub stop_strings: Vec<String>,
+    /// Constrained decoding: the grammar every generated token must follow (`None`: free).
+    pub grammar: Option<Arc<ResponseGrammar>>,
 }
 
 /// Why a generation ended.
@@ -600,7 +604,8 @@ impl Engine {
 
     /// Samples the next token of `s` from `row`, records it and checks the stop conditions.
     fn sample_into(&mut self, tok: &Tokenizer, s: &mut Seq, r: &GenRequest, row: &[f32]) {
-        let (token, logprob) = sample(row, &r.params, &mut s.rng);
+        let allowed = r.grammar.as_ref().and_then(|g| g.allowed(s.generated()));
+        let (token, logprob) = sample_allowed(row, allowed.as_ref(), &r.params, &mut s.rng);
         s.tokens.push(token);
         s.logprobs.push(logprob);
         self.counters.decode_tokens += 1;
@@ -741,6 +746,7 @@ mod tests {
             max_new_tokens,
             stop_token_ids: vec![7],
             stop_strings: vec!["</answer>".into()],
+            grammar: None,
         }
     }
 

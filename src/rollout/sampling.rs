@@ -1,9 +1,13 @@
 //! Token sampling from one row of logits: greedy, or temperature with optional top-k and top-p
 //! truncation, drawing from a caller-owned RNG. The returned log-prob is the token's under the
 //! temperature-scaled, *untruncated* distribution — the quantity the training path recomputes
-//! (`Model::logprobs_entropy_at` with the same temperature), so PPO ratios start at 1.
+//! (`Model::logprobs_entropy_at` with the same temperature), so PPO ratios start at 1. Under a
+//! response grammar ([`sample_allowed`]) the distribution is renormalised over the allowed tokens,
+//! as the update renormalises it.
 
 use rand::Rng;
+
+use crate::rollout::grammar::Allowed;
 
 /// How to pick the next token.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -65,6 +69,24 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> (u
         draw(&logp, params, rng)
     };
     (token as u32, logp[token] as f32)
+}
+
+/// [`sample`] restricted to the `allowed` tokens (all when `None`): the distribution and the
+/// returned log-prob are renormalised over them, so a forced token has log-prob 0. An empty
+/// allowed set falls back to the whole vocabulary.
+pub fn sample_allowed(
+    logits: &[f32],
+    allowed: Option<&Allowed>,
+    params: &SamplingParams,
+    rng: &mut impl Rng,
+) -> (u32, f32) {
+    let candidates = allowed.map(|a| a.ids(logits.len())).unwrap_or_default();
+    if candidates.is_empty() {
+        return sample(logits, params, rng);
+    }
+    let sub: Vec<f32> = candidates.iter().map(|&t| logits[t as usize]).collect();
+    let (i, logprob) = sample(&sub, params, rng);
+    (candidates[i as usize], logprob)
 }
 
 /// `log_softmax(logits / temperature)` in f64; NaN logits count as −∞.
@@ -180,6 +202,40 @@ mod tests {
         assert_eq!(counts[2], 0);
         let p0 = 3f64.exp() / (3f64.exp() + 2f64.exp());
         assert!((counts[0] as f64 / 4000.0 - p0).abs() < 0.03, "{counts:?}");
+    }
+
+    #[test]
+    fn allowed_tokens_are_sampled_from_the_renormalised_distribution() {
+        let logits = [5.0f32, 0.0, 1.0, 0.0];
+        let allowed = Allowed::Only(vec![1, 2]);
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut counts = [0usize; 4];
+        for _ in 0..2000 {
+            let (tok, lp) = sample_allowed(
+                &logits,
+                Some(&allowed),
+                &SamplingParams::default(),
+                &mut rng,
+            );
+            let z = (0f32.exp() + 1f32.exp()).ln();
+            assert!((lp - (logits[tok as usize] - z)).abs() < 1e-6);
+            counts[tok as usize] += 1;
+        }
+        assert_eq!(counts[0] + counts[3], 0);
+        let p2 = 1f64.exp() / (1.0 + 1f64.exp());
+        assert!((counts[2] as f64 / 2000.0 - p2).abs() < 0.04, "{counts:?}");
+        let forced = Allowed::Only(vec![3]);
+        assert_eq!(
+            sample_allowed(&logits, Some(&forced), &SamplingParams::greedy(), &mut rng),
+            (3, 0.0)
+        );
+        let greedy = sample_allowed(
+            &logits,
+            Some(&Allowed::AllBut(vec![0])),
+            &SamplingParams::greedy(),
+            &mut rng,
+        );
+        assert_eq!(greedy.0, 2);
     }
 
     #[test]

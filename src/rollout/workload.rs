@@ -154,6 +154,7 @@ fn request(w: &Workload, ctx: &[u32], i: usize, turn: usize, base_seed: u64) -> 
         max_new_tokens: w.response_len,
         stop_token_ids: Vec::new(),
         stop_strings: Vec::new(),
+        grammar: None,
     }
 }
 

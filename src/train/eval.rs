@@ -8,11 +8,14 @@
 //! `val_generating_args` (greedy unless `do_sample`).
 
 use super::metrics::Scalars;
+use super::update::ResponseMasks;
 use super::TrainError;
 use crate::config::{Config, CustomEnv, EnvManagerConfig, GeneratingArgs};
+use crate::env::build_session;
 use crate::model::Model;
 use crate::rollout::agent_loop::{run_rollout, ContextLayout, RolloutConfig};
 use crate::rollout::engine::{CacheCounters, Engine};
+use crate::rollout::grammar::ResponseGrammar;
 use crate::rollout::sampling::SamplingParams;
 use crate::store::StepRecord;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
@@ -138,7 +141,29 @@ pub fn rollout_config(
                 k: cfg.history_length,
             },
         },
+        constrained_decoding: cfg.constrained_decoding,
     }
+}
+
+/// The update side of `cfg.constrained_decoding`: each env tag's answer grammar over a model
+/// vocabulary of `vocab` logits (no grammar when it is off).
+pub fn response_masks(
+    cfg: &Config,
+    tok: &Tokenizer,
+    vocab: usize,
+) -> Result<ResponseMasks, TrainError> {
+    if !cfg.constrained_decoding {
+        return Ok(ResponseMasks::default());
+    }
+    let mut grammars = BTreeMap::new();
+    for (tag, spec) in &cfg.custom_envs {
+        let at = |e: String| TrainError::Data(format!("custom_envs.{tag}: {e}"));
+        let session =
+            build_session(&spec.env_type, &spec.env_config).map_err(|e| at(e.to_string()))?;
+        let grammar = ResponseGrammar::for_session(tok, &session).map_err(|e| at(e.to_string()))?;
+        grammars.insert(tag.clone(), grammar);
+    }
+    Ok(ResponseMasks::new(grammars, vocab))
 }
 
 /// Runs the groups of `manager` (tags in partition order) and returns every record, its

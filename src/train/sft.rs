@@ -286,8 +286,13 @@ fn cross_entropy(
     batch: &DeviceBatch,
     hidden: &Tensor,
 ) -> Result<Tensor, TrainError> {
-    let (picked, _) =
-        policy.head_logprobs_entropy(hidden, &batch.token_index, &batch.token_targets, 1.0)?;
+    let (picked, _) = policy.head_logprobs_entropy(
+        hidden,
+        &batch.token_index,
+        &batch.token_targets,
+        1.0,
+        None,
+    )?;
     let weights = Tensor::new(packed.token_mask.as_slice(), policy.device())?;
     let n = packed.num_tokens().max(1) as f64;
     Ok((picked * weights)?.sum_all()?.affine(-1.0 / n, 0.0)?)
@@ -304,7 +309,7 @@ fn observation_cross_entropy(
     let device = policy.device();
     let positions = Tensor::new(positions.as_slice(), device)?;
     let targets = Tensor::new(targets.as_slice(), device)?;
-    let (picked, _) = policy.head_logprobs_entropy(hidden, &positions, &targets, 1.0)?;
+    let (picked, _) = policy.head_logprobs_entropy(hidden, &positions, &targets, 1.0, None)?;
     Ok(picked.mean_all()?.neg()?)
 }
 

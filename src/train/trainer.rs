@@ -17,7 +17,7 @@ use super::collapse::CollapseDetector;
 use super::eval::{self, TagSummary, VAL_SEED_OFFSET};
 use super::metrics::{MetricsSink, Scalars};
 use super::sft::{self, SftReport};
-use super::update::{self, Learners, UpdateInputs, UpdateSettings};
+use super::update::{self, Learners, ResponseMasks, UpdateInputs, UpdateSettings};
 use super::TrainError;
 use crate::algo::config::Truncation;
 use crate::algo::filter::group_reward_std;
@@ -96,6 +96,8 @@ pub struct Trainer {
     detector: CollapseDetector,
     state: TrainState,
     warm_start: Option<SftReport>,
+    /// Constrained decoding on the update side (empty when it is off).
+    masks: ResponseMasks,
 }
 
 pub(crate) fn device_of(kind: DeviceKind) -> Result<Device, TrainError> {
@@ -232,6 +234,7 @@ impl Trainer {
         policy.refresh_rollout_weights()?;
         let mut engine = engine_for(&cfg, &policy)?;
         engine.set_policy_version(state.step)?;
+        let masks = eval::response_masks(&cfg, &tok, policy.config().vocab_size)?;
         Ok(Trainer {
             sink: MetricsSink::open(run_dir)?,
             run_dir: run_dir.to_path_buf(),
@@ -247,6 +250,7 @@ impl Trainer {
             detector: CollapseDetector::new(),
             state,
             warm_start,
+            masks,
         })
     }
 
@@ -483,6 +487,7 @@ impl Trainer {
             VALUE_CHUNK,
             self.tok.pad_id(),
             self.update_temperature(),
+            &self.masks,
         )?))
     }
 
@@ -572,6 +577,7 @@ impl Trainer {
             temperature,
             pad_id: self.tok.pad_id(),
             shuffle_seed: seed::derive(self.cfg.seed, &[SEED_SHUFFLE, self.state.step]),
+            masks: &self.masks,
         };
         let mut learners = Learners {
             policy: &self.policy,

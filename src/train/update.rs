@@ -12,12 +12,14 @@ use super::metrics::Scalars;
 use super::TrainError;
 use crate::algo::{policy_loss, value_loss, AdamW, CriticTarget, LossConfig};
 use crate::model::{Critic, Model};
+use crate::rollout::grammar::{Allowed, ResponseGrammar};
 use crate::seed;
 use crate::store::StepRecord;
 use candle_core::{Device, Tensor, D};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeMap;
 
 /// Everything the update reads, aligned with `records`.
 pub struct UpdateInputs<'a> {
@@ -54,6 +56,73 @@ pub struct UpdateSettings<'a> {
     pub pad_id: u32,
     /// Seed of the mini-batch shuffles.
     pub shuffle_seed: u64,
+    /// Constrained decoding: the grammars the rollout sampled under.
+    pub masks: &'a ResponseMasks,
+}
+
+/// The update side of constrained decoding: per env tag, the answer grammar the rollout sampled
+/// under, so each response token is scored over the same allowed tokens (a `-1e9` logit bias on
+/// the others). Empty when constrained decoding is off.
+#[derive(Default)]
+pub struct ResponseMasks {
+    grammars: BTreeMap<String, ResponseGrammar>,
+    vocab: usize,
+}
+
+/// Logit bias of a token the grammar forbids: its probability underflows to exactly 0.
+const FORBIDDEN_LOGIT: f32 = -1e9;
+
+impl ResponseMasks {
+    /// Masks for the env tags in `grammars` over a model vocabulary of `vocab` logits.
+    pub fn new(grammars: BTreeMap<String, ResponseGrammar>, vocab: usize) -> Self {
+        Self { grammars, vocab }
+    }
+
+    /// `[rows * width, vocab]` bias of a packed batch, `None` when no response token of it is
+    /// constrained. Tokens past the point where a response left its grammar stay unconstrained.
+    fn logit_bias(
+        &self,
+        p: &PackedBatch,
+        records: &[StepRecord],
+        device: &Device,
+    ) -> Result<Option<Tensor>, TrainError> {
+        let (w, v) = (p.max_response_len, self.vocab);
+        let mut bias: Vec<f32> = Vec::new();
+        for (row, &r) in p.record_of_row.iter().enumerate() {
+            let rec = &records[r];
+            let Some(grammar) = self.grammars.get(&rec.env_tag) else {
+                continue;
+            };
+            for (j, allowed) in grammar
+                .allowed_per_token(&rec.response_ids)
+                .iter()
+                .enumerate()
+            {
+                let Some(allowed) = allowed else { continue };
+                if bias.is_empty() {
+                    bias = vec![0.0; p.rows * w * v];
+                }
+                let slot = &mut bias[(row * w + j) * v..(row * w + j + 1) * v];
+                match allowed {
+                    Allowed::Only(ids) => {
+                        slot.fill(FORBIDDEN_LOGIT);
+                        ids.iter()
+                            .filter(|&&t| (t as usize) < v)
+                            .for_each(|&t| slot[t as usize] = 0.0);
+                    }
+                    Allowed::AllBut(ids) => {
+                        ids.iter()
+                            .filter(|&&t| (t as usize) < v)
+                            .for_each(|&t| slot[t as usize] = FORBIDDEN_LOGIT);
+                    }
+                }
+            }
+        }
+        if bias.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Tensor::from_vec(bias, (p.rows * w, v), device)?))
+    }
 }
 
 /// The models and optimizers the update steps.
@@ -106,7 +175,13 @@ pub fn ppo_update(
                 continue;
             }
             let device = learners.policy.device().clone();
-            let batch = DeviceBatch::new(&packed, settings.pad_id, &device)?;
+            let batch = DeviceBatch::constrained(
+                &packed,
+                settings.pad_id,
+                &device,
+                inputs.records,
+                settings.masks,
+            )?;
             let (actor_skipped, stepped) =
                 actor_step(inputs, settings, learners, &packed, &batch, &mut means)?;
             skipped += usize::from(actor_skipped);
@@ -156,6 +231,8 @@ pub(super) struct DeviceBatch {
     /// The target token at each `token_index` position.
     pub(super) token_targets: Tensor,
     value_index: Tensor,
+    /// `[rows * width, vocab]` constrained-decoding bias of the response tokens, if any.
+    logit_bias: Option<Tensor>,
 }
 
 impl DeviceBatch {
@@ -170,6 +247,21 @@ impl DeviceBatch {
             mask: Tensor::from_vec(mask, (b, t), device)?,
             token_index: Tensor::new(p.token_index.as_slice(), device)?,
             value_index: Tensor::new(p.value_index.as_slice(), device)?,
+            logit_bias: None,
+        })
+    }
+
+    /// The batch of `new` with the constrained-decoding bias of `masks` on its response tokens.
+    fn constrained(
+        p: &PackedBatch,
+        pad_id: u32,
+        device: &Device,
+        records: &[StepRecord],
+        masks: &ResponseMasks,
+    ) -> Result<Self, TrainError> {
+        Ok(DeviceBatch {
+            logit_bias: masks.logit_bias(p, records, device)?,
+            ..Self::new(p, pad_id, device)?
         })
     }
 
@@ -246,6 +338,7 @@ fn actor_step(
             &batch.token_index,
             &batch.token_targets,
             settings.temperature,
+            batch.logit_bias.as_ref(),
         )?;
         (lp, ent, None)
     };
@@ -330,6 +423,7 @@ fn shared_forward(
         &batch.token_index,
         &batch.token_targets,
         temperature,
+        batch.logit_bias.as_ref(),
     )?;
     Ok((logp, entropy, policy.head_values(&hidden)?))
 }
@@ -439,6 +533,7 @@ pub fn response_logprobs(
     chunk: usize,
     pad_id: u32,
     temperature: f32,
+    masks: &ResponseMasks,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
     let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
     for_each_chunk(
@@ -446,6 +541,7 @@ pub fn response_logprobs(
         sequences,
         chunk,
         pad_id,
+        masks,
         model.device(),
         |p, batch| {
             let (logp, _) = model.logprobs_entropy_at(
@@ -454,6 +550,7 @@ pub fn response_logprobs(
                 &batch.token_index,
                 &batch.token_targets,
                 temperature,
+                batch.logit_bias.as_ref(),
             )?;
             let logp = logp
                 .detach()
@@ -469,12 +566,13 @@ pub fn response_logprobs(
 }
 
 /// Packs `sequences` in chunks of `chunk` similar-length sequences (little padding per forward)
-/// and hands each chunk, on `device`, to `visit`.
+/// and hands each chunk, on `device` with the constrained-decoding bias of `masks`, to `visit`.
 fn for_each_chunk(
     records: &[StepRecord],
     sequences: &[Vec<usize>],
     chunk: usize,
     pad_id: u32,
+    masks: &ResponseMasks,
     device: &Device,
     mut visit: impl FnMut(&PackedBatch, &DeviceBatch) -> Result<(), TrainError>,
 ) -> Result<(), TrainError> {
@@ -487,7 +585,10 @@ fn for_each_chunk(
     for seqs in sorted.chunks(chunk.max(1)) {
         let p = pack(records, seqs)?;
         if p.rows > 0 {
-            visit(&p, &DeviceBatch::new(&p, pad_id, device)?)?;
+            visit(
+                &p,
+                &DeviceBatch::constrained(&p, pad_id, device, records, masks)?,
+            )?;
         }
     }
     Ok(())
@@ -505,27 +606,36 @@ pub fn critic_values(
     device: &Device,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
     let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
-    for_each_chunk(records, sequences, chunk, pad_id, device, |p, batch| {
-        let values = values_of(&batch.ids, &batch.mask)?.detach();
-        match target {
-            CriticTarget::StepStart => {
-                let v = batch
-                    .at_step_starts(&values, p)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
-                for (row, &r) in p.record_of_row.iter().enumerate() {
-                    out[r] = vec![v[row]];
+    let unconstrained = ResponseMasks::default();
+    for_each_chunk(
+        records,
+        sequences,
+        chunk,
+        pad_id,
+        &unconstrained,
+        device,
+        |p, batch| {
+            let values = values_of(&batch.ids, &batch.mask)?.detach();
+            match target {
+                CriticTarget::StepStart => {
+                    let v = batch
+                        .at_step_starts(&values, p)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?;
+                    for (row, &r) in p.record_of_row.iter().enumerate() {
+                        out[r] = vec![v[row]];
+                    }
+                }
+                CriticTarget::AllResponseTokens => {
+                    let v = batch.at_tokens(&values, p)?.to_vec2::<f32>()?;
+                    for (row, &r) in p.record_of_row.iter().enumerate() {
+                        out[r] = v[row][..records[r].response_ids.len()].to_vec();
+                    }
                 }
             }
-            CriticTarget::AllResponseTokens => {
-                let v = batch.at_tokens(&values, p)?.to_vec2::<f32>()?;
-                for (row, &r) in p.record_of_row.iter().enumerate() {
-                    out[r] = v[row][..records[r].response_ids.len()].to_vec();
-                }
-            }
-        }
-        Ok(())
-    })?;
+            Ok(())
+        },
+    )?;
     Ok(out)
 }
 
@@ -629,6 +739,7 @@ mod tests {
             temperature: 1.0,
             pad_id: 0,
             shuffle_seed: 1,
+            masks: &ResponseMasks::default(),
         };
         let mut learners = Learners {
             policy: &policy,
