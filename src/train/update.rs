@@ -200,26 +200,19 @@ pub fn ppo_update(
     Ok(out)
 }
 
-/// The epoch's mini-batches: a seeded shuffle, then sequences of similar length grouped together
-/// (a stable sort by token count) so that padding, and with it the O(T²) attention cost, stays
-/// small; the mini-batches themselves come in shuffled order.
+/// The epoch's mini-batches: a seeded shuffle cut into chunks of `mini_batch` sequences, so each
+/// mini-batch is a uniform sample of the rollout. (Grouping sequences by length would save padding
+/// but makes a mini-batch's states alike: in the window layout a prompt's length tells how many
+/// directions lead to the goal, and signed advantages then fit each such subset's action marginal
+/// instead of the map. See BENCHMARKS, session 7.)
 fn mini_batches(inputs: &UpdateInputs, settings: &UpdateSettings, epoch: u64) -> Vec<Vec<usize>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(settings.shuffle_seed, &[epoch]));
     let mut order: Vec<usize> = (0..inputs.sequences.len()).collect();
     order.shuffle(&mut rng);
-    let len = |s: usize| -> usize {
-        inputs.sequences[s]
-            .iter()
-            .map(|&r| inputs.records[r].obs_ids.len() + inputs.records[r].response_ids.len())
-            .sum()
-    };
-    order.sort_by_key(|&s| len(s));
-    let mut batches: Vec<Vec<usize>> = order
+    order
         .chunks(settings.mini_batch.max(1))
         .map(<[usize]>::to_vec)
-        .collect();
-    batches.shuffle(&mut rng);
-    batches
+        .collect()
 }
 
 /// The padded model inputs of a packed mini-batch on the device (the update's and the warm
