@@ -1,5 +1,6 @@
 //! StepPO against its baselines on the same FrozenLake budget (a custom harness, not criterion):
-//! `step_gae`, `token_gae`, `grpo` and `gigpo` each train from the embedded default config with
+//! `step_reinforce` (the default's estimator), `step_gae`, `token_gae`, `grpo` and `gigpo` each
+//! train from the embedded default config with
 //! several seeds, all starting from ONE shared warm-started policy (the default's random-agent
 //! behaviour cloning, done once), with the same rollout budget and the same validation seeds; the
 //! table reports final validation success (mean ± std over seeds) and the first step at which
@@ -18,15 +19,25 @@ use stepppo::train::sft;
 use stepppo::train::trainer::Event;
 use stepppo::train::Trainer;
 
-/// (label, overrides): the estimator and what it needs (critic-free ones drop the critic).
-const ARMS: [(&str, &[&str]); 4] = [
+/// (label, overrides of the embedded default): the estimator and what it needs (the GAE arms add
+/// the shared-trunk critic the critic-free default lacks).
+const ARMS: [(&str, &[&str]); 5] = [
+    ("step_reinforce", &[]),
     (
         "step_gae",
-        &["adv_estimator=step_gae", "ratio_type=segment"],
+        &[
+            "adv_estimator=step_gae",
+            "critic.mode=shared",
+            "ratio_type=segment",
+        ],
     ),
     (
         "token_gae",
-        &["adv_estimator=token_gae", "ratio_type=token"],
+        &[
+            "adv_estimator=token_gae",
+            "critic.mode=shared",
+            "ratio_type=token",
+        ],
     ),
     (
         "grpo",
@@ -133,7 +144,7 @@ fn main() {
     let secs = warm_start(&base, &extra);
     println!("shared warm start: {secs:.0}s");
     println!(
-        "estimator   final val success (mean ± std)   steps to 0.5 (reached/seeds)   wall s/run"
+        "estimator       final val success (mean ± std)   steps to 0.5 (reached/seeds)   wall s/run"
     );
     for (label, arm) in ARMS {
         let mut finals = Vec::new();
@@ -169,7 +180,7 @@ fn main() {
             format!("{:.1}", mean_std(&reached).0)
         };
         println!(
-            "{label:<11} {m:>6.3} ± {s:<5.3}                    {to_half:>6} ({}/{seeds})                   {:.0}",
+            "{label:<15} {m:>6.3} ± {s:<5.3}                    {to_half:>6} ({}/{seeds})                   {:.0}",
             reached.len(),
             mean_std(&secs).0
         );

@@ -902,7 +902,8 @@ mod tests {
     #[test]
     fn embedded_default_is_valid() {
         let c = Config::embedded_default();
-        assert_eq!(c.adv_estimator, Estimator::StepGae);
+        assert_eq!(c.adv_estimator, Estimator::StepReinforce);
+        assert!(c.constrained_decoding && !c.use_kl_loss);
         assert_eq!(
             c.rollout_batch_size,
             c.train_env_manager.num_env_groups * c.train_env_manager.group_size
@@ -947,7 +948,8 @@ mod tests {
 
     #[test]
     fn critic_warmup_needs_a_step_start_critic() {
-        assert!(with(&["sft.value_loss_coef=0.5"]).is_ok());
+        let step_gae = ["adv_estimator=step_gae", "critic.mode=shared"];
+        assert!(with(&[&step_gae[..], &["sft.value_loss_coef=0.5"]].concat()).is_ok());
         let e = err_text(with(&["sft.value_loss_coef=0.5", "adv_estimator=grpo"]));
         assert!(
             e.contains("sft.value_loss_coef") && e.contains("step_gae"),

@@ -63,7 +63,6 @@ fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
         "actor/pg_loss",
         "actor/entropy",
         "actor/grad_norm",
-        "critic/vf_loss",
         "response_length/mean",
         "time/rollout",
         "throughput/tokens_per_s",

@@ -8,6 +8,9 @@ use stepppo::train::{checkpoint, Trainer};
 fn tiny_config() -> Config {
     let sets: Vec<String> = [
         "builtin_size=tiny",
+        // StepPO with the shared-trunk critic: the most state a checkpoint has to carry.
+        "adv_estimator=step_gae",
+        "critic.mode=shared",
         "max_steps=4",
         "eval_steps=2",
         "save_steps=0",
