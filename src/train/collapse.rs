@@ -19,6 +19,9 @@ const COLLAPSE_FRACTION: f64 = 0.1;
 const SPIKE_FACTOR: f64 = 5.0;
 /// Observations before spike detection starts (the average needs a few values).
 const WARMUP: usize = 3;
+/// A spike must also exceed SPIKE_FACTOR × this fraction of the run's peak average: once a policy
+/// saturates its gradients shrink a hundredfold, and a relative test alone fires on harmless updates.
+const SPIKE_FLOOR_OF_PEAK: f64 = 0.1;
 
 /// A warning raised at one step.
 #[derive(Clone, Debug, PartialEq)]
@@ -85,6 +88,7 @@ pub struct CollapseDetector {
     reward_std: CollapseTracker,
     entropy: CollapseTracker,
     grad_norm_ema: Option<f64>,
+    grad_norm_peak: f64,
     grad_norm_seen: usize,
 }
 
@@ -109,14 +113,16 @@ impl CollapseDetector {
         }
         if let Some(norm) = get(GRAD_NORM) {
             if let Some(avg) = self.grad_norm_ema.filter(|_| self.grad_norm_seen >= WARMUP) {
-                if norm > SPIKE_FACTOR * avg && norm > 1e-3 {
+                let baseline = avg.max(SPIKE_FLOOR_OF_PEAK * self.grad_norm_peak);
+                if norm > SPIKE_FACTOR * baseline && norm > 1e-3 {
                     warnings.push(Warning::GradNormSpike { norm, average: avg });
                 }
             }
-            self.grad_norm_ema = Some(
-                self.grad_norm_ema
-                    .map_or(norm, |e| e + EMA_ALPHA * (norm - e)),
-            );
+            let ema = self
+                .grad_norm_ema
+                .map_or(norm, |e| e + EMA_ALPHA * (norm - e));
+            self.grad_norm_ema = Some(ema);
+            self.grad_norm_peak = self.grad_norm_peak.max(ema);
             self.grad_norm_seen += 1;
         }
         if let Some(frac) = get(ZERO_ADV_FRAC) {
@@ -182,5 +188,19 @@ mod tests {
                 .any(|w| matches!(w, Warning::EntropyCollapse { .. }))
         });
         assert!(collapsed);
+    }
+
+    #[test]
+    fn a_saturated_policy_s_small_gradients_are_no_spike_but_a_large_one_is() {
+        let mut d = CollapseDetector::new();
+        let spike = |w: Vec<Warning>| w.iter().any(|w| matches!(w, Warning::GradNormSpike { .. }));
+        for _ in 0..10 {
+            assert!(!spike(d.observe(&step(&[(GRAD_NORM, 1.0)]))));
+        }
+        for _ in 0..30 {
+            assert!(!spike(d.observe(&step(&[(GRAD_NORM, 0.002)]))));
+        }
+        assert!(!spike(d.observe(&step(&[(GRAD_NORM, 0.2)]))));
+        assert!(spike(d.observe(&step(&[(GRAD_NORM, 3.0)]))));
     }
 }
