@@ -1,9 +1,8 @@
 //! StepPO against its baselines on the same FrozenLake budget (a custom harness, not criterion):
 //! `step_reinforce` (the default's estimator), `step_gae`, `token_gae`, `grpo` and `gigpo` each
-//! train from the embedded default config with
-//! several seeds, all starting from ONE shared warm-started policy (the default's random-agent
-//! behaviour cloning, done once), with the same rollout budget and the same validation seeds; the
-//! table reports final validation success (mean ± std over seeds) and the first step at which
+//! train from the embedded default config with several seeds, all starting from ONE shared
+//! warm-started policy (the default's random-agent behaviour cloning, done once), with the same
+//! rollout budget and the same validation seeds; the table reports final validation success (mean ± std over seeds) and the first step at which
 //! validation success reached 0.5.
 //!
 //! `cargo bench --bench learning` runs it; without `--bench` (e.g. under `cargo test`) it does

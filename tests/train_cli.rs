@@ -109,6 +109,32 @@ fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
     assert!(run.join("learning_curves.svg").is_file());
 }
 
+/// The default has no critic; StepPO with the shared-trunk critic logs the critic's metrics.
+#[test]
+fn step_gae_with_a_critic_logs_the_critic_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let sets = [TINY, &["adv_estimator=step_gae", "critic.mode=shared"]].concat();
+    let out = stepppo(&with_sets(
+        vec!["train", "--out", run.to_str().unwrap()],
+        &sets,
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = read_jsonl(&run.join("metrics.jsonl")).unwrap();
+    let step1 = rows.iter().find(|(s, _)| *s == 1).expect("a step-1 row");
+    for name in ["critic/vf_loss", "critic/vf_explained_var"] {
+        let value = step1.1.get(name).copied();
+        assert!(
+            value.is_some_and(f64::is_finite),
+            "metrics.jsonl step 1: {name} = {value:?}"
+        );
+    }
+}
+
 #[test]
 fn sft_clones_a_stored_dataset_into_a_loadable_model() {
     let dir = tempfile::tempdir().unwrap();
