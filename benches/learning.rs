@@ -8,7 +8,8 @@
 //! `cargo bench --bench learning` runs it; without `--bench` (e.g. under `cargo test`) it does
 //! nothing. Budget knobs (environment): `LEARNING_STEPS` (training steps per run, default the
 //! config's `max_steps`), `LEARNING_SEEDS` (default 3), `LEARNING_EVAL_STEPS` (default 5),
-//! `LEARNING_SETS` (extra `;`-separated `key=value` overrides for every run).
+//! `LEARNING_SETS` (extra `;`-separated `key=value` overrides for every run), `LEARNING_ARMS`
+//! (comma-separated labels of the arms to run, default all).
 
 use std::time::Instant;
 use stepppo::config::{Config, EMBEDDED_DEFAULT_NAME, EMBEDDED_DEFAULT_YAML};
@@ -126,6 +127,30 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
     (mean, var.sqrt())
 }
 
+/// The arms named in `LEARNING_ARMS` (all when unset); an unknown label stops the bench.
+fn selected_arms() -> Vec<(&'static str, &'static [&'static str])> {
+    let Ok(wanted) = std::env::var("LEARNING_ARMS") else {
+        return ARMS.to_vec();
+    };
+    wanted
+        .split(',')
+        .map(str::trim)
+        .filter(|w| !w.is_empty())
+        .map(|w| {
+            *ARMS
+                .iter()
+                .find(|(label, _)| *label == w)
+                .unwrap_or_else(|| {
+                    let labels: Vec<&str> = ARMS.iter().map(|a| a.0).collect();
+                    panic!(
+                        "LEARNING_ARMS: unknown arm `{w}` (arms: {})",
+                        labels.join(", ")
+                    )
+                })
+        })
+        .collect()
+}
+
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         return;
@@ -138,6 +163,7 @@ fn main() {
         .filter(|s| !s.trim().is_empty())
         .map(str::to_string)
         .collect();
+    let arms = selected_arms();
     let root = tempfile::tempdir().expect("a temporary directory");
     let base = root.path().join("warm-start");
     let secs = warm_start(&base, &extra);
@@ -145,7 +171,7 @@ fn main() {
     println!(
         "estimator       final val success (mean ± std)   steps to 0.5 (reached/seeds)   wall s/run"
     );
-    for (label, arm) in ARMS {
+    for (label, arm) in arms {
         let mut finals = Vec::new();
         let mut reached = Vec::new();
         let mut secs = Vec::new();
