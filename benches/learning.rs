@@ -2,8 +2,8 @@
 //! `step_reinforce` (the default's estimator), `step_gae`, `token_gae`, `grpo` and `gigpo` each
 //! train from the embedded default config with several seeds, all starting from ONE shared
 //! warm-started policy (the default's random-agent behaviour cloning, done once), with the same
-//! rollout budget and the same validation seeds; the table reports final validation success (mean ± std over seeds) and the first step at which
-//! validation success reached 0.5.
+//! rollout budget and the same validation seeds; the table reports final validation success
+//! (mean ± std over seeds) and the first step at which validation success reached 0.5.
 //!
 //! `cargo bench --bench learning` runs it; without `--bench` (e.g. under `cargo test`) it does
 //! nothing. Budget knobs (environment): `LEARNING_STEPS` (training steps per run, default the
@@ -127,12 +127,14 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
     (mean, var.sqrt())
 }
 
-/// The arms named in `LEARNING_ARMS` (all when unset); an unknown label stops the bench.
+/// The arms named in `LEARNING_ARMS` (all when unset); an unknown label, or a value naming no
+/// arm, stops the bench.
 fn selected_arms() -> Vec<(&'static str, &'static [&'static str])> {
     let Ok(wanted) = std::env::var("LEARNING_ARMS") else {
         return ARMS.to_vec();
     };
-    wanted
+    let labels: Vec<&str> = ARMS.iter().map(|a| a.0).collect();
+    let arms: Vec<_> = wanted
         .split(',')
         .map(str::trim)
         .filter(|w| !w.is_empty())
@@ -141,14 +143,19 @@ fn selected_arms() -> Vec<(&'static str, &'static [&'static str])> {
                 .iter()
                 .find(|(label, _)| *label == w)
                 .unwrap_or_else(|| {
-                    let labels: Vec<&str> = ARMS.iter().map(|a| a.0).collect();
                     panic!(
                         "LEARNING_ARMS: unknown arm `{w}` (arms: {})",
                         labels.join(", ")
                     )
                 })
         })
-        .collect()
+        .collect();
+    assert!(
+        !arms.is_empty(),
+        "LEARNING_ARMS names no arm (arms: {})",
+        labels.join(", ")
+    );
+    arms
 }
 
 fn main() {
