@@ -17,9 +17,11 @@
 //! (that alone took oracle cloning from 0.09 to 0.73 success after 100 updates). `grid` (the
 //! default) is RAGEN's text unchanged.
 //!
-//! `distance_reward: c` (default 0) adds potential-based shaping: each move earns c × (distance to
-//! the goal before − after), Manhattan, so a run can trade RAGEN's sparse reward for a per-step one
-//! without changing which episodes succeed.
+//! `distance_reward: c` (default 0) adds shaping: each move earns c × (distance to the goal before
+//! − after), so a run can trade RAGEN's sparse reward for a per-step one without changing which
+//! episodes succeed. `distance: manhattan` (default) counts rows plus columns, holes ignored;
+//! `distance: path` counts moves along the shortest path over ice, so a move earns +c exactly when
+//! it is on a shortest path and −c when it is not or steps into a hole.
 //!
 //! Differences from RAGEN / ROLL:
 //! - `is_slippery` defaults to true (RAGEN's `FrozenLakeEnvConfig`); ROLL's `traj_envs.yaml` sets
@@ -53,6 +55,18 @@ pub enum FrozenLakeRender {
     GridLocal,
 }
 
+/// The distance to the goal that `distance_reward` shapes with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShapingDistance {
+    /// Rows plus columns, holes ignored: a move into a hole toward the goal earns the bonus.
+    #[default]
+    Manhattan,
+    /// Moves along the shortest path over ice: a move earns the bonus exactly when it is on a
+    /// shortest path to the goal, and a move into a hole earns −coef.
+    Path,
+}
+
 /// FrozenLake settings (`--set key=value`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -70,12 +84,16 @@ pub struct FrozenLakeConfig {
     /// Observation text: `grid` (RAGEN) or `grid_local`.
     #[serde(default)]
     pub render: FrozenLakeRender,
-    /// Potential-based shaping (Ng et al., 1999) with Φ(s) = −coef · (Manhattan distance from the
-    /// player to the goal): every move adds coef × (distance before − distance after) to the
-    /// reward, so an episode's shaping telescopes to coef × (start distance − end distance) and
-    /// success still means reaching the goal. 0 (RAGEN's sparse reward) by default.
+    /// Potential-based shaping (Ng et al., 1999) with Φ(s) = −coef · (`distance` from the player
+    /// to the goal): every move adds coef × (distance before − distance after) to the reward, so
+    /// an episode's shaping telescopes to coef × (start distance − end distance) and success still
+    /// means reaching the goal (with `path`, a move into a hole earns −coef). 0 (RAGEN's sparse
+    /// reward) by default.
     #[serde(default)]
     pub distance_reward: f64,
+    /// Which distance `distance_reward` measures: `manhattan` (default) or `path`.
+    #[serde(default)]
+    pub distance: ShapingDistance,
 }
 
 impl Default for FrozenLakeConfig {
@@ -88,6 +106,7 @@ impl Default for FrozenLakeConfig {
             max_steps: 10,
             render: FrozenLakeRender::Grid,
             distance_reward: 0.0,
+            distance: ShapingDistance::Manhattan,
         }
     }
 }
@@ -161,7 +180,18 @@ impl FrozenLakeEnv {
         if coef == 0.0 {
             return 0.0;
         }
-        let closer = self.goal_distance(before) as f64 - self.goal_distance(self.player) as f64;
+        let closer = match self.cfg.distance {
+            ShapingDistance::Manhattan => {
+                self.goal_distance(before) as f64 - self.goal_distance(self.player) as f64
+            }
+            ShapingDistance::Path => {
+                let moves = moves_to_goal(&self.cells, self.cfg.size);
+                match (moves[before], moves[self.player]) {
+                    (Some(from), Some(to)) => from as f64 - to as f64,
+                    _ => -1.0,
+                }
+            }
+        };
         (coef * closer) as f32
     }
 
@@ -298,6 +328,28 @@ fn neighbour(size: usize, pos: usize, dir: usize) -> usize {
     } else {
         r as usize * size + c as usize
     }
+}
+
+/// Fewest moves over ice from each cell to the goal (BFS from the goal); `None` for holes and
+/// cells cut off from it.
+fn moves_to_goal(cells: &[Cell], size: usize) -> Vec<Option<usize>> {
+    let mut moves = vec![None; cells.len()];
+    let Some(goal) = cells.iter().position(|&c| c == Cell::Goal) else {
+        return moves;
+    };
+    moves[goal] = Some(0);
+    let mut queue = VecDeque::from([goal]);
+    while let Some(pos) = queue.pop_front() {
+        let next_moves = moves[pos].map(|m| m + 1);
+        for dir in 0..4 {
+            let next = neighbour(size, pos, dir);
+            if moves[next].is_none() && cells[next] != Cell::Hole {
+                moves[next] = next_moves;
+                queue.push_back(next);
+            }
+        }
+    }
+    moves
 }
 
 /// BFS over non-hole cells; the directions of a shortest path from `start` to the goal.
@@ -497,6 +549,20 @@ mod tests {
         }
     }
 
+    /// Reward and termination of `action` played from cell `pos` on a fresh episode.
+    fn move_from(env: &mut FrozenLakeEnv, pos: usize, action: &str) -> (f32, bool) {
+        env.player = pos;
+        env.finished = false;
+        env.steps = 0;
+        let t = env.step(&Action::Move(action.into()));
+        (t.reward, t.terminated)
+    }
+
+    /// Whether a [`move_from`] result pays `want`.
+    fn close((reward, _): (f32, bool), want: f32) -> bool {
+        (reward - want).abs() < 1e-6
+    }
+
     #[test]
     fn distance_reward_pays_each_move_by_how_much_closer_it_brings_the_goal() {
         let mut env = lake(FrozenLakeConfig {
@@ -508,14 +574,7 @@ mod tests {
         env.cells = vec![Cell::Frozen; 16];
         env.cells[2] = Cell::Goal; // row 0, col 2
         env.cells[8] = Cell::Hole; // row 2, col 0
-        let mut from = |pos: usize, action: &str| {
-            env.player = pos;
-            env.finished = false;
-            env.steps = 0;
-            let t = env.step(&Action::Move(action.into()));
-            (t.reward, t.terminated)
-        };
-        let close = |(r, _): (f32, bool), want: f32| (r - want).abs() < 1e-6;
+        let mut from = |pos: usize, action: &str| move_from(&mut env, pos, action);
         assert!(close(from(4, "Right"), 0.1), "toward the goal");
         assert!(close(from(5, "Down"), -0.1), "away from it");
         assert!(close(from(0, "Up"), 0.0), "into the wall");
@@ -525,6 +584,35 @@ mod tests {
             close(hole, -0.1) && hole.1,
             "into a hole: the move's shaping, then the end"
         );
+    }
+
+    #[test]
+    fn path_distance_reward_pays_moves_on_a_shortest_path_over_ice() {
+        let mut env = lake(FrozenLakeConfig {
+            is_slippery: false,
+            distance_reward: 0.1,
+            distance: ShapingDistance::Path,
+            ..FrozenLakeConfig::default()
+        });
+        env.reset(0);
+        // ____
+        // _GO_
+        // _OP_   P at 10: toward the goal are Left (a hole) and Up (a hole); the way round is Right.
+        // ____
+        env.cells = vec![Cell::Frozen; 16];
+        env.cells[5] = Cell::Goal;
+        env.cells[6] = Cell::Hole;
+        env.cells[9] = Cell::Hole;
+        let mut from = |pos: usize, action: &str| move_from(&mut env, pos, action);
+        assert!(close(from(10, "Up"), -0.1), "into a hole toward the goal");
+        assert!(close(from(10, "Left"), -0.1), "into the other hole");
+        assert!(
+            close(from(10, "Down"), 0.1),
+            "round the holes: 6 moves left, then 5"
+        );
+        assert!(close(from(11, "Left"), -0.1), "back into the dead end");
+        assert!(close(from(15, "Down"), 0.0), "into the wall");
+        assert!(close(from(4, "Right"), 1.1), "onto the goal");
     }
 
     #[test]
