@@ -195,9 +195,9 @@ impl FrozenLakeEnv {
         (coef * closer) as f32
     }
 
-    /// Shortest start→goal move sequence on the non-slippery map, from the current position.
-    pub fn shortest_path(&self) -> Option<Vec<usize>> {
-        shortest_path(&self.cells, self.cfg.size, self.player)
+    /// Fewest moves from the player to the goal over ice on the non-slippery map.
+    pub fn moves_left(&self) -> Option<usize> {
+        moves_to_goal(&self.cells, self.cfg.size)[self.player]
     }
 
     fn generate(&mut self, seed: u64) {
@@ -220,8 +220,8 @@ impl FrozenLakeEnv {
             }
             cells[start] = Cell::Frozen;
             cells[goal] = Cell::Goal;
-            let fits = shortest_path(&cells, self.cfg.size, start)
-                .is_some_and(|path| path.len() <= self.cfg.max_steps);
+            let fits = moves_to_goal(&cells, self.cfg.size)[start]
+                .is_some_and(|moves| moves <= self.cfg.max_steps);
             if fits {
                 self.cells = cells;
                 self.player = start;
@@ -352,38 +352,6 @@ fn moves_to_goal(cells: &[Cell], size: usize) -> Vec<Option<usize>> {
     moves
 }
 
-/// BFS over non-hole cells; the directions of a shortest path from `start` to the goal.
-fn shortest_path(cells: &[Cell], size: usize, start: usize) -> Option<Vec<usize>> {
-    let mut parent: Vec<Option<(usize, usize)>> = vec![None; cells.len()];
-    let mut seen = vec![false; cells.len()];
-    let mut queue = VecDeque::from([start]);
-    seen[start] = true;
-    while let Some(pos) = queue.pop_front() {
-        if cells[pos] == Cell::Goal {
-            let mut path = Vec::new();
-            let mut at = pos;
-            while let Some((prev, dir)) = parent[at] {
-                path.push(dir);
-                at = prev;
-            }
-            path.reverse();
-            return Some(path);
-        }
-        if cells[pos] == Cell::Hole {
-            continue;
-        }
-        for dir in 0..4 {
-            let next = neighbour(size, pos, dir);
-            if !seen[next] && cells[next] != Cell::Hole {
-                seen[next] = true;
-                parent[next] = Some((pos, dir));
-                queue.push_back(next);
-            }
-        }
-    }
-    None
-}
-
 impl Env for FrozenLakeEnv {
     fn tag(&self) -> &str {
         "frozen_lake"
@@ -454,9 +422,13 @@ impl Env for FrozenLakeEnv {
     }
 
     fn oracle_action(&self) -> Action {
-        let dir = self
-            .shortest_path()
-            .and_then(|path| path.first().copied())
+        // The first direction (Left, Down, Right, Up order) that brings a shortest path one move
+        // nearer.
+        let size = self.cfg.size;
+        let moves = moves_to_goal(&self.cells, size);
+        let nearer = moves[self.player].and_then(|left| left.checked_sub(1));
+        let dir = (0..4)
+            .find(|&dir| nearer.is_some() && moves[neighbour(size, self.player, dir)] == nearer)
             .unwrap_or(0);
         Action::Move(ACTIONS[dir].to_string())
     }
@@ -544,8 +516,8 @@ mod tests {
         });
         for seed in 0..200 {
             env.reset(seed);
-            let path = env.shortest_path().expect("path exists");
-            assert!(!path.is_empty() && path.len() <= 10);
+            let moves = env.moves_left().expect("path exists");
+            assert!((1..=10).contains(&moves));
         }
     }
 
@@ -597,8 +569,8 @@ mod tests {
         env.reset(0);
         // ____
         // _GO_
-        // _OP_   P at 10: toward the goal are Left (a hole) and Up (a hole); the way round is Right.
-        // ____
+        // _OP_   P at 10: toward the goal are Left and Up, both holes;
+        // ____   the ways round start Down or Right.
         env.cells = vec![Cell::Frozen; 16];
         env.cells[5] = Cell::Goal;
         env.cells[6] = Cell::Hole;
