@@ -20,8 +20,9 @@
 //! `distance_reward: c` (default 0) adds shaping: each move earns c × (distance to the goal before
 //! − after), so a run can trade RAGEN's sparse reward for a per-step one without changing which
 //! episodes succeed. `distance: manhattan` (default) counts rows plus columns, holes ignored;
-//! `distance: path` counts moves along the shortest path over ice, so a move earns +c exactly when
-//! it is on a shortest path and −c when it is not or steps into a hole.
+//! `distance: path` pays by the shortest path over ice instead: a move earns +c exactly when it
+//! is on a shortest path and −c otherwise (off the path, into a hole, or into a wall: a wasted move
+//! costs like a wrong one, so bumping a wall is never a safe choice for a myopic return).
 //!
 //! Differences from RAGEN / ROLL:
 //! - `is_slippery` defaults to true (RAGEN's `FrozenLakeEnvConfig`); ROLL's `traj_envs.yaml` sets
@@ -63,7 +64,7 @@ pub enum ShapingDistance {
     #[default]
     Manhattan,
     /// Moves along the shortest path over ice: a move earns the bonus exactly when it is on a
-    /// shortest path to the goal, and a move into a hole earns −coef.
+    /// shortest path to the goal, and every other move (off the path, into a hole or a wall) −coef.
     Path,
 }
 
@@ -84,11 +85,12 @@ pub struct FrozenLakeConfig {
     /// Observation text: `grid` (RAGEN) or `grid_local`.
     #[serde(default)]
     pub render: FrozenLakeRender,
-    /// Potential-based shaping (Ng et al., 1999) with Φ(s) = −coef · (`distance` from the player
-    /// to the goal): every move adds coef × (distance before − distance after) to the reward, so
-    /// an episode's shaping telescopes to coef × (start distance − end distance) and success still
-    /// means reaching the goal (with `path`, a move into a hole earns −coef). 0 (RAGEN's sparse
-    /// reward) by default.
+    /// Per-move shaping added to the reward; 0 (RAGEN's sparse reward) by default. With
+    /// `manhattan` it is potential-based (Ng et al., 1999), Φ(s) = −coef · distance to the goal:
+    /// every move adds coef × (distance before − distance after), so an episode's shaping
+    /// telescopes to coef × (start distance − end distance). With `path` a move earns +coef when
+    /// it is on a shortest path over ice and −coef otherwise, a wall bump included (not a
+    /// potential: a bump leaves Φ unchanged but costs a move). Success still means the goal.
     #[serde(default)]
     pub distance_reward: f64,
     /// Which distance `distance_reward` measures: `manhattan` (default) or `path`.
@@ -187,7 +189,7 @@ impl FrozenLakeEnv {
             ShapingDistance::Path => {
                 let moves = moves_to_goal(&self.cells, self.cfg.size);
                 match (moves[before], moves[self.player]) {
-                    (Some(from), Some(to)) => from as f64 - to as f64,
+                    (Some(from), Some(to)) if to + 1 == from => 1.0,
                     _ => -1.0,
                 }
             }
@@ -583,7 +585,7 @@ mod tests {
             "round the holes: 6 moves left, then 5"
         );
         assert!(close(from(11, "Left"), -0.1), "back into the dead end");
-        assert!(close(from(15, "Down"), 0.0), "into the wall");
+        assert!(close(from(15, "Down"), -0.1), "into the wall: a move lost");
         assert!(close(from(4, "Right"), 1.1), "onto the goal");
     }
 
