@@ -373,6 +373,12 @@ pub struct Config {
     pub kl_loss_coef: f32,
     #[serde(default)]
     pub entropy_loss_coef: f32,
+    /// Unlikelihood on negative-advantage tokens: the actor loss gains
+    /// `λ · agg(|A| · −log(1 − π))` over the sampled tokens with A < 0, a push away from a bad
+    /// choice that stays strong when the policy is sure of it (the clipped surrogate's gradient
+    /// there scales with 1 − π). 0 = off.
+    #[serde(default)]
+    pub negative_unlikelihood_coef: f32,
     #[serde(default = "one_f32")]
     pub max_grad_norm: f32,
 
@@ -519,6 +525,7 @@ impl Config {
             dual_clip_loss: self.dual_clip_loss,
             loss_agg_mode: self.loss_agg_mode,
             entropy_loss_coef: self.entropy_loss_coef,
+            negative_unlikelihood_coef: self.negative_unlikelihood_coef,
             value_clip: self.critic.value_clip,
             kl: KlConfig {
                 coef: if self.use_kl_loss {
@@ -618,6 +625,10 @@ impl Config {
         for (key, coef) in [
             ("init_kl_coef", self.init_kl_coef),
             ("kl_loss_coef", self.kl_loss_coef),
+            (
+                "negative_unlikelihood_coef",
+                self.negative_unlikelihood_coef,
+            ),
         ] {
             if !(coef.is_finite() && coef >= 0.0) {
                 return fail(key, format!("must be a finite number ≥ 0, got {coef}"));

@@ -185,6 +185,30 @@ fn kl_loss_and_entropy_bonus() {
 }
 
 #[test]
+fn negative_unlikelihood_weighs_sure_wrong_choices_and_skips_forced_tokens() {
+    // π = 0.9 with A = −2 (a sure, wrong choice), π = 0.5 with A = 1, a forced token (π = 1)
+    // with A = −1; ratios 1.
+    let lp = t(&[&[0.9f64.ln(), 0.5f64.ln(), 0.0]]);
+    let adv = t(&[&[-2.0, 1.0, -1.0]]);
+    let cfg = LossConfig {
+        negative_unlikelihood_coef: 0.5,
+        ..token_cfg()
+    };
+    let mask = t(&[&[1.0, 1.0, 1.0]]);
+    let zeros = t(&[&[0.0, 0.0, 0.0]]);
+    let (loss, m) = policy_loss(&lp, &lp, &adv, &mask, None, &zeros, &cfg).unwrap();
+    let unlikelihood = 2.0 * -(0.1f64.ln()) / 3.0;
+    close(m.unlikelihood_loss, unlikelihood);
+    close(m.pg_loss, (2.0 - 1.0 + 1.0) / 3.0);
+    close(scalar(&loss), m.pg_loss + 0.5 * unlikelihood);
+    // off by default
+    assert_eq!(
+        single_token(0.0, -1.0, &token_cfg()).1.unlikelihood_loss,
+        0.0
+    );
+}
+
+#[test]
 fn shape_mismatch_is_an_error_naming_the_tensor() {
     let a = t(&[&[0.0, 0.0]]);
     let b = t(&[&[0.0]]);
@@ -320,6 +344,7 @@ fn policy_loss_gradient_matches_finite_differences_in_every_mode() {
                 mode: KlMode::Loss,
             },
             entropy_loss_coef: 0.01,
+            negative_unlikelihood_coef: 0.5,
             ..Default::default()
         };
         check_gradient(|w| {

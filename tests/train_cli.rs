@@ -198,6 +198,65 @@ fn sft_clones_a_stored_dataset_into_a_loadable_model() {
     assert_eq!(summaries[0]["episodes"], 3, "{summaries}");
 }
 
+/// The sequence count `stepppo sft` reports ("… steps on N sequences …").
+fn cloned_sequences(stdout: &[u8]) -> usize {
+    let text = String::from_utf8_lossy(stdout);
+    let after = text
+        .split(" steps on ")
+        .nth(1)
+        .expect("sft reports its sequences");
+    after.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn sft_successful_only_clones_the_solved_trajectories() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("random");
+    let out = stepppo(&[
+        "collect",
+        "--env",
+        "frozen_lake",
+        "--agent",
+        "random",
+        "--episodes",
+        "60",
+        "--set",
+        "is_slippery=false",
+        "--out",
+        data.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let clone = |extra: &[&str]| {
+        let model = dir.path().join("model");
+        let mut args = vec![
+            "sft",
+            "--dataset",
+            data.to_str().unwrap(),
+            "--out",
+            model.to_str().unwrap(),
+            "--set",
+            "builtin_size=tiny",
+            "--set",
+            "sft.steps=1",
+        ];
+        args.extend_from_slice(extra);
+        let out = stepppo(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        cloned_sequences(&out.stdout)
+    };
+    let (all, solved) = (clone(&[]), clone(&["--successful-only"]));
+    assert_eq!(all, 60);
+    assert!(0 < solved && solved < all, "{solved} of {all}");
+}
+
 #[test]
 fn config_errors_name_the_key() {
     let out = stepppo(&["train", "--set", "ppo_epocs=2"]);

@@ -302,6 +302,9 @@ pub struct LossConfig {
     pub loss_norm_len: Option<usize>,
     pub kl: KlConfig,
     pub entropy_loss_coef: f32,
+    /// Weight λ of the unlikelihood term on negative-advantage tokens (0 = off); see
+    /// [`crate::algo::policy_loss`].
+    pub negative_unlikelihood_coef: f32,
     /// Critic value clip c_v (verl 0.5); `None` = unclipped.
     pub value_clip: Option<f32>,
 }
@@ -319,6 +322,7 @@ impl Default for LossConfig {
             loss_norm_len: None,
             kl: KlConfig::default(),
             entropy_loss_coef: 0.0,
+            negative_unlikelihood_coef: 0.0,
             value_clip: None,
         }
     }

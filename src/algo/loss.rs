@@ -24,6 +24,8 @@ const K3_BOUND: f64 = 10.0;
 pub struct PolicyMetrics {
     pub pg_loss: f64,
     pub kl_loss: f64,
+    /// The unlikelihood term before its coefficient (0 when off).
+    pub unlikelihood_loss: f64,
     pub entropy: f64,
     pub total_loss: f64,
     /// verl `pg_clipfrac`: the clipped term is the active one.
@@ -140,8 +142,12 @@ fn kl_estimate(
 /// The PPO actor loss (a scalar with gradient) and its metrics.
 ///
 /// ℓ = max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)); with `dual_clip_loss`, ℓ ← min(ℓ, −c·A)
-/// where A < 0; then `agg(ℓ) + β·agg(KL) − c_H·agg(entropy)` (KL only in `loss` mode with
-/// `kl.coef` > 0, which requires `ref_logprobs`).
+/// where A < 0; then `agg(ℓ) + β·agg(KL) − c_H·agg(entropy) + λ·agg(U)` (KL only in `loss` mode
+/// with `kl.coef` > 0, which requires `ref_logprobs`; U only with `negative_unlikelihood_coef`
+/// λ > 0). U = |A|·−log(1 − π) on the tokens with A < 0 that were a choice (old log-prob < 0:
+/// a token constrained decoding forces has log-prob exactly 0 and nothing to push). Its gradient
+/// on the token's logit is |A|·π, where the surrogate's is |A|·ρ·(1 − π): together a near-certain
+/// wrong choice is pushed as hard as an uncertain one.
 pub fn policy_loss(
     logprobs: &Tensor,
     old_logprobs: &Tensor,
@@ -192,6 +198,17 @@ pub fn policy_loss(
         kl_value = scalar(&kl)?;
         total = (total + kl.affine(cfg.kl.coef as f64, 0.0)?)?;
     }
+    let mut unlikelihood_value = 0.0;
+    if cfg.negative_unlikelihood_coef > 0.0 {
+        let u = agg_loss(
+            &negative_unlikelihood(logprobs, old_logprobs, advantages)?,
+            mask,
+            mode,
+            cfg.loss_norm_len,
+        )?;
+        unlikelihood_value = scalar(&u)?;
+        total = (total + u.affine(cfg.negative_unlikelihood_coef as f64, 0.0)?)?;
+    }
     let entropy_agg = agg_loss(entropy, mask, mode, cfg.loss_norm_len)?;
     if cfg.entropy_loss_coef != 0.0 {
         total = (total - entropy_agg.affine(cfg.entropy_loss_coef as f64, 0.0)?)?;
@@ -209,11 +226,31 @@ pub fn policy_loss(
     let metrics = PolicyMetrics {
         pg_loss: scalar(&pg_loss)?,
         kl_loss: kl_value,
+        unlikelihood_loss: unlikelihood_value,
         entropy: scalar(&entropy_agg)?,
         total_loss: scalar(&total)?,
         ..host.metrics(low, high)
     };
     Ok((total, metrics))
+}
+
+/// Smallest 1 − π the unlikelihood term takes a log of.
+const UNLIKELIHOOD_FLOOR: f64 = 1e-6;
+
+/// Per-token |A|·−log(1 − π) where A < 0 and the token was a choice (old log-prob < 0), else 0.
+fn negative_unlikelihood(
+    logprobs: &Tensor,
+    old_logprobs: &Tensor,
+    advantages: &Tensor,
+) -> Result<Tensor, AlgoError> {
+    let rest = logprobs
+        .exp()?
+        .affine(-1.0, 1.0)?
+        .clamp(UNLIKELIHOOD_FLOOR, 1.0)?;
+    let weight = (advantages.lt(0.0)?.to_dtype(logprobs.dtype())?
+        * old_logprobs.lt(0.0)?.to_dtype(logprobs.dtype())?)?
+    .mul(&advantages.abs()?)?;
+    Ok((rest.log()?.neg()? * weight)?)
 }
 
 fn scalar(t: &Tensor) -> Result<f64, AlgoError> {

@@ -62,6 +62,10 @@ pub struct SftArgs {
     config: Option<PathBuf>,
     #[arg(long = "set", value_name = "KEY=VALUE")]
     sets: Vec<String>,
+    /// Clone only the trajectories that ended in success (filtered behaviour cloning, e.g. of a
+    /// training run's own rollouts in `<run>/dataset`).
+    #[arg(long)]
+    successful_only: bool,
 }
 
 #[derive(Args, Debug)]
@@ -267,6 +271,11 @@ pub fn sft(a: SftArgs) -> anyhow::Result<()> {
         .map(|v| v.to_record())
         .collect::<Result<_, _>>()
         .with_context(|| format!("{}: reading records", a.dataset.display()))?;
+    let records = if a.successful_only {
+        sft::successful_trajectories(records)
+    } else {
+        records
+    };
     let report = sft::clone_into(&cfg, &records, &a.out)?;
     println!(
         "behaviour cloning: {} steps on {} sequences, loss {:.3} → {:.3}; model written to {}",

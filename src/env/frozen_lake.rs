@@ -14,8 +14,9 @@
 //! in a row-major grid without absolute positions (RoPE gives only relative ones), so the built-in
 //! default uses this render. Every action word starts a line, so it is the very token the answer
 //! writes: the model can relate them by identity instead of learning that ` down` means `Down`
-//! (that alone took oracle cloning from 0.09 to 0.73 success after 100 updates). `grid` (the
-//! default) is RAGEN's text unchanged.
+//! (that alone took oracle cloning from 0.09 to 0.73 success after 100 updates). `render:
+//! grid_local_outcomes` also repeats each goal line's outcome (`Down 2: hole`), so the direction
+//! and what it leads to sit on one line. `grid` (the default) is RAGEN's text unchanged.
 //!
 //! `distance_reward: c` (default 0) adds shaping: each move earns c × (distance to the goal before
 //! − after), so a run can trade RAGEN's sparse reward for a per-step one without changing which
@@ -42,6 +43,11 @@ use serde::{Deserialize, Serialize};
 use super::{bad_value, env_rng, Action, ActionSpace, Env, EnvError, EnvInfo, Transition};
 
 const ACTIONS: [&str; 4] = ["Left", "Down", "Right", "Up"];
+/// Indices of [`ACTIONS`] (and [`OFFSETS`]).
+const LEFT: usize = 0;
+const DOWN: usize = 1;
+const RIGHT: usize = 2;
+const UP: usize = 3;
 /// Row/column offsets of Left, Down, Right, Up (gymnasium order 0..3).
 const OFFSETS: [(isize, isize); 4] = [(0, -1), (1, 0), (0, 1), (-1, 0)];
 
@@ -54,6 +60,8 @@ pub enum FrozenLakeRender {
     Grid,
     /// The grid, then the four moves' outcomes and the goal's offset from the player.
     GridLocal,
+    /// `GridLocal` with each goal line also naming what its move leads to.
+    GridLocalOutcomes,
 }
 
 /// The distance to the goal that `distance_reward` shapes with.
@@ -286,36 +294,41 @@ impl FrozenLakeEnv {
     }
 
     /// What each move leads to, then the moves toward the goal with their distance, one per line
-    /// (`Left: ice` … `Up: goal`, `Goal:`, `Down 2`, `Left 1`). Each line starts with the action
-    /// word, so it is the same token the answer uses (a leading space would make it another one).
-    fn local_text(&self) -> String {
+    /// (`Left: ice` … `Up: goal`, `Goal:`, `Down 2`, `Left 1`); with `outcomes`, each goal line
+    /// also names what its move leads to (`Down 2: hole`). Each line starts with the action word,
+    /// so it is the same token the answer uses (a leading space would make it another one).
+    fn local_text(&self, outcomes: bool) -> String {
         let size = self.cfg.size;
+        let outcome = |dir: usize| {
+            let next = neighbour(size, self.player, dir);
+            match (next == self.player, self.cells[next]) {
+                (true, _) => "wall",
+                (false, Cell::Frozen) => "ice",
+                (false, Cell::Hole) => "hole",
+                (false, Cell::Goal) => "goal",
+            }
+        };
         let mut lines: Vec<String> = (0..4)
-            .map(|dir| {
-                let next = neighbour(size, self.player, dir);
-                let what = match (next == self.player, self.cells[next]) {
-                    (true, _) => "wall",
-                    (false, Cell::Frozen) => "ice",
-                    (false, Cell::Hole) => "hole",
-                    (false, Cell::Goal) => "goal",
-                };
-                format!("{}: {what}", ACTIONS[dir])
-            })
+            .map(|dir| format!("{}: {}", ACTIONS[dir], outcome(dir)))
             .collect();
         let goal = self.goal();
         let rows = (goal / size) as isize - (self.player / size) as isize;
         let cols = (goal % size) as isize - (self.player % size) as isize;
         let toward = [
-            (rows, if rows < 0 { "Up" } else { "Down" }),
-            (cols, if cols < 0 { "Left" } else { "Right" }),
+            (rows, if rows < 0 { UP } else { DOWN }),
+            (cols, if cols < 0 { LEFT } else { RIGHT }),
         ];
         lines.push("Goal:".into());
-        lines.extend(
-            toward
-                .iter()
-                .filter(|(distance, _)| *distance != 0)
-                .map(|(distance, dir)| format!("{dir} {}", distance.unsigned_abs())),
-        );
+        lines.extend(toward.iter().filter(|(distance, _)| *distance != 0).map(
+            |&(distance, dir)| {
+                let line = format!("{} {}", ACTIONS[dir], distance.unsigned_abs());
+                if outcomes {
+                    format!("{line}: {}", outcome(dir))
+                } else {
+                    line
+                }
+            },
+        ));
         lines.join("\n")
     }
 }
@@ -411,7 +424,12 @@ impl Env for FrozenLakeEnv {
     fn state_text(&self) -> String {
         match self.cfg.render {
             FrozenLakeRender::Grid => self.grid_text(),
-            FrozenLakeRender::GridLocal => format!("{}\n{}", self.grid_text(), self.local_text()),
+            FrozenLakeRender::GridLocal => {
+                format!("{}\n{}", self.grid_text(), self.local_text(false))
+            }
+            FrozenLakeRender::GridLocalOutcomes => {
+                format!("{}\n{}", self.grid_text(), self.local_text(true))
+            }
         }
     }
 
@@ -477,10 +495,16 @@ mod tests {
             text,
             "____\nPO__\n____\n__G_\nLeft: wall\nDown: ice\nRight: hole\nUp: ice\nGoal:\nDown 2\nRight 2"
         );
+        env.cfg.render = FrozenLakeRender::GridLocalOutcomes;
+        assert!(env
+            .state_text()
+            .ends_with("Up: ice\nGoal:\nDown 2: ice\nRight 2: hole"));
         env.player = 15; // row 3, col 3: the goal is on the same row, to the left
         assert!(env
             .state_text()
-            .ends_with("Left: goal\nDown: wall\nRight: wall\nUp: ice\nGoal:\nLeft 1"));
+            .ends_with("Left: goal\nDown: wall\nRight: wall\nUp: ice\nGoal:\nLeft 1: goal"));
+        env.cfg.render = FrozenLakeRender::GridLocal;
+        assert!(env.state_text().ends_with("Goal:\nLeft 1"));
     }
 
     #[test]

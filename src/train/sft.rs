@@ -83,6 +83,20 @@ pub fn trajectories(records: &[StepRecord]) -> Vec<Vec<usize>> {
         .collect()
 }
 
+/// The records of the trajectories whose last step reached the goal (`info.success`), in their
+/// original order.
+pub fn successful_trajectories(records: Vec<StepRecord>) -> Vec<StepRecord> {
+    let succeeded: HashSet<u64> = records
+        .iter()
+        .filter(|r| r.is_last() && r.info.success)
+        .map(|r| r.traj_id)
+        .collect();
+    records
+        .into_iter()
+        .filter(|r| succeeded.contains(&r.traj_id))
+        .collect()
+}
+
 /// How long and how fast a warm start trains.
 #[derive(Clone, Copy, Debug)]
 pub struct CloneSettings {
@@ -411,6 +425,30 @@ mod tests {
         };
         let records = [step(0, 1, 1.0), step(1, 0, 5.0), step(0, 0, 0.0)];
         assert_eq!(step_returns(&records, 0.5), vec![1.0, 5.0, 0.5]);
+    }
+
+    #[test]
+    fn successful_trajectories_keep_every_step_of_the_solved_ones() {
+        let step = |traj_id, step_index, last: bool, success| {
+            let mut r = StepRecord {
+                traj_id,
+                step_index,
+                terminated: last,
+                ..StepRecord::default()
+            };
+            r.info.success = success;
+            r
+        };
+        let records = vec![
+            step(0, 0, false, false),
+            step(1, 0, false, false),
+            step(0, 1, true, true),
+            step(1, 1, true, false),
+            step(2, 0, false, false), // unfinished: no last step
+        ];
+        let kept = successful_trajectories(records);
+        let ids: Vec<(u64, u32)> = kept.iter().map(|r| (r.traj_id, r.step_index)).collect();
+        assert_eq!(ids, vec![(0, 0), (0, 1)]);
     }
 
     /// Warms up `policy` (and `separate`, when given) on [`two_kinds_of_steps`] and checks that

@@ -374,6 +374,9 @@ fn actor_step(
     if reference.is_some() {
         means.add("actor/kl_loss", m.kl_loss);
     }
+    if settings.loss.negative_unlikelihood_coef > 0.0 {
+        means.add("actor/unlikelihood_loss", m.unlikelihood_loss);
+    }
     if let Some(values) = shared_values {
         let (vf, _) = critic_loss(inputs, settings, &values, p, batch, means)?;
         loss = (loss + vf)?;
