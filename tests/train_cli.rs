@@ -135,30 +135,42 @@ fn step_gae_with_a_critic_logs_the_critic_metrics() {
     }
 }
 
+/// Runs `stepppo args` and checks that it succeeded.
+fn stepppo_ok(args: &[&str]) -> std::process::Output {
+    let out = stepppo(args);
+    assert!(
+        out.status.success(),
+        "stepppo {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Stores `episodes` non-slippery FrozenLake episodes of `agent` in `out`.
+fn collect_frozen_lake(agent: &str, episodes: usize, out: &std::path::Path) {
+    let episodes = episodes.to_string();
+    stepppo_ok(&[
+        "collect",
+        "--env",
+        "frozen_lake",
+        "--agent",
+        agent,
+        "--episodes",
+        &episodes,
+        "--set",
+        "is_slippery=false",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+}
+
 #[test]
 fn sft_clones_a_stored_dataset_into_a_loadable_model() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("oracle");
     let model = dir.path().join("model");
-    let out = stepppo(&[
-        "collect",
-        "--env",
-        "frozen_lake",
-        "--agent",
-        "oracle",
-        "--episodes",
-        "4",
-        "--set",
-        "is_slippery=false",
-        "--out",
-        data.to_str().unwrap(),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let out = stepppo(&[
+    collect_frozen_lake("oracle", 4, &data);
+    stepppo_ok(&[
         "sft",
         "--dataset",
         data.to_str().unwrap(),
@@ -171,17 +183,12 @@ fn sft_clones_a_stored_dataset_into_a_loadable_model() {
         "--set",
         "sft.batch_size=2",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let (policy, _) =
         stepppo::model::checkpoint::load_policy(model.to_str().unwrap(), &candle_core::Device::Cpu)
             .unwrap();
     assert_eq!(policy.config().hidden_size, 32);
     // `eval` takes the model directory itself (validation envs from the embedded default).
-    let out = stepppo(&[
+    let out = stepppo_ok(&[
         "eval",
         "--checkpoint",
         model.to_str().unwrap(),
@@ -189,11 +196,6 @@ fn sft_clones_a_stored_dataset_into_a_loadable_model() {
         "3",
         "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let summaries: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(summaries[0]["episodes"], 3, "{summaries}");
 }
@@ -212,26 +214,9 @@ fn cloned_sequences(stdout: &[u8]) -> usize {
 fn sft_successful_only_clones_the_solved_trajectories() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("random");
-    let out = stepppo(&[
-        "collect",
-        "--env",
-        "frozen_lake",
-        "--agent",
-        "random",
-        "--episodes",
-        "60",
-        "--set",
-        "is_slippery=false",
-        "--out",
-        data.to_str().unwrap(),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    collect_frozen_lake("random", 60, &data);
+    let model = dir.path().join("model");
     let clone = |extra: &[&str]| {
-        let model = dir.path().join("model");
         let mut args = vec![
             "sft",
             "--dataset",
@@ -244,13 +229,7 @@ fn sft_successful_only_clones_the_solved_trajectories() {
             "sft.steps=1",
         ];
         args.extend_from_slice(extra);
-        let out = stepppo(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        cloned_sequences(&out.stdout)
+        cloned_sequences(&stepppo_ok(&args).stdout)
     };
     let (all, solved) = (clone(&[]), clone(&["--successful-only"]));
     assert_eq!(all, 60);

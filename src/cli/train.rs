@@ -272,7 +272,13 @@ pub fn sft(a: SftArgs) -> anyhow::Result<()> {
         .collect::<Result<_, _>>()
         .with_context(|| format!("{}: reading records", a.dataset.display()))?;
     let records = if a.successful_only {
-        sft::successful_trajectories(records)
+        let solved = sft::successful_trajectories(records);
+        anyhow::ensure!(
+            !solved.is_empty(),
+            "{}: --successful-only: no trajectory in the dataset reached the goal",
+            a.dataset.display()
+        );
+        solved
     } else {
         records
     };

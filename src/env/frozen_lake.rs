@@ -90,7 +90,7 @@ pub struct FrozenLakeConfig {
     pub success_rate: f64,
     /// Env actions per episode.
     pub max_steps: usize,
-    /// Observation text: `grid` (RAGEN) or `grid_local`.
+    /// Observation text: `grid` (RAGEN), `grid_local` or `grid_local_outcomes`.
     #[serde(default)]
     pub render: FrozenLakeRender,
     /// Per-move shaping added to the reward; 0 (RAGEN's sparse reward) by default. With
