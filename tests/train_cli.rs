@@ -164,13 +164,13 @@ fn collect_frozen_lake(agent: &str, episodes: usize, out: &std::path::Path) {
     ]);
 }
 
-#[test]
-fn sft_clones_a_stored_dataset_into_a_loadable_model() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("oracle");
-    let model = dir.path().join("model");
-    collect_frozen_lake("oracle", 4, &data);
-    stepppo_ok(&[
+/// `stepppo sft` of `data` into a tiny built-in model at `model`, plus `extra` arguments.
+fn sft_tiny(
+    data: &std::path::Path,
+    model: &std::path::Path,
+    extra: &[&str],
+) -> std::process::Output {
+    let mut args = vec![
         "sft",
         "--dataset",
         data.to_str().unwrap(),
@@ -178,11 +178,22 @@ fn sft_clones_a_stored_dataset_into_a_loadable_model() {
         model.to_str().unwrap(),
         "--set",
         "builtin_size=tiny",
-        "--set",
-        "sft.steps=4",
-        "--set",
-        "sft.batch_size=2",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    stepppo_ok(&args)
+}
+
+#[test]
+fn sft_clones_a_stored_dataset_into_a_loadable_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("oracle");
+    let model = dir.path().join("model");
+    collect_frozen_lake("oracle", 4, &data);
+    sft_tiny(
+        &data,
+        &model,
+        &["--set", "sft.steps=4", "--set", "sft.batch_size=2"],
+    );
     let (policy, _) =
         stepppo::model::checkpoint::load_policy(model.to_str().unwrap(), &candle_core::Device::Cpu)
             .unwrap();
@@ -217,19 +228,8 @@ fn sft_successful_only_clones_the_solved_trajectories() {
     collect_frozen_lake("random", 60, &data);
     let model = dir.path().join("model");
     let clone = |extra: &[&str]| {
-        let mut args = vec![
-            "sft",
-            "--dataset",
-            data.to_str().unwrap(),
-            "--out",
-            model.to_str().unwrap(),
-            "--set",
-            "builtin_size=tiny",
-            "--set",
-            "sft.steps=1",
-        ];
-        args.extend_from_slice(extra);
-        cloned_sequences(&stepppo_ok(&args).stdout)
+        let args = [&["--set", "sft.steps=1"], extra].concat();
+        cloned_sequences(&sft_tiny(&data, &model, &args).stdout)
     };
     let (all, solved) = (clone(&[]), clone(&["--successful-only"]));
     assert_eq!(all, 60);
