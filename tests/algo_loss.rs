@@ -201,11 +201,10 @@ fn negative_unlikelihood_weighs_sure_wrong_choices_and_skips_forced_tokens() {
     close(m.unlikelihood_loss, unlikelihood);
     close(m.pg_loss, (2.0 - 1.0 + 1.0) / 3.0);
     close(scalar(&loss), m.pg_loss + 0.5 * unlikelihood);
-    // off by default
-    assert_eq!(
-        single_token(0.0, -1.0, &token_cfg()).1.unlikelihood_loss,
-        0.0
-    );
+    // off by default: the same tokens give no term and the plain surrogate
+    let (plain, off) = policy_loss(&lp, &lp, &adv, &mask, None, &zeros, &token_cfg()).unwrap();
+    assert_eq!(off.unlikelihood_loss, 0.0);
+    close(scalar(&plain), m.pg_loss);
 }
 
 #[test]

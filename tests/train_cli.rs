@@ -32,6 +32,17 @@ fn stepppo(args: &[&str]) -> std::process::Output {
         .expect("the stepppo binary runs")
 }
 
+/// Runs `stepppo args` and checks that it succeeded.
+fn stepppo_ok(args: &[&str]) -> std::process::Output {
+    let out = stepppo(args);
+    assert!(
+        out.status.success(),
+        "stepppo {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 fn with_sets<'a>(mut args: Vec<&'a str>, sets: &[&'a str]) -> Vec<&'a str> {
     for s in sets {
         args.push("--set");
@@ -45,12 +56,7 @@ fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let run_s = run.to_str().unwrap();
-    let out = stepppo(&with_sets(vec!["train", "--out", run_s], TINY));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    stepppo_ok(&with_sets(vec!["train", "--out", run_s], TINY));
 
     let rows = read_jsonl(&run.join("metrics.jsonl")).unwrap();
     let step1: Vec<_> = rows.iter().filter(|(s, _)| *s == 1).collect();
@@ -85,7 +91,7 @@ fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
     assert!(run.join("ckpt-1/policy/model.safetensors").is_file());
 
     let ckpt = run.join("ckpt-latest");
-    let out = stepppo(&[
+    let out = stepppo_ok(&[
         "eval",
         "--checkpoint",
         ckpt.to_str().unwrap(),
@@ -93,19 +99,13 @@ fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
         "2",
         "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(summary[0]["tag"], "SimpleFrozenLake");
     assert_eq!(summary[0]["episodes"], 2);
     assert!(summary[0]["success"].as_f64().unwrap() >= 0.0);
 
     std::fs::remove_file(run.join("learning_curves.svg")).unwrap();
-    let out = stepppo(&["plot", run_s]);
-    assert!(out.status.success());
+    stepppo_ok(&["plot", run_s]);
     assert!(run.join("learning_curves.svg").is_file());
 }
 
@@ -115,15 +115,10 @@ fn step_gae_with_a_critic_logs_the_critic_metrics() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let sets = [TINY, &["adv_estimator=step_gae", "critic.mode=shared"]].concat();
-    let out = stepppo(&with_sets(
+    stepppo_ok(&with_sets(
         vec!["train", "--out", run.to_str().unwrap()],
         &sets,
     ));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let rows = read_jsonl(&run.join("metrics.jsonl")).unwrap();
     let step1 = rows.iter().find(|(s, _)| *s == 1).expect("a step-1 row");
     for name in ["critic/vf_loss", "critic/vf_explained_var"] {
@@ -133,17 +128,6 @@ fn step_gae_with_a_critic_logs_the_critic_metrics() {
             "metrics.jsonl step 1: {name} = {value:?}"
         );
     }
-}
-
-/// Runs `stepppo args` and checks that it succeeded.
-fn stepppo_ok(args: &[&str]) -> std::process::Output {
-    let out = stepppo(args);
-    assert!(
-        out.status.success(),
-        "stepppo {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
 }
 
 /// Stores `episodes` non-slippery FrozenLake episodes of `agent` in `out`.
