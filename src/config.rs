@@ -227,6 +227,33 @@ impl Default for SftConfig {
     }
 }
 
+/// `self_imitation`: replay of the better responses of contrasted states
+/// (`train::self_imitation`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SelfImitationConfig {
+    /// Weight of the replayed steps' mean negative log-likelihood in the actor loss; 0 = off.
+    pub coef: f64,
+    /// Steps the buffer holds, at most one per state; the oldest leave first.
+    pub buffer_size: usize,
+    /// Buffer steps replayed with every actor mini-batch.
+    pub batch_size: usize,
+    /// How far the better response's mean discounted return (γ = `step_reward_gamma`) must lie
+    /// above every other response's in the same state for the step to enter the buffer.
+    pub margin: f64,
+}
+
+impl Default for SelfImitationConfig {
+    fn default() -> Self {
+        SelfImitationConfig {
+            coef: 0.0,
+            buffer_size: 1024,
+            batch_size: 8,
+            margin: 0.05,
+        }
+    }
+}
+
 /// `cache`: rollout KV cache switches.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -299,6 +326,8 @@ pub struct Config {
     pub cache: CacheConfig,
     #[serde(default)]
     pub sft: SftConfig,
+    #[serde(default)]
+    pub self_imitation: SelfImitationConfig,
     #[serde(default)]
     pub generating_args: GeneratingArgs,
     #[serde(default = "greedy")]
@@ -716,6 +745,39 @@ impl Config {
                 );
             }
         }
+        self.validate_self_imitation()
+    }
+
+    /// `self_imitation`: finite, non-negative weights; sizes of at least 1 and the window layout
+    /// when it is on (a replayed step must carry its whole prompt).
+    fn validate_self_imitation(&self) -> Result<(), (String, String)> {
+        let si = &self.self_imitation;
+        let fail = |key: &str, msg: String| Err((format!("self_imitation.{key}"), msg));
+        for (key, value) in [("coef", si.coef), ("margin", si.margin)] {
+            if !(value.is_finite() && value >= 0.0) {
+                return fail(key, format!("must be a finite number ≥ 0, got {value}"));
+            }
+        }
+        if si.coef == 0.0 {
+            return Ok(());
+        }
+        for (key, size) in [
+            ("buffer_size", si.buffer_size),
+            ("batch_size", si.batch_size),
+        ] {
+            if size == 0 {
+                return fail(
+                    key,
+                    "must be at least 1 when self_imitation.coef > 0".into(),
+                );
+            }
+        }
+        if self.context != ContextLayout::Window {
+            return fail(
+                "coef",
+                "needs context: window (a replayed step must carry its whole prompt)".into(),
+            );
+        }
         Ok(())
     }
 
@@ -968,6 +1030,27 @@ mod tests {
         );
         let e = err_text(with(&["sft.value_loss_coef=-1"]));
         assert!(e.contains("sft.value_loss_coef"), "{e}");
+    }
+
+    #[test]
+    fn self_imitation_needs_sizes_and_the_window_layout() {
+        assert!(with(&["self_imitation.coef=0.5"]).is_ok());
+        let e = err_text(with(&["self_imitation.coef=0.5", "context=concat"]));
+        assert!(
+            e.contains("self_imitation.coef") && e.contains("window"),
+            "{e}"
+        );
+        let e = err_text(with(&[
+            "self_imitation.coef=0.5",
+            "self_imitation.batch_size=0",
+        ]));
+        assert!(e.contains("self_imitation.batch_size"), "{e}");
+        let e = err_text(with(&["self_imitation.margin=-1"]));
+        assert!(e.contains("self_imitation.margin"), "{e}");
+        assert!(
+            with(&["context=concat", "self_imitation.batch_size=0"]).is_ok(),
+            "off: unchecked"
+        );
     }
 
     #[test]

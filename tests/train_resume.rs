@@ -125,3 +125,42 @@ fn kl_to_the_reference_starts_at_zero_and_resumes_exactly() {
     resumed.run(4, &mut |_| {}).unwrap();
     assert_eq!(weights(&resumed), weights(&straight));
 }
+
+#[test]
+fn the_self_imitation_buffer_is_checkpointed_and_resumes_exactly() {
+    let cfg = || {
+        let mut cfg = tiny_config();
+        cfg.self_imitation.coef = 1.0;
+        cfg.self_imitation.margin = 0.0;
+        cfg.self_imitation.batch_size = 2;
+        cfg
+    };
+    let root = tempfile::tempdir().unwrap();
+    let (a, b) = (root.path().join("a"), root.path().join("b"));
+    let (mut sizes, mut nll) = (Vec::new(), Vec::new());
+    let mut straight = Trainer::create(cfg(), &a).unwrap();
+    straight
+        .run(4, &mut |event| {
+            if let stepppo::train::trainer::Event::Step { scalars, .. } = event {
+                sizes.push(scalars["self_imitation/buffer_size"]);
+                nll.extend(scalars.get("self_imitation/nll").copied());
+            }
+        })
+        .unwrap();
+    assert!(
+        sizes.last().unwrap() > &0.0,
+        "no contrasted state in 4 steps: {sizes:?}"
+    );
+    assert!(
+        !nll.is_empty() && nll.iter().all(|x| x.is_finite() && *x > 0.0),
+        "{nll:?}"
+    );
+
+    let mut first = Trainer::create(cfg(), &b).unwrap();
+    first.run(2, &mut |_| {}).unwrap();
+    drop(first);
+    assert!(b.join("ckpt-2/self_imitation").is_dir());
+    let mut resumed = Trainer::resume(cfg(), &b).unwrap();
+    resumed.run(4, &mut |_| {}).unwrap();
+    assert_eq!(weights(&resumed), weights(&straight));
+}

@@ -1,5 +1,5 @@
 //! The training side of stepppo: the loop ([`trainer`]), the PPO update ([`update`]), packing of
-//! step records into training sequences ([`batch`]), the supervised warm start ([`sft`]),
+//! step records into training sequences ([`batch`]), the supervised warm start ([`sft`]), self-imitation replay ([`self_imitation`]),
 //! validation ([`eval`]), checkpoints, metric sinks (JSONL and TensorBoard), learning-curve plots,
 //! collapse warnings and the progress bar.
 
@@ -10,6 +10,7 @@ pub mod eval;
 pub mod metrics;
 pub mod plot;
 pub mod progress;
+pub mod self_imitation;
 pub mod sft;
 pub mod trainer;
 pub mod update;

@@ -281,7 +281,7 @@ fn clone_sequences(records: &[StepRecord]) -> Vec<Vec<usize>> {
 }
 
 /// The discounted return from each record's step to the end of its trajectory, by record index.
-fn step_returns(records: &[StepRecord], gamma: f64) -> Vec<f64> {
+pub(super) fn step_returns(records: &[StepRecord], gamma: f64) -> Vec<f64> {
     let mut out = vec![0.0; records.len()];
     for traj in trajectories(records) {
         let rewards: Vec<f64> = traj.iter().map(|&i| f64::from(records[i].reward)).collect();
@@ -293,8 +293,8 @@ fn step_returns(records: &[StepRecord], gamma: f64) -> Vec<f64> {
 }
 
 /// Mean negative log-likelihood of `batch`'s response tokens (a scalar with gradient), from the
-/// policy trunk's output `hidden`.
-fn cross_entropy(
+/// policy trunk's output `hidden`, under the batch's constrained-decoding bias when it has one.
+pub(super) fn cross_entropy(
     policy: &Model,
     packed: &PackedBatch,
     batch: &DeviceBatch,
@@ -305,7 +305,7 @@ fn cross_entropy(
         &batch.token_index,
         &batch.token_targets,
         1.0,
-        None,
+        batch.logit_bias.as_ref(),
     )?;
     let weights = Tensor::new(packed.token_mask.as_slice(), policy.device())?;
     let n = packed.num_tokens().max(1) as f64;

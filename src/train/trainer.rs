@@ -9,13 +9,16 @@
 //! weights, both AdamW states, the config and the [`TrainState`] counters, so a resumed run
 //! continues exactly where it stopped. With `init_kl_coef > 0` or `use_kl_loss` the policy as
 //! training starts is frozen into `<run>/reference/`; every response token's reward is charged
-//! `init_kl_coef · KL` against it, and/or the actor loss gains `kl_loss_coef · KL`. Every RNG is
-//! derived from `seed` and those counters.
+//! `init_kl_coef · KL` against it, and/or the actor loss gains `kl_loss_coef · KL`. With
+//! `self_imitation.coef > 0` each rollout's better choices enter a replay buffer
+//! ([`super::self_imitation`]) before the update replays them; the buffer goes into every
+//! checkpoint. Every RNG is derived from `seed` and those counters.
 
 use super::checkpoint::{self, CheckpointWriter};
 use super::collapse::CollapseDetector;
 use super::eval::{self, TagSummary, VAL_SEED_OFFSET};
 use super::metrics::{MetricsSink, Scalars};
+use super::self_imitation::{self, Replay, ReplayBuffer};
 use super::sft::{self, SftReport};
 use super::update::{self, Learners, ResponseMasks, UpdateInputs, UpdateSettings};
 use super::TrainError;
@@ -54,6 +57,7 @@ const SEED_POLICY: u64 = 1;
 const SEED_CRITIC: u64 = 2;
 const SEED_SFT: u64 = 3;
 const SEED_SHUFFLE: u64 = 4;
+const SEED_REPLAY: u64 = 5;
 /// Sequences per forward when reading critic values or reference log-probs.
 const VALUE_CHUNK: usize = 16;
 /// Where a run keeps its frozen reference policy (HF layout), when it has one.
@@ -98,6 +102,8 @@ pub struct Trainer {
     warm_start: Option<SftReport>,
     /// Constrained decoding on the update side (empty when it is off).
     masks: ResponseMasks,
+    /// Self-imitation replay buffer; `None` when `self_imitation.coef` is 0.
+    replay_buffer: Option<ReplayBuffer>,
 }
 
 pub(crate) fn device_of(kind: DeviceKind) -> Result<Device, TrainError> {
@@ -169,6 +175,7 @@ impl Trainer {
             dataset,
             TrainState::default(),
             warm_start,
+            None,
         )
     }
 
@@ -211,9 +218,23 @@ impl Trainer {
         };
         let state: TrainState = checkpoint::load_json(&ckpt, "state")?;
         let dataset = DatasetWriter::open_append(&run_dir.join("dataset"), writer_options(&cfg))?;
+        let saved_buffer = ckpt.join(self_imitation::CHECKPOINT_DIR);
+        let replay_buffer = (cfg.self_imitation.coef > 0.0 && saved_buffer.exists())
+            .then(|| ReplayBuffer::load(&saved_buffer, cfg.self_imitation.buffer_size))
+            .transpose()?;
         Self::assemble(
-            cfg, run_dir, tok, policy, critic, reference, actor_opt, critic_opt, dataset, state,
+            cfg,
+            run_dir,
+            tok,
+            policy,
+            critic,
+            reference,
+            actor_opt,
+            critic_opt,
+            dataset,
+            state,
             None,
+            replay_buffer,
         )
     }
 
@@ -230,11 +251,16 @@ impl Trainer {
         dataset: DatasetWriter,
         state: TrainState,
         warm_start: Option<SftReport>,
+        replay_buffer: Option<ReplayBuffer>,
     ) -> Result<Self, TrainError> {
         policy.refresh_rollout_weights()?;
         let mut engine = engine_for(&cfg, &policy)?;
         engine.set_policy_version(state.step)?;
         let masks = eval::response_masks(&cfg, &tok, policy.config().vocab_size)?;
+        let replay_buffer = replay_buffer.or_else(|| {
+            (cfg.self_imitation.coef > 0.0)
+                .then(|| ReplayBuffer::new(cfg.self_imitation.buffer_size))
+        });
         Ok(Trainer {
             sink: MetricsSink::open(run_dir)?,
             run_dir: run_dir.to_path_buf(),
@@ -251,6 +277,7 @@ impl Trainer {
             state,
             warm_start,
             masks,
+            replay_buffer,
         })
     }
 
@@ -389,9 +416,12 @@ impl Trainer {
             kl_penalty.as_deref(),
             &mut scalars,
         )?;
+        self.admit_to_replay(&records, &mut scalars);
         let time_adv = t_adv.elapsed().as_secs_f64();
 
         let t_update = Instant::now();
+        // Out of `self` while the update (which borrows `self` mutably) replays it.
+        let buffer = self.replay_buffer.take();
         let critic_keep = if self.cfg.critic.train_on_filtered {
             vec![true; records.len()]
         } else {
@@ -407,8 +437,17 @@ impl Trainer {
             old_values,
             critic_target: target,
             ref_logprobs: reference_logprobs.filter(|_| self.cfg.use_kl_loss),
+            replay: buffer.as_ref().map(|buffer| Replay {
+                records: buffer.records(),
+                coef: self.cfg.self_imitation.coef,
+                batch_size: self.cfg.self_imitation.batch_size,
+                seed: seed::derive(self.cfg.seed, &[SEED_REPLAY, self.state.step]),
+            }),
         };
-        let update_scalars = self.update(&inputs)?;
+        let update_scalars = self.update(&inputs);
+        drop(inputs);
+        self.replay_buffer = buffer;
+        let update_scalars = update_scalars?;
         self.state.skipped_updates += update_scalars["actor/skipped_updates"] as u64;
         scalars.extend(update_scalars);
         let time_update = t_update.elapsed().as_secs_f64();
@@ -430,6 +469,20 @@ impl Trainer {
             tokens as f64 / time_step.max(1e-9),
         );
         Ok(scalars)
+    }
+
+    /// Sends the rollout's better choices to the self-imitation buffer (when there is one).
+    fn admit_to_replay(&mut self, records: &[StepRecord], scalars: &mut Scalars) {
+        let Some(buffer) = self.replay_buffer.as_mut() else {
+            return;
+        };
+        let returns = sft::step_returns(records, f64::from(self.cfg.step_reward_gamma));
+        let added = buffer.admit(records, &returns, self.cfg.self_imitation.margin);
+        scalars.insert("self_imitation/added".into(), added as f64);
+        scalars.insert(
+            "self_imitation/buffer_size".into(),
+            buffer.records().len() as f64,
+        );
     }
 
     /// Training sequences: whole trajectories (concat) or single steps (window).
@@ -612,6 +665,9 @@ impl Trainer {
             writer.ensure_finite(vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
             critic.save(&tmp.join("critic"))?;
             opt.save(&tmp.join("optim_critic.safetensors"))?;
+        }
+        if let Some(buffer) = &self.replay_buffer {
+            buffer.save(&tmp.join(self_imitation::CHECKPOINT_DIR))?;
         }
         writer.json("state", &self.state)?;
         writer.json("config", &self.cfg)?;

@@ -9,6 +9,7 @@
 
 use super::batch::{pack, pad, PackedBatch};
 use super::metrics::Scalars;
+use super::self_imitation::Replay;
 use super::TrainError;
 use crate::algo::{policy_loss, value_loss, AdamW, CriticTarget, LossConfig};
 use crate::model::{Critic, Model};
@@ -41,6 +42,8 @@ pub struct UpdateInputs<'a> {
     pub critic_target: Option<CriticTarget>,
     /// Reference log-probs per record and response token, for the KL loss (`use_kl_loss`).
     pub ref_logprobs: Option<Vec<Vec<f32>>>,
+    /// Self-imitation replay added to every actor mini-batch; `None` when it is off.
+    pub replay: Option<Replay<'a>>,
 }
 
 /// Optimizer-side settings of the update.
@@ -167,7 +170,10 @@ pub fn ppo_update(
     let mut skipped = 0usize;
     let mut actor_updates = 0usize;
     for epoch in 0..settings.epochs {
-        for chunk in mini_batches(inputs, settings, epoch as u64) {
+        for (k, chunk) in mini_batches(inputs, settings, epoch as u64)
+            .into_iter()
+            .enumerate()
+        {
             let seqs: Vec<Vec<usize>> =
                 chunk.iter().map(|&s| inputs.sequences[s].clone()).collect();
             let packed = pack(inputs.records, &seqs)?;
@@ -182,8 +188,15 @@ pub fn ppo_update(
                 inputs.records,
                 settings.masks,
             )?;
-            let (actor_skipped, stepped) =
-                actor_step(inputs, settings, learners, &packed, &batch, &mut means)?;
+            let draw = [epoch as u64, k as u64];
+            let (actor_skipped, stepped) = actor_step(
+                inputs,
+                settings,
+                learners,
+                (&packed, &batch),
+                draw,
+                &mut means,
+            )?;
             skipped += usize::from(actor_skipped);
             actor_updates += usize::from(stepped);
             if let Some((critic, opt)) = learners.critic.as_mut() {
@@ -225,7 +238,7 @@ pub(super) struct DeviceBatch {
     pub(super) token_targets: Tensor,
     value_index: Tensor,
     /// `[rows * width, vocab]` constrained-decoding bias of the response tokens, if any.
-    logit_bias: Option<Tensor>,
+    pub(super) logit_bias: Option<Tensor>,
 }
 
 impl DeviceBatch {
@@ -245,7 +258,7 @@ impl DeviceBatch {
     }
 
     /// The batch of `new` with the constrained-decoding bias of `masks` on its response tokens.
-    fn constrained(
+    pub(super) fn constrained(
         p: &PackedBatch,
         pad_id: u32,
         device: &Device,
@@ -307,13 +320,14 @@ fn row_mask(
     Ok((Tensor::from_vec(m, (p.rows, w), device)?, kept))
 }
 
-/// One actor update; returns (skipped, stepped).
+/// One actor update (plus the self-imitation replay of mini-batch `draw` = [epoch, index]);
+/// returns (skipped, stepped).
 fn actor_step(
     inputs: &UpdateInputs,
     settings: &UpdateSettings,
     learners: &mut Learners,
-    p: &PackedBatch,
-    batch: &DeviceBatch,
+    (p, batch): (&PackedBatch, &DeviceBatch),
+    draw: [u64; 2],
     means: &mut Means,
 ) -> Result<(bool, bool), TrainError> {
     let device = learners.policy.device().clone();
@@ -380,6 +394,13 @@ fn actor_step(
     if let Some(values) = shared_values {
         let (vf, _) = critic_loss(inputs, settings, &values, p, batch, means)?;
         loss = (loss + vf)?;
+    }
+    if let Some(replay) = &inputs.replay {
+        let replayed = replay.loss(learners.policy, settings.pad_id, settings.masks, &draw)?;
+        if let Some((weighted, nll)) = replayed {
+            loss = (loss + weighted)?;
+            means.add("self_imitation/nll", nll);
+        }
     }
     means.add("actor/pg_loss", m.pg_loss);
     means.add("actor/entropy", m.entropy);
@@ -681,16 +702,18 @@ mod tests {
 
     #[allow(clippy::type_complexity)]
     fn run_on(advantage: f32) -> ((Scalars, Vec<f32>, Vec<f32>), f32, f32) {
-        run_with(advantage, LossConfig::default(), None)
+        run_with(advantage, LossConfig::default(), None, &[])
     }
 
     /// One update of a tiny policy on one 3-token response; `reference_shift` sets the reference
-    /// log-probs to the policy's own plus that shift (for the KL loss).
+    /// log-probs to the policy's own plus that shift (for the KL loss); `replayed` is a
+    /// self-imitation buffer (empty: off).
     #[allow(clippy::type_complexity)]
     fn run_with(
         advantage: f32,
         loss: LossConfig,
         reference_shift: Option<f32>,
+        replayed: &[StepRecord],
     ) -> ((Scalars, Vec<f32>, Vec<f32>), f32, f32) {
         let device = Device::Cpu;
         let policy = Model::new(&ModelConfig::tiny(64), 7, &device).unwrap();
@@ -723,6 +746,12 @@ mod tests {
                     .iter()
                     .map(|l| l + shift)
                     .collect()]
+            }),
+            replay: (!replayed.is_empty()).then_some(Replay {
+                records: replayed,
+                coef: 1.0,
+                batch_size: 1,
+                seed: 3,
             }),
         };
         let settings = UpdateSettings {
@@ -767,11 +796,23 @@ mod tests {
             ..LossConfig::default()
         };
         // Zero advantage: only the KL term moves the policy.
-        let ((out, _, _), before, after) = run_with(0.0, loss.clone(), Some(1.0));
+        let ((out, _, _), before, after) = run_with(0.0, loss.clone(), Some(1.0), &[]);
         assert!(out["actor/kl_loss"] > 0.0, "{out:?}");
         assert!(after > before, "reference more likely: {before} -> {after}");
-        let (_, before, after) = run_with(0.0, loss, Some(-1.0));
+        let (_, before, after) = run_with(0.0, loss, Some(-1.0), &[]);
         assert!(after < before, "reference less likely: {before} -> {after}");
+    }
+
+    #[test]
+    fn self_imitation_raises_the_replayed_response() {
+        // Zero advantage: only the replayed negative log-likelihood moves the policy, and the
+        // replayed step is the trained record itself.
+        let ((out, _, _), before, after) = run_with(0.0, LossConfig::default(), None, &[record(3)]);
+        assert!(out["self_imitation/nll"] > 0.0, "{out:?}");
+        assert!(after > before, "{before} -> {after}");
+        let ((out, _, _), before, after) = run_with(0.0, LossConfig::default(), None, &[]);
+        assert!(!out.contains_key("self_imitation/nll"));
+        assert!((after - before).abs() < 1e-4, "{before} -> {after}");
     }
 
     #[test]
