@@ -1047,10 +1047,12 @@ mod tests {
         assert!(e.contains("self_imitation.batch_size"), "{e}");
         let e = err_text(with(&["self_imitation.margin=-1"]));
         assert!(e.contains("self_imitation.margin"), "{e}");
-        assert!(
-            with(&["context=concat", "self_imitation.batch_size=0"]).is_ok(),
-            "off: unchecked"
-        );
+        let off = [
+            "self_imitation.coef=0",
+            "context=concat",
+            "self_imitation.batch_size=0",
+        ];
+        assert!(with(&off).is_ok(), "off: unchecked");
     }
 
     #[test]

@@ -175,7 +175,6 @@ impl Trainer {
             dataset,
             TrainState::default(),
             warm_start,
-            None,
         )
     }
 
@@ -218,24 +217,16 @@ impl Trainer {
         };
         let state: TrainState = checkpoint::load_json(&ckpt, "state")?;
         let dataset = DatasetWriter::open_append(&run_dir.join("dataset"), writer_options(&cfg))?;
-        let saved_buffer = ckpt.join(self_imitation::CHECKPOINT_DIR);
-        let replay_buffer = (cfg.self_imitation.coef > 0.0 && saved_buffer.exists())
-            .then(|| ReplayBuffer::load(&saved_buffer, cfg.self_imitation.buffer_size))
-            .transpose()?;
-        Self::assemble(
-            cfg,
-            run_dir,
-            tok,
-            policy,
-            critic,
-            reference,
-            actor_opt,
-            critic_opt,
-            dataset,
-            state,
+        let mut trainer = Self::assemble(
+            cfg, run_dir, tok, policy, critic, reference, actor_opt, critic_opt, dataset, state,
             None,
-            replay_buffer,
-        )
+        )?;
+        let saved_buffer = ckpt.join(self_imitation::CHECKPOINT_DIR);
+        if trainer.replay_buffer.is_some() && saved_buffer.exists() {
+            let capacity = trainer.cfg.self_imitation.buffer_size;
+            trainer.replay_buffer = Some(ReplayBuffer::load(&saved_buffer, capacity)?);
+        }
+        Ok(trainer)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -251,16 +242,13 @@ impl Trainer {
         dataset: DatasetWriter,
         state: TrainState,
         warm_start: Option<SftReport>,
-        replay_buffer: Option<ReplayBuffer>,
     ) -> Result<Self, TrainError> {
         policy.refresh_rollout_weights()?;
         let mut engine = engine_for(&cfg, &policy)?;
         engine.set_policy_version(state.step)?;
         let masks = eval::response_masks(&cfg, &tok, policy.config().vocab_size)?;
-        let replay_buffer = replay_buffer.or_else(|| {
-            (cfg.self_imitation.coef > 0.0)
-                .then(|| ReplayBuffer::new(cfg.self_imitation.buffer_size))
-        });
+        let replay_buffer = (cfg.self_imitation.coef > 0.0)
+            .then(|| ReplayBuffer::new(cfg.self_imitation.buffer_size));
         Ok(Trainer {
             sink: MetricsSink::open(run_dir)?,
             run_dir: run_dir.to_path_buf(),
