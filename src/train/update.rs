@@ -4,8 +4,9 @@
 //! log-probs and entropies, and applies the algo policy loss (per step row aggregation); the
 //! separate critic runs one forward too and is trained at each step's start position
 //! (`step_gae`) or at every response token (`token_gae`); a shared-trunk value head adds its loss
-//! to the actor's. A non-finite loss or gradient skips that update (counted and reported); the
-//! run goes on.
+//! to the actor's; with self-imitation on, each actor mini-batch also adds the negative
+//! log-likelihood of a draw from the replay buffer ([`super::self_imitation`]). A non-finite loss
+//! or gradient skips that update (counted and reported); the run goes on.
 
 use super::batch::{pack, pad, PackedBatch};
 use super::metrics::Scalars;
