@@ -57,9 +57,14 @@ impl ReplayBuffer {
                 .retain(|e| (e.state_hash, &e.env_tag) != (rec.state_hash, &rec.env_tag));
             self.entries.push(rec.clone());
         }
+        self.evict_overflow();
+        better.len()
+    }
+
+    /// Drops the oldest entries beyond the capacity.
+    fn evict_overflow(&mut self) {
         let overflow = self.entries.len().saturating_sub(self.capacity);
         self.entries.drain(..overflow);
-        better.len()
     }
 
     /// Writes the buffer as a store dataset in `dir` (which must not hold one).
@@ -71,12 +76,13 @@ impl ReplayBuffer {
         Ok(writer.seal()?)
     }
 
-    /// Reads a buffer [`save`](Self::save)d in `dir`; a damaged one is an error naming it.
+    /// Reads a buffer [`save`](Self::save)d in `dir`; a damaged one is an error naming the
+    /// segment file and byte offset.
     pub fn load(dir: &Path, capacity: usize) -> Result<Self, TrainError> {
         let dataset = Dataset::open(dir)?;
         if let Some(problem) = dataset.problems().first() {
             return Err(TrainError::Data(format!(
-                "{}: self-imitation buffer is damaged: {problem:?}",
+                "self-imitation buffer {}: {problem}",
                 dir.display()
             )));
         }
@@ -84,10 +90,8 @@ impl ReplayBuffer {
             .records()
             .map(|v| v.to_record())
             .collect::<Result<Vec<_>, _>>()?;
-        let mut buffer = Self::new(capacity);
-        buffer.entries = entries;
-        let overflow = buffer.entries.len().saturating_sub(capacity);
-        buffer.entries.drain(..overflow);
+        let mut buffer = Self { capacity, entries };
+        buffer.evict_overflow();
         Ok(buffer)
     }
 }
@@ -143,7 +147,7 @@ impl Replay<'_> {
         masks: &ResponseMasks,
         draw: &[u64],
     ) -> Result<Option<(Tensor, f64)>, TrainError> {
-        if self.records.is_empty() || self.coef == 0.0 {
+        if self.records.is_empty() {
             return Ok(None);
         }
         let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(self.seed, draw));
@@ -227,5 +231,19 @@ mod tests {
         assert_eq!(back.records(), buffer.records());
         let smaller = ReplayBuffer::load(&dir.path().join(CHECKPOINT_DIR), 1).unwrap();
         assert_eq!(smaller.records(), &buffer.records()[1..]);
+
+        // A torn segment: the error names the buffer and the damaged file.
+        let segment = std::fs::read_dir(dir.path().join(CHECKPOINT_DIR))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| !p.ends_with(crate::store::MANIFEST_FILE))
+            .unwrap();
+        let bytes = std::fs::read(&segment).unwrap();
+        std::fs::write(&segment, &bytes[..bytes.len() - 5]).unwrap();
+        let err = ReplayBuffer::load(&dir.path().join(CHECKPOINT_DIR), 4)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("self-imitation buffer"), "{err}");
+        assert!(err.contains(&segment.display().to_string()), "{err}");
     }
 }
