@@ -40,7 +40,24 @@ pub enum ConfigError {
     },
     #[error("--set {arg}: {msg}")]
     Set { arg: String, msg: String },
+    #[error(
+        "{file}: --resume continues the run's own config; these keys differ from it: {}. \
+         Only {} may change on resume",
+        keys.join(", "),
+        RESUME_OVERRIDABLE.join(", ")
+    )]
+    ResumeMismatch { file: String, keys: Vec<String> },
 }
+
+/// Keys a resumed run may change: when it stops and how often it validates and saves, and how
+/// many threads compute, and where the run directory is. Everything else is the run's own config, kept in its checkpoints.
+pub const RESUME_OVERRIDABLE: &[&str] = &[
+    "max_steps",
+    "eval_steps",
+    "save_steps",
+    "cpu_threads",
+    "output_dir",
+];
 
 /// Prompt layout of multi-turn trajectories.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -886,6 +903,57 @@ fn check_unit(key: &str, x: f32) -> Result<(), (String, String)> {
         Ok(())
     } else {
         Err((key.into(), format!("must be in [0, 1], got {x}")))
+    }
+}
+
+/// The dotted keys whose values differ between two configs (leaves of their JSON forms, so
+/// defaults written out and defaults left implicit compare equal).
+pub fn changed_keys(a: &Config, b: &Config) -> Vec<String> {
+    let as_value = |c: &Config| serde_json::to_value(c).expect("a config serialises");
+    let mut keys = Vec::new();
+    diff_values(&as_value(a), &as_value(b), String::new(), &mut keys);
+    keys
+}
+
+fn diff_values(a: &serde_json::Value, b: &serde_json::Value, at: String, out: &mut Vec<String>) {
+    use serde_json::Value::Object;
+    match (a, b) {
+        (Object(x), Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            let null = serde_json::Value::Null;
+            for k in keys {
+                let path = if at.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{at}.{k}")
+                };
+                diff_values(
+                    x.get(k).unwrap_or(&null),
+                    y.get(k).unwrap_or(&null),
+                    path,
+                    out,
+                );
+            }
+        }
+        _ if a != b => out.push(at),
+        _ => {}
+    }
+}
+
+/// Checks that `given` continues the run whose checkpoint holds `stored` (named `file` in the
+/// error): only the keys in [`RESUME_OVERRIDABLE`] may differ.
+pub fn check_resume(stored: &Config, given: &Config, file: &str) -> Result<(), ConfigError> {
+    let keys: Vec<String> = changed_keys(stored, given)
+        .into_iter()
+        .filter(|k| !RESUME_OVERRIDABLE.contains(&k.as_str()))
+        .collect();
+    if keys.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::ResumeMismatch {
+            file: file.into(),
+            keys,
+        })
     }
 }
 

@@ -9,6 +9,7 @@
 
 pub mod algo;
 pub mod config;
+pub mod crash;
 pub mod device;
 pub mod env;
 pub mod kv;

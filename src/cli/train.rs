@@ -9,6 +9,7 @@ use stepppo::train::checkpoint;
 use stepppo::train::eval::{self, TagSummary};
 use stepppo::train::plot::plot_run;
 use stepppo::train::progress::Progress;
+use stepppo::train::run_dir;
 use stepppo::train::sft;
 use stepppo::train::trainer::Event;
 use stepppo::train::Trainer;
@@ -24,9 +25,15 @@ pub struct TrainArgs {
     /// Run directory (default: the config's `output_dir`, else `runs/<exp_name>`).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Continue the run in the run directory from its latest checkpoint.
-    #[arg(long)]
+    /// Continue the run in the run directory from its latest checkpoint, under the run's own
+    /// config: `--set` may change only `max_steps`, `eval_steps`, `save_steps`, `cpu_threads`,
+    /// and a `--config` must match the run's.
+    #[arg(long, conflicts_with = "overwrite")]
     resume: bool,
+    /// Start over in a run directory that already holds a run: removes that run's checkpoints,
+    /// dataset, metrics and config (other files in the directory are kept).
+    #[arg(long)]
+    overwrite: bool,
 }
 
 #[derive(Args, Debug)]
@@ -113,8 +120,13 @@ fn keep_freed_memory() {}
 
 pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     keep_freed_memory();
-    let cfg = load_config(a.config.as_deref(), &a.sets)?;
-    let run_dir = a.out.clone().unwrap_or_else(|| cfg.run_dir());
+    let (cfg, run_dir) = if a.resume {
+        resume_config(&a)?
+    } else {
+        let cfg = load_config(a.config.as_deref(), &a.sets)?;
+        let run_dir = a.out.clone().unwrap_or_else(|| cfg.run_dir());
+        (cfg, run_dir)
+    };
     let max_steps = cfg.max_steps as u64;
     eprintln!(
         "stepppo train: {} ({:?}, {:?}) → {}",
@@ -132,6 +144,9 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     let mut trainer = if a.resume {
         Trainer::resume(cfg, &run_dir)?
     } else {
+        if a.overwrite {
+            run_dir::prepare_fresh(&run_dir, true)?;
+        }
         Trainer::create(cfg, &run_dir)?
     };
     let start = std::time::Instant::now();
@@ -199,6 +214,26 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The config and directory of a resumed run: the run's own config from its latest checkpoint,
+/// with `--set` applied; a `--config` given too must describe the same run. Keys outside the
+/// ones a resume may change are refused by [`Trainer::resume`], naming them.
+fn resume_config(a: &TrainArgs) -> anyhow::Result<(Config, PathBuf)> {
+    let run_dir = match &a.out {
+        Some(dir) => dir.clone(),
+        None => load_config(a.config.as_deref(), &[])?.run_dir(),
+    };
+    let ckpt = run_dir::checkpoint_to_resume(&run_dir)?;
+    if let Some(path) = &a.config {
+        let given = Config::load(path, &a.sets)?;
+        let stored = run_dir::checkpoint_config(&ckpt, &a.sets)?;
+        let file = path.display().to_string();
+        stepppo::config::check_resume(&stored, &given, &file)?;
+    }
+    let cfg = run_dir::checkpoint_config(&ckpt, &a.sets)?;
+    set_cpu_threads(cfg.cpu_threads);
+    Ok((cfg, run_dir))
+}
+
 pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     let (policy_dir, mut cfg) = match checkpoint::resolve(&a.checkpoint) {
         Ok(ckpt) => {
@@ -235,11 +270,7 @@ fn is_model_dir(dir: &Path) -> bool {
 
 /// The config a checkpoint was trained with, with `--set` overrides applied.
 fn stored_config(ckpt: &Path, sets: &[String]) -> anyhow::Result<Config> {
-    let mut v: serde_json::Value = checkpoint::load_json(ckpt, "config")?;
-    for s in sets {
-        stepppo::config::apply_set(&mut v, s)?;
-    }
-    let cfg = Config::from_value(v, &ckpt.join("config.json").display().to_string())?;
+    let cfg = run_dir::checkpoint_config(ckpt, sets)?;
     set_cpu_threads(cfg.cpu_threads);
     Ok(cfg)
 }

@@ -121,6 +121,102 @@ pub fn segment_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>, StoreError> {
     Ok(found)
 }
 
+/// Where a [`DatasetWriter`] stood at one moment: every segment with its state, bytes and record
+/// count then. A training checkpoint keeps one, and [`rewind`] brings the directory back to it,
+/// so records written after the checkpoint are not kept twice when the run resumes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DatasetPosition {
+    pub segments: Vec<SegmentEntry>,
+}
+
+impl DatasetPosition {
+    /// Records the dataset held at this position.
+    pub fn records(&self) -> u64 {
+        self.segments.iter().map(|s| s.records).sum()
+    }
+}
+
+/// Brings the dataset in `dir` back to `position`: segment files started after it are removed,
+/// the segment that was active then is cut at its recorded length (dropping later records, a
+/// torn tail and a footer added since), and the manifest lists the segments as they were, with
+/// its metadata kept. Returns the number of records removed. Idempotent, so a crash during a
+/// rewind is repaired by rewinding again. Fails, naming the file, when a segment is missing or
+/// shorter than recorded (records the position counts are gone) or a sealed one has changed.
+pub fn rewind(dir: &Path, position: &DatasetPosition) -> Result<u64, StoreError> {
+    let mut removed = 0;
+    for (_, path) in segment_files(dir)? {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        if !position
+            .segments
+            .iter()
+            .any(|e| Some(&e.file) == name.as_ref())
+        {
+            removed += MappedSegment::open(&path)?.scan.frames.len() as u64;
+            fs::remove_file(&path).map_err(StoreError::io(&path))?;
+        }
+    }
+    for entry in &position.segments {
+        removed += cut_segment(&dir.join(&entry.file), entry)?;
+    }
+    let mut manifest = Manifest::read(dir)?;
+    manifest.segments = position.segments.iter().map(manifest_entry).collect();
+    manifest.write(dir)?;
+    Ok(removed)
+}
+
+/// Cuts one segment file back to `entry` (its state at a position); returns the records dropped.
+fn cut_segment(path: &Path, entry: &SegmentEntry) -> Result<u64, StoreError> {
+    let invalid = |reason: String| StoreError::Invalid {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let len = fs::metadata(path).map_err(StoreError::io(path))?.len();
+    if len < entry.bytes {
+        return Err(invalid(format!(
+            "holds {len} bytes, fewer than the {} recorded at the position to rewind to: \
+             records it counted are lost",
+            entry.bytes
+        )));
+    }
+    if len == entry.bytes {
+        return Ok(0);
+    }
+    if entry.sealed {
+        return Err(invalid(format!(
+            "was sealed at {} bytes and now holds {len}",
+            entry.bytes
+        )));
+    }
+    let dropped = MappedSegment::open(path)?
+        .scan
+        .frames
+        .iter()
+        .filter(|f| f.offset >= entry.bytes)
+        .count() as u64;
+    let file = fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(StoreError::io(path))?;
+    file.set_len(entry.bytes)
+        .and_then(|_| file.sync_all())
+        .map_err(StoreError::io(path))?;
+    Ok(dropped)
+}
+
+/// The manifest's entry for a segment in the state `entry` records: an active segment is listed
+/// with zero counts, as the writer lists it.
+fn manifest_entry(entry: &SegmentEntry) -> SegmentEntry {
+    if entry.sealed {
+        entry.clone()
+    } else {
+        SegmentEntry {
+            records: 0,
+            bytes: 0,
+            ..entry.clone()
+        }
+    }
+}
+
 /// Options of [`DatasetWriter`].
 #[derive(Clone, Debug)]
 pub struct WriterOptions {
@@ -297,6 +393,27 @@ impl DatasetWriter {
             None => self.manifest.segments.push(entry),
         }
         self.manifest.replace(&self.dir, self.durable)
+    }
+
+    /// Flushes (and, when durable, syncs) every appended record and returns where the dataset
+    /// stands now: the position [`rewind`] can bring it back to.
+    pub fn position(&mut self) -> Result<DatasetPosition, StoreError> {
+        let mut segments = self.manifest.segments.clone();
+        if let Some((_, writer)) = &mut self.active {
+            writer.flush()?;
+            if self.durable {
+                writer.sync()?;
+            }
+            let file = writer.path().file_name().map(|n| n.to_string_lossy());
+            if let Some(entry) = segments
+                .iter_mut()
+                .find(|e| Some(&e.file[..]) == file.as_deref())
+            {
+                entry.records = writer.records();
+                entry.bytes = writer.len();
+            }
+        }
+        Ok(DatasetPosition { segments })
     }
 
     /// Makes every appended record visible to readers (no fsync).

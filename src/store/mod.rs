@@ -42,8 +42,8 @@ mod verify;
 pub use codec::{StepMeta, StepMetaView, StepView};
 pub use collect::{agent_episode, collect, CollectConfig, CollectSummary, EpisodeIds};
 pub use dataset::{
-    Dataset, DatasetWriter, Group, Manifest, RecordLocation, SegmentEntry, Trajectory,
-    WriterOptions, DEFAULT_ROLL_BYTES, MANIFEST_FILE,
+    rewind, Dataset, DatasetPosition, DatasetWriter, Group, Manifest, RecordLocation, SegmentEntry,
+    Trajectory, WriterOptions, DEFAULT_ROLL_BYTES, MANIFEST_FILE,
 };
 pub use error::{Problem, ProblemKind, StoreError};
 pub use record::{StepInfo, StepRecord};

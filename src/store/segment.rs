@@ -579,6 +579,19 @@ impl SegmentWriter {
         &self.path
     }
 
+    /// Records appended so far.
+    pub fn records(&self) -> u64 {
+        self.index.len() as u64
+    }
+
+    /// Syncs what is in the file to the disk (call after [`flush`](Self::flush)).
+    pub fn sync(&self) -> Result<(), StoreError> {
+        self.io
+            .file()
+            .sync_data()
+            .map_err(StoreError::io(&self.path))
+    }
+
     /// Bytes written so far (header included, buffered bytes included).
     pub fn len(&self) -> u64 {
         self.written + self.batch.bytes.len() as u64
@@ -661,7 +674,7 @@ impl SegmentWriter {
         out.extend_from_slice(&TRAILER_MAGIC.to_le_bytes());
         self.flush()?;
         if self.durable {
-            (self.io.file().sync_all()).map_err(StoreError::io(&self.path))?;
+            self.sync()?;
         }
         Ok((self.index.len() as u64, self.len()))
     }

@@ -133,6 +133,7 @@ impl CheckpointWriter {
             std::fs::remove_dir_all(&final_dir).map_err(io_err(&final_dir))?;
         }
         std::fs::rename(&self.tmp, &final_dir).map_err(io_err(&final_dir))?;
+        crate::crash::point("checkpoint.renamed");
         let pointer_tmp = self.run_dir.join(format!("{LATEST}.tmp"));
         std::fs::write(&pointer_tmp, dir_name(self.step)).map_err(io_err(&pointer_tmp))?;
         sync_file(&pointer_tmp)?;

@@ -347,12 +347,24 @@ pub struct MetricsSink {
     tb: TensorBoardWriter,
 }
 
+/// The metric files of a run as they stood at one moment: the length of `metrics.jsonl` and of
+/// every TensorBoard event file. A checkpoint keeps one; [`rewind`] brings the files back to it.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MetricsPosition {
+    pub jsonl_bytes: u64,
+    /// Event file name (under `<run>/tb`) → bytes.
+    pub event_files: BTreeMap<String, u64>,
+}
+
+const JSONL_FILE: &str = "metrics.jsonl";
+const EVENTS_DIR: &str = "tb";
+
 impl MetricsSink {
     /// Opens `<run>/metrics.jsonl` (append) and a new event file under `<run>/tb`.
     pub fn open(run_dir: &Path) -> Result<Self, MetricsError> {
         Ok(MetricsSink {
-            jsonl: JsonlSink::open(&run_dir.join("metrics.jsonl"))?,
-            tb: TensorBoardWriter::create(&run_dir.join("tb"))?,
+            jsonl: JsonlSink::open(&run_dir.join(JSONL_FILE))?,
+            tb: TensorBoardWriter::create(&run_dir.join(EVENTS_DIR))?,
         })
     }
 
@@ -361,6 +373,88 @@ impl MetricsSink {
         self.jsonl.write(step, scalars)?;
         self.tb.write_scalars(step, scalars)
     }
+
+    /// Flushes both sinks and returns the length of every metric file of the run.
+    pub fn position(&mut self, run_dir: &Path) -> Result<MetricsPosition, MetricsError> {
+        self.tb.out.flush().map_err(io_err(&self.tb.path))?;
+        let jsonl = run_dir.join(JSONL_FILE);
+        let mut position = MetricsPosition {
+            jsonl_bytes: file_len(&jsonl)?,
+            event_files: BTreeMap::new(),
+        };
+        for (name, path) in event_files(&run_dir.join(EVENTS_DIR))? {
+            position.event_files.insert(name, file_len(&path)?);
+        }
+        Ok(position)
+    }
+}
+
+/// Brings the metric files of `run_dir` back to `position`: `metrics.jsonl` and the event files
+/// are cut to their recorded lengths and event files started later are removed, so a resumed run
+/// does not repeat the rows written after its checkpoint. Returns the JSONL rows removed.
+pub fn rewind(run_dir: &Path, position: &MetricsPosition) -> Result<usize, MetricsError> {
+    let jsonl = run_dir.join(JSONL_FILE);
+    // Lines, not parsed rows: a crash may have left half a line at the end.
+    let rows = |path: &Path| -> Result<usize, MetricsError> {
+        Ok(match std::fs::read(path) {
+            Ok(bytes) => bytes.iter().filter(|&&b| b == b'\n').count(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+            Err(e) => return Err(io_err(path)(e)),
+        })
+    };
+    let rows_before = rows(&jsonl)?;
+    cut(&jsonl, position.jsonl_bytes)?;
+    let rows_after = rows(&jsonl)?;
+    for (name, path) in event_files(&run_dir.join(EVENTS_DIR))? {
+        match position.event_files.get(&name) {
+            Some(&bytes) => cut(&path, bytes)?,
+            None => std::fs::remove_file(&path).map_err(io_err(&path))?,
+        }
+    }
+    Ok(rows_before - rows_after)
+}
+
+/// Cuts `path` to `bytes`; a file shorter than that (or missing) is an error: rows are lost.
+fn cut(path: &Path, bytes: u64) -> Result<(), MetricsError> {
+    let len = if path.exists() { file_len(path)? } else { 0 };
+    if len < bytes {
+        return Err(MetricsError::Record {
+            path: path.to_path_buf(),
+            offset: len,
+            msg: format!("ends before byte {bytes}, where the checkpoint recorded its end"),
+        });
+    }
+    if len > bytes {
+        let file = OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(io_err(path))?;
+        file.set_len(bytes)
+            .and_then(|_| file.sync_all())
+            .map_err(io_err(path))?;
+    }
+    Ok(())
+}
+
+fn file_len(path: &Path) -> Result<u64, MetricsError> {
+    Ok(std::fs::metadata(path).map_err(io_err(path))?.len())
+}
+
+/// The TensorBoard event files under `dir` (none when it does not exist), by file name.
+fn event_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, MetricsError> {
+    if !dir.is_dir() {
+        return Ok(Vec::new());
+    }
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
+        let path = entry.map_err(io_err(dir))?.path();
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        if let Some(name) = name.filter(|n| n.starts_with("events.out.tfevents.")) {
+            files.push((name, path));
+        }
+    }
+    files.sort();
+    Ok(files)
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! The training side of stepppo: the loop ([`trainer`]), the PPO update ([`update`]), packing of
 //! step records into training sequences ([`batch`]), the supervised warm start ([`sft`]), self-imitation replay ([`self_imitation`]),
-//! validation ([`eval`]), checkpoints, metric sinks (JSONL and TensorBoard), learning-curve plots,
+//! validation ([`eval`]), checkpoints, the run directory's consistency across crashes ([`run_dir`]),
+//! metric sinks (JSONL and TensorBoard), learning-curve plots,
 //! collapse warnings and the progress bar.
 
 pub mod batch;
@@ -10,6 +11,7 @@ pub mod eval;
 pub mod metrics;
 pub mod plot;
 pub mod progress;
+pub mod run_dir;
 pub mod self_imitation;
 pub mod sft;
 pub mod trainer;

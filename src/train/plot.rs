@@ -45,8 +45,11 @@ const PANELS: [Panel; 4] = [
 
 /// The file `plot_run` writes.
 pub fn plot_path(run_dir: &Path) -> PathBuf {
-    run_dir.join("learning_curves.svg")
+    run_dir.join(PLOT_FILE)
 }
+
+/// File name of a run's learning-curve plot.
+pub const PLOT_FILE: &str = "learning_curves.svg";
 
 /// Draws `<run>/learning_curves.svg` from `<run>/metrics.jsonl`; returns the SVG path.
 pub fn plot_run(run_dir: &Path) -> Result<PathBuf, PlotError> {

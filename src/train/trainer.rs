@@ -18,6 +18,7 @@ use super::checkpoint::{self, CheckpointWriter};
 use super::collapse::CollapseDetector;
 use super::eval::{self, TagSummary, VAL_SEED_OFFSET};
 use super::metrics::{MetricsSink, Scalars};
+use super::run_dir::{self, Rewound, RunPosition};
 use super::self_imitation::{self, Replay, ReplayBuffer};
 use super::sft::{self, SftReport};
 use super::update::{self, Learners, ResponseMasks, UpdateInputs, UpdateSettings};
@@ -29,6 +30,7 @@ use crate::algo::{
     CriticTarget, LrSchedule,
 };
 use crate::config::{BuiltinSize, Config, ContextLayout, CriticMode, DeviceKind};
+use crate::crash;
 use crate::env::AgentKind;
 use crate::model::{Critic, Model, ModelConfig};
 use crate::rollout::engine::{CacheMode, Engine, EngineConfig};
@@ -104,6 +106,8 @@ pub struct Trainer {
     masks: ResponseMasks,
     /// Self-imitation replay buffer; `None` when `self_imitation.coef` is 0.
     replay_buffer: Option<ReplayBuffer>,
+    /// Warnings found while opening the run, reported when it runs.
+    pending_warnings: Vec<String>,
 }
 
 pub(crate) fn device_of(kind: DeviceKind) -> Result<Device, TrainError> {
@@ -125,14 +129,8 @@ impl Trainer {
     /// Starts a fresh run in `run_dir` (which must not hold one yet): builds or loads the models,
     /// runs the supervised warm start when `sft.steps > 0`.
     pub fn create(cfg: Config, run_dir: &Path) -> Result<Self, TrainError> {
-        if checkpoint::latest(run_dir)?.is_some() || run_dir.join("dataset").exists() {
-            return Err(TrainError::Data(format!(
-                "{}: already holds a run; pass --resume to continue it or choose another --out",
-                run_dir.display()
-            )));
-        }
-        std::fs::create_dir_all(run_dir).map_err(io_err(run_dir))?;
         let device = device_of(cfg.device)?;
+        run_dir::prepare_fresh(run_dir, false)?;
         let (mut policy, tok) = fresh_policy(&cfg, &device)?;
         let critic = match cfg.critic.mode {
             CriticMode::Separate => Some(fresh_critic(&cfg, &policy, &device)?),
@@ -159,9 +157,10 @@ impl Trainer {
             .as_ref()
             .map(|c| AdamW::new(c.named_vars(), &opt))
             .transpose()?;
-        let dataset = DatasetWriter::create(&run_dir.join("dataset"), writer_options(&cfg))?;
+        let dataset =
+            DatasetWriter::create(&run_dir.join(run_dir::DATASET_DIR), writer_options(&cfg))?;
         let text = serde_json::to_string_pretty(&cfg).expect("a config serialises");
-        let path = run_dir.join("config.json");
+        let path = run_dir.join(run_dir::CONFIG_FILE);
         std::fs::write(&path, text).map_err(io_err(&path))?;
         Self::assemble(
             cfg,
@@ -178,15 +177,23 @@ impl Trainer {
         )
     }
 
-    /// Continues the run in `run_dir` from its latest complete checkpoint.
+    /// The config of the run in `run_dir`, as its latest checkpoint holds it.
+    pub fn stored_config(run_dir: &Path) -> Result<Config, TrainError> {
+        let ckpt = run_dir::checkpoint_to_resume(run_dir)?;
+        run_dir::checkpoint_config(&ckpt, &[])
+    }
+
+    /// Continues the run in `run_dir` from its latest complete checkpoint. `cfg` must be the
+    /// run's own config (see [`Trainer::stored_config`]) up to the keys a resume may change
+    /// ([`crate::config::RESUME_OVERRIDABLE`]). The run's dataset and metric files are first
+    /// brought back to the checkpoint's position, so steps redone after a crash are not kept twice.
     pub fn resume(cfg: Config, run_dir: &Path) -> Result<Self, TrainError> {
-        let ckpt = checkpoint::latest(run_dir)?.ok_or_else(|| {
-            TrainError::Data(format!(
-                "{}: no checkpoint to resume from",
-                run_dir.display()
-            ))
-        })?;
+        let ckpt = run_dir::checkpoint_to_resume(run_dir)?;
+        let stored = run_dir::checkpoint_config(&ckpt, &[])?;
+        let stored_name = ckpt.join(run_dir::CONFIG_FILE).display().to_string();
+        crate::config::check_resume(&stored, &cfg, &stored_name)?;
         let device = device_of(cfg.device)?;
+        let rewound = rewind_to(run_dir, &ckpt)?;
         let (policy, tok) = crate::model::checkpoint::load_policy(
             &ckpt.join("policy").display().to_string(),
             &device,
@@ -216,11 +223,13 @@ impl Trainer {
             None
         };
         let state: TrainState = checkpoint::load_json(&ckpt, "state")?;
-        let dataset = DatasetWriter::open_append(&run_dir.join("dataset"), writer_options(&cfg))?;
+        let dataset =
+            DatasetWriter::open_append(&run_dir.join(run_dir::DATASET_DIR), writer_options(&cfg))?;
         let mut trainer = Self::assemble(
             cfg, run_dir, tok, policy, critic, reference, actor_opt, critic_opt, dataset, state,
             None,
         )?;
+        trainer.pending_warnings.extend(rewound);
         let saved_buffer = ckpt.join(self_imitation::CHECKPOINT_DIR);
         if trainer.replay_buffer.is_some() && saved_buffer.exists() {
             let capacity = trainer.cfg.self_imitation.buffer_size;
@@ -266,6 +275,7 @@ impl Trainer {
             warm_start,
             masks,
             replay_buffer,
+            pending_warnings: Vec::new(),
         })
     }
 
@@ -298,6 +308,9 @@ impl Trainer {
     /// run and every `eval_steps`, saves every `save_steps` and at `until`.
     pub fn run(&mut self, until: u64, on_event: &mut dyn FnMut(Event)) -> Result<(), TrainError> {
         let until = until.min(self.cfg.max_steps as u64);
+        for warning in self.pending_warnings.drain(..) {
+            on_event(Event::Warning(warning));
+        }
         if let Some(report) = self.warm_start.take() {
             let mut s = Scalars::new();
             s.insert("sft/loss_first".into(), report.first_loss);
@@ -323,6 +336,7 @@ impl Trainer {
                 )));
             }
             self.sink.write(self.state.step, &scalars)?;
+            crash::point("train.step_logged");
             on_event(Event::Step {
                 step: self.state.step,
                 scalars: &scalars,
@@ -374,7 +388,11 @@ impl Trainer {
         )?;
         self.state.next_group_id += self.cfg.train_env_manager.num_env_groups as u64;
         let t_rollout = t_step.elapsed().as_secs_f64();
-        for r in &records {
+        crash::point("train.rollout_done");
+        for (i, r) in records.iter().enumerate() {
+            if i == records.len() / 2 {
+                crash::point_after("train.store_write", || self.dataset.flush());
+            }
             self.dataset.append(r)?;
         }
         self.dataset.flush()?;
@@ -641,12 +659,13 @@ impl Trainer {
 
     /// Writes `ckpt-<step>` atomically (never from non-finite weights) and points `ckpt-latest` at it.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
-        self.dataset.flush()?;
+        let position = RunPosition::capture(&self.run_dir, &mut self.dataset, &mut self.sink)?;
         let writer = CheckpointWriter::begin(&self.run_dir, self.state.step)?;
         let policy_vars = self.policy.named_vars();
         writer.ensure_finite(policy_vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
         let tmp = writer.tmp_dir().to_path_buf();
         self.policy.save(&tmp.join("policy"), Some(&self.tok))?;
+        crash::point("checkpoint.partial");
         self.actor_opt.save(&tmp.join("optim_actor.safetensors"))?;
         if let (Some(critic), Some(opt)) = (&self.critic, &self.critic_opt) {
             let vars = critic.named_vars();
@@ -659,8 +678,35 @@ impl Trainer {
         }
         writer.json("state", &self.state)?;
         writer.json("config", &self.cfg)?;
-        Ok(writer.commit()?)
+        writer.json(run_dir::POSITION_FILE, &position)?;
+        let dir = writer.commit()?;
+        crash::point("checkpoint.committed");
+        Ok(dir)
     }
+}
+
+/// Brings the run's dataset and metrics back to the position `ckpt` recorded; returns the
+/// warnings to report (what was removed, or that an older checkpoint recorded no position).
+fn rewind_to(run_dir: &Path, ckpt: &Path) -> Result<Vec<String>, TrainError> {
+    let name = ckpt.file_name().unwrap_or_default().to_string_lossy();
+    if !ckpt
+        .join(format!("{}.json", run_dir::POSITION_FILE))
+        .is_file()
+    {
+        return Ok(vec![format!(
+            "{name} records no dataset position (written by an older stepppo): records and \
+             metric rows written after it are kept and may repeat"
+        )]);
+    }
+    let position: RunPosition = checkpoint::load_json(ckpt, run_dir::POSITION_FILE)?;
+    let rewound = run_dir::rewind(run_dir, &position)?;
+    if rewound == Rewound::default() {
+        return Ok(Vec::new());
+    }
+    Ok(vec![format!(
+        "resuming from {name}: removed {} step records and {} metric rows written after it",
+        rewound.records, rewound.metric_rows
+    )])
 }
 
 /// The algo estimators' `reward|advantage|return|value/{mean,min,max}` under ROLL/verl's
