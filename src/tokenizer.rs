@@ -1,4 +1,4 @@
-//! Tokenizer wrapper, built-in vocabulary and chat template (issue 4).
+//! The tokenizer: a wrapper over `tokenizers`, the built-in vocabulary and the chat template.
 //!
 //! [`Tokenizer`] wraps a `tokenizers::Tokenizer`: either loaded from an HF `tokenizer.json` or the
 //! built-in one, a byte-level BPE whose base vocabulary is the 256 byte symbols (so any text encodes

@@ -1,4 +1,4 @@
-//! Environments and the agent text protocol (issue 2).
+//! The environments and the agent text protocol.
 //!
 //! This module owns the [`Env`] trait (reset by seed, step by a parsed [`Action`], text
 //! observations), the registry that builds an env plus its [`ProtocolConfig`] from a JSON config

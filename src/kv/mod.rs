@@ -1,6 +1,7 @@
-//! KV cache of the rollout engine (issues 4 and 5): the slot pool that holds every layer's keys and
-//! values by token slot, and the CPU attention kernel that reads them by slot index
-//! ([`pool`]). The radix-tree prefix cache over these slots lives beside it ([`radix`]).
+//! The KV cache: the slot pool that holds every layer's keys and values by token slot, and the
+//! CPU attention kernel that reads them by slot index ([`pool`]; the bf16 device side is `cuda`,
+//! built with the `cuda` feature), and the radix-tree prefix cache over these slots ([`radix`]).
+//! It does not schedule sequences: the rollout engine and plain generation own the slot lists.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

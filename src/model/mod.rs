@@ -1,4 +1,4 @@
-//! Qwen2-family policy and critic models (issue 4).
+//! The policy and critic models (Qwen2 family) and their checkpoint files.
 //!
 //! [`Model`] is the policy: the decoder trunk ([`qwen2`]) plus a tied or untied LM head, its
 //! parameters as named `Var`s in a `VarMap` (HF names, so checkpoints load by name and the

@@ -1,4 +1,4 @@
-//! Step-native storage (issue 3): every interaction round as a [`StepRecord`] in append-only,
+//! Step-native storage: every interaction round as a [`StepRecord`] in append-only,
 //! memory-mapped segment files with crc-framed records, a footer index by trajectory, readers
 //! for records / trajectories / groups, verify and repair, replay rendering and statistics.
 //!
@@ -7,7 +7,7 @@
 //! copy into the file overlap the encoding of the next buffer), `dataset` (directory + manifest,
 //! writer and readers), `verify` (verify / repair).
 //!
-//! Format version 3 (written since store-perf) stores each token id array at the narrowest
+//! Format version 3 (what the writer writes) stores each token id array at the narrowest
 //! width that holds its largest id (3 bytes for a 151k vocabulary; read in place through
 //! [`TokenIds`]), varint ids and counts, flags in one byte, and every text (env tag, observation,
 //! action) already in the same segment as a backward reference counted in frames. Versions 1
@@ -26,7 +26,8 @@
 //! ```
 //!
 //! (`fuzz/seeds/segment_reader` holds the pinned v1, v2 and v3 segments of `tests/store_format.rs`;
-//! new inputs go to the git-ignored `fuzz/corpus`.) What was run and found: BENCHMARKS.md, STORE.
+//! new inputs go to the git-ignored `fuzz/corpus`.) Fuzz runs and their results:
+//! `docs/experiments/store.md`; current figures: BENCHMARKS.md, "Store".
 
 mod codec;
 mod collect;

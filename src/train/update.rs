@@ -218,7 +218,7 @@ pub fn ppo_update(
 /// mini-batch is a uniform sample of the rollout. (Grouping sequences by length would save padding
 /// but makes a mini-batch's states alike: in the window layout a prompt's length tells how many
 /// directions lead to the goal, and signed advantages then fit each such subset's action marginal
-/// instead of the map. See BENCHMARKS, session 7.)
+/// instead of the map: `docs/experiments/frozenlake-learning.md`, the uniform mini-batch runs.)
 fn mini_batches(inputs: &UpdateInputs, settings: &UpdateSettings, epoch: u64) -> Vec<Vec<usize>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(settings.shuffle_seed, &[epoch]));
     let mut order: Vec<usize> = (0..inputs.sequences.len()).collect();
