@@ -5,7 +5,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use stepppo::store::{
-    repair, verify, Dataset, DatasetWriter, ProblemKind, StepInfo, StepRecord, WriterOptions,
+    repair, rewind, verify, Dataset, DatasetWriter, ProblemKind, StepInfo, StepRecord,
+    WriterOptions,
 };
 
 /// A trajectory in the concatenated layout: `turns` steps, `new_tokens` tokens per obs/response.
@@ -352,4 +353,101 @@ fn open_append_refuses_a_damaged_dataset_and_create_refuses_an_existing_one() {
     let err = DatasetWriter::open_append(dir.path(), WriterOptions::default()).unwrap_err();
     assert!(err.to_string().contains("torn tail"), "{err}");
     assert!(DatasetWriter::create(dir.path(), WriterOptions::default()).is_err());
+}
+
+#[test]
+fn verify_reports_repeated_keys_and_repair_keeps_the_first_of_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("d");
+    let records = sample_records();
+    // The last two trajectories written again, as a resume without a rewind would; the small
+    // roll size puts the copies in later segments than the originals.
+    let tail: Vec<StepRecord> = records.iter().filter(|r| r.traj_id >= 4).cloned().collect();
+    let all: Vec<StepRecord> = records.iter().chain(&tail).cloned().collect();
+    write(&data, &all, 600);
+
+    let report = verify(&data).unwrap();
+    let repeated: Vec<_> = report
+        .problems
+        .iter()
+        .filter_map(|p| match &p.kind {
+            ProblemKind::DuplicateKey {
+                traj_id,
+                step_index,
+                first_offset,
+                ..
+            } => Some((*traj_id, *step_index, p.offset > 0, *first_offset > 0)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(repeated.len(), tail.len(), "{:?}", report.problems);
+    assert_eq!(report.problems.len(), tail.len(), "{:?}", report.problems);
+    let shown = report.problems[0].to_string();
+    assert!(shown.contains("repeats the one at"), "{shown}");
+
+    let fixed = repair(&data).unwrap();
+    assert!(
+        fixed
+            .actions
+            .iter()
+            .any(|a| a.contains("repeating an earlier key removed")),
+        "{:?}",
+        fixed.actions
+    );
+    assert!(verify(&data).unwrap().is_sound());
+    assert_eq!(read_all(&data), records);
+}
+
+#[test]
+fn rewind_cuts_a_dataset_back_to_a_recorded_position_across_rolls_and_seals() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("d");
+    let records = sample_records();
+    let (before, after) = records.split_at(7);
+    let opts = || WriterOptions {
+        roll_bytes: 600,
+        ..WriterOptions::default()
+    };
+    let mut writer = DatasetWriter::create(&data, opts()).unwrap();
+    for r in before {
+        writer.append(r).unwrap();
+    }
+    let position = writer.position().unwrap();
+    assert_eq!(position.records(), before.len() as u64);
+    // Later records roll into new segments and the segment active at the position is sealed.
+    for r in after {
+        writer.append(r).unwrap();
+    }
+    writer.seal().unwrap();
+    let grown = Dataset::open(&data).unwrap();
+    assert!(grown.segments().count() > position.segments.len());
+    assert!(grown.len() > before.len());
+    drop(grown);
+
+    let removed = rewind(&data, &position).unwrap();
+    assert_eq!(removed, after.len() as u64);
+    assert!(verify(&data).unwrap().is_sound());
+    assert_eq!(read_all(&data), before);
+    // Rewinding again changes nothing; appending continues where the position was.
+    assert_eq!(rewind(&data, &position).unwrap(), 0);
+    let mut writer = DatasetWriter::open_append(&data, opts()).unwrap();
+    for r in after {
+        writer.append(r).unwrap();
+    }
+    writer.seal().unwrap();
+    assert_eq!(read_all(&data), records);
+
+    // A dataset shorter than the position lost records the position counts: an error naming it.
+    let seg = data.join(&position.segments.last().unwrap().file);
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&seg)
+        .unwrap()
+        .set_len(20)
+        .unwrap();
+    let err = rewind(&data, &position).unwrap_err().to_string();
+    assert!(
+        err.contains("fewer than") || err.contains("was sealed"),
+        "{err}"
+    );
 }

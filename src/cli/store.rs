@@ -67,6 +67,11 @@ pub struct ReplayArgs {
     /// Print statistics (trajectories, steps, success rate, reward, steps per trajectory, per env).
     #[arg(long)]
     pub stats: bool,
+    /// Leave out trajectories with no terminal step yet (still being written, or cut short);
+    /// by default they are printed and marked (`open` in the text header, `"open": true` in
+    /// JSONL). Statistics and --advantages always leave them out and say how many.
+    #[arg(long)]
+    pub skip_open: bool,
     /// With --stats: print one JSON object.
     #[arg(long, requires = "stats")]
     pub json: bool,
@@ -164,11 +169,15 @@ pub fn replay(a: ReplayArgs) -> anyhow::Result<()> {
         None => dataset.trajectories(),
     };
     for traj in &trajectories {
+        let open = traj.is_open()?;
+        if open && a.skip_open {
+            continue;
+        }
         match a.format.unwrap_or(ReplayFormat::Text) {
             ReplayFormat::Text => writeln!(out, "{}", store::transcript(traj)?)?,
             ReplayFormat::Jsonl => {
                 for record in store::decode_trajectory(traj)? {
-                    writeln!(out, "{}", store::jsonl_line(&record)?)?;
+                    writeln!(out, "{}", store::jsonl_line(&record, open)?)?;
                 }
             }
         }
@@ -327,7 +336,16 @@ fn replay_advantages(
         !matches!(a.format, Some(ReplayFormat::Text)),
         "--advantages prints JSONL rows: use `--format jsonl` (or no --format)"
     );
-    let trajectories = dataset.trajectories();
+    let mut trajectories = dataset.trajectories();
+    let mut open = 0;
+    trajectories.retain(|t| {
+        let is_open = t.is_open().unwrap_or(false);
+        open += usize::from(is_open);
+        !is_open
+    });
+    if open > 0 {
+        eprintln!("note: {open} open trajectories (no terminal step yet) left out: their returns are not final");
+    }
     if let Some(id) = a.traj {
         anyhow::ensure!(
             trajectories.iter().any(|t| t.traj_id == id),

@@ -446,6 +446,19 @@ pub struct Trajectory<'a> {
 }
 
 impl Trajectory<'_> {
+    /// Whether the trajectory has no end yet: its last stored step is neither terminated nor
+    /// truncated. That is a trajectory still being written (a reader of a live dataset), or one
+    /// whose writer stopped mid-episode; either way its return and length are not final.
+    pub fn is_open(&self) -> Result<bool, StoreError> {
+        match self.steps.last() {
+            Some(last) => {
+                let meta = last.meta_view()?;
+                Ok(!meta.terminated && !meta.truncated)
+            }
+            None => Ok(false),
+        }
+    }
+
     /// The full token context in front of step `t`'s response: the `obs_ids ++ response_ids`
     /// of the earlier steps of its context (from the last step with `context_len == 0`, the
     /// start of a re-rendered window) followed by step `t`'s `obs_ids`. Empty when `t` is out

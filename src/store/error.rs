@@ -54,6 +54,14 @@ pub enum ProblemKind {
     Undecodable(String),
     /// The manifest disagrees with the segment files.
     Manifest(String),
+    /// A second record with the same (traj_id, step_index) key; `repair` removes it and keeps
+    /// the first (at `first_path`, byte `first_offset`).
+    DuplicateKey {
+        traj_id: u64,
+        step_index: u32,
+        first_path: PathBuf,
+        first_offset: u64,
+    },
 }
 
 /// One problem found by opening or verifying a dataset.
@@ -85,6 +93,17 @@ impl fmt::Display for Problem {
                 write!(f, "{path} at byte {offset}: record does not decode: {why}")
             }
             ProblemKind::Manifest(why) => write!(f, "{path}: manifest: {why}"),
+            ProblemKind::DuplicateKey {
+                traj_id,
+                step_index,
+                first_path,
+                first_offset,
+            } => write!(
+                f,
+                "{path} at byte {offset}: record (traj {traj_id}, step {step_index}) repeats \
+                 the one at {} byte {first_offset}",
+                first_path.display()
+            ),
         }
     }
 }

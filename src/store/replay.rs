@@ -8,6 +8,13 @@
 //! `terminated`, `truncated`, `state_hash`, and `info` = {`success`, `action_is_valid`,
 //! `action_is_effective`, `format_penalty`, `num_actions`, `observation_text`, `action_text`}.
 //! Each line parses back into a `StepRecord` with serde_json.
+//!
+//! Open trajectories: a trajectory whose last stored step is neither terminated nor truncated
+//! has no end yet ([`Trajectory::is_open`]): it is still being written, or its writer stopped
+//! mid-episode. By default the transcript's header says `open` and each of its JSONL lines
+//! carries `"open": true` (finished trajectories' lines have no such field); `stepppo replay
+//! --skip-open` leaves them out instead. Statistics always leave them out of every figure and
+//! count them apart (`open_trajectories`), since their returns and lengths are not final.
 
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
@@ -46,9 +53,14 @@ pub fn transcript(traj: &Trajectory<'_>) -> Result<String, StoreError> {
     let ret: f32 = steps.iter().map(|s| s.reward).sum();
     let success = steps.iter().any(|s| s.info.success);
     let first = steps.first().cloned().unwrap_or_default();
+    let open = if traj.is_open()? {
+        " | open: no terminal step yet"
+    } else {
+        ""
+    };
     let _ = writeln!(
         out,
-        "=== trajectory {} | group {} | {} | seed {} | policy v{} | {} steps | return {ret:.3} | {} ===",
+        "=== trajectory {} | group {} | {} | seed {} | policy v{} | {} steps | return {ret:.3} | {}{open} ===",
         traj.traj_id,
         traj.group_id,
         first.env_tag,
@@ -86,8 +98,16 @@ pub fn transcript(traj: &Trajectory<'_>) -> Result<String, StoreError> {
 }
 
 /// One JSONL line (no newline) for a step; see the module documentation for the fields.
-pub fn jsonl_line(record: &StepRecord) -> Result<String, serde_json::Error> {
-    serde_json::to_string(record)
+/// `open`: the step belongs to an open trajectory, marked `"open": true`.
+pub fn jsonl_line(record: &StepRecord, open: bool) -> Result<String, serde_json::Error> {
+    if !open {
+        return serde_json::to_string(record);
+    }
+    let mut value = serde_json::to_value(record)?;
+    if let serde_json::Value::Object(fields) = &mut value {
+        fields.insert("open".into(), serde_json::Value::Bool(true));
+    }
+    serde_json::to_string(&value)
 }
 
 /// Mean, standard deviation (population), minimum and maximum of a sample.
@@ -132,12 +152,16 @@ pub struct Stats {
     pub valid_action_rate: f64,
 }
 
-/// `replay --stats`: overall statistics, the same per env tag, and the number of problems.
+/// `replay --stats`: overall statistics and the same per env tag, over finished trajectories;
+/// the open ones counted apart; and the number of problems (damage found at open, and records
+/// repeating an earlier record's key).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct DatasetStats {
     #[serde(flatten)]
     pub overall: Stats,
     pub per_env: BTreeMap<String, Stats>,
+    /// Trajectories with no terminal step yet, left out of every figure above.
+    pub open_trajectories: usize,
     pub problems: usize,
 }
 
@@ -179,7 +203,12 @@ impl DatasetStats {
     pub fn compute(dataset: &Dataset) -> Result<Self, StoreError> {
         let mut overall = Accumulator::default();
         let mut per_env: BTreeMap<String, Accumulator> = BTreeMap::new();
+        let mut open_trajectories = 0;
         for traj in dataset.trajectories() {
+            if traj.is_open()? {
+                open_trajectories += 1;
+                continue;
+            }
             let steps = decode_trajectory(&traj)?;
             let tag = steps.first().map(|s| s.env_tag.clone()).unwrap_or_default();
             overall.add(&steps);
@@ -191,7 +220,8 @@ impl DatasetStats {
                 .iter()
                 .map(|(k, v)| (k.clone(), v.finish()))
                 .collect(),
-            problems: dataset.problems().len(),
+            open_trajectories,
+            problems: dataset.problems().len() + super::verify::duplicate_keys(dataset).len(),
         })
     }
 }
@@ -225,6 +255,13 @@ impl fmt::Display for DatasetStats {
         write_stats_line(f, "all", &self.overall)?;
         let r = &self.overall.reward;
         writeln!(f, "step reward: mean {:.4}, std {:.4}", r.mean, r.std)?;
+        if self.open_trajectories > 0 {
+            writeln!(
+                f,
+                "open trajectories (no terminal step yet; left out above): {}",
+                self.open_trajectories
+            )?;
+        }
         writeln!(f, "problems: {}", self.problems)
     }
 }

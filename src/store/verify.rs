@@ -1,7 +1,8 @@
 //! `verify` (every problem of a dataset, with file and offset) and `repair` (truncate torn
 //! tails, rewrite damaged segments with their valid records, rebuild the manifest).
 
-use std::collections::BTreeSet;
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, OpenOptions};
 use std::path::{Path, PathBuf};
 
@@ -23,8 +24,8 @@ impl VerifyReport {
     }
 }
 
-/// Checks every frame, every record's metadata, each footer index against its frames, and the
-/// manifest against the segment files.
+/// Checks every frame, every record's metadata, each footer index against its frames, the
+/// manifest against the segment files, and that no two records share a (traj_id, step_index) key.
 pub fn verify(dir: &Path) -> Result<VerifyReport, StoreError> {
     let dataset = Dataset::open(dir)?;
     let mut problems = dataset.problems().to_vec();
@@ -32,6 +33,7 @@ pub fn verify(dir: &Path) -> Result<VerifyReport, StoreError> {
         problems.extend(undecodable_records(seg));
         problems.extend(index_mismatch(seg));
     }
+    problems.extend(duplicate_keys(&dataset));
     problems.sort_by(|a, b| (&a.path, a.offset).cmp(&(&b.path, b.offset)));
     Ok(VerifyReport {
         segments: dataset.segments().count(),
@@ -52,6 +54,36 @@ fn undecodable_records(seg: &MappedSegment) -> impl Iterator<Item = Problem> + '
             kind: ProblemKind::Undecodable(why),
         })
     })
+}
+
+/// Every record whose (traj_id, step_index) key an earlier record (in file order) already has.
+pub(crate) fn duplicate_keys(dataset: &Dataset) -> Vec<Problem> {
+    let mut first: HashMap<(u64, u32), (&Path, u64)> = HashMap::new();
+    let mut problems = Vec::new();
+    for seg in dataset.segments() {
+        for frame in &seg.scan.frames {
+            let key = (frame.layout.traj_id, frame.layout.step_index);
+            match first.entry(key) {
+                Entry::Vacant(slot) => {
+                    slot.insert((&seg.path, frame.offset));
+                }
+                Entry::Occupied(seen) => {
+                    let (first_path, first_offset) = *seen.get();
+                    problems.push(Problem {
+                        path: seg.path.clone(),
+                        offset: frame.offset,
+                        kind: ProblemKind::DuplicateKey {
+                            traj_id: key.0,
+                            step_index: key.1,
+                            first_path: first_path.to_path_buf(),
+                            first_offset,
+                        },
+                    });
+                }
+            }
+        }
+    }
+    problems
 }
 
 fn index_mismatch(seg: &MappedSegment) -> Option<Problem> {
@@ -92,12 +124,14 @@ enum Fix {
         path: PathBuf,
         tmp: PathBuf,
         records: usize,
+        duplicates: usize,
     },
 }
 
 /// Repairs `dir`: a torn tail (or torn footer) at the end of a segment is truncated; a segment
 /// with corrupt or undecodable records (a record whose text reference points at a corrupt
-/// frame included) is rewritten (sealed, current format) with its valid records only; the
+/// frame included) or with records repeating an earlier record's (traj_id, step_index) key is
+/// rewritten (sealed, current format) with its valid, first-of-their-key records only; the
 /// manifest is rebuilt from the segment files. Must not run while the dataset is in use.
 pub fn repair(dir: &Path) -> Result<RepairReport, StoreError> {
     let mut actions = Vec::new();
@@ -161,8 +195,16 @@ fn plan_fix(seg: &MappedSegment, problems: &[&Problem]) -> Result<Option<Fix>, S
     let tmp = seg.path.with_extension("stp.tmp");
     let _ = fs::remove_file(&tmp);
     let mut writer = SegmentWriter::create(&tmp, true)?;
+    let duplicates: BTreeSet<u64> = problems
+        .iter()
+        .filter(|p| matches!(p.kind, ProblemKind::DuplicateKey { .. }))
+        .map(|p| p.offset)
+        .collect();
     let mut records = 0;
     for frame in &seg.scan.frames {
+        if duplicates.contains(&frame.offset) {
+            continue;
+        }
         // Re-encoded (not copied): frame offsets change, and text references with them.
         if let Ok(record) = seg.view(frame).to_record() {
             writer.append(&record, u64::MAX)?;
@@ -174,6 +216,7 @@ fn plan_fix(seg: &MappedSegment, problems: &[&Problem]) -> Result<Option<Fix>, S
         path: seg.path.clone(),
         tmp,
         records,
+        duplicates: duplicates.len(),
     }))
 }
 
@@ -194,10 +237,19 @@ fn apply_fix(fix: Fix) -> Result<String, StoreError> {
                 .map_err(StoreError::io(&path))?;
             Ok(format!("{}: truncated at byte {at}", path.display()))
         }
-        Fix::Replace { path, tmp, records } => {
+        Fix::Replace {
+            path,
+            tmp,
+            records,
+            duplicates,
+        } => {
             fs::rename(&tmp, &path).map_err(StoreError::io(&path))?;
+            let removed = match duplicates {
+                0 => String::new(),
+                n => format!(", {n} records repeating an earlier key removed"),
+            };
             Ok(format!(
-                "{}: rewritten with its {records} valid records",
+                "{}: rewritten with its {records} valid records{removed}",
                 path.display()
             ))
         }
