@@ -102,3 +102,33 @@ fn stdin_agent_accepts_bare_and_tagged_actions() {
     assert_eq!(episode["turns"], 2);
     assert_eq!(episode["invalid_turns"], 0);
 }
+
+#[test]
+fn stdin_agent_keeps_a_valid_answer_on_a_line_with_invalid_utf8() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_stepppo"))
+        .args(["env", "play", "bandit", "--agent", "stdin", "--json"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = b"<answer>".to_vec();
+    line.extend_from_slice(&first_bandit_arm());
+    line.extend_from_slice(b"</answer> \xff\xfe\n");
+    child.stdin.take().unwrap().write_all(&line).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let episode: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(episode["invalid_turns"], 0, "{stdout}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not UTF-8"));
+}
+
+/// The name of the bandit's first arm, read from the env's own action space.
+fn first_bandit_arm() -> Vec<u8> {
+    let (env, _) = stepppo::env::build_env("bandit", &serde_json::Value::Null).unwrap();
+    match env.action_space() {
+        stepppo::env::ActionSpace::Named(names) => names[0].clone().into_bytes(),
+        other => panic!("bandit actions: {other:?}"),
+    }
+}

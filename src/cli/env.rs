@@ -132,13 +132,20 @@ fn episode_json(episode: &Episode) -> Value {
 }
 
 /// Shows the current prompt on stderr (stdout carries the transcript or JSON) and reads one
-/// line: a bare action (wrapped in `<answer>`) or tagged text.
+/// line: a bare action (wrapped in `<answer>`) or tagged text. Bytes that are not UTF-8 become
+/// U+FFFD (with a warning); the rest of the line is kept as typed.
 fn stdin_response(session: &AgentSession) -> String {
     eprint!("{}> ", session.window_user_message(0));
     let _ = std::io::stderr().flush();
-    let mut line = String::new();
-    let _ = std::io::stdin().lock().read_line(&mut line);
-    let line = line.trim();
+    let mut bytes = Vec::new();
+    if let Err(e) = std::io::stdin().lock().read_until(b'\n', &mut bytes) {
+        eprintln!("warning: reading stdin: {e}");
+    }
+    let text = String::from_utf8_lossy(&bytes);
+    if let std::borrow::Cow::Owned(_) = text {
+        eprintln!("warning: the line held bytes that are not UTF-8; each became U+FFFD");
+    }
+    let line = text.trim();
     if line.contains('<') {
         line.to_string()
     } else {

@@ -169,13 +169,48 @@ pub fn build_env(
         )?)?),
         other => return Err(EnvError::UnknownEnv(other.to_string())),
     };
-    let protocol = merge_config(
+    let mut protocol = merge_config(
         env_name,
         ProtocolConfig::default_for(env_name),
         &protocol_overrides,
     )?;
     protocol.validate(env_name)?;
+    if env_name == "sokoban" {
+        let turns_given = protocol_overrides.contains_key("max_turns");
+        fit_turns_to_action_cap(env_name, env.max_steps(), &mut protocol, turns_given)?;
+    }
     Ok((env, protocol))
+}
+
+/// For an env whose episodes are generated to be solvable within its action cap (Sokoban: a
+/// room is accepted only when its optimum fits `max_steps`), the turns must leave room for that
+/// many actions. Unset, `max_turns` follows the cap; set too low, it is an error naming both
+/// keys (otherwise the longer rooms fail for lack of turns, with no sign of why).
+fn fit_turns_to_action_cap(
+    env_name: &str,
+    action_cap: usize,
+    protocol: &mut ProtocolConfig,
+    turns_given: bool,
+) -> Result<(), EnvError> {
+    let per_turn = protocol.max_actions_per_turn;
+    let needed = action_cap.div_ceil(per_turn);
+    if !turns_given {
+        protocol.max_turns = needed;
+        return Ok(());
+    }
+    if protocol.max_turns < needed {
+        return Err(bad_value(
+            env_name,
+            "max_turns",
+            format!(
+                "{} turns × {per_turn} actions per turn cannot reach `max_steps` {action_cap}: \
+                 episodes are generated to need up to `max_steps` moves; set max_turns to at \
+                 least {needed} (or leave it unset to follow max_steps)",
+                protocol.max_turns
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Builds the agent session (env + text protocol) for `env_name` from `config`.
@@ -323,6 +358,31 @@ mod tests {
         let mut session = session;
         let first = session.reset(1);
         assert!(first.contains("______") || first.lines().any(|l| l.chars().count() == 6));
+    }
+
+    #[test]
+    fn sokoban_turns_follow_its_action_cap_and_may_not_undercut_it() {
+        let session = build_session("sokoban", &json!({"max_steps": 24})).unwrap();
+        assert_eq!(session.protocol().max_turns, 24);
+        let two_per_turn = json!({"max_steps": 24, "max_actions_per_turn": 5});
+        let session = build_session("sokoban", &two_per_turn).unwrap();
+        assert_eq!(session.protocol().max_turns, 5);
+        let err = build_session("sokoban", &json!({"max_steps": 24, "max_turns": 10}))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("max_turns") && err.contains("max_steps") && err.contains("24"),
+            "{err}"
+        );
+        let enough = json!({"max_steps": 24, "max_turns": 12, "max_actions_per_turn": 2});
+        assert_eq!(
+            build_session("sokoban", &enough)
+                .unwrap()
+                .protocol()
+                .max_turns,
+            12
+        );
     }
 
     #[test]

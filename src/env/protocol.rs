@@ -19,8 +19,9 @@ use crate::store::StepInfo;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProtocolConfig {
-    /// Turns (model responses) per episode. Defaults: the env's action cap for grid envs
-    /// (10: one action per turn, as ROLL), 1 for bandit, 4 for hotpotqa.
+    /// Turns (model responses) per episode. Defaults: 10 for FrozenLake (one action per turn, as
+    /// ROLL), enough turns for Sokoban's action cap `max_steps` (which it may not undercut), 1
+    /// for bandit, 4 for hotpotqa.
     pub max_turns: usize,
     /// Actions executed per turn; extra `||`-separated actions are dropped. RAGEN uses 5, ROLL 1.
     pub max_actions_per_turn: usize,
