@@ -38,7 +38,7 @@ pub enum ConfigError {
         key: String,
         msg: String,
     },
-    #[error("--set {arg}: {msg}")]
+    #[error("--set {}: {msg}", shorten(arg))]
     Set { arg: String, msg: String },
     #[error(
         "{file}: --resume continues the run's own config; these keys differ from it: {}. \
@@ -47,6 +47,14 @@ pub enum ConfigError {
         RESUME_OVERRIDABLE.join(", ")
     )]
     ResumeMismatch { file: String, keys: Vec<String> },
+}
+
+/// `arg` as shown in an error: at most 120 characters, the rest elided.
+fn shorten(arg: &str) -> String {
+    match arg.char_indices().nth(120) {
+        Some((cut, _)) => format!("{}… ({} bytes)", &arg[..cut], arg.len()),
+        None => arg.to_string(),
+    }
 }
 
 /// Keys a resumed run may change: when it stops and how often it validates and saves, and how
@@ -810,6 +818,15 @@ impl Config {
         if m.group_size == 0 {
             return fail("group_size", "must be at least 1".into());
         }
+        if m.num_env_groups.checked_mul(m.group_size).is_none() {
+            return fail(
+                "group_size",
+                format!(
+                    "num_env_groups × group_size = {} × {} overflows",
+                    m.num_env_groups, m.group_size
+                ),
+            );
+        }
         if m.tags.is_empty() {
             return fail("tags", "must name at least one env of custom_envs".into());
         }
@@ -823,7 +840,13 @@ impl Config {
                 ),
             );
         }
-        let total: usize = m.num_groups_partition.iter().sum();
+        let total = m
+            .num_groups_partition
+            .iter()
+            .try_fold(0usize, |sum, &n| sum.checked_add(n));
+        let Some(total) = total else {
+            return fail("num_groups_partition", "its sum overflows".into());
+        };
         if total != m.num_env_groups {
             return fail(
                 "num_groups_partition",
@@ -957,6 +980,10 @@ pub fn check_resume(stored: &Config, given: &Config, file: &str) -> Result<(), C
     }
 }
 
+/// Most keys in one `--set` path: far deeper than any config key, far shallower than what would
+/// exhaust the stack when the nested maps it creates are read and dropped.
+pub const MAX_SET_DEPTH: usize = 32;
+
 /// Applies one `a.b.c=value` override: the value is read as a YAML scalar or flow collection
 /// (`3`, `true`, `null`, `[a, b]`, `{x: 1}`); intermediate maps are created when missing.
 /// A list element is addressed by its index (`tags.0=x`).
@@ -971,6 +998,12 @@ pub fn apply_set(root: &mut serde_json::Value, arg: &str) -> Result<(), ConfigEr
     let path = path.trim();
     if path.is_empty() || path.split('.').any(str::is_empty) {
         return Err(set_err("empty key in the dotted path".into()));
+    }
+    let depth = path.split('.').count();
+    if depth > MAX_SET_DEPTH {
+        return Err(set_err(format!(
+            "the dotted path has {depth} keys; configs nest at most {MAX_SET_DEPTH} deep"
+        )));
     }
     let value: serde_json::Value = if raw.trim().is_empty() {
         serde_json::Value::String(String::new())
@@ -1038,6 +1071,22 @@ mod tests {
 
     fn err_text(r: Result<Config, ConfigError>) -> String {
         r.expect_err("expected a config error").to_string()
+    }
+
+    #[test]
+    fn overflowing_sizes_and_runaway_set_paths_are_errors() {
+        let huge = format!("train_env_manager.group_size={}", usize::MAX / 2);
+        let err = err_text(with(&[huge.as_str()]));
+        assert!(
+            err.contains("group_size") && err.contains("overflows"),
+            "{err}"
+        );
+        let parts = format!("train_env_manager.num_groups_partition=[{}, 2]", usize::MAX);
+        let err = err_text(with(&[parts.as_str()]));
+        assert!(err.contains("num_groups_partition"), "{err}");
+        let deep = format!("{}x=1", "a.".repeat(60_000));
+        let err = err_text(with(&[deep.as_str()]));
+        assert!(err.contains("at most 32 deep") && err.len() < 400, "{err}");
     }
 
     #[test]
