@@ -225,19 +225,6 @@ pub struct SftConfig {
     pub observation_loss_coef: f64,
 }
 
-impl SftConfig {
-    /// The cloning settings of this section; `seed` orders the mini-batches.
-    pub fn settings(&self, seed: u64) -> crate::train::sft::CloneSettings {
-        crate::train::sft::CloneSettings {
-            steps: self.steps,
-            batch_size: self.batch_size,
-            lr: self.learning_rate,
-            observation_loss_coef: self.observation_loss_coef,
-            seed,
-        }
-    }
-}
-
 impl Default for SftConfig {
     fn default() -> Self {
         SftConfig {

@@ -7,8 +7,9 @@ use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig};
 use stepppo::rollout::grammar::ResponseGrammar;
 use stepppo::store::StepRecord;
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
-use stepppo::train::sft::trajectories;
-use stepppo::train::update::{response_logprobs, ResponseMasks};
+use stepppo::train::batch::trajectories;
+use stepppo::train::masks::ResponseMasks;
+use stepppo::train::update::response_logprobs;
 
 struct Setup {
     tok: Tokenizer,

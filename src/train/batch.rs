@@ -7,9 +7,13 @@
 //! For every step row the packer records where its response tokens are scored (a row-padded
 //! `[rows, max_len]` index into the flattened `[B, T]` outputs, with a mask) and where its
 //! step-start value is read (the output position of its last pre-response token). Loss aggregation
-//! then stays per step row whatever the layout. This module owns the index arithmetic only.
+//! then stays per step row whatever the layout. This module owns the index arithmetic and the
+//! host-side views of a batch of records by trajectory ([`trajectories`], the discounted return of
+//! each step); putting the sequences on a device is `device_batch`'s.
 
+use crate::algo::normalize::discounted_returns;
 use crate::store::StepRecord;
+use std::collections::BTreeMap;
 
 /// Errors of packing; each names the trajectory and step.
 #[derive(Debug, thiserror::Error)]
@@ -156,6 +160,33 @@ pub fn pad(seqs: &[Vec<u32>], len: usize, pad: u32) -> (Vec<u32>, Vec<u32>) {
     (ids, mask)
 }
 
+/// Groups records into concat-layout sequences: each trajectory's steps in order.
+pub fn trajectories(records: &[StepRecord]) -> Vec<Vec<usize>> {
+    let mut by_traj: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+    for (i, r) in records.iter().enumerate() {
+        by_traj.entry(r.traj_id).or_default().push(i);
+    }
+    by_traj
+        .into_values()
+        .map(|mut v| {
+            v.sort_by_key(|&i| records[i].step_index);
+            v
+        })
+        .collect()
+}
+
+/// The discounted return from each record's step to the end of its trajectory, by record index.
+pub(super) fn step_returns(records: &[StepRecord], gamma: f64) -> Vec<f64> {
+    let mut out = vec![0.0; records.len()];
+    for traj in trajectories(records) {
+        let rewards: Vec<f64> = traj.iter().map(|&i| f64::from(records[i].reward)).collect();
+        for (&i, g) in traj.iter().zip(discounted_returns(&rewards, gamma)) {
+            out[i] = g;
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,5 +248,17 @@ mod tests {
         let records = vec![rec(7, 0, 0, &[1], &[2]), rec(7, 1, 5, &[3], &[4])];
         let err = pack(&records, &[vec![0, 1]]).unwrap_err().to_string();
         assert!(err.contains("trajectory 7 step 1"), "{err}");
+    }
+
+    #[test]
+    fn returns_are_discounted_within_each_trajectory() {
+        let step = |traj_id, step_index, reward| StepRecord {
+            traj_id,
+            step_index,
+            reward,
+            ..StepRecord::default()
+        };
+        let records = [step(0, 1, 1.0), step(1, 0, 5.0), step(0, 0, 0.0)];
+        assert_eq!(step_returns(&records, 0.5), vec![1.0, 5.0, 0.5]);
     }
 }

@@ -8,14 +8,12 @@
 //! `val_generating_args` (greedy unless `do_sample`).
 
 use super::metrics::Scalars;
-use super::update::ResponseMasks;
+use super::setup::{device_of, engine_for};
 use super::TrainError;
 use crate::config::{Config, CustomEnv, EnvManagerConfig, GeneratingArgs};
-use crate::env::build_session;
 use crate::model::Model;
 use crate::rollout::agent_loop::{run_rollout, ContextLayout, RolloutConfig};
 use crate::rollout::engine::{CacheCounters, Engine};
-use crate::rollout::grammar::ResponseGrammar;
 use crate::rollout::sampling::SamplingParams;
 use crate::store::StepRecord;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
@@ -145,27 +143,6 @@ pub fn rollout_config(
     }
 }
 
-/// The update side of `cfg.constrained_decoding`: each env tag's answer grammar over a model
-/// vocabulary of `vocab` logits (no grammar when it is off).
-pub fn response_masks(
-    cfg: &Config,
-    tok: &Tokenizer,
-    vocab: usize,
-) -> Result<ResponseMasks, TrainError> {
-    if !cfg.constrained_decoding {
-        return Ok(ResponseMasks::default());
-    }
-    let mut grammars = BTreeMap::new();
-    for (tag, spec) in &cfg.custom_envs {
-        let at = |e: String| TrainError::Data(format!("custom_envs.{tag}: {e}"));
-        let session =
-            build_session(&spec.env_type, &spec.env_config).map_err(|e| at(e.to_string()))?;
-        let grammar = ResponseGrammar::for_session(tok, &session).map_err(|e| at(e.to_string()))?;
-        grammars.insert(tag.clone(), grammar);
-    }
-    Ok(ResponseMasks::new(grammars, vocab))
-}
-
 /// Runs the groups of `manager` (tags in partition order) and returns every record, its
 /// `env_tag` set to the config tag, plus the summed cache counters.
 #[allow(clippy::too_many_arguments)]
@@ -249,10 +226,10 @@ pub fn evaluate_policy(
     policy_dir: &std::path::Path,
     cfg: &Config,
 ) -> Result<Vec<TagSummary>, TrainError> {
-    let device = super::trainer::device_of(cfg.device)?;
+    let device = device_of(cfg.device)?;
     let (policy, tok) =
         crate::model::checkpoint::load_policy(&policy_dir.display().to_string(), &device)?;
-    let mut engine = super::trainer::engine_for(cfg, &policy)?;
+    let mut engine = engine_for(cfg, &policy)?;
     Ok(validate(&mut engine, &policy, &tok, cfg)?.1)
 }
 

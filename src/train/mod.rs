@@ -1,18 +1,28 @@
 //! The training side of stepppo: the loop ([`trainer`]), the PPO update ([`update`]), packing of
-//! step records into training sequences ([`batch`]), the supervised warm start ([`sft`]), self-imitation replay ([`self_imitation`]),
-//! validation ([`eval`]), checkpoints, the run directory's consistency across crashes ([`run_dir`]),
-//! metric sinks (JSONL and TensorBoard), learning-curve plots,
-//! collapse warnings and the progress bar.
+//! step records into training sequences ([`batch`]), their padded device tensors
+//! (`device_batch`), constrained-decoding masks on the update side ([`masks`]), construction of
+//! the device, engine and fresh policy (`setup`), the supervised warm start ([`sft`]),
+//! self-imitation replay ([`self_imitation`]), validation ([`eval`]), checkpoints, the run
+//! directory's consistency across crashes ([`run_dir`]), metric sinks (JSONL and TensorBoard),
+//! learning-curve plots, collapse warnings and the progress bar.
+//!
+//! Dependencies point down: `trainer` uses the others and nothing uses it; below it `update` →
+//! `self_imitation` → `sft` → `setup`, those three share `device_batch` → `masks` → `batch`,
+//! `eval` uses `setup`, `run_dir` uses `checkpoint`, `metrics` and `plot`, and every module may
+//! use [`TrainError`], which wraps only the leaves' errors.
 
 pub mod batch;
 pub mod checkpoint;
 pub mod collapse;
+mod device_batch;
 pub mod eval;
+pub mod masks;
 pub mod metrics;
 pub mod plot;
 pub mod progress;
 pub mod run_dir;
 pub mod self_imitation;
+mod setup;
 pub mod sft;
 pub mod trainer;
 pub mod update;

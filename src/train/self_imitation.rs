@@ -12,7 +12,8 @@
 //! (`ckpt-N/self_imitation/`), so `--resume` continues with the same buffer.
 
 use super::batch::pack;
-use super::update::{DeviceBatch, ResponseMasks};
+use super::device_batch::DeviceBatch;
+use super::masks::ResponseMasks;
 use super::TrainError;
 use crate::model::Model;
 use crate::seed;

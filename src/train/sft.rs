@@ -8,12 +8,12 @@
 //! such records (e.g. `stepppo collect` datasets). Warm-starting on the *random* agent teaches the
 //! answer format, not the task: the policy's success starts near the random agent's.
 
-use super::batch::{pack, PackedBatch};
-use super::update::DeviceBatch;
+use super::batch::{pack, step_returns, trajectories, PackedBatch};
+use super::device_batch::DeviceBatch;
+use super::setup::{device_of, fresh_policy};
 use super::TrainError;
-use crate::algo::normalize::discounted_returns;
 use crate::algo::{AdamW, OptimizerConfig};
-use crate::config::Config;
+use crate::config::{Config, SftConfig};
 use crate::env::{build_session, Agent, AgentKind};
 use crate::model::{Critic, Model};
 use crate::seed;
@@ -23,7 +23,7 @@ use candle_core::Tensor;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 
 /// What a warm start did.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -68,21 +68,6 @@ pub fn agent_transcripts(
     Ok(records)
 }
 
-/// Groups records into concat-layout sequences: each trajectory's steps in order.
-pub fn trajectories(records: &[StepRecord]) -> Vec<Vec<usize>> {
-    let mut by_traj: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
-    for (i, r) in records.iter().enumerate() {
-        by_traj.entry(r.traj_id).or_default().push(i);
-    }
-    by_traj
-        .into_values()
-        .map(|mut v| {
-            v.sort_by_key(|&i| records[i].step_index);
-            v
-        })
-        .collect()
-}
-
 /// The records of the trajectories whose last step reached the goal (`info.success`), in their
 /// original order.
 pub fn successful_trajectories(records: Vec<StepRecord>) -> Vec<StepRecord> {
@@ -109,6 +94,19 @@ pub struct CloneSettings {
     pub observation_loss_coef: f64,
     /// Seeds the shuffling of the sequences.
     pub seed: u64,
+}
+
+impl CloneSettings {
+    /// The cloning settings of an `sft` config section; `seed` orders the mini-batches.
+    pub fn from_config(sft: &SftConfig, seed: u64) -> Self {
+        CloneSettings {
+            steps: sft.steps,
+            batch_size: sft.batch_size,
+            lr: sft.learning_rate,
+            observation_loss_coef: sft.observation_loss_coef,
+            seed,
+        }
+    }
 }
 
 /// The critic side of a warm start (a critic warm-up, as verl's `critic_warmup`): next to cloning
@@ -280,18 +278,6 @@ fn clone_sequences(records: &[StepRecord]) -> Vec<Vec<usize>> {
         .collect()
 }
 
-/// The discounted return from each record's step to the end of its trajectory, by record index.
-pub(super) fn step_returns(records: &[StepRecord], gamma: f64) -> Vec<f64> {
-    let mut out = vec![0.0; records.len()];
-    for traj in trajectories(records) {
-        let rewards: Vec<f64> = traj.iter().map(|&i| f64::from(records[i].reward)).collect();
-        for (&i, g) in traj.iter().zip(discounted_returns(&rewards, gamma)) {
-            out[i] = g;
-        }
-    }
-    out
-}
-
 /// Mean negative log-likelihood of `batch`'s response tokens (a scalar with gradient), from the
 /// policy trunk's output `hidden`, under the batch's constrained-decoding bias when it has one.
 pub(super) fn cross_entropy(
@@ -379,13 +365,13 @@ pub fn clone_into(
             "sft.steps is 0: set it (e.g. --set sft.steps=300)".into(),
         ));
     }
-    let device = super::trainer::device_of(cfg.device)?;
-    let (policy, tok) = super::trainer::fresh_policy(cfg, &device)?;
+    let device = device_of(cfg.device)?;
+    let (policy, tok) = fresh_policy(cfg, &device)?;
     let report = behaviour_clone(
         &policy,
         tok.pad_id(),
         records,
-        cfg.sft.settings(cfg.seed),
+        CloneSettings::from_config(&cfg.sft, cfg.seed),
         None,
     )?;
     policy.save(out, Some(&tok))?;
@@ -413,18 +399,6 @@ mod tests {
                 ..StepRecord::default()
             })
             .collect()
-    }
-
-    #[test]
-    fn returns_are_discounted_within_each_trajectory() {
-        let step = |traj_id, step_index, reward| StepRecord {
-            traj_id,
-            step_index,
-            reward,
-            ..StepRecord::default()
-        };
-        let records = [step(0, 1, 1.0), step(1, 0, 5.0), step(0, 0, 0.0)];
-        assert_eq!(step_returns(&records, 0.5), vec![1.0, 5.0, 0.5]);
     }
 
     #[test]

@@ -14,14 +14,17 @@
 //! ([`super::self_imitation`]) before the update replays them; the buffer goes into every
 //! checkpoint. Every RNG is derived from `seed` and those counters.
 
+use super::batch::{step_returns, trajectories};
 use super::checkpoint::{self, CheckpointWriter};
 use super::collapse::CollapseDetector;
 use super::eval::{self, TagSummary, VAL_SEED_OFFSET};
+use super::masks::{response_masks, ResponseMasks};
 use super::metrics::{MetricsSink, Scalars};
 use super::run_dir::{self, Rewound, RunPosition};
 use super::self_imitation::{self, Replay, ReplayBuffer};
-use super::sft::{self, SftReport};
-use super::update::{self, Learners, ResponseMasks, UpdateInputs, UpdateSettings};
+use super::setup::{device_of, engine_for, fresh_policy};
+use super::sft::{self, CloneSettings, SftReport};
+use super::update::{self, Learners, UpdateInputs, UpdateSettings};
 use super::TrainError;
 use crate::algo::config::Truncation;
 use crate::algo::filter::group_reward_std;
@@ -29,11 +32,11 @@ use crate::algo::{
     compute_advantages, kl_reward_penalty, uncertainty_filter, AdamW, AdvantageInputs,
     CriticTarget, LrSchedule,
 };
-use crate::config::{BuiltinSize, Config, ContextLayout, CriticMode, DeviceKind};
+use crate::config::{Config, ContextLayout, CriticMode};
 use crate::crash;
 use crate::env::AgentKind;
-use crate::model::{Critic, Model, ModelConfig};
-use crate::rollout::engine::{CacheMode, Engine, EngineConfig};
+use crate::model::{Critic, Model};
+use crate::rollout::engine::Engine;
 use crate::seed;
 use crate::store::{DatasetWriter, StepRecord, WriterOptions};
 use crate::tokenizer::Tokenizer;
@@ -54,8 +57,7 @@ pub struct TrainState {
     pub skipped_updates: u64,
 }
 
-/// Seed-path tags of the components a run initialises.
-const SEED_POLICY: u64 = 1;
+/// Seed-path tags of the components a run initialises (1, the policy's, is [`super::setup`]'s).
 const SEED_CRITIC: u64 = 2;
 const SEED_SFT: u64 = 3;
 const SEED_SHUFFLE: u64 = 4;
@@ -108,14 +110,6 @@ pub struct Trainer {
     replay_buffer: Option<ReplayBuffer>,
     /// Warnings found while opening the run, reported when it runs.
     pending_warnings: Vec<String>,
-}
-
-pub(crate) fn device_of(kind: DeviceKind) -> Result<Device, TrainError> {
-    let name = match kind {
-        DeviceKind::Cpu => "cpu",
-        DeviceKind::Cuda => "cuda",
-    };
-    crate::device::parse_device(name).map_err(|e| TrainError::Data(format!("key `device`: {e}")))
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -255,7 +249,7 @@ impl Trainer {
         policy.refresh_rollout_weights()?;
         let mut engine = engine_for(&cfg, &policy)?;
         engine.set_policy_version(state.step)?;
-        let masks = eval::response_masks(&cfg, &tok, policy.config().vocab_size)?;
+        let masks = response_masks(&cfg, &tok, policy.config().vocab_size)?;
         let replay_buffer = (cfg.self_imitation.coef > 0.0)
             .then(|| ReplayBuffer::new(cfg.self_imitation.buffer_size));
         Ok(Trainer {
@@ -482,7 +476,7 @@ impl Trainer {
         let Some(buffer) = self.replay_buffer.as_mut() else {
             return;
         };
-        let returns = sft::step_returns(records, f64::from(self.cfg.step_reward_gamma));
+        let returns = step_returns(records, f64::from(self.cfg.step_reward_gamma));
         let added = buffer.admit(records, &returns, self.cfg.self_imitation.margin);
         scalars.insert("self_imitation/added".into(), added as f64);
         scalars.insert(
@@ -493,7 +487,7 @@ impl Trainer {
 
     /// Training sequences: whole trajectories (concat) or single steps (window).
     fn sequences(&self, records: &[StepRecord]) -> Vec<Vec<usize>> {
-        let trajs = sft::trajectories(records);
+        let trajs = trajectories(records);
         match self.cfg.context {
             ContextLayout::Concat => trajs,
             ContextLayout::Window => trajs.into_iter().flatten().map(|i| vec![i]).collect(),
@@ -796,20 +790,6 @@ fn load_reference(run_dir: &Path, device: &Device) -> Result<Model, TrainError> 
     Ok(reference)
 }
 
-/// The rollout engine of a run (radix cache unless `cache.prefix_cache` is off).
-pub(crate) fn engine_for(cfg: &Config, policy: &Model) -> Result<Engine, TrainError> {
-    let engine_cfg = EngineConfig {
-        cache_mode: if cfg.cache.prefix_cache {
-            CacheMode::Radix
-        } else {
-            CacheMode::None
-        },
-        num_slots: cfg.cache.kv_slots,
-        ..EngineConfig::default()
-    };
-    Ok(Engine::new(policy.config(), engine_cfg, policy.device())?)
-}
-
 fn writer_options(cfg: &Config) -> WriterOptions {
     let mut opts = WriterOptions::default();
     opts.metadata.insert(
@@ -821,27 +801,6 @@ fn writer_options(cfg: &Config) -> WriterOptions {
         serde_json::to_value(&cfg.custom_envs).expect("env configs serialise"),
     );
     opts
-}
-
-/// The policy a fresh run starts from: the built-in model (`tiny`/`small`, initialised from the
-/// run seed) or an HF checkpoint directory.
-pub(crate) fn fresh_policy(
-    cfg: &Config,
-    device: &Device,
-) -> Result<(Model, Tokenizer), TrainError> {
-    if cfg.pretrain != "builtin" {
-        return Ok(crate::model::checkpoint::load_policy(
-            &cfg.pretrain,
-            device,
-        )?);
-    }
-    let tok = Tokenizer::builtin();
-    let mc = match cfg.builtin_size {
-        BuiltinSize::Tiny => ModelConfig::tiny(tok.vocab_size()),
-        BuiltinSize::Small => ModelConfig::small(tok.vocab_size()),
-    };
-    let model = Model::new(&mc, seed::derive(cfg.seed, &[SEED_POLICY]), device)?;
-    Ok((model, tok))
 }
 
 /// A separate critic: from `critic.pretrain` (or the policy's checkpoint directory), else a fresh
@@ -883,7 +842,7 @@ fn warm_start(
         policy,
         tok.pad_id(),
         &records,
-        cfg.sft.settings(base),
+        CloneSettings::from_config(&cfg.sft, base),
         value,
     )
 }

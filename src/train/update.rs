@@ -8,20 +8,20 @@
 //! log-likelihood of a draw from the replay buffer ([`super::self_imitation`]). A non-finite loss
 //! or gradient skips that update (counted and reported); the run goes on.
 
-use super::batch::{pack, pad, PackedBatch};
+use super::batch::{pack, PackedBatch};
+use super::device_batch::DeviceBatch;
+use super::masks::ResponseMasks;
 use super::metrics::Scalars;
 use super::self_imitation::Replay;
 use super::TrainError;
 use crate::algo::{policy_loss, value_loss, AdamW, CriticTarget, LossConfig};
 use crate::model::{Critic, Model};
-use crate::rollout::grammar::{Allowed, ResponseGrammar};
 use crate::seed;
 use crate::store::StepRecord;
-use candle_core::{Device, Tensor, D};
+use candle_core::{Device, Tensor};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use std::collections::BTreeMap;
 
 /// Everything the update reads, aligned with `records`.
 pub struct UpdateInputs<'a> {
@@ -62,71 +62,6 @@ pub struct UpdateSettings<'a> {
     pub shuffle_seed: u64,
     /// Constrained decoding: the grammars the rollout sampled under.
     pub masks: &'a ResponseMasks,
-}
-
-/// The update side of constrained decoding: per env tag, the answer grammar the rollout sampled
-/// under, so each response token is scored over the same allowed tokens (a `-1e9` logit bias on
-/// the others). Empty when constrained decoding is off.
-#[derive(Default)]
-pub struct ResponseMasks {
-    grammars: BTreeMap<String, ResponseGrammar>,
-    vocab: usize,
-}
-
-/// Logit bias of a token the grammar forbids: its probability underflows to exactly 0.
-const FORBIDDEN_LOGIT: f32 = -1e9;
-
-impl ResponseMasks {
-    /// Masks for the env tags in `grammars` over a model vocabulary of `vocab` logits.
-    pub fn new(grammars: BTreeMap<String, ResponseGrammar>, vocab: usize) -> Self {
-        Self { grammars, vocab }
-    }
-
-    /// `[rows * width, vocab]` bias of a packed batch, `None` when no response token of it is
-    /// constrained. Tokens past the point where a response left its grammar stay unconstrained.
-    fn logit_bias(
-        &self,
-        p: &PackedBatch,
-        records: &[StepRecord],
-        device: &Device,
-    ) -> Result<Option<Tensor>, TrainError> {
-        let (w, v) = (p.max_response_len, self.vocab);
-        let mut bias: Vec<f32> = Vec::new();
-        for (row, &r) in p.record_of_row.iter().enumerate() {
-            let rec = &records[r];
-            let Some(grammar) = self.grammars.get(&rec.env_tag) else {
-                continue;
-            };
-            for (j, allowed) in grammar
-                .allowed_per_token(&rec.response_ids)
-                .iter()
-                .enumerate()
-            {
-                let Some(allowed) = allowed else { continue };
-                if bias.is_empty() {
-                    bias = vec![0.0; p.rows * w * v];
-                }
-                let slot = &mut bias[(row * w + j) * v..(row * w + j + 1) * v];
-                match allowed {
-                    Allowed::Only(ids) => {
-                        slot.fill(FORBIDDEN_LOGIT);
-                        ids.iter()
-                            .filter(|&&t| (t as usize) < v)
-                            .for_each(|&t| slot[t as usize] = 0.0);
-                    }
-                    Allowed::AllBut(ids) => {
-                        ids.iter()
-                            .filter(|&&t| (t as usize) < v)
-                            .for_each(|&t| slot[t as usize] = FORBIDDEN_LOGIT);
-                    }
-                }
-            }
-        }
-        if bias.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(Tensor::from_vec(bias, (p.rows * w, v), device)?))
-    }
 }
 
 /// The models and optimizers the update steps.
@@ -227,64 +162,6 @@ fn mini_batches(inputs: &UpdateInputs, settings: &UpdateSettings, epoch: u64) ->
         .chunks(settings.mini_batch.max(1))
         .map(<[usize]>::to_vec)
         .collect()
-}
-
-/// The padded model inputs of a packed mini-batch on the device (the update's and the warm
-/// start's).
-pub(super) struct DeviceBatch {
-    pub(super) ids: Tensor,
-    pub(super) mask: Tensor,
-    pub(super) token_index: Tensor,
-    /// The target token at each `token_index` position.
-    pub(super) token_targets: Tensor,
-    value_index: Tensor,
-    /// `[rows * width, vocab]` constrained-decoding bias of the response tokens, if any.
-    pub(super) logit_bias: Option<Tensor>,
-}
-
-impl DeviceBatch {
-    pub(super) fn new(p: &PackedBatch, pad_id: u32, device: &Device) -> Result<Self, TrainError> {
-        let (b, t) = (p.inputs.len(), p.seq_len);
-        let (ids, mask) = pad(&p.inputs, t, pad_id);
-        let (targets, _) = pad(&p.targets, t, pad_id);
-        let token_targets: Vec<u32> = p.token_index.iter().map(|&i| targets[i as usize]).collect();
-        Ok(DeviceBatch {
-            token_targets: Tensor::new(token_targets.as_slice(), device)?,
-            ids: Tensor::from_vec(ids, (b, t), device)?,
-            mask: Tensor::from_vec(mask, (b, t), device)?,
-            token_index: Tensor::new(p.token_index.as_slice(), device)?,
-            value_index: Tensor::new(p.value_index.as_slice(), device)?,
-            logit_bias: None,
-        })
-    }
-
-    /// The batch of `new` with the constrained-decoding bias of `masks` on its response tokens.
-    pub(super) fn constrained(
-        p: &PackedBatch,
-        pad_id: u32,
-        device: &Device,
-        records: &[StepRecord],
-        masks: &ResponseMasks,
-    ) -> Result<Self, TrainError> {
-        Ok(DeviceBatch {
-            logit_bias: masks.logit_bias(p, records, device)?,
-            ..Self::new(p, pad_id, device)?
-        })
-    }
-
-    /// `[B, T]` per-position values → `[rows, width]` at the response tokens.
-    fn at_tokens(&self, x: &Tensor, p: &PackedBatch) -> Result<Tensor, TrainError> {
-        Ok(x.flatten_all()?
-            .index_select(&self.token_index, D::Minus1)?
-            .reshape((p.rows, p.max_response_len))?)
-    }
-
-    /// `[B, T]` per-position values → `[rows, 1]` at each step's start.
-    pub(super) fn at_step_starts(&self, x: &Tensor, p: &PackedBatch) -> Result<Tensor, TrainError> {
-        Ok(x.flatten_all()?
-            .index_select(&self.value_index, D::Minus1)?
-            .reshape((p.rows, 1))?)
-    }
 }
 
 /// A `[rows, width]` host matrix from per-row vectors (each at most `width` long, zero-padded).
@@ -662,6 +539,7 @@ mod tests {
     use super::*;
     use crate::algo::OptimizerConfig;
     use crate::model::ModelConfig;
+    use crate::train::batch::pad;
 
     fn record(adv_len: usize) -> StepRecord {
         StepRecord {
