@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes tests/fixtures/hf/: tiny random Qwen2, Qwen3 and Llama 3 checkpoints saved by Hugging Face
-transformers, RoPE-scaling variants, a bf16 and a sharded copy, a transformers-4-layout config, a
+transformers, RoPE-scaling variants, bf16, f16 and sharded copies, a transformers-4-layout config, a
 chat-template tokenizer, and what transformers computes for each (greedy tokens and their
 log-probs, rendered chat ids), so the Rust tests compare against transformers without Python.
 
@@ -188,8 +188,9 @@ def rope_variants(base_expected):
         write_expected(directory, expected)
 
 
-def bf16_and_sharded(model, expected):
+def half_and_sharded(model, expected):
     save(copy.deepcopy(model).to(torch.bfloat16), "qwen2-bf16")
+    save(copy.deepcopy(model).to(torch.float16), "qwen2-f16")
     directory, sharded = save(model, "qwen2-sharded", max_shard_size="100KB")
     assert (directory / "model.safetensors.index.json").exists(), "not sharded"
     assert sharded == expected, "sharding changed the outputs"
@@ -268,7 +269,7 @@ def main():
     OUT.mkdir(parents=True, exist_ok=True)
     model, expected = qwen2()
     rope_variants(expected)
-    bf16_and_sharded(model, expected)
+    half_and_sharded(model, expected)
     qwen3()
     llama3()
     chat_fixture()

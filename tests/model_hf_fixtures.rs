@@ -1,7 +1,7 @@
 //! Checkpoints as Hugging Face transformers writes them (`tests/fixtures/hf/`, made by
 //! `scripts/make_hf_fixtures.py`): each loads and generates, greedily, the tokens transformers
 //! generated, with log-probs within 1e-4 (f32), on both of stepppo's forward paths. Covers
-//! Qwen2, Qwen3 and Llama 3, both config layouts, RoPE scaling variants, bf16 weights, shards,
+//! Qwen2, Qwen3 and Llama 3, both config layouts, RoPE scaling variants, bf16/f16 weights, shards,
 //! the export round trip, and errors for config keys stepppo cannot honour.
 
 use std::path::{Path, PathBuf};
@@ -160,8 +160,10 @@ fn rope_scaling_variants_match_transformers() {
 }
 
 #[test]
-fn bf16_weights_load_as_f32_and_match_transformers() {
-    check_against_transformers(&fixture("qwen2-bf16"), &fixture("qwen2-bf16"));
+fn bf16_and_f16_weights_load_as_f32_and_match_transformers() {
+    for name in ["qwen2-bf16", "qwen2-f16"] {
+        check_against_transformers(&fixture(name), &fixture(name));
+    }
 }
 
 #[test]
@@ -290,4 +292,45 @@ fn weights_the_config_does_not_account_for_are_an_error() {
         err.contains("self_attn.k_norm.weight") && err.contains("model.safetensors"),
         "{err}"
     );
+}
+
+/// Tensor names, shapes and dtypes of a directory's safetensors files.
+fn tensor_specs(dir: &Path) -> Vec<(String, Vec<usize>, candle_core::DType)> {
+    let mut specs = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            for (name, t) in candle_core::safetensors::load(&path, &Device::Cpu).unwrap() {
+                specs.push((name, t.dims().to_vec(), t.dtype()));
+            }
+        }
+    }
+    specs.sort_by(|a, b| a.0.cmp(&b.0));
+    specs
+}
+
+fn config_json(dir: &Path) -> serde_json::Map<String, serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn export_writes_what_transformers_wrote() {
+    for name in ["qwen2", "qwen3", "llama3", "qwen2-bf16"] {
+        let src = fixture(name);
+        let model = Model::load(&src, &Device::Cpu).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        model.save(out.path(), None).unwrap();
+
+        let theirs: Vec<_> = tensor_specs(&src)
+            .into_iter()
+            .map(|(n, s, _)| (n, s, candle_core::DType::F32))
+            .collect();
+        assert_eq!(tensor_specs(out.path()), theirs, "{name}: tensors");
+
+        let mut want = config_json(&src);
+        want.insert("dtype".into(), "float32".into());
+        assert_eq!(config_json(out.path()), want, "{name}: config.json");
+
+        check_against_transformers(out.path(), &src);
+    }
 }

@@ -49,7 +49,7 @@ fn cases() -> Vec<Case> {
         .collect()
 }
 
-fn find<'a>(cases: &'a [Case], n: usize, gen: bool) -> &'a Case {
+fn find(cases: &[Case], n: usize, gen: bool) -> &Case {
     cases
         .iter()
         .find(|c| c.messages.len() == n && c.add_generation_prompt == gen)

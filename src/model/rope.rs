@@ -57,10 +57,12 @@ pub struct Rope {
 /// Keys every layout may carry next to the type's own.
 const COMMON_KEYS: [&str; 4] = ["rope_theta", "rope_type", "type", "partial_rotary_factor"];
 
+/// A RoPE object of a config (`rope_parameters` or `rope_scaling`) with its key name.
+type RopeObject<'a> = (&'static str, &'a Map<String, Value>);
+
 /// The RoPE settings of a config, wherever the layout put them.
 struct Settings<'a> {
-    /// `rope_parameters` or `rope_scaling`, with its key name.
-    params: Option<(&'static str, &'a Map<String, Value>)>,
+    params: Option<RopeObject<'a>>,
     theta: f64,
 }
 
@@ -260,14 +262,13 @@ fn settings(
     extra: &Map<String, Value>,
     top_level_theta: Option<f64>,
 ) -> Result<Settings<'_>, String> {
-    let object =
-        |key: &'static str| -> Result<Option<(&'static str, &Map<String, Value>)>, String> {
-            match extra.get(key) {
-                None | Some(Value::Null) => Ok(None),
-                Some(Value::Object(m)) => Ok(Some((key, m))),
-                Some(other) => Err(format!("key `{key}` must be an object, got {other}")),
-            }
-        };
+    let object = |key: &'static str| -> Result<Option<RopeObject<'_>>, String> {
+        match extra.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Object(m)) => Ok(Some((key, m))),
+            Some(other) => Err(format!("key `{key}` must be an object, got {other}")),
+        }
+    };
     let params = match (object("rope_parameters")?, object("rope_scaling")?) {
         (Some(_), Some(_)) => {
             return Err(
