@@ -150,6 +150,16 @@ def llama3():
     (directory / "config.v4.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def attention_bias():
+    """`attention_bias: true` (q/k/v/o biases) in the two families that read it; smaller models."""
+    small = dict(COMMON, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    cfg = transformers.LlamaConfig(**small, max_position_embeddings=128, attention_bias=True)
+    save(randomize(transformers.LlamaForCausalLM(cfg), 4), "llama-attention-bias")
+    cfg = transformers.Qwen3Config(**small, head_dim=16, max_position_embeddings=128, attention_bias=True,
+                                   tie_word_embeddings=True)
+    save(randomize(transformers.Qwen3ForCausalLM(cfg), 5), "qwen3-attention-bias")
+
+
 def variant_model(base_dir, rope_parameters, max_position_embeddings=None):
     cfg = json.loads((base_dir / "config.json").read_text())
     cfg["rope_parameters"] = rope_parameters
@@ -272,6 +282,7 @@ def main():
     half_and_sharded(model, expected)
     qwen3()
     llama3()
+    attention_bias()
     chat_fixture()
     for d in sorted(OUT.iterdir()):
         size = sum(f.stat().st_size for f in d.iterdir())

@@ -152,6 +152,13 @@ fn llama3_matches_transformers_in_both_layouts() {
 }
 
 #[test]
+fn attention_bias_matches_transformers_in_llama_and_qwen3() {
+    for name in ["llama-attention-bias", "qwen3-attention-bias"] {
+        check_against_transformers(&fixture(name), &fixture(name));
+    }
+}
+
+#[test]
 fn rope_scaling_variants_match_transformers() {
     for variant in ["rope-linear", "rope-dynamic", "rope-yarn"] {
         let dir = assemble(&fixture("qwen2"), &fixture(variant).join("config.json"));
