@@ -75,12 +75,9 @@ impl Rope {
         head_dim: usize,
         max_position_embeddings: usize,
     ) -> Result<Self, String> {
-        if let Some(prf) = optional_f64("config", extra, "partial_rotary_factor")? {
-            if prf != 1.0 {
-                return Err(format!(
-                    "key `partial_rotary_factor` = {prf}: only full rotary embeddings (1.0) are supported"
-                ));
-            }
+        let top_level_prf = extra.get("partial_rotary_factor").filter(|v| !v.is_null());
+        if let Some(value) = top_level_prf {
+            check_full_rotary("partial_rotary_factor", value.as_f64())?;
         }
         let settings = settings(extra, top_level_theta)?;
         let scaling = match settings.params {
@@ -92,20 +89,6 @@ impl Rope {
             head_dim,
             scaling,
         })
-    }
-
-    /// The default RoPE with base `theta`.
-    pub fn plain(theta: f64, head_dim: usize) -> Self {
-        Self {
-            theta,
-            head_dim,
-            scaling: Scaling::Default,
-        }
-    }
-
-    /// The base frequency θ.
-    pub fn theta(&self) -> f64 {
-        self.theta
     }
 
     /// Inverse frequencies `[head_dim / 2]` for a sequence of `seq_len` tokens, and the factor
@@ -303,12 +286,14 @@ fn scaling(
     max_position_embeddings: usize,
 ) -> Result<Scaling, String> {
     let rope_type = rope_type(key, params)?;
-    if let Some(prf) = optional_f64(key, params, "partial_rotary_factor")? {
-        if prf != 1.0 {
-            return Err(format!(
-                "key `{key}.partial_rotary_factor` = {prf}: only full rotary embeddings (1.0) are supported"
-            ));
-        }
+    if params
+        .get("partial_rotary_factor")
+        .is_some_and(|v| !v.is_null())
+    {
+        check_full_rotary(
+            &format!("{key}.partial_rotary_factor"),
+            params["partial_rotary_factor"].as_f64(),
+        )?;
     }
     let f = |name: &str| required_f64(key, params, name);
     let original_max = || -> Result<f64, String> {
@@ -401,6 +386,16 @@ fn yarn(
     })
 }
 
+/// Partial rotary embeddings (a factor other than 1) are not implemented.
+fn check_full_rotary(key: &str, factor: Option<f64>) -> Result<(), String> {
+    match factor {
+        Some(1.0) => Ok(()),
+        _ => Err(format!(
+            "key `{key}`: only full rotary embeddings (1.0) are supported"
+        )),
+    }
+}
+
 /// Scaling factors must be finite and at least 1 (transformers' own validation).
 fn check_factor(key: &str, scaling: &Scaling) -> Result<(), String> {
     let factor = match scaling {
@@ -460,7 +455,7 @@ mod tests {
         .unwrap();
         let v4 = rope(serde_json::json!({"rope_scaling": null}), Some(1e6)).unwrap();
         assert_eq!(v5, v4);
-        assert_eq!(v5.theta(), 1e6);
+        assert_eq!(v5, rope(serde_json::json!({}), Some(1e6)).unwrap());
         let v4_scaled = rope(
             serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
             Some(1e6),
@@ -517,7 +512,7 @@ mod tests {
             None,
         )
         .unwrap();
-        let plain = Rope::plain(DEFAULT_THETA, 8);
+        let plain = rope(serde_json::json!({}), None).unwrap();
         let inside: Vec<u32> = (0..32).collect();
         assert_eq!(dynamic.tables(&inside), plain.tables(&inside));
         assert_ne!(dynamic.tables(&[40]), plain.tables(&[40]));
