@@ -1,8 +1,9 @@
 //! A checkpoint's own chat template (`chat_template` in `tokenizer_config.json`, or
 //! `chat_template.jinja`) rendered with `minijinja` the way transformers' `apply_chat_template`
 //! renders it: `trim_blocks` and `lstrip_blocks` on, Python string methods (`.strip()`,
-//! `.startswith()`, …) through `minijinja-contrib`'s pycompat, `raise_exception`, and the special
-//! token strings as variables. It renders text only; [`super::ChatTemplate`] turns the renders
+//! `.startswith()`, …) through `minijinja-contrib`'s pycompat, `raise_exception`, the special
+//! token strings as variables, and `tools`/`documents` set to none as transformers passes them
+//! when a conversation has none. It renders text only; [`super::ChatTemplate`] turns the renders
 //! into the token pieces the rollout appends.
 
 use minijinja::{Environment, ErrorKind, Value};
@@ -70,6 +71,8 @@ impl JinjaTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
+                tools => Value::from(()),
+                documents => Value::from(()),
             })
             .map_err(|e| template_error(&self.origin, &e))
     }
