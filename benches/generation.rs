@@ -18,10 +18,12 @@ const NEW_TOKENS: usize = 32;
 
 fn bench_generation(c: &mut Criterion) {
     let (model, tok) = builtin_policy(&Device::Cpu).unwrap();
-    let prompt = ChatTemplate.user_turn(
-        &tok,
-        "You are solving the FrozenLake puzzle.\nTurn 1:\nState:\nP_O_\n__G_",
-    );
+    let prompt = ChatTemplate
+        .user_turn(
+            &tok,
+            "You are solving the FrozenLake puzzle.\nTurn 1:\nState:\nP_O_\n__G_",
+        )
+        .unwrap();
     let mut group = c.benchmark_group("generation");
     group.sample_size(10);
     for batch in [1usize, 32] {

@@ -1,14 +1,25 @@
-//! The tokenizer: a wrapper over `tokenizers`, the built-in vocabulary and the chat template.
+//! The tokenizer: a wrapper over `tokenizers`, the built-in vocabulary, and chat templates (the
+//! built-in one, or a checkpoint's own Jinja template).
 //!
-//! [`Tokenizer`] wraps a `tokenizers::Tokenizer`: either loaded from an HF `tokenizer.json` or the
-//! built-in one, a byte-level BPE whose base vocabulary is the 256 byte symbols (so any text encodes
+//! [`Tokenizer`] wraps a `tokenizers::Tokenizer`: either loaded from an HF checkpoint directory
+//! (`tokenizer.json`, plus `tokenizer_config.json` / `chat_template.jinja` for its end-of-turn
+//! token and chat template) or the built-in one, a byte-level BPE whose base vocabulary is the 256 byte symbols (so any text encodes
 //! without unknown tokens and decodes exactly) plus whole-word tokens for a fixed word list (env
 //! templates, actions, roles, common English) that are looked up directly (`ignore_merges`), plus
-//! the special tokens of the chat template and the agent tags. [`ChatTemplate`] renders Qwen-style
-//! `<|im_start|>role\n…<|im_end|>\n` turns in token space. Model code lives in [`crate::model`].
+//! the special tokens of the chat template and the agent tags. [`ChatTemplate`] produces the token
+//! pieces of a conversation: through the checkpoint's own Jinja template ([`jinja`]) when the
+//! tokenizer has one, so the ids equal transformers' `apply_chat_template`, else Qwen-style
+//! `<|im_start|>role\n…<|im_end|>\n` turns built in token space. Model code lives in
+//! [`crate::model`].
+
+mod hf_files;
+pub mod jinja;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
+use std::sync::Arc;
+
+pub use jinja::{JinjaTemplate, Message};
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
@@ -26,6 +37,8 @@ pub enum TokenizerError {
     MissingSpecial { path: String, token: String },
     #[error("building the built-in tokenizer: {0}")]
     Build(String),
+    #[error("chat template of {path}: {message}")]
+    Template { path: String, message: String },
 }
 
 pub type Result<T> = std::result::Result<T, TokenizerError>;
@@ -95,11 +108,22 @@ true false correct wrong
 /// Punctuation and whitespace runs that get their own token (the byte-level regex keeps each whole).
 const BUILTIN_SYMBOL_RUNS: [&str; 8] = ["||", " ||", "\n\n", ":\n", ".\n", "...", "**", "##"];
 
-/// A tokenizer: HF `tokenizers` model plus the ids stepppo needs.
+/// HF name of the tokenizer file of a checkpoint directory.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+/// HF name of the tokenizer settings (special tokens, chat template) of a checkpoint directory.
+pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+/// transformers 5's file for the chat template; it wins over `tokenizer_config.json`'s.
+pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
+
+/// A tokenizer: HF `tokenizers` model plus the ids stepppo needs and, for a checkpoint that has
+/// one, its chat template.
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     eos_id: u32,
+    chat_template: Option<Arc<JinjaTemplate>>,
+    /// `tokenizer_config.json` / `chat_template.jinja` as loaded, written back by `save_dir`.
+    settings_files: Arc<Vec<(&'static str, String)>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -167,7 +191,54 @@ impl Tokenizer {
                 path: origin.to_string(),
                 token: IM_END.to_string(),
             })?;
-        Ok(Self { inner, eos_id })
+        Ok(Self {
+            inner,
+            eos_id,
+            chat_template: None,
+            settings_files: Arc::default(),
+        })
+    }
+
+    /// Loads a checkpoint directory's tokenizer: `tokenizer.json`, and from
+    /// `tokenizer_config.json` the end-of-turn token (`<|im_end|>` when the vocabulary has it,
+    /// else `eos_token`) and the chat template (`chat_template.jinja` first, else the config's
+    /// `chat_template`).
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join(TOKENIZER_FILE);
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| TokenizerError::Load {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let settings = hf_files::Settings::read(dir)?;
+        let eos = match inner.token_to_id(IM_END) {
+            Some(_) => IM_END.to_string(),
+            None => settings.eos_token.clone().unwrap_or(IM_END.to_string()),
+        };
+        let eos_id = inner
+            .token_to_id(&eos)
+            .ok_or_else(|| TokenizerError::MissingSpecial {
+                path: path.display().to_string(),
+                token: eos.clone(),
+            })?;
+        let chat_template = settings.template()?.map(Arc::new);
+        Ok(Self {
+            inner,
+            eos_id,
+            chat_template,
+            settings_files: Arc::new(settings.files),
+        })
+    }
+
+    /// Writes `tokenizer.json` and the `tokenizer_config.json` / `chat_template.jinja` it was
+    /// loaded with, unchanged, so transformers loads the same tokenizer and template.
+    pub fn save_dir(&self, dir: &Path) -> Result<()> {
+        self.save(dir.join(TOKENIZER_FILE))?;
+        hf_files::write(dir, &self.settings_files)
+    }
+
+    /// The checkpoint's chat template, if it has one.
+    pub fn chat_template(&self) -> Option<&JinjaTemplate> {
+        self.chat_template.as_deref()
     }
 
     /// Writes `tokenizer.json` that [`Tokenizer::from_file`] (and HF) load back identically.
@@ -249,60 +320,81 @@ fn byte_to_unicode() -> Vec<char> {
         .collect()
 }
 
-/// Qwen-style chat template applied in token space.
+/// The token pieces of a conversation. With a tokenizer that carries a checkpoint's chat
+/// template, each piece is that template's rendering (what `apply_chat_template` gives, tokenised);
+/// otherwise the built-in Qwen-style template applied in token space.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ChatTemplate;
 
+/// Stands for a response in renders that locate what the template puts after one.
+const RESPONSE_MARK: &str = "\u{E000}stepppo-response\u{E000}";
+
 impl ChatTemplate {
-    /// `<|im_start|>system\n{text}<|im_end|>\n`
-    pub fn system(&self, tok: &Tokenizer, text: &str) -> Vec<u32> {
-        self.message(tok, "system", text)
+    /// A system message alone: `<|im_start|>system\n{text}<|im_end|>\n` built in.
+    pub fn system(&self, tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+        match tok.chat_template() {
+            Some(t) => render_ids(tok, t, &[msg("system", text)], false),
+            None => Ok(self.message(tok, "system", text)),
+        }
     }
 
-    /// `<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n`: a user turn followed by the
-    /// generation prompt of the assistant.
-    pub fn user_turn(&self, tok: &Tokenizer, text: &str) -> Vec<u32> {
-        let mut ids = self.message(tok, "user", text);
-        ids.extend(self.assistant_prefix(tok));
-        ids
-    }
-
-    /// `<|im_start|>assistant\n`: opens the assistant's response.
-    pub fn assistant_prefix(&self, tok: &Tokenizer) -> Vec<u32> {
-        let mut ids = vec![im_start_id(tok)];
-        ids.extend(tok.encode("assistant\n"));
-        ids
-    }
-
-    /// What follows a response that ended with `<|im_end|>`: the `\n` closing the turn.
-    pub fn after_response(&self, tok: &Tokenizer) -> Vec<u32> {
-        tok.encode("\n")
+    /// A user turn followed by the generation prompt of the assistant:
+    /// `<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n` built in.
+    pub fn user_turn(&self, tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+        match tok.chat_template() {
+            Some(t) => render_ids(tok, t, &[msg("user", text)], true),
+            None => Ok(self.builtin_user_turn(tok, text)),
+        }
     }
 
     /// The first prompt of an episode: the system message, then the user turn that opens the
     /// assistant's response.
-    pub fn first_prompt(&self, tok: &Tokenizer, system: &str, user: &str) -> Vec<u32> {
-        let mut ids = self.system(tok, system);
-        ids.extend(self.user_turn(tok, user));
-        ids
+    pub fn first_prompt(&self, tok: &Tokenizer, system: &str, user: &str) -> Result<Vec<u32>> {
+        match tok.chat_template() {
+            Some(t) => render_ids(tok, t, &[msg("system", system), msg("user", user)], true),
+            None => {
+                let mut ids = self.message(tok, "system", system);
+                ids.extend(self.builtin_user_turn(tok, user));
+                Ok(ids)
+            }
+        }
     }
 
     /// The tokens that follow a sampled `response` in a concatenated context: what closes it
-    /// ([`ChatTemplate::close_response`]) and the next user turn.
-    pub fn next_turn(&self, tok: &Tokenizer, response: &[u32], user: &str) -> Vec<u32> {
-        let mut ids = self.close_response(tok, response);
-        ids.extend(self.user_turn(tok, user));
-        ids
+    /// ([`ChatTemplate::close_response`]) and the next user turn with the generation prompt.
+    pub fn next_turn(&self, tok: &Tokenizer, response: &[u32], user: &str) -> Result<Vec<u32>> {
+        match tok.chat_template() {
+            Some(t) => {
+                let (_, next) = after_response(t, Some(user))?;
+                Ok(tok.encode(strip_eos(tok, response, &next)))
+            }
+            None => {
+                let mut ids = self.close_response(tok, response)?;
+                ids.extend(self.builtin_user_turn(tok, user));
+                Ok(ids)
+            }
+        }
     }
 
-    /// What closes `response`: `<|im_end|>\n` when it stopped without the end-of-turn token (length
-    /// cap or stop string), else just [`ChatTemplate::after_response`].
-    pub fn close_response(&self, tok: &Tokenizer, response: &[u32]) -> Vec<u32> {
+    /// What closes `response`: the template's end of an assistant turn, without the end-of-turn
+    /// token when the response already ends with it (built in: `<|im_end|>\n`, or `\n`).
+    pub fn close_response(&self, tok: &Tokenizer, response: &[u32]) -> Result<Vec<u32>> {
+        if let Some(t) = tok.chat_template() {
+            let (close, _) = after_response(t, None)?;
+            return Ok(tok.encode(strip_eos(tok, response, &close)));
+        }
         let mut ids = Vec::new();
         if response.last() != Some(&tok.eos_id()) {
             ids.push(tok.eos_id());
         }
-        ids.extend(self.after_response(tok));
+        ids.extend(tok.encode("\n"));
+        Ok(ids)
+    }
+
+    fn builtin_user_turn(&self, tok: &Tokenizer, text: &str) -> Vec<u32> {
+        let mut ids = self.message(tok, "user", text);
+        ids.push(im_start_id(tok));
+        ids.extend(tok.encode("assistant\n"));
         ids
     }
 
@@ -314,6 +406,66 @@ impl ChatTemplate {
         ids.extend(tok.encode("\n"));
         ids
     }
+}
+
+fn msg<'a>(role: &'a str, content: &'a str) -> Message<'a> {
+    Message { role, content }
+}
+
+fn render_ids(
+    tok: &Tokenizer,
+    template: &JinjaTemplate,
+    messages: &[Message],
+    add_generation_prompt: bool,
+) -> Result<Vec<u32>> {
+    Ok(tok.encode(&template.render(messages, add_generation_prompt)?))
+}
+
+/// What the template renders after an assistant turn: `(close, next)`, where `close` ends the
+/// turn when nothing follows and `next` is everything after the turn when a user turn `user`
+/// follows (with the generation prompt). `next` is `close` alone when `user` is `None`.
+fn after_response(template: &JinjaTemplate, user: Option<&str>) -> Result<(String, String)> {
+    let mut messages = vec![
+        msg("system", "S"),
+        msg("user", "U"),
+        msg("assistant", RESPONSE_MARK),
+    ];
+    let close = suffix_after_mark(template, &template.render(&messages, false)?)?;
+    let Some(user) = user else {
+        return Ok((close.clone(), close));
+    };
+    messages.push(msg("user", user));
+    let next = suffix_after_mark(template, &template.render(&messages, true)?)?;
+    if !next.starts_with(&close) {
+        return Err(TokenizerError::Template {
+            path: template.origin().to_string(),
+            message: format!(
+                "an assistant turn ends with {close:?} when last but not before a user turn ({next:?}); \
+                 stepppo cannot extend a context in token space with this template"
+            ),
+        });
+    }
+    Ok((close, next))
+}
+
+fn suffix_after_mark(template: &JinjaTemplate, rendered: &str) -> Result<String> {
+    match rendered.split_once(RESPONSE_MARK) {
+        Some((_, after)) => Ok(after.to_string()),
+        None => Err(TokenizerError::Template {
+            path: template.origin().to_string(),
+            message: "the template does not render an assistant message's content verbatim".into(),
+        }),
+    }
+}
+
+/// `close` without its leading end-of-turn token when `response` already ended with it.
+fn strip_eos<'a>(tok: &Tokenizer, response: &[u32], close: &'a str) -> &'a str {
+    if response.last() != Some(&tok.eos_id()) {
+        return close;
+    }
+    close
+        .strip_prefix(tok.decode(&[tok.eos_id()]).as_str())
+        .unwrap_or(close)
 }
 
 /// `<|im_start|>` id; a tokenizer without it gets the text encoded instead.
@@ -392,16 +544,18 @@ mod tests {
     fn chat_template_renders_qwen_turns() {
         let tok = Tokenizer::builtin();
         let chat = ChatTemplate;
-        let mut ids = chat.system(&tok, "You are a helpful assistant.");
-        ids.extend(chat.user_turn(&tok, "Hi"));
+        let mut ids = chat.system(&tok, "You are a helpful assistant.").unwrap();
+        ids.extend(chat.user_turn(&tok, "Hi").unwrap());
         assert_eq!(
             tok.decode(&ids),
             "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n\
              <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
-        let closed = chat.close_response(&tok, &tok.encode("<answer>Up</answer>"));
+        let closed = chat
+            .close_response(&tok, &tok.encode("<answer>Up</answer>"))
+            .unwrap();
         assert_eq!(tok.decode(&closed), "<|im_end|>\n");
-        let closed = chat.close_response(&tok, &[tok.eos_id()]);
+        let closed = chat.close_response(&tok, &[tok.eos_id()]).unwrap();
         assert_eq!(tok.decode(&closed), "\n");
     }
 
@@ -409,18 +563,18 @@ mod tests {
     fn episode_contexts_grow_in_token_space() {
         let tok = Tokenizer::builtin();
         let chat = ChatTemplate;
-        let mut expected = chat.system(&tok, "S");
-        expected.extend(chat.user_turn(&tok, "Turn 1"));
-        assert_eq!(chat.first_prompt(&tok, "S", "Turn 1"), expected);
+        let mut expected = chat.system(&tok, "S").unwrap();
+        expected.extend(chat.user_turn(&tok, "Turn 1").unwrap());
+        assert_eq!(chat.first_prompt(&tok, "S", "Turn 1").unwrap(), expected);
         let cut = tok.encode("<answer>Up");
         assert_eq!(
-            tok.decode(&chat.next_turn(&tok, &cut, "Turn 2")),
+            tok.decode(&chat.next_turn(&tok, &cut, "Turn 2").unwrap()),
             "<|im_end|>\n<|im_start|>user\nTurn 2<|im_end|>\n<|im_start|>assistant\n"
         );
         let mut ended = tok.encode("<answer>Up</answer>");
         ended.push(tok.eos_id());
         assert_eq!(
-            tok.decode(&chat.next_turn(&tok, &ended, "Turn 2")),
+            tok.decode(&chat.next_turn(&tok, &ended, "Turn 2").unwrap()),
             "\n<|im_start|>user\nTurn 2<|im_end|>\n<|im_start|>assistant\n"
         );
     }

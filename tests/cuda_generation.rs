@@ -36,7 +36,7 @@ fn cuda_generation_matches_cpu() {
         "hi",
     ]
     .iter()
-    .map(|t| ChatTemplate.user_turn(&tok, t))
+    .map(|t| ChatTemplate.user_turn(&tok, t).unwrap())
     .collect();
     let run = |device: &Device| {
         let model = Model::load(dir.path(), device).unwrap();

@@ -113,10 +113,13 @@ fn window_layout_starts_every_step_afresh() {
         &config(ContextLayout::Window { k: 1 }),
         &mut Vec::new(),
     );
-    let system = ChatTemplate.system(&s.tok, &{
-        let session = stepppo::env::build_session("frozen_lake", &serde_json::json!({})).unwrap();
-        session.system_prompt()
-    });
+    let system = ChatTemplate
+        .system(&s.tok, &{
+            let session =
+                stepppo::env::build_session("frozen_lake", &serde_json::json!({})).unwrap();
+            session.system_prompt()
+        })
+        .unwrap();
     for r in &out.records {
         assert_eq!(r.context_len, 0);
         assert!(r.obs_ids.starts_with(&system));

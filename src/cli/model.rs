@@ -83,13 +83,13 @@ fn sampling_params(a: &GenerateArgs) -> anyhow::Result<SamplingParams> {
     })
 }
 
-fn prompt_ids(a: &GenerateArgs, tok: &Tokenizer) -> Vec<u32> {
-    match (&a.prompt_ids, &a.prompt) {
+fn prompt_ids(a: &GenerateArgs, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
+    Ok(match (&a.prompt_ids, &a.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, Some(text)) if a.raw => tok.encode(text),
-        (None, Some(text)) => ChatTemplate.user_turn(tok, text),
+        (None, Some(text)) => ChatTemplate.user_turn(tok, text)?,
         (None, None) => Vec::new(),
-    }
+    })
 }
 
 pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
@@ -97,7 +97,7 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let device = stepppo::device::parse_device(&a.device)?;
     let (model, tok) =
         load_policy(&a.model, &device).with_context(|| format!("loading model {}", a.model))?;
-    let prompt = prompt_ids(&a, &tok);
+    let prompt = prompt_ids(&a, &tok)?;
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }

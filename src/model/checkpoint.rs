@@ -1,8 +1,10 @@
 //! HF-layout model directories: `config.json`, weights as `model.safetensors` or shards listed in
-//! `model.safetensors.index.json`, and `tokenizer.json`. Loading checks every expected tensor by
-//! name and shape (a `VarMap` would silently skip missing names) and converts weights to f32;
-//! errors name the tensor and file. Saving writes f32 safetensors with `{"format": "pt"}` metadata
-//! so transformers loads the directory unchanged. Optimiser state is the trainer's.
+//! `model.safetensors.index.json` (f32, bf16 or f16), and the tokenizer files. Loading validates
+//! the config (see [`ModelConfig::validate`]), checks every expected tensor by name and shape (a
+//! `VarMap` would silently skip missing names) and converts weights to f32; errors name the tensor
+//! and file. Saving writes f32 safetensors with `{"format": "pt"}` metadata and a config whose
+//! dtype says so, so transformers loads the directory with no missing or unexpected keys.
+//! Optimiser state is the trainer's.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -17,7 +19,7 @@ use crate::tokenizer::Tokenizer;
 pub const CONFIG_FILE: &str = "config.json";
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub use crate::tokenizer::TOKENIZER_FILE;
 
 /// Tensors of a checkpoint directory with the file each came from.
 struct Loaded {
@@ -45,6 +47,29 @@ impl Loaded {
 
     fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
+    }
+
+    /// Fails on a tensor of the files that `varmap` did not take: weights the config does not
+    /// account for (say, a Qwen3 checkpoint labelled `qwen2`) would be a different model.
+    /// transformers 4's saved RoPE buffers (`rotary_emb.inv_freq`) are recomputed, so allowed.
+    fn check_all_used(&self, varmap: &VarMap, model_type: &str) -> Result<()> {
+        let mut unused: Vec<(&String, &PathBuf)> = self
+            .tensors
+            .iter()
+            .filter(|(name, _)| {
+                !params::has_var(varmap, name) && !name.ends_with("rotary_emb.inv_freq")
+            })
+            .map(|(name, (_, file))| (name, file))
+            .collect();
+        unused.sort();
+        match unused.first() {
+            Some((name, file)) => Err(ModelError::UnexpectedTensor {
+                name: name.to_string(),
+                file: file.display().to_string(),
+                model_type: model_type.to_string(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// A `VarMap` with every `(name, shape)` of `specs`, as f32.
@@ -133,16 +158,29 @@ fn write_dir(
         path: dir.display().to_string(),
         source,
     })?;
-    cfg.save(&dir.join(CONFIG_FILE))?;
+    f32_config(cfg).save(&dir.join(CONFIG_FILE))?;
     let tensors: Vec<(String, Tensor)> = params::named_vars(varmap)
         .into_iter()
         .map(|(n, v)| (n, v.as_tensor().detach()))
         .collect();
     write_safetensors(&dir.join(WEIGHTS_FILE), &tensors)?;
     if let Some(tok) = tokenizer {
-        tok.save(dir.join(TOKENIZER_FILE))?;
+        tok.save_dir(dir)?;
     }
     Ok(())
+}
+
+/// `cfg` with its dtype keys (`dtype`, transformers 4's `torch_dtype`) saying float32, the dtype
+/// of the written weights, so transformers does not cast them (a bf16 checkpoint is exported as
+/// the f32 model stepppo computed with).
+fn f32_config(cfg: &ModelConfig) -> ModelConfig {
+    let mut cfg = cfg.clone();
+    for key in ["dtype", "torch_dtype"] {
+        if let Some(v) = cfg.extra.get_mut(key) {
+            *v = "float32".into();
+        }
+    }
+    cfg
 }
 
 impl Model {
@@ -160,6 +198,7 @@ impl Model {
         if loaded.has(SCORE_WEIGHT) {
             loaded.take(&value_head_shapes(&cfg), &varmap)?;
         }
+        loaded.check_all_used(&varmap, &cfg.model_type)?;
         Self::from_varmap(&cfg, varmap, device)
     }
 
@@ -176,7 +215,7 @@ impl Critic {
         let cfg = ModelConfig::from_file(&dir.join(CONFIG_FILE))?;
         let loaded = Loaded::read(dir, device)?;
         let varmap = VarMap::new();
-        loaded.take(&super::qwen2::trunk_param_shapes(&cfg), &varmap)?;
+        loaded.take(&super::decoder::trunk_param_shapes(&cfg), &varmap)?;
         if loaded.has(SCORE_WEIGHT) {
             loaded.take(&value_head_shapes(&cfg), &varmap)?;
         } else {
@@ -201,12 +240,13 @@ pub fn builtin_policy(device: &Device) -> Result<(Model, Tokenizer)> {
     Ok((model, tok))
 }
 
-/// `builtin` or an HF-layout directory with `tokenizer.json`.
+/// `builtin` or an HF-layout directory with `tokenizer.json` (and, when present, the chat template
+/// and end-of-turn token of `tokenizer_config.json` / `chat_template.jinja`).
 pub fn load_policy(spec: &str, device: &Device) -> Result<(Model, Tokenizer)> {
     if spec == "builtin" {
         return builtin_policy(device);
     }
     let dir = Path::new(spec);
-    let tok = Tokenizer::from_file(dir.join(TOKENIZER_FILE))?;
+    let tok = Tokenizer::from_dir(dir)?;
     Ok((Model::load(dir, device)?, tok))
 }

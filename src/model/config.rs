@@ -1,17 +1,19 @@
-//! The HF `config.json` of a Qwen2/Llama-family model: the fields stepppo reads, the built-in
-//! `tiny` and `small` sizes, and reading/writing the file. Keys stepppo does not use are kept
-//! verbatim so an exported directory round-trips into Hugging Face transformers unchanged.
+//! The HF `config.json` of a dense Qwen2, Qwen3 or Llama model: the fields stepppo reads, the
+//! built-in `tiny` and `small` sizes, and reading/writing the file. Keys stepppo does not use are
+//! kept verbatim so an exported directory round-trips into Hugging Face transformers unchanged.
+//! Loading refuses every key that would make transformers compute something stepppo does not
+//! (sliding-window attention, MoE, quantisation, other activations, biases stepppo lacks, unknown
+//! RoPE types, …), naming the key, so a checkpoint is never silently run as a different model.
+//! RoPE settings of both transformers layouts are read by [`super::rope`].
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use super::rope::Rope;
 use super::{ModelError, Result};
 use crate::tokenizer::Tokenizer;
 
-fn default_rope_theta() -> f64 {
-    10_000.0
-}
 fn default_rms_norm_eps() -> f64 {
     1e-6
 }
@@ -21,12 +23,35 @@ fn default_initializer_range() -> f64 {
 fn default_hidden_act() -> String {
     "silu".to_string()
 }
-fn default_true() -> bool {
-    true
+
+/// The model families stepppo implements (`model_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// q/k/v projections with bias, o without.
+    Qwen2,
+    /// Per-head RMSNorm on q and k; biases per `attention_bias`.
+    Qwen3,
+    /// Biases per `attention_bias`.
+    Llama,
 }
-fn default_model_type() -> String {
-    "qwen2".to_string()
-}
+
+/// Keys whose presence (with any value but null, false or 0) asks for a computation stepppo does
+/// not implement. (`partial_rotary_factor` and the RoPE objects are checked by [`Rope`].)
+const UNSUPPORTED_KEYS: [(&str, &str); 10] = [
+    ("quantization_config", "quantised weights"),
+    ("num_experts", "mixture of experts"),
+    ("num_local_experts", "mixture of experts"),
+    ("n_routed_experts", "mixture of experts"),
+    ("num_experts_per_tok", "mixture of experts"),
+    ("moe_intermediate_size", "mixture of experts"),
+    ("use_sliding_window", "sliding-window attention"),
+    ("mlp_bias", "MLP biases"),
+    ("attention_dropout", "attention dropout"),
+    (
+        "original_max_position_embeddings",
+        "a top-level RoPE context length",
+    ),
+];
 
 /// Model hyper-parameters with HF key names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,19 +63,24 @@ pub struct ModelConfig {
     pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
     pub max_position_embeddings: usize,
-    #[serde(default = "default_rope_theta")]
-    pub rope_theta: f64,
+    /// Width of one attention head; `hidden_size / num_attention_heads` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// RoPE base in the transformers 4 layout (transformers 5 puts it in `rope_parameters`,
+    /// kept in `extra`); see [`ModelConfig::rope`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
     #[serde(default = "default_rms_norm_eps")]
     pub rms_norm_eps: f64,
-    #[serde(default = "default_true")]
+    /// transformers' default for all three families is false.
+    #[serde(default)]
     pub tie_word_embeddings: bool,
     #[serde(default = "default_initializer_range")]
     pub initializer_range: f64,
     #[serde(default = "default_hidden_act")]
     pub hidden_act: String,
-    #[serde(default = "default_model_type")]
     pub model_type: String,
-    /// Llama's switch for q/k/v/o biases; absent in Qwen2 configs, where q/k/v always have one.
+    /// Llama's and Qwen3's switch for q/k/v/o biases; Qwen2 ignores it (q/k/v always have one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_bias: Option<bool>,
     /// Every other key of the file, written back unchanged.
@@ -102,7 +132,8 @@ impl ModelConfig {
             num_attention_heads: heads,
             num_key_value_heads: kv,
             max_position_embeddings: 2048,
-            rope_theta: 10_000.0,
+            head_dim: None,
+            rope_theta: Some(super::rope::DEFAULT_THETA),
             rms_norm_eps: 1e-6,
             tie_word_embeddings: true,
             initializer_range: 0.02,
@@ -142,8 +173,82 @@ impl ModelConfig {
         })
     }
 
-    /// Checks the shape constraints the forward passes rely on; the message names the key.
+    /// Checks that stepppo computes exactly what transformers computes for this config: the family
+    /// is known, no key asks for an unimplemented computation, RoPE settings are supported, and
+    /// the shapes fit the forward passes. The message names the key.
     pub fn validate(&self) -> std::result::Result<(), String> {
+        self.family()?;
+        self.check_unsupported_keys()?;
+        self.check_layer_types()?;
+        self.check_shapes()?;
+        if self.hidden_act != "silu" {
+            return Err(format!(
+                "key `hidden_act`: only \"silu\" is supported, got {:?}",
+                self.hidden_act
+            ));
+        }
+        self.rope()?;
+        Ok(())
+    }
+
+    /// The family named by `model_type`.
+    pub fn family(&self) -> std::result::Result<Family, String> {
+        match self.model_type.as_str() {
+            "qwen2" => Ok(Family::Qwen2),
+            "qwen3" => Ok(Family::Qwen3),
+            "llama" => Ok(Family::Llama),
+            other => Err(format!(
+                "key `model_type` = {other:?} is not supported (supported: qwen2, qwen3, llama; dense only)"
+            )),
+        }
+    }
+
+    /// The RoPE of this config, from either transformers layout.
+    pub fn rope(&self) -> std::result::Result<Rope, String> {
+        Rope::from_config(
+            &self.extra,
+            self.rope_theta,
+            self.head_dim(),
+            self.max_position_embeddings,
+        )
+    }
+
+    fn check_unsupported_keys(&self) -> std::result::Result<(), String> {
+        let off = |v: &serde_json::Value| match v {
+            serde_json::Value::Null => true,
+            serde_json::Value::Bool(b) => !b,
+            serde_json::Value::Number(n) => n.as_f64() == Some(0.0),
+            _ => false,
+        };
+        for (key, what) in UNSUPPORTED_KEYS {
+            if let Some(value) = self.extra.get(key).filter(|v| !off(v)) {
+                return Err(format!(
+                    "key `{key}` = {value} asks for {what}, which stepppo does not implement"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `layer_types` may only list full attention.
+    fn check_layer_types(&self) -> std::result::Result<(), String> {
+        let Some(types) = self.extra.get("layer_types").filter(|v| !v.is_null()) else {
+            return Ok(());
+        };
+        let list = types
+            .as_array()
+            .ok_or_else(|| format!("key `layer_types` must be a list, got {types}"))?;
+        match list.iter().position(|t| t != "full_attention") {
+            Some(i) => Err(format!(
+                "key `layer_types[{i}]` = {}: only \"full_attention\" is supported",
+                list[i]
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// The shape constraints the forward passes rely on.
+    fn check_shapes(&self) -> std::result::Result<(), String> {
         let positive = [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -152,16 +257,22 @@ impl ModelConfig {
             ("num_attention_heads", self.num_attention_heads),
             ("num_key_value_heads", self.num_key_value_heads),
             ("max_position_embeddings", self.max_position_embeddings),
+            ("head_dim", self.head_dim.unwrap_or(1)),
         ];
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("key `{key}` must be positive"));
         }
-        if !self.hidden_size.is_multiple_of(self.num_attention_heads)
-            || !self.head_dim().is_multiple_of(2)
-        {
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(
-                "key `hidden_size` must be an even multiple of `num_attention_heads`".into(),
+                "key `hidden_size` must be a multiple of `num_attention_heads` (or set `head_dim`)"
+                    .into(),
             );
+        }
+        if !self.head_dim().is_multiple_of(2) {
+            return Err(format!(
+                "key `head_dim`: heads must have an even width, got {}",
+                self.head_dim()
+            ));
         }
         if !self
             .num_attention_heads
@@ -171,28 +282,34 @@ impl ModelConfig {
                 "key `num_attention_heads` must be a multiple of `num_key_value_heads`".into(),
             );
         }
-        if self.hidden_act != "silu" {
-            return Err(format!(
-                "key `hidden_act`: only \"silu\" is supported, got {:?}",
-                self.hidden_act
-            ));
-        }
         Ok(())
     }
 
-    /// Width of one attention head.
+    /// Width of one attention head: `head_dim`, else `hidden_size / num_attention_heads`.
     pub fn head_dim(&self) -> usize {
-        self.hidden_size / self.num_attention_heads
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
     }
 
-    /// Whether q/k/v projections carry a bias (always in Qwen2; `attention_bias` in Llama).
+    /// Whether q/k/v projections carry a bias (always in Qwen2; `attention_bias` otherwise).
     pub fn qkv_bias(&self) -> bool {
-        self.attention_bias.unwrap_or(self.model_type == "qwen2")
+        match self.family() {
+            Ok(Family::Qwen2) => true,
+            _ => self.attention_bias.unwrap_or(false),
+        }
     }
 
-    /// Whether the output projection carries a bias (Llama `attention_bias`; never in Qwen2).
+    /// Whether the output projection carries a bias (never in Qwen2; `attention_bias` otherwise).
     pub fn o_bias(&self) -> bool {
-        self.model_type != "qwen2" && self.attention_bias.unwrap_or(false)
+        match self.family() {
+            Ok(Family::Qwen2) => false,
+            _ => self.attention_bias.unwrap_or(false),
+        }
+    }
+
+    /// Whether q and k get a per-head RMSNorm before RoPE (Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        self.family() == Ok(Family::Qwen3)
     }
 }
 
@@ -202,7 +319,7 @@ mod tests {
 
     #[test]
     fn unknown_keys_round_trip_and_bad_keys_are_named() {
-        let json = r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
+        let json = r#"{"model_type":"qwen2","vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
             "num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":32,
             "sliding_window":4096,"bos_token_id":1}"#;
         let cfg: ModelConfig = serde_json::from_str(json).unwrap();
@@ -215,5 +332,42 @@ mod tests {
             ..cfg
         };
         assert!(bad.validate().unwrap_err().contains("num_key_value_heads"));
+    }
+
+    #[test]
+    fn keys_that_change_the_computation_are_refused_by_name() {
+        let base = ModelConfig::tiny(16);
+        assert!(base.validate().is_ok());
+        let with = |key: &str, value: serde_json::Value| {
+            let mut cfg = base.clone();
+            cfg.extra.insert(key.into(), value);
+            cfg.validate()
+        };
+        for (key, _) in UNSUPPORTED_KEYS {
+            let err = with(key, serde_json::json!(2)).unwrap_err();
+            assert!(err.contains(&format!("`{key}`")), "{err}");
+        }
+        assert!(with("use_sliding_window", false.into()).is_ok());
+        assert!(with("quantization_config", serde_json::Value::Null).is_ok());
+        let err = with(
+            "layer_types",
+            serde_json::json!(["full_attention", "sliding_attention"]),
+        )
+        .unwrap_err();
+        assert!(err.contains("layer_types[1]"), "{err}");
+        let err = ModelConfig {
+            model_type: "qwen2_moe".into(),
+            ..base.clone()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(err.contains("model_type"), "{err}");
+        let err = ModelConfig {
+            hidden_act: "gelu".into(),
+            ..base
+        }
+        .validate()
+        .unwrap_err();
+        assert!(err.contains("hidden_act"), "{err}");
     }
 }

@@ -6,7 +6,7 @@
 use candle_core::{Device, Tensor, Var, D};
 use candle_nn::VarMap;
 
-use super::qwen2::{Linear, Trunk};
+use super::decoder::{Linear, Trunk};
 use super::{params, ModelConfig, Result};
 
 /// HF name of the value head's weight `[1, hidden]`.
@@ -94,7 +94,7 @@ impl Critic {
 
     /// HF names and shapes: the trunk (`model.*`) and `score.*`.
     pub fn param_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-        let mut specs = super::qwen2::trunk_param_shapes(cfg);
+        let mut specs = super::decoder::trunk_param_shapes(cfg);
         specs.extend(value_head_shapes(cfg));
         specs
     }

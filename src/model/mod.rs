@@ -1,6 +1,6 @@
-//! The policy and critic models (Qwen2 family) and their checkpoint files.
+//! The policy and critic models (dense Qwen2, Qwen3 and Llama families) and their checkpoint files.
 //!
-//! [`Model`] is the policy: the decoder trunk ([`qwen2`]) plus a tied or untied LM head, its
+//! [`Model`] is the policy: the decoder trunk ([`decoder`]) plus a tied or untied LM head, its
 //! parameters as named `Var`s in a `VarMap` (HF names, so checkpoints load by name and the
 //! trainer's optimiser steps them). It has the two forward paths of the design: the incremental
 //! one over a [`KvPool`] (no autograd graph) and the padded training one (differentiable ops only),
@@ -11,9 +11,10 @@ pub mod attention;
 pub mod checkpoint;
 pub mod config;
 pub mod critic;
+pub mod decoder;
 pub mod generate;
 pub mod params;
-pub mod qwen2;
+pub mod rope;
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::VarMap;
@@ -21,8 +22,8 @@ use candle_nn::VarMap;
 use crate::kv::{KvError, KvPool, SeqSlots};
 pub use config::ModelConfig;
 pub use critic::{Critic, ValueHead};
+use decoder::{Linear, Trunk};
 pub use generate::{generate, Generation};
-use qwen2::{Linear, Trunk};
 
 /// Errors of the model module; file errors name the file and tensor.
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +45,12 @@ pub enum ModelError {
     Safetensors { path: String, message: String },
     #[error("tensor `{name}` is missing (looked in {files})")]
     MissingTensor { name: String, files: String },
+    #[error("tensor `{name}` in {file} is not part of a `{model_type}` model as its config.json describes it")]
+    UnexpectedTensor {
+        name: String,
+        file: String,
+        model_type: String,
+    },
     #[error("tensor `{name}` in {file} has shape {found:?}, expected {expected:?}")]
     WrongShape {
         name: String,
@@ -154,7 +161,7 @@ impl Model {
         Ok(Self {
             cfg: cfg.clone(),
             frozen_trunk: trunk.rollout_copy(rollout_dtype)?,
-            frozen_lm_head: qwen2::rollout_tensor(&lm_head, rollout_dtype)?,
+            frozen_lm_head: decoder::rollout_tensor(&lm_head, rollout_dtype)?,
             trunk,
             lm_head,
             varmap,
@@ -169,13 +176,13 @@ impl Model {
     pub fn refresh_rollout_weights(&mut self) -> Result<()> {
         let dtype = rollout_dtype(&self.device);
         self.frozen_trunk = self.trunk.rollout_copy(dtype)?;
-        self.frozen_lm_head = qwen2::rollout_tensor(&self.lm_head, dtype)?;
+        self.frozen_lm_head = decoder::rollout_tensor(&self.lm_head, dtype)?;
         Ok(())
     }
 
     /// HF names and shapes of every parameter (the trunk and, when untied, `lm_head.weight`).
     pub fn param_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-        let mut specs = qwen2::trunk_param_shapes(cfg);
+        let mut specs = decoder::trunk_param_shapes(cfg);
         if !cfg.tie_word_embeddings {
             specs.push((
                 "lm_head.weight".into(),
@@ -216,7 +223,7 @@ impl Model {
             .iter()
             .flat_map(|c| c.new_tokens.iter().copied())
             .collect();
-        qwen2::check_ids(&ids, self.cfg.vocab_size)?;
+        decoder::check_ids(&ids, self.cfg.vocab_size)?;
         let hidden = self.frozen_trunk.forward_incremental(&ids, &seqs, pool)?;
         let hidden = match logits {
             LogitsWanted::All => hidden,

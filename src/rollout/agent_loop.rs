@@ -39,6 +39,8 @@ pub enum RolloutError {
     Config(String),
     #[error(transparent)]
     Grammar(#[from] GrammarError),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
 }
 
 pub type Result<T> = std::result::Result<T, RolloutError>;
@@ -192,7 +194,7 @@ pub fn run_rollout(
                 tok,
                 template,
                 cfg,
-            );
+            )?;
             sink(&record).map_err(|message| RolloutError::Sink {
                 traj_id: record.traj_id,
                 step: record.step_index,
@@ -240,7 +242,7 @@ fn start_trajectories(
                 }
             })?;
             let first = session.reset(env_seed);
-            let context = template.first_prompt(tok, &session.system_prompt(), &first);
+            let context = template.first_prompt(tok, &session.system_prompt(), &first)?;
             trajs.push(Trajectory {
                 session,
                 traj_id: group_id * cfg.group_size as u64 + member,
@@ -292,7 +294,7 @@ fn advance(
     tok: &Tokenizer,
     template: &ChatTemplate,
     cfg: &RolloutConfig,
-) -> StepRecord {
+) -> Result<StepRecord> {
     let state_hash = t.session.state_hash();
     let response_text = tok.decode(&response);
     let outcome = t.session.act(&response_text);
@@ -323,7 +325,7 @@ fn advance(
     };
     match outcome.next_user_message.filter(|_| !record.is_last()) {
         Some(message) => {
-            next_context(t, &record, &message, tok, template, cfg);
+            next_context(t, &record, &message, tok, template, cfg)?;
             if last_turn || t.context.len() + cfg.max_new_tokens > cfg.max_context_tokens {
                 record.truncated = true;
             }
@@ -331,7 +333,7 @@ fn advance(
         None => record.truncated |= !record.terminated,
     }
     t.done = record.is_last();
-    record
+    Ok(record)
 }
 
 /// Builds the context of the next step in token space.
@@ -342,24 +344,25 @@ fn next_context(
     tok: &Tokenizer,
     template: &ChatTemplate,
     cfg: &RolloutConfig,
-) {
+) -> Result<()> {
     t.observation_text = message.to_string();
     match cfg.layout {
         ContextLayout::Concat => {
             t.context.extend_from_slice(&record.response_ids);
             t.context_len = t.context.len();
             t.context
-                .extend(template.next_turn(tok, &record.response_ids, message));
+                .extend(template.next_turn(tok, &record.response_ids, message)?);
         }
         ContextLayout::Window { k } => {
             t.context = template.first_prompt(
                 tok,
                 &t.session.system_prompt(),
                 &t.session.window_user_message(k),
-            );
+            )?;
             t.context_len = 0;
         }
     }
+    Ok(())
 }
 
 fn summarize(env_tag: &str, records: &[StepRecord], trajectories: usize) -> RolloutStats {

@@ -18,7 +18,7 @@ use super::error::StoreError;
 use super::record::StepRecord;
 use crate::env::{self, Agent, AgentKind, AgentSession};
 use crate::seed;
-use crate::tokenizer::{ChatTemplate, Tokenizer};
+use crate::tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 
 /// What to collect.
 #[derive(Clone, Debug)]
@@ -88,7 +88,7 @@ pub fn collect(
             env_seed,
             env_tag: session.env().tag().to_string(),
         };
-        let steps = agent_episode(&mut session, &mut agent, &ids, tokenizer);
+        let steps = agent_episode(&mut session, &mut agent, &ids, tokenizer)?;
         for step in &steps {
             writer.append(step)?;
         }
@@ -119,10 +119,10 @@ pub fn agent_episode(
     agent: &mut Agent,
     ids: &EpisodeIds,
     tok: &Tokenizer,
-) -> Vec<StepRecord> {
+) -> Result<Vec<StepRecord>, TokenizerError> {
     let template = ChatTemplate;
     let first_message = session.reset(ids.env_seed);
-    let mut obs_ids = template.first_prompt(tok, &session.system_prompt(), &first_message);
+    let mut obs_ids = template.first_prompt(tok, &session.system_prompt(), &first_message)?;
     let mut context_len = 0u32;
     let mut steps: Vec<StepRecord> = Vec::new();
     for step_index in 0u32.. {
@@ -156,7 +156,7 @@ pub fn agent_episode(
         let Some(message) = message else {
             break;
         };
-        obs_ids = template.next_turn(tok, &response, &message);
+        obs_ids = template.next_turn(tok, &response, &message)?;
     }
-    steps
+    Ok(steps)
 }

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 /// Failure of a store operation; every variant names the file and, where it applies, the byte offset.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
     #[error("{path}: {source}", path = .path.display())]
     Io {
         path: PathBuf,

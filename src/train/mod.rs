@@ -37,6 +37,8 @@ pub enum TrainError {
     #[error(transparent)]
     Model(#[from] crate::model::ModelError),
     #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Algo(#[from] crate::algo::AlgoError),

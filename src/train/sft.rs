@@ -63,7 +63,7 @@ pub fn agent_transcripts(
             env_seed: seed::derive(base_seed, &[ep, 0]),
             env_tag: tag.to_string(),
         };
-        records.extend(agent_episode(&mut session, &mut agent, &ids, tok));
+        records.extend(agent_episode(&mut session, &mut agent, &ids, tok)?);
     }
     Ok(records)
 }

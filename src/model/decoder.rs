@@ -1,5 +1,5 @@
-//! The Qwen2/Llama decoder trunk (embedding, blocks, final norm) with HF parameter names, and its
-//! two forward passes over the same weights:
+//! The decoder trunk of the Qwen2, Qwen3 and Llama families (embedding, blocks, final norm) with
+//! HF parameter names, and its two forward passes over the same weights:
 //! - [`Trunk::forward_train`]: padded `[B, T]` batches, causal + padding mask, built only from
 //!   differentiable candle ops (manual RMSNorm, rotate-half RoPE); attention is the fused causal
 //!   op of [`super::attention`] on CPU and matmuls with `ops::softmax` elsewhere;
@@ -7,12 +7,14 @@
 //!   from a [`KvPool`] by slot; projections and MLP are batched matmuls, attention is the pool's
 //!   CPU kernel. Callers pass detached weights so nothing is recorded for autograd.
 //!
-//! Both passes share [`rms_norm`], [`apply_rope`] and [`rope_tables`], so they agree to float
-//! rounding. Heads (LM head, value head) live in the parent module.
+//! Both passes share [`rms_norm`], [`apply_rope`] and the RoPE tables of [`super::rope`], so they
+//! agree to float rounding. The families differ only in biases and Qwen3's per-head q/k RMSNorm
+//! (see [`ModelConfig`]). Heads (LM head, value head) live in the parent module.
 
 use candle_core::{DType, Device, Tensor, D};
 
 use super::attention::TrainingAttention;
+use super::rope::Rope;
 use super::{ModelConfig, ModelError, Result};
 use crate::kv::{KvPool, SeqSlots};
 
@@ -24,6 +26,8 @@ struct Block {
     k: Linear,
     v: Linear,
     o: Linear,
+    /// Qwen3's per-head RMSNorm weights `[head_dim]` of q and k.
+    qk_norm: Option<(Tensor, Tensor)>,
     post_norm: Tensor,
     gate: Linear,
     up: Linear,
@@ -69,6 +73,7 @@ impl Linear {
 #[derive(Clone)]
 pub(crate) struct Trunk {
     cfg: ModelConfig,
+    rope: Rope,
     pub(crate) embed: Tensor,
     blocks: Vec<Block>,
     norm: Tensor,
@@ -94,6 +99,10 @@ pub(crate) fn trunk_param_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)>
         specs.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q_out]));
         if cfg.o_bias() {
             specs.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
+        }
+        if cfg.qk_norm() {
+            specs.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+            specs.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
         }
         specs.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
         specs.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
@@ -129,6 +138,14 @@ impl Trunk {
                     k: linear(&format!("{p}.self_attn.k_proj"), cfg.qkv_bias())?,
                     v: linear(&format!("{p}.self_attn.v_proj"), cfg.qkv_bias())?,
                     o: linear(&format!("{p}.self_attn.o_proj"), cfg.o_bias())?,
+                    qk_norm: if cfg.qk_norm() {
+                        Some((
+                            get(&format!("{p}.self_attn.q_norm.weight"))?,
+                            get(&format!("{p}.self_attn.k_norm.weight"))?,
+                        ))
+                    } else {
+                        None
+                    },
                     post_norm: get(&format!("{p}.post_attention_layernorm.weight"))?,
                     gate: linear(&format!("{p}.mlp.gate_proj"), false)?,
                     up: linear(&format!("{p}.mlp.up_proj"), false)?,
@@ -136,8 +153,13 @@ impl Trunk {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let rope = cfg.rope().map_err(|message| ModelError::Config {
+            path: "<config>".into(),
+            message,
+        })?;
         Ok(Self {
             cfg: cfg.clone(),
+            rope,
             embed: get("model.embed_tokens.weight")?,
             blocks,
             norm: get("model.norm.weight")?,
@@ -160,6 +182,11 @@ impl Trunk {
                     k: b.k.rollout_copy(dtype)?,
                     v: b.v.rollout_copy(dtype)?,
                     o: b.o.rollout_copy(dtype)?,
+                    qk_norm: b
+                        .qk_norm
+                        .as_ref()
+                        .map(|(q, k)| Ok::<_, ModelError>((t(q)?, t(k)?)))
+                        .transpose()?,
                     post_norm: t(&b.post_norm)?,
                     gate: b.gate.rollout_copy(dtype)?,
                     up: b.up.rollout_copy(dtype)?,
@@ -169,6 +196,7 @@ impl Trunk {
             .collect::<Result<_>>()?;
         Ok(Self {
             cfg: self.cfg.clone(),
+            rope: self.rope.clone(),
             embed: t(&self.embed)?,
             blocks,
             norm: t(&self.norm)?,
@@ -177,6 +205,14 @@ impl Trunk {
 
     fn eps(&self) -> f64 {
         self.cfg.rms_norm_eps
+    }
+
+    /// Qwen3's per-head RMSNorm of q and k (heads in the last dimension); identity elsewhere.
+    fn qk_norm(&self, b: &Block, q: Tensor, k: Tensor) -> Result<(Tensor, Tensor)> {
+        match &b.qk_norm {
+            Some((qw, kw)) => Ok((rms_norm(&q, qw, self.eps())?, rms_norm(&k, kw, self.eps())?)),
+            None => Ok((q, k)),
+        }
     }
 
     fn mlp(&self, b: &Block, x: &Tensor) -> Result<Tensor> {
@@ -217,7 +253,7 @@ impl Trunk {
             .iter()
             .flat_map(|row| positions_from_mask(row))
             .collect();
-        let (cos, sin) = rope_tensors(cfg, &positions, (b_sz, 1, t_len, hd), dev)?;
+        let (cos, sin) = rope_tensors(&self.rope, &positions, (b_sz, 1, t_len, hd), dev)?;
         let attention = TrainingAttention::for_device(dev);
         let mut x = self
             .embed
@@ -233,8 +269,9 @@ impl Trunk {
                     .transpose(1, 2)?
                     .contiguous()?)
             };
-            let q = apply_rope(&heads(&b.q, nh)?, &cos, &sin)?;
-            let k = apply_rope(&heads(&b.k, nkv)?, &cos, &sin)?;
+            let (q, k) = self.qk_norm(b, heads(&b.q, nh)?, heads(&b.k, nkv)?)?;
+            let q = apply_rope(&q, &cos, &sin)?;
+            let k = apply_rope(&k, &cos, &sin)?;
             let v = heads(&b.v, nkv)?;
             let o = attention
                 .forward(&q, &k, &v, &mask, scale)?
@@ -270,7 +307,7 @@ impl Trunk {
             .collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let plan = pool.plan(seqs, scale)?;
-        let (cos, sin) = rope_tensors(cfg, &positions, (n, 1, hd), dev)?;
+        let (cos, sin) = rope_tensors(&self.rope, &positions, (n, 1, hd), dev)?;
         let (cos, sin) = (
             cos.to_dtype(self.embed.dtype())?,
             sin.to_dtype(self.embed.dtype())?,
@@ -278,8 +315,13 @@ impl Trunk {
         let mut x = self.embed.index_select(&Tensor::new(ids, dev)?, 0)?;
         for (layer, b) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &b.input_norm, self.eps())?;
-            let q = apply_rope(&b.q.forward(&h)?.reshape((n, nh, hd))?, &cos, &sin)?;
-            let k = apply_rope(&b.k.forward(&h)?.reshape((n, nkv, hd))?, &cos, &sin)?;
+            let (q, k) = self.qk_norm(
+                b,
+                b.q.forward(&h)?.reshape((n, nh, hd))?,
+                b.k.forward(&h)?.reshape((n, nkv, hd))?,
+            )?;
+            let q = apply_rope(&q, &cos, &sin)?;
+            let k = apply_rope(&k, &cos, &sin)?;
             let v = b.v.forward(&h)?.reshape((n, nkv, hd))?;
             pool.write_rows(layer, &plan, &k, &v)?;
             let o = pool
@@ -312,35 +354,13 @@ pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tenso
     Ok((x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?)
 }
 
-/// HF's RoPE tables for `positions` (f32 as in transformers): `[n, head_dim]` cos and sin with the
-/// frequencies repeated over both halves.
-pub(crate) fn rope_tables(cfg: &ModelConfig, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
-    let hd = cfg.head_dim();
-    let theta = cfg.rope_theta as f32;
-    let inv_freq: Vec<f32> = (0..hd / 2)
-        .map(|i| 1.0 / theta.powf((2 * i) as f32 / hd as f32))
-        .collect();
-    let mut cos = Vec::with_capacity(positions.len() * hd);
-    let mut sin = Vec::with_capacity(positions.len() * hd);
-    for &p in positions {
-        for _ in 0..2 {
-            for f in &inv_freq {
-                let angle = p as f32 * f;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
-            }
-        }
-    }
-    (cos, sin)
-}
-
 fn rope_tensors(
-    cfg: &ModelConfig,
+    rope: &Rope,
     positions: &[u32],
     shape: impl Into<candle_core::Shape> + Clone,
     dev: &Device,
 ) -> Result<(Tensor, Tensor)> {
-    let (cos, sin) = rope_tables(cfg, positions);
+    let (cos, sin) = rope.tables(positions);
     Ok((
         Tensor::from_vec(cos, shape.clone(), dev)?,
         Tensor::from_vec(sin, shape, dev)?,

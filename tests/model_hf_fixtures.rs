@@ -1,0 +1,343 @@
+//! Checkpoints as Hugging Face transformers writes them (`tests/fixtures/hf/`, made by
+//! `scripts/make_hf_fixtures.py`): each loads and generates, greedily, the tokens transformers
+//! generated, with log-probs within 1e-4 (f32), on both of stepppo's forward paths. Covers
+//! Qwen2, Qwen3 and Llama 3, both config layouts, RoPE scaling variants, bf16/f16 weights, shards,
+//! the export round trip, and errors for config keys stepppo cannot honour.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use stepppo::kv::KvPool;
+use stepppo::model::{generate, Model, PaddedBatch};
+use stepppo::rollout::sampling::SamplingParams;
+
+const MAX_LOGPROB_DIFF: f32 = 1e-4;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
+}
+
+/// transformers' greedy result for a fixture.
+struct Expected {
+    prompt: Vec<u32>,
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+}
+
+fn expected(dir: &Path) -> Expected {
+    let text = std::fs::read_to_string(dir.join("expected.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        json[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    Expected {
+        prompt: ids("prompt"),
+        tokens: ids("tokens"),
+        logprobs: json["logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect(),
+    }
+}
+
+/// A directory with the weight files of `weights` and `config` as its `config.json`.
+fn assemble(weights: &Path, config: &Path) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(weights).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_str().unwrap().to_string();
+        if name.contains(".safetensors") {
+            std::fs::copy(&path, dir.path().join(name)).unwrap();
+        }
+    }
+    std::fs::copy(config, dir.path().join("config.json")).unwrap();
+    dir
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Greedy generation on the incremental path and the training path's log-probs of the same
+/// tokens, both compared with transformers.
+fn check_against_transformers(model_dir: &Path, expected_dir: &Path) {
+    let want = expected(expected_dir);
+    let model = Model::load(model_dir, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", model_dir.display()));
+    let n = want.tokens.len();
+    let mut pool = KvPool::new(model.config(), want.prompt.len() + n, &Device::Cpu).unwrap();
+    let mut rngs = [ChaCha8Rng::seed_from_u64(0)];
+    let gens = generate(
+        &model,
+        &mut pool,
+        std::slice::from_ref(&want.prompt),
+        n,
+        &SamplingParams::greedy(),
+        &mut rngs,
+        None,
+    )
+    .unwrap();
+    let got = &gens[0];
+    let matched = got
+        .output_ids
+        .iter()
+        .zip(&want.tokens)
+        .take_while(|(a, b)| a == b)
+        .count();
+    let name = expected_dir.file_name().unwrap().to_string_lossy();
+    assert_eq!(matched, n, "{name}: greedy tokens match {matched} of {n}");
+    let rollout_diff = max_diff(&got.logprobs, &want.logprobs);
+    let train_diff = max_diff(&training_logprobs(&model, &want), &want.logprobs);
+    eprintln!(
+        "{name}: {matched}/{n} tokens; max |Δ log-prob| rollout {rollout_diff:.2e}, training {train_diff:.2e}"
+    );
+    assert!(rollout_diff <= MAX_LOGPROB_DIFF, "{name}: {rollout_diff}");
+    assert!(train_diff <= MAX_LOGPROB_DIFF, "{name}: {train_diff}");
+}
+
+/// Log-probs of the expected tokens from one padded training-path forward pass.
+fn training_logprobs(model: &Model, want: &Expected) -> Vec<f32> {
+    let full = [want.prompt.clone(), want.tokens.clone()].concat();
+    let inputs =
+        PaddedBatch::right_padded(&[full[..full.len() - 1].to_vec()], 0, &Device::Cpu).unwrap();
+    let targets = PaddedBatch::right_padded(&[full[1..].to_vec()], 0, &Device::Cpu).unwrap();
+    let (logp, _) = model
+        .token_logprobs_entropy(
+            &inputs.input_ids,
+            &inputs.attention_mask,
+            &targets.input_ids,
+            1.0,
+        )
+        .unwrap();
+    let logp = logp.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+    logp[want.prompt.len() - 1..].to_vec()
+}
+
+#[test]
+fn qwen2_transformers5_layout_matches_transformers() {
+    check_against_transformers(&fixture("qwen2"), &fixture("qwen2"));
+}
+
+#[test]
+fn qwen2_transformers4_layout_matches_transformers() {
+    let dir = assemble(&fixture("qwen2"), &fixture("qwen2/config.v4.json"));
+    check_against_transformers(dir.path(), &fixture("qwen2"));
+}
+
+#[test]
+fn qwen3_matches_transformers() {
+    check_against_transformers(&fixture("qwen3"), &fixture("qwen3"));
+}
+
+#[test]
+fn llama3_matches_transformers_in_both_layouts() {
+    check_against_transformers(&fixture("llama3"), &fixture("llama3"));
+    let dir = assemble(&fixture("llama3"), &fixture("llama3/config.v4.json"));
+    check_against_transformers(dir.path(), &fixture("llama3"));
+}
+
+#[test]
+fn attention_bias_matches_transformers_in_llama_and_qwen3() {
+    for name in ["llama-attention-bias", "qwen3-attention-bias"] {
+        check_against_transformers(&fixture(name), &fixture(name));
+    }
+}
+
+#[test]
+fn rope_scaling_variants_match_transformers() {
+    for variant in ["rope-linear", "rope-dynamic", "rope-yarn"] {
+        let dir = assemble(&fixture("qwen2"), &fixture(variant).join("config.json"));
+        check_against_transformers(dir.path(), &fixture(variant));
+    }
+}
+
+#[test]
+fn bf16_and_f16_weights_load_as_f32_and_match_transformers() {
+    for name in ["qwen2-bf16", "qwen2-f16"] {
+        check_against_transformers(&fixture(name), &fixture(name));
+    }
+}
+
+#[test]
+fn sharded_checkpoint_matches_transformers() {
+    assert!(fixture("qwen2-sharded")
+        .join("model.safetensors.index.json")
+        .exists());
+    check_against_transformers(&fixture("qwen2-sharded"), &fixture("qwen2-sharded"));
+}
+
+/// The fixture's config with `edit` applied, over the fixture's weights; the load error.
+fn load_error(
+    name: &str,
+    edit: impl Fn(&mut serde_json::Map<String, serde_json::Value>),
+) -> String {
+    let base = fixture(name);
+    let text = std::fs::read_to_string(base.join("config.json")).unwrap();
+    let mut cfg: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text).unwrap();
+    edit(&mut cfg);
+    let dir = assemble(&base, &base.join("config.json"));
+    std::fs::write(
+        dir.path().join("config.json"),
+        serde_json::to_string(&cfg).unwrap(),
+    )
+    .unwrap();
+    match Model::load(dir.path(), &Device::Cpu) {
+        Ok(_) => panic!("{name} with {cfg:?} loaded"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn config_keys_stepppo_cannot_honour_are_errors_naming_key_and_file() {
+    use serde_json::json;
+    let cases: Vec<(&str, &str, serde_json::Value)> = vec![
+        ("qwen2", "use_sliding_window", json!(true)),
+        (
+            "qwen2",
+            "layer_types",
+            json!(["full_attention", "sliding_attention"]),
+        ),
+        ("qwen2", "hidden_act", json!("gelu_pytorch_tanh")),
+        (
+            "qwen2",
+            "quantization_config",
+            json!({"quant_method": "gptq", "bits": 4}),
+        ),
+        ("qwen2", "num_experts", json!(8)),
+        ("qwen2", "num_experts_per_tok", json!(2)),
+        ("qwen2", "model_type", json!("qwen2_moe")),
+        ("qwen2", "attention_dropout", json!(0.1)),
+        ("qwen2", "partial_rotary_factor", json!(0.5)),
+        ("llama3", "mlp_bias", json!(true)),
+        ("llama3", "num_local_experts", json!(8)),
+        ("qwen3", "original_max_position_embeddings", json!(16)),
+    ];
+    for (name, key, value) in cases {
+        let err = load_error(name, |cfg| {
+            cfg.insert(key.to_string(), value.clone());
+        });
+        assert!(
+            err.contains(&format!("`{key}")) && err.contains("config.json"),
+            "{name} with {key} = {value}: {err}"
+        );
+    }
+}
+
+#[test]
+fn unsupported_rope_settings_are_errors_naming_the_key() {
+    use serde_json::json;
+    let cases = [
+        (
+            json!({"rope_type": "longrope", "rope_theta": 1e6}),
+            "rope_parameters.rope_type",
+        ),
+        (
+            json!({"rope_type": "linear", "rope_theta": 1e6}),
+            "rope_parameters.factor",
+        ),
+        (
+            json!({"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 2]}),
+            "rope_parameters.mrope_section",
+        ),
+    ];
+    for (params, key) in cases {
+        let err = load_error("qwen2", |cfg| {
+            cfg.insert("rope_parameters".into(), params.clone());
+        });
+        assert!(err.contains(key) && err.contains("config.json"), "{err}");
+    }
+    let err = load_error("qwen2", |cfg| {
+        cfg.insert("rope_theta".into(), json!(10000.0));
+    });
+    assert!(err.contains("rope_theta"), "{err}");
+}
+
+#[test]
+fn qwen3_without_its_qk_norms_is_a_missing_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture("qwen3");
+    let tensors =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let kept: Vec<_> = tensors
+        .into_iter()
+        .filter(|(n, _)| !n.ends_with("self_attn.q_norm.weight"))
+        .collect();
+    stepppo::model::checkpoint::write_safetensors(&dir.path().join("model.safetensors"), &kept)
+        .unwrap();
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    let err = Model::load(dir.path(), &Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("q_norm.weight") && err.contains("missing"),
+        "{err}"
+    );
+}
+
+#[test]
+fn weights_the_config_does_not_account_for_are_an_error() {
+    let err = load_error("qwen3", |cfg| {
+        cfg.insert("model_type".into(), serde_json::json!("llama"));
+    });
+    assert!(
+        err.contains("self_attn.k_norm.weight") && err.contains("model.safetensors"),
+        "{err}"
+    );
+}
+
+/// Tensor names, shapes and dtypes of a directory's safetensors files.
+fn tensor_specs(dir: &Path) -> Vec<(String, Vec<usize>, candle_core::DType)> {
+    let mut specs = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            for (name, t) in candle_core::safetensors::load(&path, &Device::Cpu).unwrap() {
+                specs.push((name, t.dims().to_vec(), t.dtype()));
+            }
+        }
+    }
+    specs.sort_by(|a, b| a.0.cmp(&b.0));
+    specs
+}
+
+fn config_json(dir: &Path) -> serde_json::Map<String, serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn export_writes_what_transformers_wrote() {
+    for name in ["qwen2", "qwen3", "llama3", "qwen2-bf16"] {
+        let src = fixture(name);
+        let model = Model::load(&src, &Device::Cpu).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        model.save(out.path(), None).unwrap();
+
+        let theirs: Vec<_> = tensor_specs(&src)
+            .into_iter()
+            .map(|(n, s, _)| (n, s, candle_core::DType::F32))
+            .collect();
+        assert_eq!(tensor_specs(out.path()), theirs, "{name}: tensors");
+
+        let mut want = config_json(&src);
+        want.insert("dtype".into(), "float32".into());
+        assert_eq!(config_json(out.path()), want, "{name}: config.json");
+
+        check_against_transformers(out.path(), &src);
+    }
+}

@@ -1,0 +1,185 @@
+//! A checkpoint's own chat template (`tests/fixtures/hf/chat`, made by
+//! `scripts/make_hf_fixtures.py`): rendered with minijinja it gives the text and ids of
+//! transformers' `apply_chat_template` for every prefix of a conversation, and the token-space
+//! pieces the rollout appends (first prompt, response close, next turn) add up to those ids.
+
+use std::path::{Path, PathBuf};
+
+use stepppo::tokenizer::{ChatTemplate, Message, Tokenizer};
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/chat")
+}
+
+struct Case {
+    messages: Vec<(String, String)>,
+    add_generation_prompt: bool,
+    text: String,
+    ids: Vec<u32>,
+}
+
+fn cases() -> Vec<Case> {
+    let text = std::fs::read_to_string(fixture().join("expected.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Case {
+            messages: c["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| {
+                    (
+                        m["role"].as_str().unwrap().to_string(),
+                        m["content"].as_str().unwrap().to_string(),
+                    )
+                })
+                .collect(),
+            add_generation_prompt: c["add_generation_prompt"].as_bool().unwrap(),
+            text: c["text"].as_str().unwrap().to_string(),
+            ids: c["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect(),
+        })
+        .collect()
+}
+
+fn find(cases: &[Case], n: usize, gen: bool) -> &Case {
+    cases
+        .iter()
+        .find(|c| c.messages.len() == n && c.add_generation_prompt == gen)
+        .unwrap()
+}
+
+fn render(tok: &Tokenizer, case: &Case) -> String {
+    let messages: Vec<Message> = case
+        .messages
+        .iter()
+        .map(|(role, content)| Message { role, content })
+        .collect();
+    tok.chat_template()
+        .unwrap()
+        .render(&messages, case.add_generation_prompt)
+        .unwrap()
+}
+
+#[test]
+fn renders_what_apply_chat_template_renders() {
+    let tok = Tokenizer::from_dir(&fixture()).unwrap();
+    let cases = cases();
+    assert_eq!(cases.len(), 6);
+    for case in &cases {
+        let text = render(&tok, case);
+        assert_eq!(text, case.text);
+        assert_eq!(tok.encode(&text), case.ids, "{text:?}");
+    }
+}
+
+#[test]
+fn token_space_pieces_add_up_to_apply_chat_template_ids() {
+    let tok = Tokenizer::from_dir(&fixture()).unwrap();
+    let cases = cases();
+    let chat = ChatTemplate;
+    let opening = find(&cases, 2, true);
+    let (system, user) = (&opening.messages[0].1, &opening.messages[1].1);
+    let prompt = chat.first_prompt(&tok, system, user).unwrap();
+    assert_eq!(prompt, opening.ids);
+
+    // The template renders the past assistant turn without its <think> part: that is the
+    // response whose tokens the model would have produced for this history.
+    let mut response = tok.encode("<answer>Right</answer>");
+    response.push(tok.eos_id());
+    let context = [prompt.clone(), response.clone()].concat();
+
+    let closed = [
+        context.clone(),
+        chat.close_response(&tok, &response).unwrap(),
+    ]
+    .concat();
+    assert_eq!(closed, find(&cases, 3, false).ids);
+
+    let next_case = find(&cases, 4, true);
+    let next = chat
+        .next_turn(&tok, &response, &next_case.messages[3].1)
+        .unwrap();
+    assert_eq!([context, next].concat(), next_case.ids);
+
+    let cut = tok.encode("<answer>Right</answer>");
+    let next = chat
+        .next_turn(&tok, &cut, &next_case.messages[3].1)
+        .unwrap();
+    assert_eq!(
+        [prompt, cut, next].concat(),
+        next_case.ids,
+        "a response cut before its end-of-turn token is closed by the template's"
+    );
+}
+
+#[test]
+fn saved_directory_keeps_the_template() {
+    let tok = Tokenizer::from_dir(&fixture()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    tok.save_dir(dir.path()).unwrap();
+    let back = Tokenizer::from_dir(dir.path()).unwrap();
+    for case in &cases() {
+        assert_eq!(render(&back, case), case.text);
+    }
+    assert_eq!(back.eos_id(), tok.eos_id());
+}
+
+#[test]
+fn template_file_wins_and_errors_name_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture().join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::copy(
+        fixture().join("tokenizer_config.json"),
+        dir.path().join("tokenizer_config.json"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{% for m in messages %}[{{ m.role | upper }}]{{ m.content.strip() }}{% endfor %}",
+    )
+    .unwrap();
+    let tok = Tokenizer::from_dir(dir.path()).unwrap();
+    let text = tok
+        .chat_template()
+        .unwrap()
+        .render(
+            &[Message {
+                role: "user",
+                content: " hi ",
+            }],
+            false,
+        )
+        .unwrap();
+    assert_eq!(text, "[USER]hi");
+
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{% for m in messages %}",
+    )
+    .unwrap();
+    let err = Tokenizer::from_dir(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("chat_template.jinja"), "{err}");
+}
+
+#[test]
+fn builtin_tokenizer_keeps_the_builtin_template() {
+    let tok = Tokenizer::builtin();
+    assert!(tok.chat_template().is_none());
+    let ids = ChatTemplate.first_prompt(&tok, "S", "Hi").unwrap();
+    assert_eq!(
+        tok.decode(&ids),
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
