@@ -230,3 +230,17 @@ fn config_errors_name_the_key() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("rollout_batch_size"), "{err}");
 }
+
+#[test]
+fn a_config_that_fails_leaves_no_run_directory_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let missing = dir.path().join("no-such-model");
+    let pretrain = format!("pretrain={}", missing.display());
+    let args = with_sets(vec!["train", "--out", run.to_str().unwrap()], TINY);
+    let out = stepppo(&with_sets(args, &[pretrain.as_str()]));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no-such-model"), "{err}");
+    assert!(!run.exists(), "a failed start created {}", run.display());
+}

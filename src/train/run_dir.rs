@@ -89,8 +89,9 @@ fn run_entries(run_dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
     Ok(found)
 }
 
-/// Makes `run_dir` ready for a fresh run. A directory that already holds a run is an error that
-/// says whether it can be resumed, unless `overwrite`, which removes that run's files first.
+/// Makes `run_dir` ready for a fresh run, creating nothing: a directory that already holds a run
+/// is an error that says whether it can be resumed, unless `overwrite`, which removes that run's
+/// files.
 pub fn prepare_fresh(run_dir: &Path, overwrite: bool) -> Result<(), TrainError> {
     let entries = run_entries(run_dir)?;
     if !entries.is_empty() && !overwrite {
@@ -119,10 +120,7 @@ pub fn prepare_fresh(run_dir: &Path, overwrite: bool) -> Result<(), TrainError> 
             source,
         })?;
     }
-    std::fs::create_dir_all(run_dir).map_err(|source| TrainError::Io {
-        path: run_dir.to_path_buf(),
-        source,
-    })
+    Ok(())
 }
 
 /// The latest checkpoint of the run in `run_dir`, or an error that says why there is none to

@@ -134,6 +134,9 @@ impl Trainer {
             }
             CriticMode::None => None,
         };
+        // Only now that the device and every model directory were found good does the run
+        // directory come into being: a config that fails leaves nothing behind.
+        std::fs::create_dir_all(run_dir).map_err(io_err(run_dir))?;
         let warm_start = if cfg.sft.steps > 0 {
             Some(warm_start(&cfg, &policy, critic.as_ref(), &tok)?)
         } else {
