@@ -1,7 +1,8 @@
 //! The learning algorithm: credit assignment on step records ([`advantage`]), reward
 //! normalisation and whitening ([`normalize`]), StarPO-S filtering and the zero-signal detector
 //! ([`filter`]), PPO/GSPO actor and critic losses on candle tensors ([`loss`]), and AdamW with
-//! checkpointable state, gradient clipping and the learning-rate schedule ([`optim`]).
+//! checkpointable state, gradient clipping and the learning-rate schedule ([`optim`]), and how well
+//! a critic's values explain a batch's returns ([`value_fit`]).
 //! It does not run models or read datasets: the trainer gathers log-probs and values and
 //! passes records in.
 //!
@@ -21,6 +22,7 @@ pub mod filter;
 pub mod loss;
 pub mod normalize;
 pub mod optim;
+pub mod value_fit;
 
 pub use advantage::{
     compute_advantages, replay_rows, AdvantageInputs, AdvantageOutput, ReplayExport, ReplayRow,

@@ -50,6 +50,23 @@ pub struct PackedBatch {
 }
 
 impl PackedBatch {
+    /// Moves each row's value position past the first `forced(record)` tokens of its response
+    /// (at most to the position that predicts its last token): with constrained decoding the
+    /// tags before the model's first free choice are forced, so the position before them predicts
+    /// a constant and carries no trained state features, while the position of the first free
+    /// choice is where the policy reads the state.
+    pub fn read_values_after_forced(
+        &mut self,
+        records: &[StepRecord],
+        forced: impl Fn(&StepRecord) -> usize,
+    ) {
+        for (row, &r) in self.record_of_row.iter().enumerate() {
+            let len = records[r].response_ids.len();
+            let shift = forced(&records[r]).min(len.saturating_sub(1));
+            self.value_index[row] += shift as u32;
+        }
+    }
+
     /// Total response tokens of the batch.
     pub fn num_tokens(&self) -> usize {
         self.token_mask.iter().filter(|&&m| m > 0.0).count()
@@ -237,6 +254,22 @@ mod tests {
         let p = pack(&records, &[vec![0], vec![1]]).unwrap();
         assert_eq!(p.seq_len, 3);
         assert_eq!(p.value_index, vec![2, 3 + 1]);
+        let mut shifted = p.clone();
+        // Two forced tokens move the first row's value position by two; the second row's one-token
+        // response can only be read where it stands.
+        shifted.read_values_after_forced(&records, |_| 2);
+        let lens: Vec<usize> = shifted
+            .record_of_row
+            .iter()
+            .map(|&r| records[r].response_ids.len())
+            .collect();
+        let want: Vec<u32> = p
+            .value_index
+            .iter()
+            .zip(&lens)
+            .map(|(&v, &len)| v + 2.min(len as u32 - 1))
+            .collect();
+        assert_eq!(shifted.value_index, want);
         assert_eq!(p.token_index, vec![2, 0, 4, 5]);
         let (ids, mask) = pad(&p.inputs, p.seq_len, 0);
         assert_eq!(ids, vec![1, 2, 3, 1, 5, 6]);

@@ -32,6 +32,22 @@ impl ResponseMasks {
         Self { grammars, vocab }
     }
 
+    /// How many leading tokens of `rec`'s response the grammar forced (exactly one token
+    /// allowed): 0 when constrained decoding is off or the tag has no grammar.
+    pub fn forced_prefix(&self, rec: &StepRecord) -> usize {
+        let Some(grammar) = self.grammars.get(&rec.env_tag) else {
+            return 0;
+        };
+        let mut forced = 0;
+        for allowed in grammar.allowed_per_token(&rec.response_ids) {
+            match allowed {
+                Some(Allowed::Only(ids)) if ids.len() == 1 => forced += 1,
+                _ => break,
+            }
+        }
+        forced
+    }
+
     /// `[rows * width, vocab]` bias of a packed batch, `None` when no response token of it is
     /// constrained. Tokens past the point where a response left its grammar stay unconstrained.
     pub(super) fn logit_bias(

@@ -28,6 +28,8 @@ use super::update::{self, Learners, UpdateInputs, UpdateSettings};
 use super::TrainError;
 use crate::algo::config::Truncation;
 use crate::algo::filter::group_reward_std;
+use crate::algo::loss::explained_variance;
+use crate::algo::value_fit::tabular_ceiling;
 use crate::algo::{
     compute_advantages, kl_reward_penalty, uncertainty_filter, AdamW, AdvantageInputs,
     CriticTarget, LrSchedule,
@@ -513,6 +515,7 @@ impl Trainer {
                 target,
                 VALUE_CHUNK,
                 pad,
+                &self.masks,
                 &device,
             ),
             None => update::critic_values(
@@ -522,6 +525,7 @@ impl Trainer {
                 target,
                 VALUE_CHUNK,
                 pad,
+                &self.masks,
                 &device,
             ),
         }
@@ -614,7 +618,29 @@ impl Trainer {
         for (k, v) in &out.metrics {
             scalars.insert(critic_metric_name(k), *v);
         }
+        if target.is_some() {
+            self.value_fit_metrics(records, values, scalars);
+        }
         Ok((out.token_advantages(records), out.token_returns(records)))
+    }
+
+    /// `critic/vf_explained_var`: the rollout-time step-start values against the Monte-Carlo
+    /// step returns (γ = `gamma`) over the whole batch, next to the tabular ceiling
+    /// (`critic/vf_explained_var_ceiling`, over `critic/vf_ceiling_coverage` of the rows).
+    fn value_fit_metrics(&self, records: &[StepRecord], values: &[Vec<f32>], out: &mut Scalars) {
+        let returns = step_returns(records, f64::from(self.cfg.gamma));
+        let starts: Vec<f64> = values
+            .iter()
+            .map(|v| f64::from(v.first().copied().unwrap_or(0.0)))
+            .collect();
+        out.insert(
+            "critic/vf_explained_var".into(),
+            explained_variance(&starts, &returns),
+        );
+        if let Some(c) = tabular_ceiling(records, &returns) {
+            out.insert("critic/vf_explained_var_ceiling".into(), c.explained_var);
+            out.insert("critic/vf_ceiling_coverage".into(), c.coverage);
+        }
     }
 
     fn update(&mut self, inputs: &UpdateInputs) -> Result<Scalars, TrainError> {

@@ -112,7 +112,8 @@ pub fn ppo_update(
         {
             let seqs: Vec<Vec<usize>> =
                 chunk.iter().map(|&s| inputs.sequences[s].clone()).collect();
-            let packed = pack(inputs.records, &seqs)?;
+            let mut packed = pack(inputs.records, &seqs)?;
+            packed.read_values_after_forced(inputs.records, |r| settings.masks.forced_prefix(r));
             if packed.rows == 0 {
                 continue;
             }
@@ -385,7 +386,7 @@ fn critic_loss(
     if kept > 0 {
         means.add("critic/vf_loss", m.vf_loss);
         means.add("critic/vf_clipfrac", m.vf_clipfrac);
-        means.add("critic/vf_explained_var", m.vf_explained_var);
+        means.add("critic/vf_explained_var_minibatch", m.vf_explained_var);
         means.add("critic/value_mean", m.value_mean);
     }
     Ok((loss, kept > 0))
@@ -478,7 +479,8 @@ fn for_each_chunk(
             .sum::<usize>()
     });
     for seqs in sorted.chunks(chunk.max(1)) {
-        let p = pack(records, seqs)?;
+        let mut p = pack(records, seqs)?;
+        p.read_values_after_forced(records, |r| masks.forced_prefix(r));
         if p.rows > 0 {
             visit(
                 &p,
@@ -491,6 +493,7 @@ fn for_each_chunk(
 
 /// Critic values of every record at rollout time, no update: per record, one value at the step
 /// start (`StepStart`) or one per response token (`AllResponseTokens`).
+#[allow(clippy::too_many_arguments)]
 pub fn critic_values(
     values_of: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor, TrainError>,
     records: &[StepRecord],
@@ -498,16 +501,16 @@ pub fn critic_values(
     target: CriticTarget,
     chunk: usize,
     pad_id: u32,
+    masks: &ResponseMasks,
     device: &Device,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
     let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
-    let unconstrained = ResponseMasks::default();
     for_each_chunk(
         records,
         sequences,
         chunk,
         pad_id,
-        &unconstrained,
+        masks,
         device,
         |p, batch| {
             let values = values_of(&batch.ids, &batch.mask)?.detach();
