@@ -587,6 +587,17 @@ impl Config {
     }
 
     /// AdamW settings (actor `learning_rate`, `critic.learning_rate`).
+    /// The critic's optimizer: `critic.learning_rate` and `critic.weight_decay`, the actor's
+    /// schedule, warm-up and gradient clip.
+    pub fn critic_optimizer_config(&self) -> OptimizerConfig {
+        OptimizerConfig {
+            lr: self.critic.learning_rate,
+            weight_decay: self.critic.weight_decay,
+            ..self.optimizer_config()
+        }
+    }
+
+    /// The actor's optimizer (`critic_lr` is the critic's learning rate for the schedule).
     pub fn optimizer_config(&self) -> OptimizerConfig {
         OptimizerConfig {
             lr: self.learning_rate,

@@ -164,3 +164,36 @@ fn the_self_imitation_buffer_is_checkpointed_and_resumes_exactly() {
     resumed.run(4, &mut |_| {}).unwrap();
     assert_eq!(weights(&resumed), weights(&straight));
 }
+
+#[test]
+fn a_shared_value_head_steps_at_the_critic_learning_rate() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config();
+    cfg.max_steps = 1;
+    cfg.eval_steps = 0;
+    // The head's steps are then of order 1e-30: invisible beside the actor's.
+    cfg.critic.learning_rate = 1e-30;
+    let mut t = Trainer::create(cfg, root.path()).unwrap();
+    let before = weights(&t);
+    t.run(1, &mut |_| {}).unwrap();
+    let after = weights(&t);
+    for ((name, b), (_, a)) in before.iter().zip(&after) {
+        if name.starts_with("score.") {
+            let moved = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                moved < 1e-20,
+                "{name} moved {moved} at critic.learning_rate 1e-30"
+            );
+        }
+    }
+    let trunk_moved = before
+        .iter()
+        .zip(&after)
+        .any(|((name, b), (_, a))| !name.starts_with("score.") && a != b);
+    assert!(trunk_moved, "the actor's parameters should have moved");
+    assert!(before.iter().any(|(n, _)| n.starts_with("score.")));
+}

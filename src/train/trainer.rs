@@ -24,7 +24,7 @@ use super::run_dir::{self, Rewound, RunPosition};
 use super::self_imitation::{self, Replay, ReplayBuffer};
 use super::setup::{device_of, engine_for, fresh_policy};
 use super::sft::{self, CloneSettings, SftReport};
-use super::update::{self, Learners, UpdateInputs, UpdateSettings};
+use super::update::{self, CriticLearner, Learners, UpdateInputs, UpdateSettings};
 use super::TrainError;
 use crate::algo::config::Truncation;
 use crate::algo::filter::group_reward_std;
@@ -150,12 +150,7 @@ impl Trainer {
         } else {
             None
         };
-        let opt = cfg.optimizer_config();
-        let actor_opt = AdamW::new(policy.named_vars(), &opt)?;
-        let critic_opt = critic
-            .as_ref()
-            .map(|c| AdamW::new(c.named_vars(), &opt))
-            .transpose()?;
+        let (actor_opt, critic_opt) = optimizers(&cfg, &policy, critic.as_ref())?;
         let dataset =
             DatasetWriter::create(&run_dir.join(run_dir::DATASET_DIR), writer_options(&cfg))?;
         let text = serde_json::to_string_pretty(&cfg).expect("a config serialises");
@@ -205,17 +200,11 @@ impl Trainer {
             )?),
             _ => None,
         };
-        let opt = cfg.optimizer_config();
-        let mut actor_opt = AdamW::new(policy.named_vars(), &opt)?;
+        let (mut actor_opt, mut critic_opt) = optimizers(&cfg, &policy, critic.as_ref())?;
         actor_opt.load(&ckpt.join("optim_actor.safetensors"))?;
-        let critic_opt = match &critic {
-            Some(c) => {
-                let mut o = AdamW::new(c.named_vars(), &opt)?;
-                o.load(&ckpt.join("optim_critic.safetensors"))?;
-                Some(o)
-            }
-            None => None,
-        };
+        if let Some(opt) = critic_opt.as_mut() {
+            opt.load(&ckpt.join("optim_critic.safetensors"))?;
+        }
         let reference = if cfg.keeps_reference() {
             Some(load_reference(run_dir, &device)?)
         } else {
@@ -661,11 +650,18 @@ impl Trainer {
             shuffle_seed: seed::derive(self.cfg.seed, &[SEED_SHUFFLE, self.state.step]),
             masks: &self.masks,
         };
+        let shared_head = self.cfg.critic.mode == CriticMode::Shared;
         let mut learners = Learners {
             policy: &self.policy,
             actor_opt: &mut self.actor_opt,
-            critic: self.critic.as_ref().zip(self.critic_opt.as_mut()),
-            shared_value_head: self.cfg.critic.mode == CriticMode::Shared,
+            critic: match (&self.critic, shared_head) {
+                (Some(critic), _) => self
+                    .critic_opt
+                    .as_mut()
+                    .map(|o| CriticLearner::Separate(critic, o)),
+                (None, true) => self.critic_opt.as_mut().map(CriticLearner::SharedHead),
+                (None, false) => None,
+            },
         };
         update::ppo_update(inputs, &settings, &mut learners)
     }
@@ -690,10 +686,12 @@ impl Trainer {
         self.policy.save(&tmp.join("policy"), Some(&self.tok))?;
         crash::point("checkpoint.partial");
         self.actor_opt.save(&tmp.join("optim_actor.safetensors"))?;
-        if let (Some(critic), Some(opt)) = (&self.critic, &self.critic_opt) {
+        if let Some(critic) = &self.critic {
             let vars = critic.named_vars();
             writer.ensure_finite(vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
             critic.save(&tmp.join("critic"))?;
+        }
+        if let Some(opt) = &self.critic_opt {
             opt.save(&tmp.join("optim_critic.safetensors"))?;
         }
         if let Some(buffer) = &self.replay_buffer {
@@ -710,6 +708,33 @@ impl Trainer {
 
 /// Brings the run's dataset and metrics back to the position `ckpt` recorded; returns the
 /// warnings to report (what was removed, or that an older checkpoint recorded no position).
+/// The optimizers of a run: the actor's over the policy's parameters less a shared value head
+/// (`optimizer_config`), and the critic's over the separate critic or the shared head, at the
+/// critic's own learning rate and weight decay (`critic_optimizer_config`).
+fn optimizers(
+    cfg: &Config,
+    policy: &Model,
+    critic: Option<&Critic>,
+) -> Result<(AdamW, Option<AdamW>), TrainError> {
+    let (head, trunk): (Vec<_>, Vec<_>) = policy
+        .named_vars()
+        .into_iter()
+        .partition(|(name, _)| name.starts_with(VALUE_HEAD_PREFIX));
+    let actor_opt = AdamW::new(trunk, &cfg.optimizer_config())?;
+    let critic_vars = match critic {
+        Some(c) => Some(c.named_vars()),
+        None if !head.is_empty() => Some(head),
+        None => None,
+    };
+    let critic_opt = critic_vars
+        .map(|vars| AdamW::new(vars, &cfg.critic_optimizer_config()))
+        .transpose()?;
+    Ok((actor_opt, critic_opt))
+}
+
+/// Name prefix of a shared value head's parameters in the policy.
+const VALUE_HEAD_PREFIX: &str = "score.";
+
 fn rewind_to(run_dir: &Path, ckpt: &Path) -> Result<Vec<String>, TrainError> {
     let name = ckpt.file_name().unwrap_or_default().to_string_lossy();
     if !ckpt

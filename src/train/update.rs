@@ -64,14 +64,22 @@ pub struct UpdateSettings<'a> {
     pub masks: &'a ResponseMasks,
 }
 
+/// The critic side of the update.
+pub enum CriticLearner<'a> {
+    /// A separate critic and its optimizer: its own forward and step per mini-batch.
+    Separate(&'a Critic, &'a mut AdamW),
+    /// A value head on the policy's trunk: its loss joins the actor's in one backward pass, and
+    /// this optimizer (over the head's parameters, at the critic's learning rate and weight
+    /// decay) steps the head while the actor's steps the trunk.
+    SharedHead(&'a mut AdamW),
+}
+
 /// The models and optimizers the update steps.
 pub struct Learners<'a> {
     pub policy: &'a Model,
+    /// Steps the policy's parameters (a shared value head's excepted).
     pub actor_opt: &'a mut AdamW,
-    /// Separate critic and its optimizer.
-    pub critic: Option<(&'a Critic, &'a mut AdamW)>,
-    /// The policy carries a shared value head trained with the actor loss.
-    pub shared_value_head: bool,
+    pub critic: Option<CriticLearner<'a>>,
 }
 
 /// Running means of the update's metrics.
@@ -136,7 +144,7 @@ pub fn ppo_update(
             )?;
             skipped += usize::from(actor_skipped);
             actor_updates += usize::from(stepped);
-            if let Some((critic, opt)) = learners.critic.as_mut() {
+            if let Some(CriticLearner::Separate(critic, opt)) = learners.critic.as_mut() {
                 skipped += usize::from(critic_step(
                     inputs, settings, critic, opt, &packed, &batch, &mut means,
                 )?);
@@ -214,7 +222,8 @@ fn actor_step(
     if kept == 0 {
         return Ok((false, false));
     }
-    let (logp, entropy, shared_values) = if learners.shared_value_head {
+    let shared_head = matches!(learners.critic, Some(CriticLearner::SharedHead(_)));
+    let (logp, entropy, shared_values) = if shared_head {
         let (lp, ent, v) = shared_forward(learners.policy, batch, settings.temperature)?;
         (lp, ent, Some(v))
     } else {
@@ -302,6 +311,11 @@ fn actor_step(
             .step(&grads, settings.actor_lr, Some(settings.max_grad_norm))?;
     means.add("actor/grad_norm", report.grad_norm);
     means.add("actor/lr", report.lr);
+    if let Some(CriticLearner::SharedHead(head_opt)) = learners.critic.as_mut() {
+        let head = head_opt.step(&grads, settings.critic_lr, Some(settings.max_grad_norm))?;
+        means.add("critic/grad_norm", head.grad_norm);
+        means.add("critic/lr", head.lr);
+    }
     Ok((report.skipped, !report.skipped))
 }
 
@@ -652,7 +666,6 @@ mod tests {
             policy: &policy,
             actor_opt: &mut opt,
             critic: None,
-            shared_value_head: false,
         };
         let out = ppo_update(&inputs, &settings, &mut learners).unwrap();
         let lp_after = response_logprob(&policy, &records[0]);
