@@ -119,6 +119,10 @@ pub struct CriticConfig {
     pub value_clip: Option<f32>,
     /// Whether groups dropped by the rollout filter still train the critic.
     pub train_on_filtered: bool,
+    /// The first this many RL steps train the critic only, the policy frozen (verl's
+    /// `critic_warmup`): the critic is fitted to Monte-Carlo step returns of the warm-started
+    /// policy before its advantages steer the policy. 0 = off.
+    pub warmup_steps: usize,
 }
 
 impl Default for CriticConfig {
@@ -130,6 +134,7 @@ impl Default for CriticConfig {
             weight_decay: 0.0,
             value_clip: None,
             train_on_filtered: true,
+            warmup_steps: 0,
         }
     }
 }
@@ -869,12 +874,23 @@ impl Config {
         Ok(())
     }
 
-    /// `sft.value_loss_coef`: finite, ≥ 0, and only with a step-start critic.
+    /// `sft.value_loss_coef`: finite, ≥ 0, and only with a step-start critic;
+    /// `critic.warmup_steps` only with a critic.
     fn validate_value_warmup(&self) -> Result<(), (String, String)> {
         let fail = |msg: String| Err(("sft.value_loss_coef".to_string(), msg));
         let coef = self.sft.value_loss_coef;
         if !(coef.is_finite() && coef >= 0.0) {
             return fail(format!("must be a finite number ≥ 0, got {coef}"));
+        }
+        let has_critic = self.adv_estimator.critic_target().is_some();
+        if self.critic.warmup_steps > 0 && !(has_critic && self.critic.mode != CriticMode::None) {
+            return Err((
+                "critic.warmup_steps".into(),
+                format!(
+                    "trains a critic, and adv_estimator {:?} with critic.mode {:?} has none",
+                    self.adv_estimator, self.critic.mode
+                ),
+            ));
         }
         let step_start = self.adv_estimator.critic_target() == Some(CriticTarget::StepStart);
         if coef > 0.0 && !step_start {
@@ -1145,6 +1161,9 @@ mod tests {
         );
         let e = err_text(with(&["sft.value_loss_coef=-1"]));
         assert!(e.contains("sft.value_loss_coef"), "{e}");
+        assert!(with(&[&step_gae[..], &["critic.warmup_steps=5"]].concat()).is_ok());
+        let e = err_text(with(&["critic.warmup_steps=5"]));
+        assert!(e.contains("critic.warmup_steps"), "{e}");
     }
 
     #[test]

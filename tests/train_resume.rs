@@ -197,3 +197,25 @@ fn a_shared_value_head_steps_at_the_critic_learning_rate() {
     assert!(trunk_moved, "the actor's parameters should have moved");
     assert!(before.iter().any(|(n, _)| n.starts_with("score.")));
 }
+
+#[test]
+fn the_critic_warm_up_trains_the_value_head_and_leaves_the_policy_alone() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config();
+    cfg.max_steps = 1;
+    cfg.eval_steps = 0;
+    cfg.critic.warmup_steps = 1;
+    let mut t = Trainer::create(cfg, root.path()).unwrap();
+    let before = weights(&t);
+    t.run(1, &mut |_| {}).unwrap();
+    let after = weights(&t);
+    let mut head_moved = false;
+    for ((name, b), (_, a)) in before.iter().zip(&after) {
+        if name.starts_with("score.") {
+            head_moved |= a != b;
+        } else {
+            assert_eq!(a, b, "{name} moved during the critic warm-up");
+        }
+    }
+    assert!(head_moved, "the value head should have been trained");
+}

@@ -649,6 +649,7 @@ impl Trainer {
             pad_id: self.tok.pad_id(),
             shuffle_seed: seed::derive(self.cfg.seed, &[SEED_SHUFFLE, self.state.step]),
             masks: &self.masks,
+            freeze_actor: update_index < self.cfg.critic.warmup_steps,
         };
         let shared_head = self.cfg.critic.mode == CriticMode::Shared;
         let mut learners = Learners {

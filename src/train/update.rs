@@ -62,6 +62,8 @@ pub struct UpdateSettings<'a> {
     pub shuffle_seed: u64,
     /// Constrained decoding: the grammars the rollout sampled under.
     pub masks: &'a ResponseMasks,
+    /// Train the critic only (critic warm-up): the policy's parameters stay as they are.
+    pub freeze_actor: bool,
 }
 
 /// The critic side of the update.
@@ -133,20 +135,34 @@ pub fn ppo_update(
                 inputs.records,
                 settings.masks,
             )?;
-            let draw = [epoch as u64, k as u64];
-            let (actor_skipped, stepped) = actor_step(
-                inputs,
-                settings,
-                learners,
-                (&packed, &batch),
-                draw,
-                &mut means,
-            )?;
-            skipped += usize::from(actor_skipped);
-            actor_updates += usize::from(stepped);
-            if let Some(CriticLearner::Separate(critic, opt)) = learners.critic.as_mut() {
+            if !settings.freeze_actor {
+                let draw = [epoch as u64, k as u64];
+                let (actor_skipped, stepped) = actor_step(
+                    inputs,
+                    settings,
+                    learners,
+                    (&packed, &batch),
+                    draw,
+                    &mut means,
+                )?;
+                skipped += usize::from(actor_skipped);
+                actor_updates += usize::from(stepped);
+            }
+            let values = match &learners.critic {
+                Some(CriticLearner::Separate(critic, _)) => {
+                    Some(critic.values(&batch.ids, &batch.mask)?)
+                }
+                Some(CriticLearner::SharedHead(_)) if settings.freeze_actor => {
+                    Some(learners.policy.values(&batch.ids, &batch.mask)?)
+                }
+                _ => None,
+            };
+            if let (Some(values), Some(critic)) = (values, learners.critic.as_mut()) {
+                let opt = match critic {
+                    CriticLearner::Separate(_, opt) | CriticLearner::SharedHead(opt) => opt,
+                };
                 skipped += usize::from(critic_step(
-                    inputs, settings, critic, opt, &packed, &batch, &mut means,
+                    inputs, settings, &values, opt, &packed, &batch, &mut means,
                 )?);
             }
         }
@@ -406,18 +422,18 @@ fn critic_loss(
     Ok((loss, kept > 0))
 }
 
-/// One separate-critic update; returns whether it was skipped for a non-finite loss/gradient.
+/// One critic update on `values` (of a separate critic, or of the shared head during the critic
+/// warm-up), stepping `opt`; returns whether it was skipped for a non-finite loss/gradient.
 fn critic_step(
     inputs: &UpdateInputs,
     settings: &UpdateSettings,
-    critic: &Critic,
+    values: &Tensor,
     opt: &mut AdamW,
     p: &PackedBatch,
     batch: &DeviceBatch,
     means: &mut Means,
 ) -> Result<bool, TrainError> {
-    let values = critic.values(&batch.ids, &batch.mask)?;
-    let (loss, any) = critic_loss(inputs, settings, &values, p, batch, means)?;
+    let (loss, any) = critic_loss(inputs, settings, values, p, batch, means)?;
     if !any {
         return Ok(false);
     }
@@ -661,6 +677,7 @@ mod tests {
             pad_id: 0,
             shuffle_seed: 1,
             masks: &ResponseMasks::default(),
+            freeze_actor: false,
         };
         let mut learners = Learners {
             policy: &policy,
