@@ -1,3 +1,5 @@
+#![allow(clippy::result_large_err)] // `critic_values` takes the value function as a closure returning the crate's error.
+
 //! The step-level critic learns: on a fixed dataset whose return is a function of the state
 //! (which of four observations the step saw), critic-only updates (the policy frozen, as in the
 //! critic warm-up) raise the explained variance of the step-start values over the whole batch
