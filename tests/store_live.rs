@@ -97,6 +97,12 @@ fn replay(data: &Path, args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap() + &String::from_utf8_lossy(&out.stderr)
 }
 
+/// `replay --stats --json` as a JSON value.
+fn stats_of(data: &Path) -> serde_json::Value {
+    let out = replay(data, &["--stats", "--json"]);
+    serde_json::from_str(out.lines().next().unwrap()).unwrap()
+}
+
 fn lines_of(jsonl: &str) -> Vec<serde_json::Value> {
     jsonl
         .lines()
@@ -130,13 +136,7 @@ fn readers_mark_or_skip_the_trajectories_a_live_writer_has_not_finished() {
         2,
         "{text}"
     );
-    let stats: serde_json::Value = serde_json::from_str(
-        replay(&data, &["--stats", "--json"])
-            .lines()
-            .next()
-            .unwrap(),
-    )
-    .unwrap();
+    let stats = stats_of(&data);
     assert_eq!(stats["trajectories"], 2, "{stats}");
     assert_eq!(stats["steps"], 6, "{stats}");
     assert_eq!(stats["open_trajectories"], 2, "{stats}");
@@ -151,13 +151,7 @@ fn readers_mark_or_skip_the_trajectories_a_live_writer_has_not_finished() {
     let rows = lines_of(&replay(&data, &["--format", "jsonl"]));
     assert_eq!(rows.len(), 12);
     assert!(rows.iter().all(|r| r.get("open").is_none()));
-    let stats: serde_json::Value = serde_json::from_str(
-        replay(&data, &["--stats", "--json"])
-            .lines()
-            .next()
-            .unwrap(),
-    )
-    .unwrap();
+    let stats = stats_of(&data);
     assert_eq!(stats["trajectories"], 4);
     assert_eq!(stats["open_trajectories"], 0);
 }
