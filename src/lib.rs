@@ -5,7 +5,8 @@
 //! them through the tokenizer ([`tokenizer`]) and generates with the model ([`model`]) over a
 //! radix-tree KV cache ([`kv`]); every interaction round becomes a [`store::StepRecord`] in a
 //! memory-mapped segment store ([`store`]); credit assignment and PPO-family losses live in
-//! [`algo`]; the trainer ([`train`]) ties them together under a YAML config ([`config`]).
+//! [`algo`]; the trainer ([`train`]) ties them together under a YAML config ([`config`]);
+//! [`view`] serves runs and datasets to a browser.
 
 pub mod algo;
 pub mod config;
@@ -19,3 +20,4 @@ pub mod seed;
 pub mod store;
 pub mod tokenizer;
 pub mod train;
+pub mod view;

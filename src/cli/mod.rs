@@ -5,6 +5,7 @@ mod env;
 mod model;
 mod store;
 mod train;
+mod view;
 
 use clap::{Parser, Subcommand};
 
@@ -40,6 +41,8 @@ enum Command {
     Generate(model::GenerateArgs),
     /// Write a freshly initialised HF-format model directory.
     InitModel(model::InitModelArgs),
+    /// Browse a run or a dataset in the browser (a read-only local web server).
+    View(view::ViewArgs),
     /// Quick benchmarks with the built-in model.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -58,6 +61,7 @@ impl Cli {
             Command::Dataset(c) => store::dataset(c),
             Command::Generate(a) => model::generate(a),
             Command::InitModel(a) => model::init_model(a),
+            Command::View(a) => view::view(a),
             Command::Bench(c) => bench::run(c),
         }
     }

@@ -1,0 +1,271 @@
+//! The per-trajectory summary index the trajectory list is served from: one pass over the
+//! metadata of every frame (decoded in place, nothing allocated per record) at open, a few
+//! dozen bytes per trajectory, then filtering, sorting and per-env figures without touching
+//! the segments again. It does not own the segments ([`Snapshot`] keeps the dataset beside it)
+//! nor the query parameters (see `query`).
+
+use std::cmp::Ordering;
+use std::collections::HashMap;
+
+use crate::store::{Dataset, StepMetaView, StepView};
+
+use super::error::ViewError;
+use super::source::{Fingerprint, Source};
+
+/// What one trajectory looks like from its step metadata.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TrajSummary {
+    pub traj_id: u64,
+    pub group_id: u64,
+    /// Lowest policy version among its steps (the rollouts of training step N have N − 1).
+    pub policy_version: u64,
+    pub seed: u64,
+    /// Sum of the step rewards.
+    pub ret: f32,
+    pub steps: u32,
+    /// Highest step index seen.
+    pub last_step: u32,
+    /// Index into [`TrajIndex::envs`].
+    pub env: u16,
+    pub success: bool,
+    /// The step with the highest index is neither terminated nor truncated.
+    pub open: bool,
+}
+
+impl TrajSummary {
+    fn start(view: &StepView<'_>, meta: &StepMetaView<'_>, env: u16) -> Self {
+        Self {
+            traj_id: view.traj_id,
+            group_id: view.group_id,
+            policy_version: meta.policy_version,
+            seed: meta.seed,
+            ret: 0.0,
+            steps: 0,
+            last_step: 0,
+            env,
+            success: false,
+            open: true,
+        }
+    }
+
+    fn add(&mut self, view: &StepView<'_>, meta: &StepMetaView<'_>) {
+        if self.steps == 0 || view.step_index >= self.last_step {
+            self.last_step = view.step_index;
+            self.open = !meta.terminated && !meta.truncated;
+        }
+        self.steps += 1;
+        self.ret += meta.reward;
+        self.success |= meta.success;
+        self.policy_version = self.policy_version.min(meta.policy_version);
+    }
+}
+
+/// How to sort the list.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SortKey {
+    #[default]
+    Id,
+    Return,
+    Length,
+    Version,
+    Group,
+    Env,
+}
+
+/// Which trajectories the list shows; `None` lets everything through.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Filter {
+    pub env: Option<String>,
+    pub version: Option<u64>,
+    pub group: Option<u64>,
+    pub success: Option<bool>,
+    pub open: Option<bool>,
+    pub min_return: Option<f32>,
+    pub max_return: Option<f32>,
+    pub min_len: Option<u32>,
+    pub max_len: Option<u32>,
+}
+
+/// Finished-trajectory figures of one environment.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EnvFigures {
+    pub env: String,
+    pub trajectories: usize,
+    pub open: usize,
+    pub success_rate: f64,
+    pub mean_return: f64,
+    pub mean_length: f64,
+}
+
+/// Summaries of every trajectory, ordered by id.
+#[derive(Debug, Default)]
+pub struct TrajIndex {
+    pub trajs: Vec<TrajSummary>,
+    pub envs: Vec<String>,
+    pub records: usize,
+    /// Records whose metadata did not decode (left out of the summaries).
+    pub unreadable: usize,
+    groups: HashMap<u64, Vec<u32>>,
+}
+
+impl TrajIndex {
+    /// One pass over the metadata of every valid record of `dataset`.
+    pub fn build(dataset: &Dataset) -> Self {
+        let mut index = Self::default();
+        let mut slots: HashMap<u64, u32> = HashMap::new();
+        for view in dataset.records() {
+            index.records += 1;
+            let Ok(meta) = view.meta_view() else {
+                index.unreadable += 1;
+                continue;
+            };
+            let env = index.intern(meta.env_tag);
+            let slot = *slots.entry(view.traj_id).or_insert_with(|| {
+                index.trajs.push(TrajSummary::start(&view, &meta, env));
+                (index.trajs.len() - 1) as u32
+            });
+            index.trajs[slot as usize].add(&view, &meta);
+        }
+        index.trajs.sort_unstable_by_key(|t| t.traj_id);
+        for (i, t) in index.trajs.iter().enumerate() {
+            index.groups.entry(t.group_id).or_default().push(i as u32);
+        }
+        index
+    }
+
+    fn intern(&mut self, env: &str) -> u16 {
+        match self.envs.iter().position(|e| e == env) {
+            Some(i) => i as u16,
+            None => {
+                self.envs.push(env.to_string());
+                (self.envs.len() - 1) as u16
+            }
+        }
+    }
+
+    pub fn env_name(&self, t: &TrajSummary) -> &str {
+        self.envs.get(t.env as usize).map_or("", String::as_str)
+    }
+
+    /// The summary of trajectory `traj_id`.
+    pub fn get(&self, traj_id: u64) -> Option<&TrajSummary> {
+        let at = self.trajs.binary_search_by_key(&traj_id, |t| t.traj_id);
+        at.ok().map(|i| &self.trajs[i])
+    }
+
+    /// The trajectories of group `group_id`, ordered by id.
+    pub fn group(&self, group_id: u64) -> impl Iterator<Item = &TrajSummary> {
+        let members = self.groups.get(&group_id).map_or(&[][..], Vec::as_slice);
+        members.iter().map(|&i| &self.trajs[i as usize])
+    }
+
+    /// Positions (into `trajs`) of the trajectories `filter` lets through, sorted by `key`
+    /// (ties by id), descending when `desc`.
+    pub fn select(&self, filter: &Filter, key: SortKey, desc: bool) -> Vec<u32> {
+        let env = match &filter.env {
+            Some(name) => match self.envs.iter().position(|e| e == name) {
+                Some(i) => Some(i as u16),
+                None => return Vec::new(),
+            },
+            None => None,
+        };
+        let mut hits: Vec<u32> = (0..self.trajs.len() as u32)
+            .filter(|&i| passes(&self.trajs[i as usize], filter, env))
+            .collect();
+        if key != SortKey::Id {
+            let rank = self.env_ranks();
+            let trajs = &self.trajs;
+            hits.sort_by(|&a, &b| {
+                let (a, b) = (&trajs[a as usize], &trajs[b as usize]);
+                compare(a, b, key, &rank).then(a.traj_id.cmp(&b.traj_id))
+            });
+        }
+        if desc {
+            hits.reverse();
+        }
+        hits
+    }
+
+    /// Position of each interned env in name order.
+    fn env_ranks(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.envs.len()).collect();
+        order.sort_by_key(|&i| &self.envs[i]);
+        let mut rank = vec![0; order.len()];
+        for (r, i) in order.into_iter().enumerate() {
+            rank[i] = r;
+        }
+        rank
+    }
+
+    /// Figures per environment over finished trajectories, open ones counted apart.
+    pub fn env_figures(&self) -> Vec<EnvFigures> {
+        let mut out: Vec<EnvFigures> = Vec::new();
+        for (i, env) in self.envs.iter().enumerate() {
+            let all = self.trajs.iter().filter(|t| t.env as usize == i);
+            let (open, done): (Vec<&TrajSummary>, Vec<_>) = all.partition(|t| t.open);
+            let n = done.len().max(1) as f64;
+            out.push(EnvFigures {
+                env: env.clone(),
+                trajectories: done.len(),
+                open: open.len(),
+                success_rate: done.iter().filter(|t| t.success).count() as f64 / n,
+                mean_return: done.iter().map(|t| f64::from(t.ret)).sum::<f64>() / n,
+                mean_length: done.iter().map(|t| f64::from(t.steps)).sum::<f64>() / n,
+            });
+        }
+        out
+    }
+}
+
+fn passes(t: &TrajSummary, f: &Filter, env: Option<u16>) -> bool {
+    env.is_none_or(|e| t.env == e)
+        && f.version.is_none_or(|v| t.policy_version == v)
+        && f.group.is_none_or(|g| t.group_id == g)
+        && f.success.is_none_or(|s| t.success == s)
+        && f.open.is_none_or(|o| t.open == o)
+        && f.min_return.is_none_or(|r| t.ret >= r)
+        && f.max_return.is_none_or(|r| t.ret <= r)
+        && f.min_len.is_none_or(|n| t.steps >= n)
+        && f.max_len.is_none_or(|n| t.steps <= n)
+}
+
+fn compare(a: &TrajSummary, b: &TrajSummary, key: SortKey, env_rank: &[usize]) -> Ordering {
+    match key {
+        SortKey::Id => a.traj_id.cmp(&b.traj_id),
+        SortKey::Return => a.ret.total_cmp(&b.ret),
+        SortKey::Length => a.steps.cmp(&b.steps),
+        SortKey::Version => a.policy_version.cmp(&b.policy_version),
+        SortKey::Group => a.group_id.cmp(&b.group_id),
+        SortKey::Env => env_rank[a.env as usize].cmp(&env_rank[b.env as usize]),
+    }
+}
+
+/// A dataset as opened at one moment, with its index and the fingerprint it was opened at.
+#[derive(Debug)]
+pub struct Snapshot {
+    pub dataset: Dataset,
+    pub index: TrajIndex,
+    pub fingerprint: Fingerprint,
+    /// Counts the re-opens of a live dataset (0 for the first open).
+    pub generation: u64,
+}
+
+impl Snapshot {
+    /// Opens the dataset of `source` and builds its index.
+    pub fn open(source: &Source, generation: u64) -> Result<Self, ViewError> {
+        let fingerprint = source.fingerprint()?;
+        let dataset = Dataset::open(&source.dataset)?;
+        let index = TrajIndex::build(&dataset);
+        Ok(Self {
+            dataset,
+            index,
+            fingerprint,
+            generation,
+        })
+    }
+
+    /// Problems found at open plus records whose metadata did not decode.
+    pub fn problems(&self) -> usize {
+        self.dataset.problems().len() + self.index.unreadable
+    }
+}

@@ -1,0 +1,105 @@
+//! What `stepppo view PATH` reads: PATH as a run directory (`dataset/`, `metrics.jsonl`,
+//! `config.json`, checkpoints) or as a bare dataset; the tokenizer to show token boundaries
+//! with; the advantage settings of the run; and the cheap fingerprint (segment file names and
+//! sizes) that tells a live dataset grew. Everything here only reads.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use crate::algo::AdvantageConfig;
+use crate::config::Config;
+use crate::store::MANIFEST_FILE;
+use crate::tokenizer::Tokenizer;
+use crate::train::checkpoint;
+
+use super::error::ViewError;
+
+/// The files behind one viewer.
+#[derive(Clone, Debug)]
+pub struct Source {
+    /// PATH as given.
+    pub root: PathBuf,
+    /// The dataset directory (PATH itself, or `PATH/dataset`).
+    pub dataset: PathBuf,
+    /// `PATH/metrics.jsonl` of a run directory (it may not exist yet).
+    pub metrics: Option<PathBuf>,
+}
+
+impl Source {
+    /// Reads PATH: a dataset when it holds `manifest.json`, a run directory when
+    /// `dataset/manifest.json` is inside it.
+    pub fn locate(path: &Path) -> Result<Self, ViewError> {
+        if path.join(MANIFEST_FILE).is_file() {
+            return Ok(Self {
+                root: path.to_path_buf(),
+                dataset: path.to_path_buf(),
+                metrics: None,
+            });
+        }
+        let dataset = path.join("dataset");
+        if dataset.join(MANIFEST_FILE).is_file() {
+            return Ok(Self {
+                root: path.to_path_buf(),
+                dataset,
+                metrics: Some(path.join("metrics.jsonl")),
+            });
+        }
+        Err(ViewError::NotADataset {
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Whether PATH is a run directory (training steps exist) rather than a bare dataset.
+    pub fn is_run(&self) -> bool {
+        self.metrics.is_some()
+    }
+
+    /// The run's tokenizer: its latest checkpoint's `policy/tokenizer.json` when there is one,
+    /// else the built-in tokenizer (the one `collect` and the built-in model use).
+    pub fn tokenizer(&self) -> Result<Tokenizer, ViewError> {
+        if !self.is_run() {
+            return Ok(Tokenizer::builtin());
+        }
+        let latest = checkpoint::latest(&self.root).ok().flatten();
+        match latest.map(|ckpt| ckpt.join("policy")) {
+            Some(policy) if policy.join("tokenizer.json").is_file() => Tokenizer::from_dir(&policy)
+                .map_err(|source| ViewError::Tokenizer {
+                    path: policy,
+                    source,
+                }),
+            _ => Ok(Tokenizer::builtin()),
+        }
+    }
+
+    /// The advantage settings the run trained with (its `config.json`), else the defaults.
+    pub fn advantage_config(&self) -> AdvantageConfig {
+        let path = self.root.join("config.json");
+        let config = fs::read_to_string(&path)
+            .ok()
+            .and_then(|text| serde_json::from_str(&text).ok())
+            .and_then(|value| Config::from_value(value, &path.display().to_string()).ok());
+        config.map_or_else(AdvantageConfig::default, |c| c.advantage_config())
+    }
+
+    /// Names and sizes of the dataset's segment files, in name order.
+    pub fn fingerprint(&self) -> Result<Fingerprint, ViewError> {
+        let io = |source| ViewError::Io {
+            path: self.dataset.clone(),
+            source,
+        };
+        let mut files = Vec::new();
+        for entry in fs::read_dir(&self.dataset).map_err(io)? {
+            let entry = entry.map_err(io)?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with("seg-") && name.ends_with(".stp") {
+                files.push((name, entry.metadata().map_err(io)?.len()));
+            }
+        }
+        files.sort();
+        Ok(Fingerprint(files))
+    }
+}
+
+/// Segment file names and sizes: a dataset whose fingerprint changed has new records.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Fingerprint(Vec<(String, u64)>);
