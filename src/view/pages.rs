@@ -367,9 +367,14 @@ fn token_spans(step: &StepDetail) -> String {
 fn group_aside(d: &TrajectoryDetail) -> String {
     let mut out = format!(
         "<aside class=\"group\" id=\"group\"><h2>Group {g}</h2><p class=\"hint\">{n} other \
-         trajectories from the same seed: each step's action and reward.</p>",
+         {noun} from the same seed: each step's action and reward.</p>",
         g = d.summary.group_id,
         n = d.group.len(),
+        noun = if d.group.len() == 1 {
+            "trajectory"
+        } else {
+            "trajectories"
+        },
     );
     out.push_str(&mate_line(&d.summary, &own_moves(d), true));
     for m in &d.group {
