@@ -365,3 +365,20 @@ fn a_live_dataset_shows_new_steps_and_marks_open_trajectories() {
     );
     writer.seal().unwrap();
 }
+
+#[test]
+fn the_command_names_a_path_that_is_no_dataset() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepppo"))
+        .args(["view", "--port", "0"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("neither a dataset"), "{stderr}");
+    assert!(
+        stderr.contains(&dir.path().display().to_string()),
+        "{stderr}"
+    );
+}

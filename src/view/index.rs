@@ -269,3 +269,96 @@ impl Snapshot {
         self.dataset.problems().len() + self.index.unreadable
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{DatasetWriter, StepInfo, StepRecord, WriterOptions};
+
+    fn step(traj: u64, group: u64, index: u32, reward: f32, last: bool) -> StepRecord {
+        StepRecord {
+            traj_id: traj,
+            group_id: group,
+            step_index: index,
+            env_tag: if traj < 3 { "b_env" } else { "a_env" }.into(),
+            policy_version: traj % 2,
+            reward,
+            terminated: last,
+            info: StepInfo {
+                success: last && reward > 0.0,
+                ..StepInfo::default()
+            },
+            ..StepRecord::default()
+        }
+    }
+
+    /// Trajectories 0..4; the steps of 1 are stored out of order, 4 has no terminal step.
+    fn index() -> TrajIndex {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = WriterOptions {
+            durable: false,
+            ..WriterOptions::default()
+        };
+        let mut w = DatasetWriter::create(dir.path(), opts).unwrap();
+        for r in [
+            step(0, 0, 0, 1.0, true),
+            step(1, 0, 1, 2.0, true),
+            step(1, 0, 0, -0.5, false),
+            step(2, 1, 0, -1.0, true),
+            step(3, 1, 0, 0.5, true),
+            step(4, 2, 0, 0.0, false),
+        ] {
+            w.append(&r).unwrap();
+        }
+        w.seal().unwrap();
+        TrajIndex::build(&Dataset::open(dir.path()).unwrap())
+    }
+
+    #[test]
+    fn summaries_add_up_steps_and_find_open_trajectories() {
+        let idx = index();
+        assert_eq!((idx.records, idx.trajs.len()), (6, 5));
+        let one = idx.get(1).unwrap();
+        assert_eq!(
+            (one.steps, one.last_step, one.ret, one.open),
+            (2, 1, 1.5, false)
+        );
+        assert!(one.success);
+        assert!(idx.get(4).unwrap().open);
+        let group: Vec<u64> = idx.group(1).map(|t| t.traj_id).collect();
+        assert_eq!(group, [2, 3]);
+    }
+
+    #[test]
+    fn select_filters_and_sorts_with_ties_by_id() {
+        let idx = index();
+        let ids = |hits: Vec<u32>| -> Vec<u64> {
+            hits.iter()
+                .map(|&i| idx.trajs[i as usize].traj_id)
+                .collect()
+        };
+        let by_return = idx.select(&Filter::default(), SortKey::Return, true);
+        assert_eq!(ids(by_return), [1, 0, 3, 4, 2]);
+        let by_env = idx.select(&Filter::default(), SortKey::Env, false);
+        assert_eq!(ids(by_env), [3, 4, 0, 1, 2]);
+        let odd_finished = Filter {
+            version: Some(1),
+            open: Some(false),
+            ..Filter::default()
+        };
+        assert_eq!(ids(idx.select(&odd_finished, SortKey::Id, false)), [1, 3]);
+        let unknown_env = Filter {
+            env: Some("nowhere".into()),
+            ..Filter::default()
+        };
+        assert!(idx.select(&unknown_env, SortKey::Id, false).is_empty());
+    }
+
+    #[test]
+    fn env_figures_leave_open_trajectories_out() {
+        let figures = index().env_figures();
+        let a = figures.iter().find(|f| f.env == "a_env").unwrap();
+        assert_eq!((a.trajectories, a.open), (1, 1));
+        assert_eq!((a.success_rate, a.mean_return), (1.0, 0.5));
+    }
+}
