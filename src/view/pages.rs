@@ -21,9 +21,13 @@ fn shell<'a>(kind: PageKind, title: &'a str, root: &'a str, snap: &Snapshot) -> 
     }
 }
 
-/// The training step a trajectory was rolled out for (policy version + 1), as text.
-fn step_of(t: &TrajSummary) -> String {
-    t.policy_version.saturating_add(1).to_string()
+/// The training step a trajectory was rolled out for (policy version + 1) in a run; `—` in a
+/// bare dataset, which has no training steps.
+fn step_of(t: &TrajSummary, is_run: bool) -> String {
+    match is_run {
+        true => t.policy_version.saturating_add(1).to_string(),
+        false => "—".to_string(),
+    }
 }
 
 /// The run page.
@@ -91,7 +95,7 @@ pub fn list_page(source: &Source, snap: &Snapshot, q: &ListQuery, hits: &[u32]) 
         n = hits.len(),
         page = q.page,
     );
-    main.push_str(&list_table(snap, q, shown));
+    main.push_str(&list_table(snap, q, shown, source.is_run()));
     main.push_str(&pager(q, pages));
     shell(PageKind::List, "trajectories", &root, snap).wrap(&main)
 }
@@ -164,7 +168,7 @@ fn sort_link(q: &ListQuery, key: SortKey, label: &str) -> String {
     )
 }
 
-fn list_table(snap: &Snapshot, q: &ListQuery, shown: &[u32]) -> String {
+fn list_table(snap: &Snapshot, q: &ListQuery, shown: &[u32], is_run: bool) -> String {
     let mut out = format!(
         "<table class=\"trajs\" id=\"traj-table\"><thead><tr><th>{}</th><th>{}</th><th>{}</th>\
          <th>step</th><th>{}</th><th>seed</th><th>{}</th><th>{}</th><th>success</th><th>status</th></tr></thead><tbody>",
@@ -186,7 +190,7 @@ fn list_table(snap: &Snapshot, q: &ListQuery, shown: &[u32]) -> String {
             id = t.traj_id,
             g = t.group_id,
             env = esc(snap.index.env_name(t)),
-            step = step_of(t),
+            step = step_of(t, is_run),
             v = t.policy_version,
             seed = t.seed,
             n = t.steps,
@@ -235,7 +239,7 @@ pub fn trajectory_page(
     };
     let mut main = format!(
         "<div class=\"traj\" data-color=\"{colour}\"><article class=\"steps\" id=\"steps\">{head}{controls}{note}",
-        head = traj_header(detail),
+        head = traj_header(detail, source.is_run()),
         controls = controls(t.traj_id, q),
         note = scoring_note(&detail.scoring, q),
     );
@@ -250,19 +254,25 @@ pub fn trajectory_page(
     page.wrap(&main)
 }
 
-fn traj_header(d: &TrajectoryDetail) -> String {
+fn traj_header(d: &TrajectoryDetail, is_run: bool) -> String {
     let t = &d.summary;
+    let version = format!(
+        "policy version <a href=\"/trajectories?version={v}\">{v}</a>",
+        v = t.policy_version
+    );
+    let when = match is_run {
+        true => format!("training step {} ({version})", step_of(t, true)),
+        false => version,
+    };
     format!(
         "<h1>Trajectory {id}{open}</h1><p class=\"facts\">group <a href=\"/trajectories?group={g}\">{g}</a> · \
-         {env} · seed {seed} · training step <a href=\"/trajectories?version={v}\">{step}</a> (policy version {v}) · \
+         {env} · seed {seed} · {when} · \
          {n} steps · return {ret} · {ok}</p>",
         id = t.traj_id,
         open = if t.open { " <span class=\"badge open\" id=\"open-badge\">open: no terminal step yet</span>" } else { "" },
         g = t.group_id,
         env = esc(&d.env),
         seed = t.seed,
-        v = t.policy_version,
-        step = step_of(t),
         n = t.steps,
         ret = num(f64::from(t.ret), 3),
         ok = if t.success { "success" } else { "no success" },
