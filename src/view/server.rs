@@ -1,13 +1,14 @@
 //! The HTTP side: routes (three pages, two JSON endpoints, two fixed assets; no route takes a
 //! file path), the shared state (the current snapshot behind a lock, swapped whole when a live
-//! dataset grew), a background task that compares segment sizes every second and re-opens
-//! the dataset when they changed, and the headers every answer carries (a content security
-//! policy that allows only this server's own script and stylesheet, `nosniff`, no caching).
+//! dataset grew), a background task that compares segment sizes every second and re-opens the
+//! dataset when they changed (pausing longer after a slow re-open), and the headers every
+//! answer carries (a content security policy that allows only this server's own script and
+//! stylesheet, `nosniff`, no caching).
 //! Requests whose `Host` is not this machine's loopback name are refused while bound to a
 //! loopback address (a web page cannot reach the viewer through DNS rebinding).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, Request, State};
@@ -34,6 +35,8 @@ const APP_JS: &str = include_str!("assets/app.js");
 const APP_CSS: &str = include_str!("assets/app.css");
 /// How often a live dataset's segment sizes are compared.
 const RESCAN_EVERY: Duration = Duration::from_secs(1);
+/// After a re-open, wait this many times as long as it took before the next look.
+const RESCAN_PAUSE: u32 = 4;
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
                    connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'";
 
@@ -70,15 +73,16 @@ impl AppState {
         self.snapshot.read().clone()
     }
 
-    /// Re-opens the dataset when its segment files changed; whether it did.
-    pub fn refresh(&self) -> Result<bool, ViewError> {
+    /// Re-opens the dataset when its segment files changed; how long that took, if it did.
+    pub fn refresh(&self) -> Result<Option<Duration>, ViewError> {
         let current = self.current();
         if self.source.fingerprint()? == current.fingerprint {
-            return Ok(false);
+            return Ok(None);
         }
+        let started = Instant::now();
         let next = Snapshot::open(&self.source, current.generation + 1)?;
         *self.snapshot.write() = Arc::new(next);
-        Ok(true)
+        Ok(Some(started.elapsed()))
     }
 
     fn root(&self) -> String {
@@ -107,18 +111,24 @@ pub fn router(app: Shared) -> Router {
         .with_state(app)
 }
 
-/// Re-reads a live dataset every [`RESCAN_EVERY`] for as long as the runtime runs.
+/// Re-reads a live dataset for as long as the runtime runs: a look every [`RESCAN_EVERY`],
+/// and after a re-open a pause of [`RESCAN_PAUSE`] times as long as it took, so re-reading a
+/// large dataset that keeps growing takes a bounded share of the machine.
 pub async fn rescan_forever(app: Shared) {
-    let mut tick = tokio::time::interval(RESCAN_EVERY);
     loop {
-        tick.tick().await;
-        let app = app.clone();
-        let root = app.root();
-        match tokio::task::spawn_blocking(move || app.refresh()).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => eprintln!("warning: re-reading {root}: {e}"),
-            Err(e) => eprintln!("warning: re-reading {root}: {e}"),
-        }
+        let worker = app.clone();
+        let pause = match tokio::task::spawn_blocking(move || worker.refresh()).await {
+            Ok(Ok(took)) => took.map_or(Duration::ZERO, |t| t * RESCAN_PAUSE),
+            Ok(Err(e)) => {
+                eprintln!("warning: re-reading {}: {e}", app.root());
+                Duration::ZERO
+            }
+            Err(e) => {
+                eprintln!("warning: re-reading {}: {e}", app.root());
+                Duration::ZERO
+            }
+        };
+        tokio::time::sleep(RESCAN_EVERY.max(pause)).await;
     }
 }
 
