@@ -1,5 +1,6 @@
 //! `stepppo view` under load, over real HTTP on loopback: time to open a dataset (map, scan,
-//! build the summary index), to walk every page of the trajectory list, and page latency
+//! build the summary index), to walk every page of the trajectory list, to answer a new sorted
+//! selection, and page latency
 //! p50/p99 with 8 concurrent clients asking for random list pages (random sort) and random
 //! trajectory pages. Bounded: at most `VIEWER_BENCH_REQUESTS` (400) concurrent requests in all.
 //!
@@ -122,6 +123,16 @@ fn main() {
         walk.as_secs_f64(),
         walk.as_secs_f64() * 1e3 / pages as f64
     );
+    for sort in ["return", "length"] {
+        let (took, _) = get(
+            &agent,
+            &format!("{base}/trajectories?sort={sort}&order=desc"),
+        );
+        println!(
+            "a new selection (every trajectory, sorted by {sort}): {:.1} ms",
+            took.as_secs_f64() * 1e3
+        );
+    }
     concurrent(&base, pages);
 }
 

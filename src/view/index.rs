@@ -1,11 +1,15 @@
 //! The per-trajectory summary index the trajectory list is served from: one pass over the
 //! metadata of every frame (decoded in place, nothing allocated per record) at open, a few
 //! dozen bytes per trajectory, then filtering, sorting and per-env figures without touching
-//! the segments again. It does not own the segments ([`Snapshot`] keeps the dataset beside it)
-//! nor the query parameters (see `query`).
+//! the segments again; a [`Snapshot`] keeps the dataset beside it and remembers its latest
+//! selections, so paging through a sorted list sorts it once. The query parameters are
+//! `query`'s.
 
 use std::cmp::Ordering;
 use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use crate::store::{Dataset, StepMetaView, StepView};
 
@@ -240,6 +244,12 @@ fn compare(a: &TrajSummary, b: &TrajSummary, key: SortKey, env_rank: &[usize]) -
     }
 }
 
+/// How many recent selections a snapshot keeps.
+const KEPT_SELECTIONS: usize = 8;
+
+/// A selection (filter, sort key, descending) and its result.
+type Selection = (Filter, SortKey, bool, Arc<Vec<u32>>);
+
 /// A dataset as opened at one moment, with its index and the fingerprint it was opened at.
 #[derive(Debug)]
 pub struct Snapshot {
@@ -248,6 +258,8 @@ pub struct Snapshot {
     pub fingerprint: Fingerprint,
     /// Counts the re-opens of a live dataset (0 for the first open).
     pub generation: u64,
+    /// The latest selections, newest last: paging through one sorts it once.
+    selections: Mutex<Vec<Selection>>,
 }
 
 impl Snapshot {
@@ -261,7 +273,23 @@ impl Snapshot {
             index,
             fingerprint,
             generation,
+            selections: Mutex::new(Vec::new()),
         })
+    }
+
+    /// [`TrajIndex::select`], remembered for the next pages of the same selection.
+    pub fn select(&self, filter: &Filter, key: SortKey, desc: bool) -> Arc<Vec<u32>> {
+        let same = |s: &Selection| s.0 == *filter && s.1 == key && s.2 == desc;
+        if let Some(hit) = self.selections.lock().iter().find(|s| same(s)) {
+            return hit.3.clone();
+        }
+        let hits = Arc::new(self.index.select(filter, key, desc));
+        let mut kept = self.selections.lock();
+        if kept.len() >= KEPT_SELECTIONS {
+            kept.remove(0);
+        }
+        kept.push((filter.clone(), key, desc, hits.clone()));
+        hits
     }
 
     /// Problems found at open plus records whose metadata did not decode.

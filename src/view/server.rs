@@ -185,7 +185,7 @@ async fn list_page(
     };
     blocking(app, move |app| {
         let snap = app.current();
-        let hits = snap.index.select(&q.filter, q.sort, q.desc);
+        let hits = snap.select(&q.filter, q.sort, q.desc);
         page(
             StatusCode::OK,
             pages::list_page(&app.source, &snap, &q, &hits),
