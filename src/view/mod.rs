@@ -29,7 +29,6 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 pub use error::ViewError;
-pub use html::esc;
 pub use index::{Filter, Snapshot, SortKey, TrajIndex, TrajSummary};
 pub use source::Source;
 
