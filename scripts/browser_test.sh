@@ -29,6 +29,7 @@ cleanup() {
 }
 trap cleanup EXIT
 SHOT="${1:-$WORK/run.png}"
+KEPT="${1:+kept}"
 
 RUN="${RUN_DIR:-}"
 if [ -z "$RUN" ]; then
@@ -98,4 +99,4 @@ expect traj 'class="on" id="color-advantage"\|id="color-advantage" class="on"'
 chrome --screenshot="$SHOT" --window-size=1280,860 "$URL" 2>"$WORK/shot.log" || { cat "$WORK/shot.log"; fail "screenshot"; }
 [ -s "$SHOT" ] || fail "no screenshot at $SHOT"
 chrome --screenshot="${SHOT%.png}-trajectory.png" --window-size=1280,860 "${URL}trajectory/$TRAJ" 2>>"$WORK/shot.log" || fail "trajectory screenshot"
-echo "browser test passed: run page, list, trajectory $TRAJ; screenshots $SHOT, ${SHOT%.png}-trajectory.png"
+echo "browser test passed: run page, list, trajectory $TRAJ; screenshots ${KEPT:-taken (pass a path to keep them)} ${KEPT:+$SHOT, ${SHOT%.png}-trajectory.png}"
