@@ -1,7 +1,8 @@
 //! `stepppo view` over real HTTP on loopback: the run page, the metrics JSON, list pages,
 //! trajectory pages with every estimator, escaping of hostile model and env text, malformed
 //! and hostile parameters and paths answered 4xx while the server stays up, foreign `Host`
-//! names refused, nothing written, and a live dataset's new steps appearing without a restart.
+//! names refused, nothing written, and a live run's new steps and metrics appearing without a
+//! restart.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -364,6 +365,25 @@ fn a_live_dataset_shows_new_steps_and_marks_open_trajectories() {
         "{done}"
     );
     writer.seal().unwrap();
+
+    let metrics = dir.path().join("metrics.jsonl");
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&metrics)
+        .unwrap();
+    write!(file, r#"{{"step":3,"actor/entropy":0."#).unwrap();
+    let (status, body) = client.get("/api/metrics");
+    assert_eq!(
+        status, 500,
+        "a line being written is an error until it is whole: {body}"
+    );
+    assert!(body.contains("metrics.jsonl"), "{body}");
+    writeln!(file, "9}}").unwrap();
+    let series: serde_json::Value = serde_json::from_str(&client.ok("/api/metrics")).unwrap();
+    assert_eq!(
+        series["series"]["actor/entropy"][2],
+        serde_json::json!([3, 0.9])
+    );
 }
 
 #[test]

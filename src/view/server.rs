@@ -37,6 +37,8 @@ const APP_CSS: &str = include_str!("assets/app.css");
 const RESCAN_EVERY: Duration = Duration::from_secs(1);
 /// After a re-open, wait this many times as long as it took before the next look.
 const RESCAN_PAUSE: u32 = 4;
+/// Pause before reading `metrics.jsonl` again when a line did not parse.
+const METRICS_RETRY: Duration = Duration::from_millis(100);
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
                    connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'";
 
@@ -240,7 +242,12 @@ fn metric_series(app: &AppState) -> Result<Map<String, Value>, ViewError> {
     let Some(path) = app.source.metrics.as_ref().filter(|p| p.is_file()) else {
         return Ok(series);
     };
-    for (step, scalars) in read_jsonl(path)? {
+    // A live run may be writing the last line at this moment: one more read after a pause.
+    let rows = read_jsonl(path).or_else(|_| {
+        std::thread::sleep(METRICS_RETRY);
+        read_jsonl(path)
+    })?;
+    for (step, scalars) in rows {
         for (name, value) in scalars {
             let points = series
                 .entry(name)
