@@ -29,11 +29,14 @@
 //! new inputs go to the git-ignored `fuzz/corpus`.) Fuzz runs and their results:
 //! `docs/experiments/store.md`; current figures: BENCHMARKS.md, "Store".
 
+#[cfg(test)]
+mod blast_radius;
 mod codec;
 mod collect;
 mod dataset;
 mod error;
 mod io_thread;
+mod manifest;
 mod record;
 mod replay;
 mod segment;
@@ -43,10 +46,11 @@ mod verify;
 pub use codec::{StepMeta, StepMetaView, StepView};
 pub use collect::{agent_episode, collect, CollectConfig, CollectSummary, EpisodeIds};
 pub use dataset::{
-    rewind, Dataset, DatasetPosition, DatasetWriter, Group, Manifest, RecordLocation, SegmentEntry,
-    Trajectory, WriterOptions, DEFAULT_ROLL_BYTES, MANIFEST_FILE,
+    rewind, Dataset, DatasetPosition, DatasetWriter, Group, RecordLocation, Trajectory,
+    WriterOptions, DEFAULT_ROLL_BYTES,
 };
 pub use error::{Problem, ProblemKind, StoreError};
+pub use manifest::{LoadedManifest, Manifest, ManifestDamage, SegmentEntry, MANIFEST_FILE};
 pub use record::{StepInfo, StepRecord};
 pub use replay::{decode_trajectory, jsonl_line, transcript, DatasetStats, Stats, Summary};
 pub use segment::{scan as scan_segment, SegmentScan, FORMAT_VERSION, SEGMENT_MAGIC};
