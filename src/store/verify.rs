@@ -31,12 +31,10 @@ impl VerifyReport {
 /// must have its footer, byte count and record count), and that no two records share a
 /// (traj_id, step_index) key.
 pub fn verify(dir: &Path) -> Result<VerifyReport, StoreError> {
-    let dataset = Dataset::open(dir)?;
+    let mut dataset = Dataset::open(dir)?;
+    dataset.skip_undecodable();
     let mut problems = dataset.problems().to_vec();
-    for seg in dataset.segments() {
-        problems.extend(undecodable_records(seg));
-        problems.extend(index_mismatch(seg));
-    }
+    problems.extend(dataset.segments().filter_map(index_mismatch));
     problems.extend(duplicate_keys(&dataset));
     problems.sort_by(|a, b| (&a.path, a.offset).cmp(&(&b.path, b.offset)));
     Ok(VerifyReport {
@@ -46,20 +44,13 @@ pub fn verify(dir: &Path) -> Result<VerifyReport, StoreError> {
     })
 }
 
-fn undecodable_records(seg: &MappedSegment) -> impl Iterator<Item = Problem> + '_ {
-    seg.undecodable().into_iter().map(|(offset, why)| Problem {
-        path: seg.path.clone(),
-        offset,
-        kind: ProblemKind::Undecodable(why),
-    })
-}
-
-/// Every record whose (traj_id, step_index) key an earlier record (in file order) already has.
+/// Every record whose (traj_id, step_index) key an earlier record (in file order) already has;
+/// records `dataset` skips (see [`Dataset::skip_undecodable`]) neither repeat nor are repeated.
 pub(crate) fn duplicate_keys(dataset: &Dataset) -> Vec<Problem> {
     let mut first: HashMap<(u64, u32), (&Path, u64)> = HashMap::new();
     let mut problems = Vec::new();
     for seg in dataset.segments() {
-        for frame in &seg.scan.frames {
+        for frame in seg.frames() {
             let key = (frame.layout.traj_id, frame.layout.step_index);
             match first.entry(key) {
                 Entry::Vacant(slot) => {
