@@ -247,3 +247,28 @@ fn records_referring_to_a_damaged_frame_are_skipped_and_listed() {
     assert!(dataset.trajectory(dependents[0].1).is_none());
     assert!(dataset.trajectory(1).is_some());
 }
+
+#[test]
+fn repair_keeps_the_first_record_of_a_key_that_decodes() {
+    let mut written = records(3);
+    written[1].info.observation_text = written[0].info.observation_text.clone();
+    written[2].info.observation_text = "board 2 alone".into();
+    let repeat = StepRecord {
+        traj_id: 1,
+        ..written[2].clone()
+    };
+    written.push(repeat.clone());
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), &written);
+    let seg = dir.path().join("seg-000000.stp");
+    let mut bytes = fs::read(&seg).unwrap();
+    let first = scan_segment(&bytes).frames[0].offset as usize;
+    bytes[first + 16] ^= 0x01;
+    fs::write(&seg, &bytes).unwrap();
+    // Record 1 refers to the damaged record 0: the repeat of its key is the first that decodes.
+    let report = verify(dir.path()).unwrap();
+    assert!(!(report.problems.iter()).any(|p| matches!(p.kind, ProblemKind::DuplicateKey { .. })));
+    repair(dir.path()).unwrap();
+    assert!(verify(dir.path()).unwrap().is_sound());
+    assert_eq!(read_all(dir.path()), vec![written[2].clone(), repeat]);
+}
