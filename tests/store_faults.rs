@@ -272,3 +272,16 @@ fn repair_keeps_the_first_record_of_a_key_that_decodes() {
     assert!(verify(dir.path()).unwrap().is_sound());
     assert_eq!(read_all(dir.path()), vec![written[2].clone(), repeat]);
 }
+
+#[test]
+fn repair_lowers_a_manifest_format_version_newer_than_every_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), &records(3));
+    let mut manifest = Manifest::read(dir.path()).unwrap();
+    manifest.format_version += 1;
+    manifest.write(dir.path()).unwrap();
+    assert!(!verify(dir.path()).unwrap().is_sound());
+    repair(dir.path()).unwrap();
+    assert!(verify(dir.path()).unwrap().is_sound());
+    assert_eq!(Manifest::read(dir.path()).unwrap().metadata, metadata());
+}

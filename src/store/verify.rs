@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use super::dataset::Dataset;
 use super::error::{Problem, ProblemKind, StoreError};
 use super::manifest::{SegmentEntry, MANIFEST_FILE};
-use super::segment::{MappedSegment, SegmentWriter};
+use super::segment::{MappedSegment, SegmentWriter, FORMAT_VERSION};
 
 /// What `verify` found.
 #[derive(Clone, Debug)]
@@ -256,10 +256,13 @@ fn apply_fix(fix: Fix) -> Result<String, StoreError> {
 }
 
 /// Writes the manifest anew listing the segment files as they are, with the metadata of the
-/// manifest (what can be recovered of it when it is damaged); returns the action line.
+/// manifest (what can be recovered of it when it is damaged); a format version newer than this
+/// build's is lowered to it (every segment read, else repair would have stopped); returns the
+/// action line.
 fn rebuild_manifest(dir: &Path) -> Result<String, StoreError> {
     let dataset = Dataset::open(dir)?;
     let mut manifest = dataset.manifest().clone();
+    manifest.format_version = manifest.format_version.min(FORMAT_VERSION);
     manifest.segments = dataset.segments().map(SegmentEntry::found).collect();
     manifest.write(dir)?;
     Ok(format!(
