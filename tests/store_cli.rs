@@ -111,3 +111,85 @@ fn verify_fails_on_damage_naming_file_and_offset_and_repair_fixes_it() {
     let jsonl = stdout(&stepppo(&["replay", path, "--format", "jsonl"]));
     assert_eq!(jsonl.lines().count(), 2);
 }
+
+/// Four records; the second and fourth refer to the first one's observation text.
+fn shared_text_records() -> Vec<StepRecord> {
+    let mut records = records();
+    records.push(StepRecord {
+        traj_id: 2,
+        ..records[0].clone()
+    });
+    for i in [1, 3] {
+        records[i].info.observation_text = records[0].info.observation_text.clone();
+    }
+    records
+}
+
+#[test]
+fn replay_skips_records_that_do_not_decode_and_fails_only_with_strict() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = DatasetWriter::create(dir.path(), WriterOptions::default()).unwrap();
+    for r in &shared_text_records() {
+        writer.append(r).unwrap();
+    }
+    writer.seal().unwrap();
+    let path = dir.path().to_str().unwrap();
+    let seg = dir.path().join("seg-000000.stp");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    bytes[40] ^= 1; // inside the first record, whose observation text two others refer to
+    std::fs::write(&seg, bytes).unwrap();
+
+    let jsonl = stepppo(&["replay", path, "--format", "jsonl"]);
+    assert!(jsonl.status.success());
+    let stderr = String::from_utf8_lossy(&jsonl.stderr);
+    assert!(
+        stderr.contains("skipped 2 records that do not decode")
+            && stderr.contains("seg-000000.stp at byte ")
+            && stderr.contains("corrupt record"),
+        "{stderr}"
+    );
+    let parsed: Vec<StepRecord> = stdout(&jsonl)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(parsed, vec![records()[2].clone()]);
+
+    for args in [
+        &["replay", path][..],
+        &["replay", path, "--stats", "--json"],
+        &["replay", path, "--advantages", "grpo"],
+    ] {
+        let plain = stepppo(args);
+        assert!(plain.status.success(), "{args:?}: {plain:?}");
+        assert!(!plain.stdout.is_empty(), "{args:?}");
+        let strict = stepppo(&[args, &["--strict"]].concat());
+        assert!(!strict.status.success(), "{args:?}");
+        assert_eq!(
+            strict.stdout, plain.stdout,
+            "{args:?}: same output, other exit status"
+        );
+        let stderr = String::from_utf8_lossy(&strict.stderr);
+        assert!(stderr.contains("--strict"), "{stderr}");
+    }
+    let stats = stepppo(&["replay", path, "--stats", "--json"]);
+    let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert_eq!(stats["trajectories"], 1);
+    // The corrupt frame, the manifest's record count of the segment, the two skipped records.
+    assert_eq!(stats["problems"], 4);
+}
+
+#[test]
+fn replay_of_a_sound_dataset_is_unchanged_by_strict() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path());
+    let path = dir.path().to_str().unwrap();
+    let plain = stepppo(&["replay", path, "--format", "jsonl"]);
+    let strict = stepppo(&["replay", path, "--format", "jsonl", "--strict"]);
+    assert!(plain.status.success() && strict.status.success());
+    assert!(
+        plain.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&plain.stderr)
+    );
+    assert_eq!(plain.stdout, strict.stdout);
+}

@@ -1,6 +1,10 @@
 //! `stepppo collect`, `stepppo replay`, `stepppo dataset verify|repair`: argument parsing and
 //! printing over `stepppo::store`; `replay --advantages` re-scores a dataset with
 //! `stepppo::algo` (critic values from `--critic`, else zero values, said on stderr).
+//!
+//! `replay` reads what a damaged dataset still holds: records that do not decode are skipped,
+//! and stderr says how many and where (file and byte offset of the first few) along with the
+//! damage found at open; it exits 0 unless `--strict` is given and something was damaged.
 
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -94,6 +98,10 @@ pub struct ReplayArgs {
     /// step's last pre-response token. Without it, critic-based estimators use zero values.
     #[arg(long, requires = "advantages")]
     pub critic: Option<PathBuf>,
+    /// Exit non-zero when the dataset is damaged (any problem found at open, any record
+    /// skipped because it does not decode), after printing what is readable.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -139,19 +147,57 @@ pub fn collect(a: CollectArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn warn_problems(dataset: &Dataset) {
-    for problem in dataset.problems() {
+/// Problems printed one per line before the rest are only counted.
+const SHOWN_PROBLEMS: usize = 10;
+/// Skipped records whose location is printed.
+const SHOWN_SKIPPED: usize = 5;
+
+/// Prints the damage found at open (the first few problems) and the records skipped because
+/// they do not decode (how many, and where the first few are) to stderr.
+fn warn_damage(dataset: &Dataset, skipped: &[store::Problem]) {
+    let found = dataset.problems().len() - skipped.len();
+    for problem in dataset.problems()[..found].iter().take(SHOWN_PROBLEMS) {
         eprintln!("warning: {problem}");
+    }
+    if found > SHOWN_PROBLEMS {
+        eprintln!(
+            "warning: ... and {} more problems (`stepppo dataset verify {}` lists every one)",
+            found - SHOWN_PROBLEMS,
+            dataset.dir().display()
+        );
+    }
+    if skipped.is_empty() {
+        return;
+    }
+    eprintln!(
+        "warning: skipped {} records that do not decode; the first at:",
+        skipped.len()
+    );
+    for problem in skipped.iter().take(SHOWN_SKIPPED) {
+        eprintln!("warning:   {problem}");
     }
 }
 
 pub fn replay(a: ReplayArgs) -> anyhow::Result<()> {
-    let dataset = Dataset::open(&a.dataset)?;
-    warn_problems(&dataset);
+    let mut dataset = Dataset::open(&a.dataset)?;
+    let skipped = dataset.skip_undecodable();
+    warn_damage(&dataset, &skipped);
     let stdout = std::io::stdout();
     let mut out = BufWriter::new(stdout.lock());
+    replay_output(&dataset, &a, &mut out)?;
+    let problems = dataset.problems().len();
+    anyhow::ensure!(
+        !a.strict || problems == 0,
+        "{}: damaged ({problems} problem(s), {} records skipped) and --strict was given",
+        a.dataset.display(),
+        skipped.len()
+    );
+    Ok(())
+}
+
+fn replay_output(dataset: &Dataset, a: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
     if a.stats {
-        let stats = store::DatasetStats::compute(&dataset)?;
+        let stats = store::DatasetStats::compute(dataset)?;
         match a.json {
             true => writeln!(out, "{}", serde_json::to_string(&stats)?)?,
             false => write!(out, "{stats}")?,
@@ -159,8 +205,8 @@ pub fn replay(a: ReplayArgs) -> anyhow::Result<()> {
         return Ok(out.flush()?);
     }
     if let Some(estimator) = &a.advantages {
-        let cfg = advantage_config(estimator, &a)?;
-        return replay_advantages(&dataset, &cfg, &a, &mut out);
+        let cfg = advantage_config(estimator, a)?;
+        return replay_advantages(dataset, &cfg, a, out);
     }
     let trajectories = match a.traj {
         Some(id) => vec![dataset

@@ -21,8 +21,10 @@
 //! following; odd = a backward reference: the frame numbered `v / 2` (1 to
 //! [`REFERENCE_WINDOW`]) before this one in the same segment holds the identical text inline in
 //! the same field (the writer keeps a text → frame cache per segment, compares texts, not
-//! hashes, and stores a text inline again once its last inline copy is out of the window, so a
-//! damaged frame can only cost the texts of the records up to that many frames after it). A
+//! hashes, and refers only to frames of the same block of [`REFERENCE_BLOCK`] frames, storing a
+//! text inline again in the first frame of each block that uses it, so a damaged frame can only
+//! cost the texts of the records of its block; segments written before that rule refer anywhere
+//! in the window, and read the same). A
 //! reader finds the referenced frame in O(1) through the scan's frame list (by binary search
 //! over frame numbers when damaged frames were skipped in between); when it is not a valid
 //! earlier frame the referencing record reports an error, never a wrong text.
@@ -54,6 +56,12 @@ const LEGACY_HEADER_LEN: usize = 40;
 pub const MAX_META_LEN: usize = 64 << 20;
 /// How many frames back a version-3 text reference may point.
 pub const REFERENCE_WINDOW: u64 = 256;
+/// Frames per reference block: the writer makes a text reference from frame `n` only to a
+/// frame `m` of the same block (`m / REFERENCE_BLOCK == n / REFERENCE_BLOCK`), so the first frame
+/// of a block stores its texts inline and one damaged frame costs at most the records of its
+/// block. A writer-side rule: readers resolve any reference within [`REFERENCE_WINDOW`], as
+/// segments written before the rule have them.
+pub const REFERENCE_BLOCK: u64 = 32;
 /// Segment format version written by this build.
 pub const FORMAT_VERSION: u32 = 3;
 /// Segment format versions whose payloads this build decodes.

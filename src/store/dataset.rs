@@ -2,99 +2,27 @@
 //! appends records and rolls segments, and the reader that iterates records, trajectories and
 //! groups (reassembled across segments) and finds trajectories by id through the footer index.
 //!
-//! The manifest (format version, creator, the segment list with per-segment state, a free-form
-//! `metadata` map for env config / tokenizer / run info) is replaced atomically: temp file in the
-//! same directory, fsync, rename. The segment files themselves are the truth for the records: a
-//! reader opens every `seg-*.stp` of the directory and reports disagreements with the manifest.
+//! The segment files themselves are the truth for the records: a reader opens every `seg-*.stp`
+//! of the directory and reports disagreements with the manifest (see `manifest`): a segment it
+//! lists that is missing, a sealed one whose footer, record count or size differs from the file.
+//! A damaged or missing manifest does not stop a reader: the segment list is then taken from the
+//! segment files, and the damage is a [`ProblemKind::Manifest`] problem. Readers may also skip
+//! records whose metadata does not decode ([`Dataset::skip_undecodable`]).
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use super::codec::StepView;
 use super::error::{Problem, ProblemKind, StoreError};
+use super::manifest::{LoadedManifest, Manifest, ManifestDamage, SegmentEntry, MANIFEST_FILE};
 use super::record::StepRecord;
 use super::segment::{self, Frame, MappedSegment, SegmentWriter};
 
-/// Name of the manifest file inside a dataset directory.
-pub const MANIFEST_FILE: &str = "manifest.json";
 /// Default segment size at which the writer rolls to a new segment.
 pub const DEFAULT_ROLL_BYTES: u64 = 64 << 20;
-
-/// State of one segment as recorded in the manifest.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SegmentEntry {
-    pub file: String,
-    pub sealed: bool,
-    /// Record count and file size when sealed (0 while the segment is active).
-    pub records: u64,
-    pub bytes: u64,
-}
-
-/// `manifest.json`: small, human-readable description of a dataset.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Manifest {
-    pub format_version: u32,
-    pub created_by: String,
-    pub segments: Vec<SegmentEntry>,
-    /// Free-form run information (env config, tokenizer, agent, seed, ...).
-    #[serde(default)]
-    pub metadata: BTreeMap<String, serde_json::Value>,
-}
-
-impl Manifest {
-    pub(crate) fn new(created_by: String, metadata: BTreeMap<String, serde_json::Value>) -> Self {
-        Self {
-            format_version: segment::FORMAT_VERSION,
-            created_by,
-            segments: Vec::new(),
-            metadata,
-        }
-    }
-
-    /// Reads `dir/manifest.json`.
-    pub fn read(dir: &Path) -> Result<Self, StoreError> {
-        let path = dir.join(MANIFEST_FILE);
-        let text = fs::read_to_string(&path).map_err(StoreError::io(&path))?;
-        serde_json::from_str(&text).map_err(|e| StoreError::Invalid {
-            path,
-            reason: format!("manifest does not parse: {e}"),
-        })
-    }
-
-    /// Replaces `dir/manifest.json` atomically and durably.
-    pub fn write(&self, dir: &Path) -> Result<(), StoreError> {
-        self.replace(dir, true)
-    }
-
-    /// Replaces `dir/manifest.json` atomically (temp file + rename), with fsyncs when `durable`.
-    fn replace(&self, dir: &Path, durable: bool) -> Result<(), StoreError> {
-        let path = dir.join(MANIFEST_FILE);
-        let tmp = dir.join(format!("{MANIFEST_FILE}.tmp"));
-        let text = serde_json::to_string_pretty(self).map_err(|e| StoreError::Invalid {
-            path: path.clone(),
-            reason: format!("manifest does not serialise: {e}"),
-        })?;
-        let mut file = fs::File::create(&tmp).map_err(StoreError::io(&tmp))?;
-        file.write_all(text.as_bytes())
-            .and_then(|_| if durable { file.sync_all() } else { Ok(()) })
-            .map_err(StoreError::io(&tmp))?;
-        fs::rename(&tmp, &path).map_err(StoreError::io(&path))?;
-        if !durable {
-            return Ok(());
-        }
-        fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(StoreError::io(dir))
-    }
-
-    fn entry_mut(&mut self, file: &str) -> Option<&mut SegmentEntry> {
-        self.segments.iter_mut().find(|s| s.file == file)
-    }
-}
 
 fn segment_file_name(number: u64) -> String {
     format!("seg-{number:06}.stp")
@@ -139,8 +67,9 @@ impl DatasetPosition {
 /// Brings the dataset in `dir` back to `position`: segment files started after it are removed,
 /// the segment that was active then is cut at its recorded length (dropping later records, a
 /// torn tail and a footer added since), and the manifest lists the segments as they were, with
-/// its metadata kept. Returns the number of records removed. Idempotent, so a crash during a
-/// rewind is repaired by rewinding again. Fails, naming the file, when a segment is missing or
+/// its metadata kept (what can be recovered of it when the manifest is damaged). Returns the
+/// number of records removed. Idempotent, so a crash during a rewind is repaired by rewinding
+/// again. Fails, naming the file, when a segment is missing or
 /// shorter than recorded (records the position counts are gone) or a sealed one has changed.
 pub fn rewind(dir: &Path, position: &DatasetPosition) -> Result<u64, StoreError> {
     let mut removed = 0;
@@ -158,7 +87,7 @@ pub fn rewind(dir: &Path, position: &DatasetPosition) -> Result<u64, StoreError>
     for entry in &position.segments {
         removed += cut_segment(&dir.join(&entry.file), entry)?;
     }
-    let mut manifest = Manifest::read(dir)?;
+    let mut manifest = Manifest::load(dir)?.manifest;
     manifest.segments = position.segments.iter().map(manifest_entry).collect();
     manifest.write(dir)?;
     Ok(removed)
@@ -498,9 +427,11 @@ pub struct Dataset {
 
 impl Dataset {
     /// Maps and validates every segment of `dir`. Damage does not fail the open: it is listed
-    /// in [`Dataset::problems`] and every valid record stays readable.
+    /// in [`Dataset::problems`] and every valid record stays readable; a missing or damaged
+    /// manifest is replaced by the segment list of the files (with what can be recovered of its
+    /// metadata). Fails when the directory holds neither a manifest nor a segment file.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
-        let manifest = Manifest::read(dir)?;
+        let loaded = Manifest::load(dir)?;
         let mut segments = Vec::new();
         let mut problems = Vec::new();
         for (number, path) in segment_files(dir)? {
@@ -512,13 +443,32 @@ impl Dataset {
             }));
             segments.push((number, seg));
         }
-        problems.extend(manifest_problems(dir, &manifest, &segments));
+        let manifest = checked_manifest(dir, loaded, &segments, &mut problems)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             manifest,
             segments,
             problems,
         })
+    }
+
+    /// Leaves the records whose metadata does not decode (a text reference to a damaged frame,
+    /// say) out of every reader of this dataset ([`records`](Self::records),
+    /// [`trajectories`](Self::trajectories), ...), adds each to [`problems`](Self::problems)
+    /// as [`ProblemKind::Undecodable`] and returns them, in file order.
+    pub fn skip_undecodable(&mut self) -> Vec<Problem> {
+        let mut skipped = Vec::new();
+        for (_, seg) in &mut self.segments {
+            for (offset, why) in seg.skip_undecodable() {
+                skipped.push(Problem {
+                    path: seg.path.clone(),
+                    offset,
+                    kind: ProblemKind::Undecodable(why),
+                });
+            }
+        }
+        self.problems.extend(skipped.iter().cloned());
+        skipped
     }
 
     pub fn dir(&self) -> &Path {
@@ -539,9 +489,9 @@ impl Dataset {
         self.segments.iter().map(|(_, s)| s)
     }
 
-    /// Number of valid records.
+    /// Number of valid records (skipped ones left out).
     pub fn len(&self) -> usize {
-        self.segments().map(|s| s.scan.frames.len()).sum()
+        self.segments().map(|s| s.frames().count()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -551,7 +501,7 @@ impl Dataset {
     /// Every valid record in file order, viewed in place.
     pub fn records(&self) -> impl Iterator<Item = StepView<'_>> {
         self.segments()
-            .flat_map(|seg| seg.scan.frames.iter().map(move |f| seg.view(f)))
+            .flat_map(|seg| seg.frames().map(move |f| seg.view(f)))
     }
 
     /// All trajectories ordered by `traj_id`, each with its steps ordered by `step_index`.
@@ -560,9 +510,7 @@ impl Dataset {
             .segments()
             .enumerate()
             .flat_map(|(i, seg)| {
-                seg.scan
-                    .frames
-                    .iter()
+                seg.frames()
                     .map(move |f| (f.layout.traj_id, f.layout.step_index, i, f))
             })
             .collect();
@@ -604,7 +552,7 @@ impl Dataset {
         let mut steps: Vec<StepView<'_>> = Vec::new();
         for seg in self.segments() {
             let frames = seg.lookup(traj_id).unwrap_or_else(|| {
-                let all = seg.scan.frames.iter();
+                let all = seg.frames();
                 all.filter(|f| f.layout.traj_id == traj_id)
                     .copied()
                     .collect()
@@ -621,14 +569,48 @@ impl Dataset {
     }
 }
 
-fn manifest_problems(
+/// The manifest of a dataset whose segments are `segments`: the one read, with its disagreements
+/// with the files added to `problems`; or, when it is missing or damaged, what was recovered of
+/// it listing the segment files, with the damage added to `problems`.
+fn checked_manifest(
     dir: &Path,
+    loaded: LoadedManifest,
+    segments: &[(u64, MappedSegment)],
+    problems: &mut Vec<Problem>,
+) -> Result<Manifest, StoreError> {
+    let path = dir.join(MANIFEST_FILE);
+    let Some(damage) = loaded.damage else {
+        problems.extend(manifest_problems(&path, &loaded.manifest, segments));
+        return Ok(loaded.manifest);
+    };
+    if segments.is_empty() && damage == ManifestDamage::Missing {
+        return Err(StoreError::Invalid {
+            path: dir.to_path_buf(),
+            reason: format!("not a dataset: no {MANIFEST_FILE} and no segment files"),
+        });
+    }
+    problems.push(Problem {
+        path,
+        offset: 0,
+        kind: ProblemKind::Manifest(format!(
+            "{damage}; the segment list is read from the segment files"
+        )),
+    });
+    let mut manifest = loaded.manifest;
+    manifest.segments = segments
+        .iter()
+        .map(|(_, s)| SegmentEntry::found(s))
+        .collect();
+    Ok(manifest)
+}
+
+fn manifest_problems(
+    manifest_path: &Path,
     manifest: &Manifest,
     segments: &[(u64, MappedSegment)],
 ) -> Vec<Problem> {
-    let manifest_path = dir.join(MANIFEST_FILE);
     let problem = |why: String| Problem {
-        path: manifest_path.clone(),
+        path: manifest_path.to_path_buf(),
         offset: 0,
         kind: ProblemKind::Manifest(why),
     };
@@ -645,12 +627,8 @@ fn manifest_problems(
             .find(|(_, s)| s.path.file_name().is_some_and(|n| n == entry.file.as_str()));
         match on_disk {
             None => problems.push(problem(format!("lists {} which is missing", entry.file))),
-            Some((_, seg)) if entry.sealed && seg.scan.frames.len() as u64 != entry.records => {
-                let (listed, found) = (entry.records, seg.scan.frames.len());
-                problems.push(problem(format!(
-                    "{} lists {listed} records, {found} are valid",
-                    entry.file
-                )));
+            Some((_, seg)) if entry.sealed => {
+                problems.extend(sealed_problems(entry, seg, &problem));
             }
             Some(_) => {}
         }
@@ -664,6 +642,44 @@ fn manifest_problems(
         if !manifest.segments.iter().any(|e| e.file == name) {
             problems.push(problem(format!("does not list {name}")));
         }
+    }
+    problems
+}
+
+/// Where a segment the manifest lists as sealed differs from its `entry`: no footer (and no
+/// damaged tail that the scan reported already: a file cut at its seal offset), another byte
+/// count, another record count.
+fn sealed_problems(
+    entry: &SegmentEntry,
+    seg: &MappedSegment,
+    problem: &dyn Fn(String) -> Problem,
+) -> Vec<Problem> {
+    let len = seg.bytes().len() as u64;
+    let tail_reported = (seg.scan.problems.iter())
+        .any(|(_, k)| matches!(k, ProblemKind::TornTail | ProblemKind::BadFooter(_)));
+    let mut problems = Vec::new();
+    if seg.scan.footer.is_none() && !tail_reported {
+        problems.push(Problem {
+            path: seg.path.clone(),
+            offset: len,
+            kind: ProblemKind::BadFooter(format!(
+                "missing: the file ends at byte {len}, and the manifest lists the segment as \
+                 sealed at {} bytes",
+                entry.bytes
+            )),
+        });
+    } else if seg.scan.footer.is_some() && len != entry.bytes {
+        problems.push(problem(format!(
+            "lists {} as sealed at {} bytes, the file holds {len}",
+            entry.file, entry.bytes
+        )));
+    }
+    let found = seg.scan.frames.len() as u64;
+    if found != entry.records {
+        problems.push(problem(format!(
+            "{} lists {} records, {found} are valid",
+            entry.file, entry.records
+        )));
     }
     problems
 }

@@ -331,6 +331,8 @@ pub struct MappedSegment {
     pub path: PathBuf,
     map: Option<Mmap>,
     pub scan: SegmentScan,
+    /// Per frame of the scan: left out of [`MappedSegment::frames`] (empty: none is).
+    skipped: Vec<bool>,
 }
 
 impl MappedSegment {
@@ -350,7 +352,44 @@ impl MappedSegment {
             path: path.to_path_buf(),
             map,
             scan,
+            skipped: Vec::new(),
         })
+    }
+
+    /// The valid frames that are not skipped, in file order.
+    pub fn frames(&self) -> impl Iterator<Item = &Frame> {
+        self.scan.frames.iter().filter(|f| !self.is_skipped(f))
+    }
+
+    fn is_skipped(&self, frame: &Frame) -> bool {
+        self.skipped
+            .get(frame.index as usize)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// `(offset, why)` of every valid frame whose metadata does not decode (a text reference to
+    /// a damaged frame, say).
+    pub(crate) fn undecodable(&self) -> Vec<(u64, String)> {
+        let failures = self.scan.frames.iter().filter_map(|frame| {
+            let why = match self.view(frame).meta_view().err()? {
+                StoreError::Corrupt { reason, .. } => reason,
+                other => other.to_string(),
+            };
+            Some((frame.offset, why))
+        });
+        failures.collect()
+    }
+
+    /// Leaves every frame whose metadata does not decode out of [`MappedSegment::frames`] and
+    /// [`MappedSegment::lookup`]; returns `(offset, why)` of each.
+    pub(crate) fn skip_undecodable(&mut self) -> Vec<(u64, String)> {
+        let undecodable = self.undecodable();
+        let offsets: Vec<u64> = undecodable.iter().map(|(offset, _)| *offset).collect();
+        self.skipped = (self.scan.frames.iter())
+            .map(|f| offsets.binary_search(&f.offset).is_ok())
+            .collect();
+        undecodable
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -373,7 +412,7 @@ impl MappedSegment {
             .into_iter()
             .filter_map(|offset| {
                 let i = frames.binary_search_by_key(&offset, |f| f.offset).ok()?;
-                Some(frames[i])
+                Some(frames[i]).filter(|f| !self.is_skipped(f))
             });
         Some(found.collect())
     }
@@ -420,17 +459,21 @@ struct Probe {
 /// Per segment and text field: a direct-mapped cache from a text's hash to the text and the
 /// number of the last frame that stored it inline. A text whose slot another text has taken is
 /// simply stored inline again; a reference is only made to an equal text (compared, not just
-/// its hash).
+/// its hash) in the same block of [`codec::REFERENCE_BLOCK`] frames.
 #[derive(Debug)]
 struct TextCache {
     /// `TEXT_SLOTS` slots per field, field by field.
     slots: Vec<TextSlot>,
+    /// Frames per reference block: a reference from frame `n` only points at a frame `m` with
+    /// `m / block == n / block`.
+    block: u64,
 }
 
 impl Default for TextCache {
     fn default() -> Self {
         Self {
             slots: vec![TextSlot::default(); TEXT_SLOTS * TextField::ALL.len()],
+            block: codec::REFERENCE_BLOCK,
         }
     }
 }
@@ -446,6 +489,7 @@ impl TextCache {
         let back = held
             .ordinal
             .filter(|_| held.hash == hash && held.text == text)
+            .filter(|earlier| earlier / self.block == ordinal / self.block)
             .map(|earlier| ordinal - earlier)
             .filter(|&back| back <= codec::REFERENCE_WINDOW);
         Probe { slot, hash, back }
@@ -568,6 +612,13 @@ impl SegmentWriter {
             writer.index.push((frame.layout.traj_id, frame.offset));
         }
         Ok(writer)
+    }
+
+    /// The same writer making text references within blocks of `block` frames.
+    #[cfg(test)]
+    pub(crate) fn with_reference_block(mut self, block: u64) -> Self {
+        self.texts.block = block;
+        self
     }
 
     /// Whether this segment takes more records (it has the current format version).
@@ -697,9 +748,15 @@ mod tests {
     }
 
     fn segment_bytes(records: &[StepRecord], seal: bool) -> Vec<u8> {
+        blocked_segment_bytes(records, seal, codec::REFERENCE_BLOCK)
+    }
+
+    fn blocked_segment_bytes(records: &[StepRecord], seal: bool, block: u64) -> Vec<u8> {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("seg.stp");
-        let mut writer = SegmentWriter::create(&path, false).unwrap();
+        let mut writer = SegmentWriter::create(&path, false)
+            .unwrap()
+            .with_reference_block(block);
         for r in records {
             writer.append(r, u64::MAX).unwrap();
         }
@@ -792,24 +849,45 @@ mod tests {
         assert_eq!(last, records[2]);
     }
 
+    /// Which frames of `bytes` store their observation text inline.
+    fn inline_observations(bytes: &[u8]) -> Vec<bool> {
+        let scan = scan(bytes);
+        (scan.frames.iter())
+            .map(|f| codec::inline_texts(f.payload(bytes), &f.layout).unwrap()[0].is_some())
+            .collect()
+    }
+
     #[test]
     fn a_text_is_stored_inline_again_once_out_of_the_reference_window() {
         let window = codec::REFERENCE_WINDOW as usize;
         let records: Vec<_> = (0..window as u64 + 2)
             .map(|i| with_texts(i, "same", "same"))
             .collect();
-        let bytes = segment_bytes(&records, true);
-        let scan = scan(&bytes);
-        let inline: Vec<bool> = (scan.frames.iter())
-            .map(|f| codec::inline_texts(f.payload(&bytes), &f.layout).unwrap()[0].is_some())
-            .collect();
+        let bytes = blocked_segment_bytes(&records, true, u64::MAX);
         let expected: Vec<bool> = (0..window + 2).map(|i| i % (window + 1) == 0).collect();
-        assert_eq!(inline, expected);
+        assert_eq!(inline_observations(&bytes), expected);
+        let scan = scan(&bytes);
         let last = scan.frames.last().unwrap();
         assert_eq!(
             scan.view(&bytes, last).to_record().unwrap(),
             records[window + 1]
         );
+    }
+
+    #[test]
+    fn references_stay_within_their_block_and_its_first_frame_stores_texts_inline() {
+        let block = codec::REFERENCE_BLOCK as usize;
+        let records: Vec<_> = (0..2 * block as u64 + 3)
+            .map(|i| with_texts(i, "same", "same"))
+            .collect();
+        let bytes = segment_bytes(&records, true);
+        let expected: Vec<bool> = (0..records.len()).map(|i| i % block == 0).collect();
+        assert_eq!(inline_observations(&bytes), expected);
+        let scan = scan(&bytes);
+        let read: Vec<StepRecord> = (scan.frames.iter())
+            .map(|f| scan.view(&bytes, f).to_record().unwrap())
+            .collect();
+        assert_eq!(read, records);
     }
 
     /// Records of `ids` 2-byte ids each, enough of them to fill several write buffers.

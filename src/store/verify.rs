@@ -1,14 +1,16 @@
 //! `verify` (every problem of a dataset, with file and offset) and `repair` (truncate torn
-//! tails, rewrite damaged segments with their valid records, rebuild the manifest).
+//! tails, seal again the segments the manifest lists as sealed, rewrite damaged segments with
+//! their valid records, rebuild the manifest keeping its metadata).
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, OpenOptions};
 use std::path::{Path, PathBuf};
 
-use super::dataset::{Dataset, Manifest, SegmentEntry};
+use super::dataset::Dataset;
 use super::error::{Problem, ProblemKind, StoreError};
-use super::segment::{MappedSegment, SegmentWriter};
+use super::manifest::{SegmentEntry, MANIFEST_FILE};
+use super::segment::{MappedSegment, SegmentWriter, FORMAT_VERSION};
 
 /// What `verify` found.
 #[derive(Clone, Debug)]
@@ -25,14 +27,14 @@ impl VerifyReport {
 }
 
 /// Checks every frame, every record's metadata, each footer index against its frames, the
-/// manifest against the segment files, and that no two records share a (traj_id, step_index) key.
+/// manifest (its checksum, and its segment list against the files: a segment it lists as sealed
+/// must have its footer, byte count and record count), and that no two records share a
+/// (traj_id, step_index) key.
 pub fn verify(dir: &Path) -> Result<VerifyReport, StoreError> {
-    let dataset = Dataset::open(dir)?;
+    let mut dataset = Dataset::open(dir)?;
+    dataset.skip_undecodable();
     let mut problems = dataset.problems().to_vec();
-    for seg in dataset.segments() {
-        problems.extend(undecodable_records(seg));
-        problems.extend(index_mismatch(seg));
-    }
+    problems.extend(dataset.segments().filter_map(index_mismatch));
     problems.extend(duplicate_keys(&dataset));
     problems.sort_by(|a, b| (&a.path, a.offset).cmp(&(&b.path, b.offset)));
     Ok(VerifyReport {
@@ -42,26 +44,13 @@ pub fn verify(dir: &Path) -> Result<VerifyReport, StoreError> {
     })
 }
 
-fn undecodable_records(seg: &MappedSegment) -> impl Iterator<Item = Problem> + '_ {
-    seg.scan.frames.iter().filter_map(|frame| {
-        let why = match seg.view(frame).meta_view().err()? {
-            StoreError::Corrupt { reason, .. } => reason,
-            other => other.to_string(),
-        };
-        Some(Problem {
-            path: seg.path.clone(),
-            offset: frame.offset,
-            kind: ProblemKind::Undecodable(why),
-        })
-    })
-}
-
-/// Every record whose (traj_id, step_index) key an earlier record (in file order) already has.
+/// Every record whose (traj_id, step_index) key an earlier record (in file order) already has;
+/// records `dataset` skips (see [`Dataset::skip_undecodable`]) neither repeat nor are repeated.
 pub(crate) fn duplicate_keys(dataset: &Dataset) -> Vec<Problem> {
     let mut first: HashMap<(u64, u32), (&Path, u64)> = HashMap::new();
     let mut problems = Vec::new();
     for seg in dataset.segments() {
-        for frame in &seg.scan.frames {
+        for frame in seg.frames() {
             let key = (frame.layout.traj_id, frame.layout.step_index);
             match first.entry(key) {
                 Entry::Vacant(slot) => {
@@ -116,10 +105,8 @@ pub struct RepairReport {
 }
 
 enum Fix {
-    Truncate {
-        path: PathBuf,
-        at: u64,
-    },
+    /// Cut the file at `at`, then write its footer when `seal`.
+    Truncate { path: PathBuf, at: u64, seal: bool },
     Replace {
         path: PathBuf,
         tmp: PathBuf,
@@ -128,17 +115,14 @@ enum Fix {
     },
 }
 
-/// Repairs `dir`: a torn tail (or torn footer) at the end of a segment is truncated; a segment
-/// with corrupt or undecodable records (a record whose text reference points at a corrupt
-/// frame included) or with records repeating an earlier record's (traj_id, step_index) key is
+/// Repairs `dir`: a torn tail (or torn footer) at the end of a segment is truncated, and a
+/// segment the manifest lists as sealed is sealed again (its footer written anew); a segment
+/// with corrupt or undecodable records (a record whose text reference points at a corrupt frame
+/// included) or with records repeating an earlier record's (traj_id, step_index) key is
 /// rewritten (sealed, current format) with its valid, first-of-their-key records only; the
-/// manifest is rebuilt from the segment files. Must not run while the dataset is in use.
+/// manifest is rebuilt from the segment files, keeping its metadata (what can be recovered of it
+/// when it is damaged). Must not run while the dataset is in use.
 pub fn repair(dir: &Path) -> Result<RepairReport, StoreError> {
-    let mut actions = Vec::new();
-    if let Err(e) = Manifest::read(dir) {
-        Manifest::new("stepppo dataset repair".into(), Default::default()).write(dir)?;
-        actions.push(format!("replaced the manifest ({e})"));
-    }
     let report = verify(dir)?;
     let dataset = Dataset::open(dir)?;
     let mut fixes = Vec::new();
@@ -148,11 +132,14 @@ pub fn repair(dir: &Path) -> Result<RepairReport, StoreError> {
             .iter()
             .filter(|p| p.path == seg.path)
             .collect();
-        if let Some(fix) = plan_fix(seg, &problems)? {
+        let listed = SegmentEntry::found(seg).file;
+        let sealed = (dataset.manifest().segments.iter()).any(|e| e.sealed && e.file == listed);
+        if let Some(fix) = plan_fix(seg, &problems, sealed)? {
             fixes.push(fix);
         }
     }
     drop(dataset);
+    let mut actions = Vec::new();
     for fix in fixes {
         actions.push(apply_fix(fix)?);
     }
@@ -161,17 +148,18 @@ pub fn repair(dir: &Path) -> Result<RepairReport, StoreError> {
         .iter()
         .any(|p| matches!(p.kind, ProblemKind::Manifest(_)));
     if manifest_problem || !actions.is_empty() {
-        rebuild_manifest(dir)?;
-        actions.push(format!(
-            "{}: rebuilt from the segment files",
-            dir.join(super::dataset::MANIFEST_FILE).display()
-        ));
+        actions.push(rebuild_manifest(dir)?);
     }
     let records = Dataset::open(dir)?.len();
     Ok(RepairReport { actions, records })
 }
 
-fn plan_fix(seg: &MappedSegment, problems: &[&Problem]) -> Result<Option<Fix>, StoreError> {
+/// What to do with `seg` given its `problems`; `sealed`: whether the manifest lists it as sealed.
+fn plan_fix(
+    seg: &MappedSegment,
+    problems: &[&Problem],
+    sealed: bool,
+) -> Result<Option<Fix>, StoreError> {
     let [.., last] = problems else {
         return Ok(None);
     };
@@ -190,6 +178,7 @@ fn plan_fix(seg: &MappedSegment, problems: &[&Problem]) -> Result<Option<Fix>, S
         return Ok(Some(Fix::Truncate {
             path: seg.path.clone(),
             at: last.offset,
+            seal: sealed,
         }));
     }
     let tmp = seg.path.with_extension("stp.tmp");
@@ -222,20 +211,30 @@ fn plan_fix(seg: &MappedSegment, problems: &[&Problem]) -> Result<Option<Fix>, S
 
 fn apply_fix(fix: Fix) -> Result<String, StoreError> {
     match fix {
-        Fix::Truncate { path, at } => {
-            let file = OpenOptions::new()
-                .write(true)
-                .open(&path)
-                .map_err(StoreError::io(&path))?;
+        Fix::Truncate { path, at, seal } => {
             let at = if at < super::segment::HEADER_LEN as u64 {
                 0
             } else {
                 at
             };
+            let file = OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .map_err(StoreError::io(&path))?;
+            let cut = file.metadata().map_err(StoreError::io(&path))?.len() > at;
             file.set_len(at)
                 .and_then(|_| file.sync_all())
                 .map_err(StoreError::io(&path))?;
-            Ok(format!("{}: truncated at byte {at}", path.display()))
+            drop(file);
+            if seal {
+                SegmentWriter::resume(&MappedSegment::open(&path)?, true)?.seal()?;
+            }
+            let what = match (cut, seal) {
+                (true, true) => format!("truncated at byte {at} and sealed"),
+                (true, false) => format!("truncated at byte {at}"),
+                (false, _) => format!("sealed (its footer was missing at byte {at})"),
+            };
+            Ok(format!("{}: {what}", path.display()))
         }
         Fix::Replace {
             path,
@@ -256,28 +255,19 @@ fn apply_fix(fix: Fix) -> Result<String, StoreError> {
     }
 }
 
-fn rebuild_manifest(dir: &Path) -> Result<(), StoreError> {
-    let mut manifest = Manifest::read(dir)?;
+/// Writes the manifest anew listing the segment files as they are, with the metadata of the
+/// manifest (what can be recovered of it when it is damaged); a format version newer than this
+/// build's is lowered to it (every segment read, else repair would have stopped); returns the
+/// action line.
+fn rebuild_manifest(dir: &Path) -> Result<String, StoreError> {
     let dataset = Dataset::open(dir)?;
-    manifest.segments = dataset
-        .segments()
-        .map(|seg| {
-            let sealed = seg.scan.footer.is_some();
-            SegmentEntry {
-                file: seg
-                    .path
-                    .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_default(),
-                sealed,
-                records: if sealed {
-                    seg.scan.frames.len() as u64
-                } else {
-                    0
-                },
-                bytes: if sealed { seg.bytes().len() as u64 } else { 0 },
-            }
-        })
-        .collect();
-    manifest.write(dir)
+    let mut manifest = dataset.manifest().clone();
+    manifest.format_version = manifest.format_version.min(FORMAT_VERSION);
+    manifest.segments = dataset.segments().map(SegmentEntry::found).collect();
+    manifest.write(dir)?;
+    Ok(format!(
+        "{}: rebuilt from the segment files ({} metadata entries kept)",
+        dir.join(MANIFEST_FILE).display(),
+        manifest.metadata.len()
+    ))
 }
