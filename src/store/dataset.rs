@@ -116,19 +116,23 @@ fn cut_segment(path: &Path, entry: &SegmentEntry) -> Result<u64, StoreError> {
             entry.bytes
         )));
     }
-    let dropped = MappedSegment::open(path)?
+    let segment = MappedSegment::open(path)?;
+    let dropped = segment
         .scan
         .frames
         .iter()
         .filter(|f| f.offset >= entry.bytes)
         .count() as u64;
-    let file = fs::OpenOptions::new()
-        .write(true)
-        .open(path)
-        .map_err(StoreError::io(path))?;
-    file.set_len(entry.bytes)
-        .and_then(|_| file.sync_all())
-        .map_err(StoreError::io(path))?;
+    // The kept prefix goes to a new file that replaces the segment by rename, never a truncation
+    // in place: a reader that has the segment mapped (`stepppo view` on a live run, a `replay`)
+    // keeps its old pages instead of faulting on bytes cut from under it.
+    let tmp = path.with_extension("stp.rewind");
+    let kept = &segment.bytes()[..entry.bytes as usize];
+    fs::write(&tmp, kept)
+        .and_then(|_| fs::File::open(&tmp)?.sync_all())
+        .map_err(StoreError::io(&tmp))?;
+    drop(segment);
+    fs::rename(&tmp, path).map_err(StoreError::io(path))?;
     Ok(dropped)
 }
 
