@@ -171,16 +171,11 @@ impl Trainer {
         )
     }
 
-    /// The config of the run in `run_dir`, as its latest checkpoint holds it.
-    pub fn stored_config(run_dir: &Path) -> Result<Config, TrainError> {
-        let ckpt = run_dir::checkpoint_to_resume(run_dir)?;
-        run_dir::checkpoint_config(&ckpt, &[])
-    }
-
     /// Continues the run in `run_dir` from its latest complete checkpoint. `cfg` must be the
-    /// run's own config (see [`Trainer::stored_config`]) up to the keys a resume may change
-    /// ([`crate::config::RESUME_OVERRIDABLE`]). The run's dataset and metric files are first
-    /// brought back to the checkpoint's position, so steps redone after a crash are not kept twice.
+    /// run's own config (the checkpoint's, [`run_dir::checkpoint_config`]) up to the keys a
+    /// resume may change ([`crate::config::RESUME_OVERRIDABLE`]). The run's dataset and metric
+    /// files are first brought back to the checkpoint's position, so steps redone after a crash
+    /// are not kept twice.
     pub fn resume(cfg: Config, run_dir: &Path) -> Result<Self, TrainError> {
         let ckpt = run_dir::checkpoint_to_resume(run_dir)?;
         let stored = run_dir::checkpoint_config(&ckpt, &[])?;
