@@ -468,6 +468,7 @@ pub fn response_logprobs(
         chunk,
         pad_id,
         masks,
+        true,
         model.device(),
         |p, batch| {
             let (logp, _) = model.logprobs_entropy_at(
@@ -492,16 +493,22 @@ pub fn response_logprobs(
 }
 
 /// Packs `sequences` in chunks of `chunk` similar-length sequences (little padding per forward)
-/// and hands each chunk, on `device` with the constrained-decoding bias of `masks`, to `visit`.
+/// and hands each chunk, on `device`, to `visit`: values read past `masks`' forced prefixes, and
+/// with `logit_bias` the constrained-decoding bias of `masks` (needed to score tokens, not values).
+#[allow(clippy::too_many_arguments)]
 fn for_each_chunk(
     records: &[StepRecord],
     sequences: &[Vec<usize>],
     chunk: usize,
     pad_id: u32,
     masks: &ResponseMasks,
+    logit_bias: bool,
     device: &Device,
     mut visit: impl FnMut(&PackedBatch, &DeviceBatch) -> Result<(), TrainError>,
 ) -> Result<(), TrainError> {
+    // Values need the masks only to find where they are read; scoring tokens needs the bias too.
+    let unconstrained = ResponseMasks::default();
+    let bias_masks = if logit_bias { masks } else { &unconstrained };
     let mut sorted = sequences.to_vec();
     sorted.sort_by_key(|seq| {
         seq.iter()
@@ -514,7 +521,7 @@ fn for_each_chunk(
         if p.rows > 0 {
             visit(
                 &p,
-                &DeviceBatch::constrained(&p, pad_id, device, records, masks)?,
+                &DeviceBatch::constrained(&p, pad_id, device, records, bias_masks)?,
             )?;
         }
     }
@@ -541,6 +548,7 @@ pub fn critic_values(
         chunk,
         pad_id,
         masks,
+        false,
         device,
         |p, batch| {
             let values = values_of(&batch.ids, &batch.mask)?.detach();
