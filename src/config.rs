@@ -102,6 +102,9 @@ pub enum CriticMode {
     Separate,
     /// A value head on the policy's trunk.
     Shared,
+    /// A value MLP on the policy's detached hidden states (the last four blocks' residual
+    /// streams at the value position), fitted after each update on the updated policy's features.
+    Features,
     /// No critic (critic-free estimators only).
     None,
 }
@@ -111,7 +114,8 @@ pub enum CriticMode {
 #[serde(deny_unknown_fields, default)]
 pub struct CriticConfig {
     pub mode: CriticMode,
-    /// `builtin` or an HF checkpoint directory; `None` = the policy's `pretrain`.
+    /// A separate critic's start: `builtin` (a fresh trunk) or an HF checkpoint directory; `None`
+    /// = a copy of the policy as RL starts (after the warm start), with a fresh value head.
     pub pretrain: Option<String>,
     pub learning_rate: f64,
     pub weight_decay: f64,
@@ -123,6 +127,17 @@ pub struct CriticConfig {
     /// `critic_warmup`): the critic is fitted to Monte-Carlo step returns of the warm-started
     /// policy before its advantages steer the policy. 0 = off.
     pub warmup_steps: usize,
+    /// Passes of the critic over each batch; `None` = `ppo_epochs`. More passes than the actor's
+    /// fit the critic faster than the policy moves (a shared head needs at least the actor's: it
+    /// trains in the actor's backward).
+    pub ppo_epochs: Option<usize>,
+}
+
+impl CriticConfig {
+    /// Passes of the critic over each batch.
+    pub fn epochs(&self, actor_epochs: usize) -> usize {
+        self.ppo_epochs.unwrap_or(actor_epochs)
+    }
 }
 
 impl Default for CriticConfig {
@@ -135,6 +150,7 @@ impl Default for CriticConfig {
             value_clip: None,
             train_on_filtered: true,
             warmup_steps: 0,
+            ppo_epochs: None,
         }
     }
 }
@@ -704,6 +720,29 @@ impl Config {
             );
         }
         check_positive("critic.learning_rate", self.critic.learning_rate)?;
+        if self.critic.pretrain.is_some() && self.critic.mode != CriticMode::Separate {
+            return fail(
+                "critic.pretrain",
+                format!(
+                    "only a separate critic starts from a checkpoint; critic.mode is {:?}",
+                    self.critic.mode
+                ),
+            );
+        }
+        match self.critic.ppo_epochs {
+            Some(0) => return fail("critic.ppo_epochs", "must be at least 1".into()),
+            Some(n) if n < self.ppo_epochs && self.critic.mode == CriticMode::Shared => {
+                return fail(
+                    "critic.ppo_epochs",
+                    format!(
+                        "a shared value head trains in the actor's backward, so it needs at \
+                         least ppo_epochs ({}) passes, got {n}",
+                        self.ppo_epochs
+                    ),
+                )
+            }
+            _ => {}
+        }
         if let Some(c) = self.critic.value_clip {
             check_positive("critic.value_clip", c as f64)?;
         }
@@ -891,6 +930,22 @@ impl Config {
                     self.adv_estimator, self.critic.mode
                 ),
             ));
+        }
+        if coef > 0.0 && self.critic.mode == CriticMode::Features {
+            return fail(
+                "a feature critic is fitted on the policy's features during RL; the warm start \
+                 cannot train it (warm it up with critic.warmup_steps)"
+                    .into(),
+            );
+        }
+        if coef > 0.0 && self.critic.mode == CriticMode::Separate && self.critic.pretrain.is_none()
+        {
+            return fail(
+                "a separate critic with no critic.pretrain is copied from the policy after the \
+                 warm start, so there is none to warm up during it (set critic.pretrain, or warm \
+                 the critic up with critic.warmup_steps)"
+                    .into(),
+            );
         }
         let step_start = self.adv_estimator.critic_target() == Some(CriticTarget::StepStart);
         if coef > 0.0 && !step_start {
@@ -1148,6 +1203,37 @@ mod tests {
             &["reward_normalization.method=median".into()],
         ));
         assert!(e.contains("reward_normalization.method"), "{e}");
+    }
+
+    #[test]
+    fn critic_settings_the_chosen_critic_cannot_use_are_errors() {
+        let gae = "adv_estimator=step_gae";
+        assert!(with(&[gae, "critic.mode=features", "critic.ppo_epochs=10"]).is_ok());
+        let e = err_text(with(&[gae, "critic.mode=features", "critic.ppo_epochs=0"]));
+        assert!(e.contains("critic.ppo_epochs"), "{e}");
+        let e = err_text(with(&[
+            gae,
+            "critic.mode=shared",
+            "ppo_epochs=2",
+            "critic.ppo_epochs=1",
+        ]));
+        assert!(
+            e.contains("critic.ppo_epochs") && e.contains("shared"),
+            "{e}"
+        );
+        assert!(with(&[gae, "critic.mode=separate", "critic.pretrain=builtin"]).is_ok());
+        let e = err_text(with(&[
+            gae,
+            "critic.mode=features",
+            "critic.pretrain=builtin",
+        ]));
+        assert!(e.contains("critic.pretrain"), "{e}");
+        for mode in ["critic.mode=features", "critic.mode=separate"] {
+            let e = err_text(with(&[gae, mode, "sft.value_loss_coef=0.5"]));
+            assert!(e.contains("sft.value_loss_coef"), "{mode}: {e}");
+        }
+        let copied_later = [gae, "critic.mode=separate", "critic.pretrain=builtin"];
+        assert!(with(&[&copied_later[..], &["sft.value_loss_coef=0.5"]].concat()).is_ok());
     }
 
     #[test]

@@ -5,12 +5,17 @@
 use stepppo::config::{Config, EMBEDDED_DEFAULT_YAML};
 use stepppo::train::{checkpoint, Trainer};
 
+/// StepPO with the shared-trunk critic: the most state a checkpoint has to carry.
+const SHARED_CRITIC: &[&str] = &["critic.mode=shared"];
+
 fn tiny_config() -> Config {
+    tiny_config_with(SHARED_CRITIC)
+}
+
+fn tiny_config_with(critic: &[&str]) -> Config {
     let sets: Vec<String> = [
         "builtin_size=tiny",
-        // StepPO with the shared-trunk critic: the most state a checkpoint has to carry.
         "adv_estimator=step_gae",
-        "critic.mode=shared",
         "max_steps=4",
         "eval_steps=2",
         "save_steps=0",
@@ -31,6 +36,7 @@ fn tiny_config() -> Config {
         "cache.kv_slots=8192",
     ]
     .iter()
+    .chain(critic)
     .map(|s| s.to_string())
     .collect();
     Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, "test", &sets).unwrap()
@@ -45,6 +51,18 @@ fn weights(t: &Trainer) -> Vec<(String, Vec<f32>)> {
 
 #[test]
 fn two_plus_two_steps_equal_four_and_tmp_dirs_are_ignored() {
+    two_plus_two_equal_four(SHARED_CRITIC);
+}
+
+/// The feature critic's MLP, its optimizer and its feature scaling resume exactly: the policy
+/// after 2 + 2 steps (whose advantages read the critic) equals the one after 4.
+#[test]
+fn a_feature_critic_resumes_exactly() {
+    two_plus_two_equal_four(&["critic.mode=features", "critic.ppo_epochs=3"]);
+}
+
+fn two_plus_two_equal_four(critic: &[&str]) {
+    let tiny_config = || tiny_config_with(critic);
     let root = tempfile::tempdir().unwrap();
     let (a, b) = (root.path().join("a"), root.path().join("b"));
 

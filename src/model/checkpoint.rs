@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 
 use super::critic::{value_head_shapes, SCORE_WEIGHT};
-use super::{params, Critic, Model, ModelConfig, ModelError, Result};
+use super::{params, Critic, FeatureCritic, Model, ModelConfig, ModelError, Result};
 use crate::tokenizer::Tokenizer;
 
 pub const CONFIG_FILE: &str = "config.json";
@@ -53,12 +53,15 @@ impl Loaded {
     /// account for (say, a Qwen3 checkpoint labelled `qwen2`) would be a different model.
     /// transformers 4's saved RoPE buffers (`rotary_emb.inv_freq`) are recomputed, so allowed.
     fn check_all_used(&self, varmap: &VarMap, model_type: &str) -> Result<()> {
+        self.check_all_known(&|name| params::has_var(varmap, name), model_type)
+    }
+
+    /// [`Loaded::check_all_used`] with the names the model takes given by `known`.
+    fn check_all_known(&self, known: &dyn Fn(&str) -> bool, model_type: &str) -> Result<()> {
         let mut unused: Vec<(&String, &PathBuf)> = self
             .tensors
             .iter()
-            .filter(|(name, _)| {
-                !params::has_var(varmap, name) && !name.ends_with("rotary_emb.inv_freq")
-            })
+            .filter(|(name, _)| !known(name) && !name.ends_with("rotary_emb.inv_freq"))
             .map(|(name, (_, file))| (name, file))
             .collect();
         unused.sort();
@@ -227,6 +230,44 @@ impl Critic {
     /// Writes `config.json` and `model.safetensors` (trunk + `score.*`).
     pub fn save(&self, dir: &Path) -> Result<()> {
         write_dir(dir, self.config(), self.varmap(), None)
+    }
+}
+
+impl FeatureCritic {
+    /// Loads the MLP and feature scaling that [`FeatureCritic::save`] wrote into `dir`, for
+    /// `policy`'s features.
+    pub fn load(dir: &Path, policy: &Model) -> Result<Self> {
+        let loaded = Loaded::read(dir, policy.device())?;
+        let width = policy.value_feature_width();
+        let varmap = VarMap::new();
+        loaded.take(&Self::param_shapes(width), &varmap)?;
+        let scaling = VarMap::new();
+        let scaling_shapes: Vec<(String, Vec<usize>)> = Self::SCALING
+            .iter()
+            .map(|n| (n.to_string(), vec![width]))
+            .collect();
+        loaded.take(&scaling_shapes, &scaling)?;
+        loaded.check_all_known(
+            &|name| params::has_var(&varmap, name) || params::has_var(&scaling, name),
+            "feature critic",
+        )?;
+        let get = |name: &str| params::var_tensor(&scaling, name);
+        Self::from_parts(varmap, &get(Self::SCALING[0])?, &get(Self::SCALING[1])?)
+    }
+
+    /// Writes `model.safetensors` (the MLP's parameters and the feature scaling) into `dir`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
+            path: dir.display().to_string(),
+            source,
+        })?;
+        let tensors: Vec<(String, Tensor)> = self
+            .named_vars()
+            .into_iter()
+            .map(|(n, v)| (n, v.as_tensor().detach()))
+            .chain(self.scaling())
+            .collect();
+        write_safetensors(&dir.join(WEIGHTS_FILE), &tensors)
     }
 }
 

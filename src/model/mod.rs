@@ -21,7 +21,7 @@ use candle_nn::VarMap;
 
 use crate::kv::{KvError, KvPool, SeqSlots};
 pub use config::ModelConfig;
-pub use critic::{Critic, ValueHead};
+pub use critic::{Critic, FeatureCritic, ValueHead};
 use decoder::{Linear, Trunk};
 pub use generate::{generate, Generation};
 
@@ -246,6 +246,29 @@ impl Model {
     /// Final hidden states `[B, T, hidden]` of a padded batch (differentiable).
     pub fn hidden_train(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         self.trunk.forward_train(input_ids, attention_mask)
+    }
+
+    /// The features a [`FeatureCritic`] reads, `[B, T, F]`, detached: the residual stream after
+    /// each of the last [`critic::FEATURE_BLOCKS`] blocks, each scaled to unit RMS per position
+    /// (no weights), side by side. `F` is [`Model::value_feature_width`].
+    pub fn value_features(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+        let (_, layers) =
+            self.trunk
+                .forward_train_layers(input_ids, attention_mask, critic::FEATURE_BLOCKS)?;
+        let unit: Vec<Tensor> = layers
+            .iter()
+            .map(|x| {
+                let x = x.detach();
+                let rms = (x.sqr()?.mean_keepdim(D::Minus1)? + 1e-6)?.sqrt()?;
+                Ok(x.broadcast_div(&rms)?)
+            })
+            .collect::<Result<_>>()?;
+        Ok(Tensor::cat(&unit, D::Minus1)?)
+    }
+
+    /// Width of [`Model::value_features`].
+    pub fn value_feature_width(&self) -> usize {
+        self.cfg.num_hidden_layers.min(critic::FEATURE_BLOCKS) * self.cfg.hidden_size
     }
 
     /// Logits `[B, T, vocab]` of a padded batch with a causal + padding mask (differentiable).

@@ -60,6 +60,16 @@ impl DeviceBatch {
             .reshape((p.rows, p.max_response_len))?)
     }
 
+    /// `[B, T, F]` per-position features → `[rows, F]` at each step's start.
+    pub(super) fn rows_at_step_starts(&self, x: &Tensor) -> Result<Tensor, TrainError> {
+        Ok(x.flatten_to(1)?.index_select(&self.value_index, 0)?)
+    }
+
+    /// `[B, T, F]` per-position features → `[rows * width, F]` at the response tokens.
+    pub(super) fn rows_at_tokens(&self, x: &Tensor) -> Result<Tensor, TrainError> {
+        Ok(x.flatten_to(1)?.index_select(&self.token_index, 0)?)
+    }
+
     /// `[B, T]` per-position values → `[rows, 1]` at each step's start.
     pub(super) fn at_step_starts(&self, x: &Tensor, p: &PackedBatch) -> Result<Tensor, TrainError> {
         Ok(x.flatten_all()?

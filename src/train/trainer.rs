@@ -24,7 +24,7 @@ use super::run_dir::{self, Rewound, RunPosition};
 use super::self_imitation::{self, Replay, ReplayBuffer};
 use super::setup::{device_of, engine_for, fresh_policy};
 use super::sft::{self, CloneSettings, SftReport};
-use super::update::{self, CriticLearner, Learners, UpdateInputs, UpdateSettings};
+use super::update::{self, CriticLearner, CriticModel, Learners, UpdateInputs, UpdateSettings};
 use super::TrainError;
 use crate::algo::config::Truncation;
 use crate::algo::filter::group_reward_std;
@@ -37,7 +37,7 @@ use crate::algo::{
 use crate::config::{Config, ContextLayout, CriticMode};
 use crate::crash;
 use crate::env::AgentKind;
-use crate::model::{Critic, Model};
+use crate::model::{Critic, FeatureCritic, Model};
 use crate::rollout::engine::Engine;
 use crate::seed;
 use crate::store::{DatasetWriter, StepRecord, WriterOptions};
@@ -94,7 +94,7 @@ pub struct Trainer {
     run_dir: PathBuf,
     tok: Tokenizer,
     policy: Model,
-    critic: Option<Critic>,
+    critic: Option<CriticModel>,
     /// The frozen policy the KL penalty and the KL loss are measured against
     /// ([`Config::keeps_reference`]).
     reference: Option<Model>,
@@ -128,10 +128,16 @@ impl Trainer {
         let device = device_of(cfg.device)?;
         run_dir::prepare_fresh(run_dir, false)?;
         let (mut policy, tok) = fresh_policy(&cfg, &device)?;
-        let critic = match cfg.critic.mode {
-            CriticMode::Separate => Some(fresh_critic(&cfg, &policy, &device)?),
+        let mut critic = match cfg.critic.mode {
+            CriticMode::Separate => {
+                critic_from_checkpoint(&cfg, &policy, &device)?.map(CriticModel::Separate)
+            }
+            CriticMode::Features => Some(CriticModel::Features(FeatureCritic::new(
+                &policy,
+                critic_seed(&cfg),
+            )?)),
             CriticMode::Shared => {
-                policy.attach_value_head(seed::derive(cfg.seed, &[SEED_CRITIC]))?;
+                policy.attach_value_head(critic_seed(&cfg))?;
                 None
             }
             CriticMode::None => None,
@@ -140,10 +146,18 @@ impl Trainer {
         // directory come into being: a config that fails leaves nothing behind.
         std::fs::create_dir_all(run_dir).map_err(io_err(run_dir))?;
         let warm_start = if cfg.sft.steps > 0 {
-            Some(warm_start(&cfg, &policy, critic.as_ref(), &tok)?)
+            let separate = match &critic {
+                Some(CriticModel::Separate(c)) => Some(c),
+                _ => None,
+            };
+            Some(warm_start(&cfg, &policy, separate, &tok)?)
         } else {
             None
         };
+        if cfg.critic.mode == CriticMode::Separate && critic.is_none() {
+            let copy = Critic::from_policy(&policy, critic_seed(&cfg))?;
+            critic = Some(CriticModel::Separate(copy));
+        }
         let reference = if cfg.keeps_reference() {
             policy.save(&run_dir.join(REFERENCE_DIR), Some(&tok))?;
             Some(load_reference(run_dir, &device)?)
@@ -187,13 +201,18 @@ impl Trainer {
             &ckpt.join("policy").display().to_string(),
             &device,
         )?;
+        let critic_dir = ckpt.join("critic");
         let critic = match cfg.critic.mode {
-            CriticMode::Separate => Some(Critic::load(
-                &ckpt.join("critic"),
+            CriticMode::Separate => Some(CriticModel::Separate(Critic::load(
+                &critic_dir,
                 &device,
-                seed::derive(cfg.seed, &[SEED_CRITIC]),
-            )?),
-            _ => None,
+                critic_seed(&cfg),
+            )?)),
+            CriticMode::Features => Some(CriticModel::Features(FeatureCritic::load(
+                &critic_dir,
+                &policy,
+            )?)),
+            CriticMode::Shared | CriticMode::None => None,
         };
         let (mut actor_opt, mut critic_opt) = optimizers(&cfg, &policy, critic.as_ref())?;
         actor_opt.load(&ckpt.join("optim_actor.safetensors"))?;
@@ -227,7 +246,7 @@ impl Trainer {
         run_dir: &Path,
         tok: Tokenizer,
         mut policy: Model,
-        critic: Option<Critic>,
+        critic: Option<CriticModel>,
         reference: Option<Model>,
         actor_opt: AdamW,
         critic_opt: Option<AdamW>,
@@ -493,7 +512,7 @@ impl Trainer {
         let device = self.policy.device().clone();
         match &self.critic {
             Some(c) => update::critic_values(
-                &|ids, mask| Ok(c.values(ids, mask)?),
+                &|ids, mask| c.values(&self.policy, ids, mask),
                 records,
                 sequences,
                 target,
@@ -636,6 +655,7 @@ impl Trainer {
         let settings = UpdateSettings {
             loss: &loss,
             epochs: self.cfg.ppo_epochs,
+            critic_epochs: self.cfg.critic.epochs(self.cfg.ppo_epochs),
             mini_batch: self.cfg.ppo_mini_batch_size,
             actor_lr: LrSchedule::actor(&opt, total).lr_at(update_index),
             critic_lr: LrSchedule::critic(&opt, total).lr_at(update_index),
@@ -651,10 +671,14 @@ impl Trainer {
             policy: &self.policy,
             actor_opt: &mut self.actor_opt,
             critic: match (&self.critic, shared_head) {
-                (Some(critic), _) => self
+                (Some(CriticModel::Separate(critic)), _) => self
                     .critic_opt
                     .as_mut()
                     .map(|o| CriticLearner::Separate(critic, o)),
+                (Some(CriticModel::Features(critic)), _) => self
+                    .critic_opt
+                    .as_mut()
+                    .map(|o| CriticLearner::Features(critic, o)),
                 (None, true) => self.critic_opt.as_mut().map(CriticLearner::SharedHead),
                 (None, false) => None,
             },
@@ -710,7 +734,7 @@ impl Trainer {
 fn optimizers(
     cfg: &Config,
     policy: &Model,
-    critic: Option<&Critic>,
+    critic: Option<&CriticModel>,
 ) -> Result<(AdamW, Option<AdamW>), TrainError> {
     let (head, trunk): (Vec<_>, Vec<_>) = policy
         .named_vars()
@@ -853,18 +877,23 @@ fn writer_options(cfg: &Config) -> WriterOptions {
     opts
 }
 
-/// A separate critic: from `critic.pretrain` (or the policy's checkpoint directory), else a fresh
-/// model of the policy's shape.
-fn fresh_critic(cfg: &Config, policy: &Model, device: &Device) -> Result<Critic, TrainError> {
-    let seed = seed::derive(cfg.seed, &[SEED_CRITIC]);
-    let dir = cfg
-        .critic
-        .pretrain
-        .clone()
-        .or_else(|| (cfg.pretrain != "builtin").then(|| cfg.pretrain.clone()));
-    Ok(match dir.filter(|d| d != "builtin") {
-        Some(d) => Critic::load(Path::new(&d), device, seed)?,
-        None => Critic::new(policy.config(), seed, device)?,
+/// The seed of a fresh value head.
+fn critic_seed(cfg: &Config) -> u64 {
+    seed::derive(cfg.seed, &[SEED_CRITIC])
+}
+
+/// A separate critic that `critic.pretrain` names: `builtin` (a fresh trunk) or a checkpoint
+/// directory. `None` when it names nothing: the critic is then a copy of the policy as RL starts,
+/// made after the warm start ([`Critic::from_policy`]).
+fn critic_from_checkpoint(
+    cfg: &Config,
+    policy: &Model,
+    device: &Device,
+) -> Result<Option<Critic>, TrainError> {
+    Ok(match cfg.critic.pretrain.as_deref() {
+        None => None,
+        Some("builtin") => Some(Critic::new(policy.config(), critic_seed(cfg), device)?),
+        Some(dir) => Some(Critic::load(Path::new(dir), device, critic_seed(cfg))?),
     })
 }
 

@@ -4,7 +4,8 @@
 //! log-probs and entropies, and applies the algo policy loss (per step row aggregation); the
 //! separate critic runs one forward too and is trained at each step's start position
 //! (`step_gae`) or at every response token (`token_gae`); a shared-trunk value head adds its loss
-//! to the actor's; with self-imitation on, each actor mini-batch also adds the negative
+//! to the actor's; a feature critic is fitted after the actor's epochs, on the updated policy's
+//! features of the batch ([`fit_feature_critic`]); with self-imitation on, each actor mini-batch also adds the negative
 //! log-likelihood of a draw from the replay buffer ([`super::self_imitation`]). A non-finite loss
 //! or gradient skips that update (counted and reported); the run goes on.
 
@@ -14,8 +15,9 @@ use super::masks::ResponseMasks;
 use super::metrics::Scalars;
 use super::self_imitation::Replay;
 use super::TrainError;
+use crate::algo::loss::explained_variance;
 use crate::algo::{policy_loss, value_loss, AdamW, CriticTarget, LossConfig};
-use crate::model::{Critic, Model};
+use crate::model::{Critic, FeatureCritic, Model};
 use crate::seed;
 use crate::store::StepRecord;
 use candle_core::{Device, Tensor};
@@ -50,7 +52,10 @@ pub struct UpdateInputs<'a> {
 /// Optimizer-side settings of the update.
 pub struct UpdateSettings<'a> {
     pub loss: &'a LossConfig,
+    /// Passes of the actor over the batch.
     pub epochs: usize,
+    /// Passes of the critic over the batch (a shared head's beyond the actor's train it alone).
+    pub critic_epochs: usize,
     pub mini_batch: usize,
     pub actor_lr: f64,
     pub critic_lr: f64,
@@ -66,10 +71,53 @@ pub struct UpdateSettings<'a> {
     pub freeze_actor: bool,
 }
 
+/// The critic model a run trains beside its policy (a shared value head lives in the policy).
+pub enum CriticModel {
+    /// A model of the policy's family with a value head.
+    Separate(Critic),
+    /// A value MLP on the policy's detached hidden states.
+    Features(FeatureCritic),
+}
+
+impl CriticModel {
+    /// Values `[B, T]` of a padded batch (`policy` supplies a feature critic's features).
+    pub fn values(
+        &self,
+        policy: &Model,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+    ) -> Result<Tensor, TrainError> {
+        Ok(match self {
+            CriticModel::Separate(c) => c.values(input_ids, attention_mask)?,
+            CriticModel::Features(c) => c.values(policy, input_ids, attention_mask)?,
+        })
+    }
+
+    /// Trainable parameters by name, sorted by name.
+    pub fn named_vars(&self) -> Vec<(String, candle_core::Var)> {
+        match self {
+            CriticModel::Separate(c) => c.named_vars(),
+            CriticModel::Features(c) => c.named_vars(),
+        }
+    }
+
+    /// Writes the critic into checkpoint directory `dir`.
+    pub fn save(&self, dir: &std::path::Path) -> Result<(), TrainError> {
+        match self {
+            CriticModel::Separate(c) => c.save(dir)?,
+            CriticModel::Features(c) => c.save(dir)?,
+        }
+        Ok(())
+    }
+}
+
 /// The critic side of the update.
 pub enum CriticLearner<'a> {
     /// A separate critic and its optimizer: its own forward and step per mini-batch.
     Separate(&'a Critic, &'a mut AdamW),
+    /// A value MLP on the policy's detached features and its optimizer: fitted after the actor's
+    /// epochs on the features of the updated policy ([`fit_feature_critic`]).
+    Features(&'a FeatureCritic, &'a mut AdamW),
     /// A value head on the policy's trunk: its loss joins the actor's in one backward pass, and
     /// this optimizer (over the head's parameters, at the critic's learning rate and weight
     /// decay) steps the head while the actor's steps the trunk.
@@ -115,7 +163,14 @@ pub fn ppo_update(
     let mut means = Means::default();
     let mut skipped = 0usize;
     let mut actor_updates = 0usize;
-    for epoch in 0..settings.epochs {
+    let critic_epochs = if learners.critic.is_some() {
+        settings.critic_epochs
+    } else {
+        0
+    };
+    for epoch in 0..settings.epochs.max(critic_epochs) {
+        let train_actor = epoch < settings.epochs && !settings.freeze_actor;
+        let train_critic = epoch < critic_epochs;
         for (k, chunk) in mini_batches(inputs, settings, epoch as u64)
             .into_iter()
             .enumerate()
@@ -135,7 +190,7 @@ pub fn ppo_update(
                 inputs.records,
                 settings.masks,
             )?;
-            if !settings.freeze_actor {
+            if train_actor {
                 let draw = [epoch as u64, k as u64];
                 let (actor_skipped, stepped) = actor_step(
                     inputs,
@@ -149,17 +204,21 @@ pub fn ppo_update(
                 actor_updates += usize::from(stepped);
             }
             let values = match &learners.critic {
+                _ if !train_critic => None,
                 Some(CriticLearner::Separate(critic, _)) => {
                     Some(critic.values(&batch.ids, &batch.mask)?)
                 }
-                Some(CriticLearner::SharedHead(_)) if settings.freeze_actor => {
+                // A shared head trains with the actor's backward when the actor steps.
+                Some(CriticLearner::SharedHead(_)) if !train_actor => {
                     Some(learners.policy.values(&batch.ids, &batch.mask)?)
                 }
                 _ => None,
             };
             if let (Some(values), Some(critic)) = (values, learners.critic.as_mut()) {
                 let opt = match critic {
-                    CriticLearner::Separate(_, opt) | CriticLearner::SharedHead(opt) => opt,
+                    CriticLearner::Separate(_, opt)
+                    | CriticLearner::Features(_, opt)
+                    | CriticLearner::SharedHead(opt) => opt,
                 };
                 skipped += usize::from(critic_step(
                     inputs, settings, &values, opt, &packed, &batch, &mut means,
@@ -167,12 +226,163 @@ pub fn ppo_update(
             }
         }
     }
+    if let Some(CriticLearner::Features(critic, opt)) = learners.critic.as_mut() {
+        skipped += fit_feature_critic(
+            inputs,
+            settings,
+            (learners.policy, critic),
+            opt,
+            critic_epochs,
+            &mut means,
+        )?;
+    }
     let mut out = Scalars::new();
     means.into_scalars(&mut out);
     out.insert("actor/skipped_updates".into(), skipped as f64);
     out.insert("actor/updates".into(), actor_updates as f64);
     Ok(out)
 }
+
+/// Rows a feature critic is fitted on: the policy's features at each critic target position of
+/// the records that train the critic, with their targets and rollout-time values.
+struct FeatureRows {
+    /// `[n, F]`.
+    features: Tensor,
+    returns: Vec<f32>,
+    old_values: Vec<f32>,
+}
+
+/// One pass of `policy` over the batch (no gradient), gathering [`FeatureRows`].
+fn feature_rows(
+    inputs: &UpdateInputs,
+    settings: &UpdateSettings,
+    policy: &Model,
+    target: CriticTarget,
+) -> Result<FeatureRows, TrainError> {
+    let (mut parts, mut returns, mut old_values) = (Vec::new(), Vec::new(), Vec::new());
+    for_each_chunk(
+        inputs.records,
+        &inputs.sequences,
+        FEATURE_CHUNK,
+        settings.pad_id,
+        settings.masks,
+        false,
+        policy.device(),
+        |p, batch| {
+            let features = policy.value_features(&batch.ids, &batch.mask)?;
+            let (at, per_row) = match target {
+                CriticTarget::StepStart => (batch.rows_at_step_starts(&features)?, 1),
+                CriticTarget::AllResponseTokens => {
+                    (batch.rows_at_tokens(&features)?, p.max_response_len)
+                }
+            };
+            let mut picked = Vec::new();
+            for (row, &r) in p.record_of_row.iter().enumerate() {
+                if !inputs.critic_keep[r] {
+                    continue;
+                }
+                let positions = match target {
+                    CriticTarget::StepStart => 1,
+                    CriticTarget::AllResponseTokens => inputs.records[r].response_ids.len(),
+                };
+                for j in 0..positions {
+                    picked.push((row * per_row + j) as u32);
+                    returns.push(inputs.returns[r][j]);
+                    old_values.push(inputs.old_values[r][j]);
+                }
+            }
+            let picked = Tensor::new(picked.as_slice(), at.device())?;
+            parts.push(at.index_select(&picked, 0)?);
+            Ok(())
+        },
+    )?;
+    Ok(FeatureRows {
+        features: Tensor::cat(&parts, 0)?,
+        returns,
+        old_values,
+    })
+}
+
+/// Sequences per feature pass of [`fit_feature_critic`].
+const FEATURE_CHUNK: usize = 64;
+
+/// Fits a feature critic to the batch's critic targets on the features of `policy` as it is after
+/// the actor's epochs (the policy the next rollout's values are read under): one feature pass,
+/// the critic's feature scaling set from it, then `epochs` shuffled passes of
+/// `settings.mini_batch` rows each. Logs the fit's in-sample explained variance
+/// (`critic/vf_fit_explained_var`); returns the skipped updates.
+fn fit_feature_critic(
+    inputs: &UpdateInputs,
+    settings: &UpdateSettings,
+    (policy, critic): (&Model, &FeatureCritic),
+    opt: &mut AdamW,
+    epochs: usize,
+    means: &mut Means,
+) -> Result<usize, TrainError> {
+    let Some(target) = inputs.critic_target else {
+        return Ok(0);
+    };
+    let rows = feature_rows(inputs, settings, policy, target)?;
+    let n = rows.returns.len();
+    if n < 2 {
+        return Ok(0);
+    }
+    critic.standardize_on(&rows.features)?;
+    let device = policy.device().clone();
+    let mut skipped = 0;
+    for epoch in 0..epochs {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(
+            settings.shuffle_seed,
+            &[FEATURE_FIT_STREAM, epoch as u64],
+        ));
+        let mut order: Vec<u32> = (0..n as u32).collect();
+        order.shuffle(&mut rng);
+        for chunk in order.chunks(settings.mini_batch.max(1)) {
+            let pick = Tensor::new(chunk, &device)?;
+            let values = critic
+                .forward(&rows.features.index_select(&pick, 0)?)?
+                .unsqueeze(1)?;
+            let column = |v: &[f32]| {
+                let picked: Vec<f32> = chunk.iter().map(|&i| v[i as usize]).collect();
+                Tensor::from_vec(picked, (chunk.len(), 1), &device)
+            };
+            let mask = Tensor::ones((chunk.len(), 1), candle_core::DType::F32, &device)?;
+            let (loss, m) = value_loss(
+                &values,
+                &column(&rows.old_values)?,
+                &column(&rows.returns)?,
+                &mask,
+                settings.loss,
+            )?;
+            means.add("critic/vf_loss", m.vf_loss);
+            means.add("critic/vf_clipfrac", m.vf_clipfrac);
+            means.add("critic/value_mean", m.value_mean);
+            let report = opt.step(
+                &loss.backward()?,
+                settings.critic_lr,
+                Some(settings.max_grad_norm),
+            )?;
+            means.add("critic/grad_norm", report.grad_norm);
+            means.add("critic/lr", report.lr);
+            skipped += usize::from(report.skipped);
+        }
+    }
+    let fitted: Vec<f64> = critic
+        .forward(&rows.features)?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    let returns: Vec<f64> = rows.returns.iter().map(|&r| f64::from(r)).collect();
+    means.add(
+        "critic/vf_fit_explained_var",
+        explained_variance(&fitted, &returns),
+    );
+    Ok(skipped)
+}
+
+/// Seed stream of a feature critic's mini-batch shuffles.
+const FEATURE_FIT_STREAM: u64 = 0xfea7;
 
 /// The epoch's mini-batches: a seeded shuffle cut into chunks of `mini_batch` sequences, so each
 /// mini-batch is a uniform sample of the rollout. (Grouping sequences by length would save padding
@@ -677,6 +887,7 @@ mod tests {
         let settings = UpdateSettings {
             loss: &loss,
             epochs: 1,
+            critic_epochs: 1,
             mini_batch: 1,
             actor_lr: 1e-2,
             critic_lr: 1e-2,
