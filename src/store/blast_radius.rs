@@ -164,7 +164,7 @@ fn records_lost_per_flipped_byte_by_reference_block() {
         let records = collected(env, 512);
         let written = keyed(&records);
         let jsonl: usize = (records.iter())
-            .map(|r| jsonl_line(r, false).unwrap().len() + 1)
+            .map(|r| jsonl_line(r, Default::default()).unwrap().len() + 1)
             .sum();
         for block in [u64::MAX, 8, 16, 32, 64, 128] {
             let bytes = encode(&records, block);

@@ -9,7 +9,8 @@
 //! segment files, and the damage is a [`ProblemKind::Manifest`] problem. Each segment is scanned
 //! with the format version the manifest lists for it, which a damaged header gives way to (see
 //! `segment`). Readers may also skip records whose metadata does not decode
-//! ([`Dataset::skip_undecodable`]).
+//! ([`Dataset::skip_undecodable`]); a trajectory that lost a step that way says which
+//! ([`Trajectory::missing_step`]).
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -402,6 +403,20 @@ impl Trajectory<'_> {
             }
             None => Ok(false),
         }
+    }
+
+    /// The first step index absent from the stored steps (`None` when they hold every index
+    /// from 0 to the last): a step lost to damage (a corrupt frame, a record that does not
+    /// decode). The trajectory's return, length and advantages are then not its episode's.
+    pub fn missing_step(&self) -> Option<u32> {
+        let mut next = 0u32;
+        for step in &self.steps {
+            if step.step_index > next {
+                return Some(next);
+            }
+            next = next.max(step.step_index.saturating_add(1));
+        }
+        None
     }
 
     /// The full token context in front of step `t`'s response: the `obs_ids ++ response_ids`
