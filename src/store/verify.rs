@@ -163,11 +163,16 @@ fn plan_fixes(
     problems: &[&Problem],
     sealed: bool,
 ) -> Result<Vec<Fix>, StoreError> {
-    if let Some(refused) = (problems.iter()).find(|p| matches!(p.kind, ProblemKind::BadHeader(_))) {
-        return Err(StoreError::Invalid {
-            path: seg.path.clone(),
-            reason: format!("{refused}; repair leaves a segment of an unknown format alone"),
-        });
+    for problem in problems {
+        if let ProblemKind::BadHeader(why) = &problem.kind {
+            return Err(StoreError::Corrupt {
+                path: seg.path.clone(),
+                offset: problem.offset,
+                reason: format!(
+                    "bad segment header: {why}; repair leaves a segment of an unknown format alone"
+                ),
+            });
+        }
     }
     let (header, rest): (Vec<&Problem>, Vec<&Problem>) =
         (problems.iter()).partition(|p| matches!(p.kind, ProblemKind::DamagedHeader(_)));
