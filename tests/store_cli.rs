@@ -284,4 +284,10 @@ fn a_trajectory_that_lost_a_middle_step_is_marked_and_left_out_of_stats_and_adva
             && stderr.contains("trajectory 0 step 1"),
         "{stderr}"
     );
+    let one = stepppo(&["replay", path, "--advantages", "grpo", "--traj", "0"]);
+    let stderr = String::from_utf8_lossy(&one.stderr);
+    assert!(
+        !one.status.success() && stderr.contains("no trajectory 0 to score"),
+        "{stderr}"
+    );
 }

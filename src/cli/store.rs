@@ -421,7 +421,7 @@ fn replay_advantages(
     if let Some(id) = a.traj {
         anyhow::ensure!(
             trajectories.iter().any(|t| t.traj_id == id),
-            "{}: no trajectory {id}",
+            "{}: no trajectory {id} to score (open and incomplete trajectories are left out)",
             a.dataset.display()
         );
     }
