@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use stepppo::store::{DatasetWriter, StepInfo, StepRecord, WriterOptions};
+use stepppo::store::{scan_segment, DatasetWriter, StepInfo, StepRecord, WriterOptions};
 
 fn stepppo(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_stepppo"))
@@ -192,4 +192,102 @@ fn replay_of_a_sound_dataset_is_unchanged_by_strict() {
         String::from_utf8_lossy(&plain.stderr)
     );
     assert_eq!(plain.stdout, strict.stdout);
+}
+
+/// Traj 0 ends after three steps, traj 1 after two; the frame of traj 0's step 1 is damaged.
+fn dataset_missing_a_middle_step(dir: &Path) -> Vec<StepRecord> {
+    let step = |traj_id, step_index, last: bool| StepRecord {
+        traj_id,
+        step_index,
+        reward: if last { 1.0 } else { 0.0 },
+        terminated: last,
+        ..records()[0].clone()
+    };
+    let written = vec![
+        step(0, 0, false),
+        step(0, 1, false),
+        step(0, 2, true),
+        step(1, 0, false),
+        step(1, 1, true),
+    ];
+    let mut writer = DatasetWriter::create(dir, WriterOptions::default()).unwrap();
+    for r in &written {
+        writer.append(r).unwrap();
+    }
+    writer.seal().unwrap();
+    let seg = dir.join("seg-000000.stp");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let frames = scan_segment(&bytes).frames;
+    let middle = frames[1];
+    assert_eq!((middle.layout.traj_id, middle.layout.step_index), (0, 1));
+    bytes[middle.offset as usize + 16] ^= 0x01;
+    std::fs::write(&seg, bytes).unwrap();
+    written
+}
+
+#[test]
+fn a_trajectory_that_lost_a_middle_step_is_marked_and_left_out_of_stats_and_advantages() {
+    let dir = tempfile::tempdir().unwrap();
+    let written = dataset_missing_a_middle_step(dir.path());
+    let path = dir.path().to_str().unwrap();
+
+    let text = stdout(&stepppo(&["replay", path, "--traj", "0"]));
+    assert!(
+        text.contains("| 2 steps |") && text.contains("incomplete: step 1 missing"),
+        "{text}"
+    );
+    let jsonl = stdout(&stepppo(&["replay", path, "--format", "jsonl"]));
+    let mut read = Vec::new();
+    for line in jsonl.lines() {
+        let mut row: serde_json::Value = serde_json::from_str(line).unwrap();
+        let fields = row.as_object_mut().unwrap();
+        let marks = (fields.remove("incomplete"), fields.remove("missing_step"));
+        let expected = match row["traj_id"] == 0 {
+            true => (Some(true.into()), Some(1.into())),
+            false => (None, None),
+        };
+        assert_eq!(marks, expected, "{line}");
+        read.push(serde_json::from_value::<StepRecord>(row).unwrap());
+    }
+    let kept = [0, 2, 3, 4].map(|i| written[i].clone());
+    assert_eq!(read, kept);
+
+    let stats = stepppo(&["replay", path, "--stats", "--json"]);
+    let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert_eq!(
+        (
+            &stats["trajectories"],
+            &stats["steps"],
+            &stats["incomplete_trajectories"]
+        ),
+        (&1.into(), &2.into(), &1.into()),
+        "{stats}"
+    );
+    assert_eq!(stats["open_trajectories"], 0);
+    let table = stdout(&stepppo(&["replay", path, "--stats"]));
+    assert!(
+        table.contains("incomplete trajectories (a step lost to damage; left out above): 1"),
+        "{table}"
+    );
+
+    let advantages = stepppo(&["replay", path, "--advantages", "grpo"]);
+    assert!(advantages.status.success(), "{advantages:?}");
+    let rows: Vec<serde_json::Value> = stdout(&advantages)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2);
+    assert!(rows.iter().all(|r| r["traj_id"] == 1), "{rows:?}");
+    let stderr = String::from_utf8_lossy(&advantages.stderr);
+    assert!(
+        stderr.contains("1 incomplete trajectories (a step lost to damage) left out")
+            && stderr.contains("trajectory 0 step 1"),
+        "{stderr}"
+    );
+    let one = stepppo(&["replay", path, "--advantages", "grpo", "--traj", "0"]);
+    let stderr = String::from_utf8_lossy(&one.stderr);
+    assert!(
+        !one.status.success() && stderr.contains("no trajectory 0 to score"),
+        "{stderr}"
+    );
 }

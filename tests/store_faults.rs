@@ -285,3 +285,95 @@ fn repair_lowers_a_manifest_format_version_newer_than_every_segment() {
     assert!(verify(dir.path()).unwrap().is_sound());
     assert_eq!(Manifest::read(dir.path()).unwrap().metadata, metadata());
 }
+
+#[test]
+fn a_flipped_version_or_flags_byte_loses_no_record_and_repair_rewrites_the_header() {
+    let written = records(9);
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), &written);
+    let seg = dir.path().join("seg-000000.stp");
+    let manifest_path = dir.path().join(MANIFEST_FILE);
+    let (original, manifest) = (fs::read(&seg).unwrap(), fs::read(&manifest_path).unwrap());
+    for (at, mask, field) in [(8, 0x01, 8), (10, 0x80, 8), (12, 0x01, 12), (15, 0x20, 12)] {
+        let mut bytes = original.clone();
+        bytes[at] ^= mask;
+        fs::write(&seg, &bytes).unwrap();
+        assert_eq!(read_all(dir.path()), written, "byte {at}");
+        let listed: Vec<String> = (verify(dir.path()).unwrap().problems.iter())
+            .map(|p| p.to_string())
+            .collect();
+        let expected = format!("seg-000000.stp at byte {field}: damaged segment header: ");
+        assert_eq!(listed.len(), 1, "byte {at}: {listed:?}");
+        assert!(listed[0].contains(&expected), "{listed:?}");
+        let actions = repair(dir.path()).unwrap().actions;
+        assert!(actions[0].contains("header rewritten"), "{actions:?}");
+        assert_eq!(fs::read(&seg).unwrap(), original, "byte {at}");
+        assert_eq!(fs::read(&manifest_path).unwrap(), manifest, "byte {at}");
+        assert!(verify(dir.path()).unwrap().is_sound());
+    }
+}
+
+#[test]
+fn without_a_listed_version_a_damaged_header_is_read_as_its_records_decode() {
+    let written = records(9);
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), &written);
+    let mut manifest = Manifest::read(dir.path()).unwrap();
+    manifest
+        .segments
+        .iter_mut()
+        .for_each(|s| s.format_version = None);
+    manifest.write(dir.path()).unwrap();
+    let seg = dir.path().join("seg-000001.stp");
+    let original = fs::read(&seg).unwrap();
+    let mut bytes = original.clone();
+    bytes[8] ^= 0x02; // version 3 reads as 1, a version this build reads
+    fs::write(&seg, &bytes).unwrap();
+    assert_eq!(read_all(dir.path()), written);
+    let problems = verify(dir.path()).unwrap().problems;
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    let listed = problems[0].to_string();
+    assert!(
+        listed.contains("seg-000001.stp at byte 8")
+            && listed.contains("records decode as version 3"),
+        "{listed}"
+    );
+    repair(dir.path()).unwrap();
+    assert_eq!(fs::read(&seg).unwrap(), original);
+    let versions = Manifest::read(dir.path()).unwrap().segments;
+    assert!(
+        versions.iter().all(|s| s.format_version == Some(3)),
+        "{versions:?}"
+    );
+}
+
+#[test]
+fn a_segment_the_manifest_lists_in_a_newer_format_is_refused_and_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), &records(9));
+    let mut manifest = Manifest::read(dir.path()).unwrap();
+    let newer = manifest.segments[0].format_version.unwrap() + 1;
+    manifest.segments[0].format_version = Some(newer);
+    manifest.write(dir.path()).unwrap();
+    let seg = dir.path().join("seg-000000.stp");
+    let problems = verify(dir.path()).unwrap().problems;
+    let refusal = format!(
+        "seg-000000.stp at byte 8: bad segment header: format version {newer} is not supported"
+    );
+    assert!(
+        problems.iter().any(|p| p.to_string().contains(&refusal)),
+        "{problems:?}"
+    );
+    let dataset = Dataset::open(dir.path()).unwrap();
+    let segments: Vec<_> = dataset.segments().collect();
+    assert!(segments[0].path == seg && segments[0].frames().next().is_none());
+    assert!(segments[1].frames().next().is_some());
+    drop(dataset);
+    let before = fs::read(&seg).unwrap();
+    let err = repair(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains(&refusal) && err.contains("unknown format"),
+        "{err}"
+    );
+    assert_eq!(fs::read(&seg).unwrap(), before);
+}

@@ -234,6 +234,14 @@ fn appending_after_an_unsealed_version_1_segment_seals_it_and_continues_in_a_new
     let dataset = Dataset::open(dir.path()).unwrap();
     assert!(dataset.problems().is_empty(), "{:?}", dataset.problems());
     assert!(dataset.manifest().segments.iter().all(|s| s.sealed));
+    let versions: Vec<Option<u32>> = (dataset.manifest().segments.iter())
+        .map(|s| s.format_version)
+        .collect();
+    assert_eq!(
+        versions,
+        [Some(1), Some(3)],
+        "each segment's version listed"
+    );
     let read: Vec<StepRecord> = dataset.records().map(|v| v.to_record().unwrap()).collect();
     assert_eq!(read, vec![pinned_record(), appended]);
     assert_eq!(dataset.trajectory(5).unwrap().steps.len(), 1);

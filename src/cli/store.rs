@@ -5,6 +5,8 @@
 //! `replay` reads what a damaged dataset still holds: records that do not decode are skipped,
 //! and stderr says how many and where (file and byte offset of the first few) along with the
 //! damage found at open; it exits 0 unless `--strict` is given and something was damaged.
+//! A trajectory that lost a step that way is marked incomplete, and `--stats` / `--advantages`
+//! leave it out and say so, as they do with open trajectories.
 
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -73,7 +75,9 @@ pub struct ReplayArgs {
     pub stats: bool,
     /// Leave out trajectories with no terminal step yet (still being written, or cut short);
     /// by default they are printed and marked (`open` in the text header, `"open": true` in
-    /// JSONL). Statistics and --advantages always leave them out and say how many.
+    /// JSONL). Statistics and --advantages always leave them out and say how many, and so they
+    /// do with incomplete trajectories (a step lost to damage; marked `incomplete: step N
+    /// missing` in the text header, `"incomplete": true, "missing_step": N` in JSONL).
     #[arg(long)]
     pub skip_open: bool,
     /// With --stats: print one JSON object.
@@ -215,15 +219,15 @@ fn replay_output(dataset: &Dataset, a: &ReplayArgs, out: &mut impl Write) -> any
         None => dataset.trajectories(),
     };
     for traj in &trajectories {
-        let open = traj.is_open()?;
-        if open && a.skip_open {
+        let marks = store::Completeness::of(traj)?;
+        if marks.open && a.skip_open {
             continue;
         }
         match a.format.unwrap_or(ReplayFormat::Text) {
             ReplayFormat::Text => writeln!(out, "{}", store::transcript(traj)?)?,
             ReplayFormat::Jsonl => {
                 for record in store::decode_trajectory(traj)? {
-                    writeln!(out, "{}", store::jsonl_line(&record, open)?)?;
+                    writeln!(out, "{}", store::jsonl_line(&record, marks)?)?;
                 }
             }
         }
@@ -372,6 +376,37 @@ fn critic_forward(critic: &Critic, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
     Ok(critic.values(&ids, &mask)?.squeeze(0)?.to_vec1::<f32>()?)
 }
 
+/// Trajectories shown before the rest of those left out are only counted.
+const SHOWN_INCOMPLETE: usize = 5;
+
+/// The trajectories of `dataset` that are neither open nor missing a step; says on stderr how
+/// many of each were left out (and which steps the first few incomplete ones miss).
+fn complete_trajectories(dataset: &Dataset) -> anyhow::Result<Vec<Trajectory<'_>>> {
+    let (mut open, mut incomplete) = (0, Vec::new());
+    let mut kept = Vec::new();
+    for traj in dataset.trajectories() {
+        let marks = store::Completeness::of(&traj)?;
+        match marks.missing_step {
+            Some(step) => incomplete.push(format!("trajectory {} step {step}", traj.traj_id)),
+            None if marks.open => open += 1,
+            None => kept.push(traj),
+        }
+    }
+    if open > 0 {
+        eprintln!("note: {open} open trajectories (no terminal step yet) left out: their returns are not final");
+    }
+    if !incomplete.is_empty() {
+        let first = &incomplete[..incomplete.len().min(SHOWN_INCOMPLETE)];
+        eprintln!(
+            "note: {} incomplete trajectories (a step lost to damage) left out: their returns are those of a shorter episode; missing: {}{}",
+            incomplete.len(),
+            first.join(", "),
+            if incomplete.len() > first.len() { ", ..." } else { "" }
+        );
+    }
+    Ok(kept)
+}
+
 fn replay_advantages(
     dataset: &Dataset,
     cfg: &AdvantageConfig,
@@ -382,20 +417,11 @@ fn replay_advantages(
         !matches!(a.format, Some(ReplayFormat::Text)),
         "--advantages prints JSONL rows: use `--format jsonl` (or no --format)"
     );
-    let mut trajectories = dataset.trajectories();
-    let mut open = 0;
-    trajectories.retain(|t| {
-        let is_open = t.is_open().unwrap_or(false);
-        open += usize::from(is_open);
-        !is_open
-    });
-    if open > 0 {
-        eprintln!("note: {open} open trajectories (no terminal step yet) left out: their returns are not final");
-    }
+    let trajectories = complete_trajectories(dataset)?;
     if let Some(id) = a.traj {
         anyhow::ensure!(
             trajectories.iter().any(|t| t.traj_id == id),
-            "{}: no trajectory {id}",
+            "{}: no trajectory {id} to score (open and incomplete trajectories are left out)",
             a.dataset.display()
         );
     }

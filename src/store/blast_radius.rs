@@ -1,13 +1,17 @@
 //! How many records one flipped byte of a segment costs (tests only): the bound the reference
 //! blocks give, and the measurement behind the choice of [`codec::REFERENCE_BLOCK`] (an ignored
 //! test that prints segment size against JSONL and records lost per flip for several block sizes
-//! over datasets of `collect`ed random-agent episodes; see `docs/experiments/store.md`).
+//! over datasets of `collect`ed random-agent episodes; see `docs/experiments/store.md`); and an
+//! ignored test that counts the records lost per flipped bit of a segment header's version and
+//! flags fields, with the manifest listing the segment's version and without a manifest.
 
 use std::collections::HashMap;
+use std::path::Path;
 
 use super::codec;
 use super::collect::{collect, CollectConfig};
 use super::dataset::{Dataset, DatasetWriter, WriterOptions};
+use super::manifest::MANIFEST_FILE;
 use super::record::StepRecord;
 use super::replay::jsonl_line;
 use super::segment::{scan, SegmentWriter, HEADER_LEN};
@@ -95,6 +99,13 @@ fn a_flipped_byte_costs_at_most_one_reference_block() {
     assert_eq!(lost_records(&unbounded, &written), records.len());
 }
 
+fn unsynced() -> WriterOptions {
+    WriterOptions {
+        durable: false,
+        ..WriterOptions::default()
+    }
+}
+
 /// The records of `episodes` random-agent episodes of `env` (seed 0), as `stepppo collect` writes them.
 fn collected(env: &str, episodes: u64) -> Vec<StepRecord> {
     let dir = tempfile::tempdir().unwrap();
@@ -106,11 +117,7 @@ fn collected(env: &str, episodes: u64) -> Vec<StepRecord> {
         group_size: 1,
         seed: 0,
     };
-    let opts = WriterOptions {
-        durable: false,
-        ..WriterOptions::default()
-    };
-    let mut writer = DatasetWriter::create(dir.path(), opts).unwrap();
+    let mut writer = DatasetWriter::create(dir.path(), unsynced()).unwrap();
     collect(&cfg, &Tokenizer::builtin(), &mut writer).unwrap();
     writer.seal().unwrap();
     let dataset = Dataset::open(dir.path()).unwrap();
@@ -164,7 +171,7 @@ fn records_lost_per_flipped_byte_by_reference_block() {
         let records = collected(env, 512);
         let written = keyed(&records);
         let jsonl: usize = (records.iter())
-            .map(|r| jsonl_line(r, false).unwrap().len() + 1)
+            .map(|r| jsonl_line(r, Default::default()).unwrap().len() + 1)
             .sum();
         for block in [u64::MAX, 8, 16, 32, 64, 128] {
             let bytes = encode(&records, block);
@@ -181,5 +188,74 @@ fn records_lost_per_flipped_byte_by_reference_block() {
                 bytes.len() as f64 / jsonl as f64
             );
         }
+    }
+}
+
+/// Records of the dataset in `dir` that read, checking each against the one written.
+fn readable_records(dir: &Path, written: &HashMap<(u64, u32), &StepRecord>) -> usize {
+    let dataset = Dataset::open(dir).unwrap();
+    let records = dataset.records().filter_map(|view| view.to_record().ok());
+    records
+        .map(|record| {
+            let key = (record.traj_id, record.step_index);
+            assert_eq!(Some(&&record), written.get(&key), "a damaged record read");
+        })
+        .count()
+}
+
+/// Records lost per flip of each bit of the header's version and flags fields (bytes 8 to 15) of
+/// the segment `seg` of the dataset in `dir`: mean and max over the 64 flips.
+fn header_flip_losses(
+    dir: &Path,
+    seg: &Path,
+    written: &HashMap<(u64, u32), &StepRecord>,
+) -> (f64, usize) {
+    let original = std::fs::read(seg).unwrap();
+    let flips: Vec<(usize, u32)> = (8..16)
+        .flat_map(|at| (0..8).map(move |bit| (at, bit)))
+        .collect();
+    let lost: Vec<usize> = (flips.iter())
+        .map(|&(at, bit)| {
+            let mut damaged = original.clone();
+            damaged[at] ^= 1 << bit;
+            std::fs::write(seg, &damaged).unwrap();
+            written.len() - readable_records(dir, written)
+        })
+        .collect();
+    std::fs::write(seg, &original).unwrap();
+    let total: usize = lost.iter().sum();
+    (
+        total as f64 / lost.len() as f64,
+        lost.into_iter().max().unwrap_or(0),
+    )
+}
+
+/// Prints, per dataset (512 random-agent episodes in one sealed segment): records lost per flipped
+/// bit of the header's version and flags fields, read through `Dataset::open` with the manifest
+/// (which lists the segment's version) and with the manifest removed.
+/// `cargo test --lib store::blast_radius::records_lost_per_flipped_header_bit -- --ignored --nocapture`
+#[test]
+#[ignore = "measurement (seconds); prints the header-flip figures of docs/experiments/store.md"]
+fn records_lost_per_flipped_header_bit() {
+    println!("| dataset | records | flips | with manifest: lost mean | max | no manifest: lost mean | max |");
+    println!("|---|---|---|---|---|---|---|");
+    for env in ["frozen_lake", "sokoban"] {
+        let records = collected(env, 512);
+        let written = keyed(&records);
+        let dir = tempfile::tempdir().unwrap();
+        let mut writer = DatasetWriter::create(dir.path(), unsynced()).unwrap();
+        records.iter().for_each(|r| {
+            writer.append(r).unwrap();
+        });
+        writer.seal().unwrap();
+        let seg = dir.path().join("seg-000000.stp");
+        assert_eq!(readable_records(dir.path(), &written), records.len());
+        let (listed_mean, listed_max) = header_flip_losses(dir.path(), &seg, &written);
+        std::fs::remove_file(dir.path().join(MANIFEST_FILE)).unwrap();
+        let (bare_mean, bare_max) = header_flip_losses(dir.path(), &seg, &written);
+        println!(
+            "| {env} 512 random | {} | 64 | {listed_mean:.1} | {listed_max} | {bare_mean:.1} | {bare_max} |",
+            records.len()
+        );
     }
 }

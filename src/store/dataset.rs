@@ -6,8 +6,11 @@
 //! of the directory and reports disagreements with the manifest (see `manifest`): a segment it
 //! lists that is missing, a sealed one whose footer, record count or size differs from the file.
 //! A damaged or missing manifest does not stop a reader: the segment list is then taken from the
-//! segment files, and the damage is a [`ProblemKind::Manifest`] problem. Readers may also skip
-//! records whose metadata does not decode ([`Dataset::skip_undecodable`]).
+//! segment files, and the damage is a [`ProblemKind::Manifest`] problem. Each segment is scanned
+//! with the format version the manifest lists for it, which a damaged header gives way to (see
+//! `segment`). Readers may also skip records whose metadata does not decode
+//! ([`Dataset::skip_undecodable`]); a trajectory that lost a step that way says which
+//! ([`Trajectory::missing_step`]).
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -80,7 +83,7 @@ pub fn rewind(dir: &Path, position: &DatasetPosition) -> Result<u64, StoreError>
             .iter()
             .any(|e| Some(&e.file) == name.as_ref())
         {
-            removed += MappedSegment::open(&path)?.scan.frames.len() as u64;
+            removed += MappedSegment::open(&path, None)?.scan.frames.len() as u64;
             fs::remove_file(&path).map_err(StoreError::io(&path))?;
         }
     }
@@ -116,7 +119,7 @@ fn cut_segment(path: &Path, entry: &SegmentEntry) -> Result<u64, StoreError> {
             entry.bytes
         )));
     }
-    let segment = MappedSegment::open(path)?;
+    let segment = MappedSegment::open(path, entry.format_version)?;
     let dropped = segment
         .scan
         .frames
@@ -222,7 +225,7 @@ impl DatasetWriter {
     /// Opens an existing, undamaged dataset to append more records. An unsealed last segment of
     /// the current format version is resumed; one of an older version is sealed as it is (one
     /// file holds frames of one version) and the next record starts a new segment.
-    /// `opts.metadata` is merged into the manifest.
+    /// `opts.metadata` is merged into the manifest, and every segment's format version listed.
     pub fn open_append(dir: &Path, opts: WriterOptions) -> Result<Self, StoreError> {
         let dataset = Dataset::open(dir)?;
         if let Some(problem) = dataset.problems().first() {
@@ -233,6 +236,13 @@ impl DatasetWriter {
         let mut manifest = dataset.manifest.clone();
         manifest.metadata.extend(opts.metadata);
         manifest.format_version = segment::FORMAT_VERSION;
+        // A manifest written before it listed versions gets them, to read damaged headers by.
+        for (_, seg) in &dataset.segments {
+            let found = SegmentEntry::found(seg);
+            if let Some(entry) = manifest.entry_mut(&found.file) {
+                entry.format_version = found.format_version;
+            }
+        }
         let last = dataset.segments.last();
         let resumed = match last {
             Some((number, seg)) if seg.scan.footer.is_none() => {
@@ -296,6 +306,7 @@ impl DatasetWriter {
             sealed: false,
             records: 0,
             bytes: 0,
+            format_version: Some(writer.format_version()),
         });
         self.manifest.replace(&self.dir, self.durable)?;
         Ok((number, writer))
@@ -314,12 +325,14 @@ impl DatasetWriter {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
+        let format_version = Some(writer.format_version());
         let (records, bytes) = writer.seal()?;
         let entry = SegmentEntry {
             file: file.clone(),
             sealed: true,
             records,
             bytes,
+            format_version,
         };
         match self.manifest.entry_mut(&file) {
             Some(listed) => *listed = entry,
@@ -392,6 +405,20 @@ impl Trajectory<'_> {
         }
     }
 
+    /// The first step index absent from the stored steps (`None` when they hold every index
+    /// from 0 to the last): a step lost to damage (a corrupt frame, a record that does not
+    /// decode). The trajectory's return, length and advantages are then not its episode's.
+    pub fn missing_step(&self) -> Option<u32> {
+        let mut next = 0u32;
+        for step in &self.steps {
+            if step.step_index > next {
+                return Some(next);
+            }
+            next = next.max(step.step_index.saturating_add(1));
+        }
+        None
+    }
+
     /// The full token context in front of step `t`'s response: the `obs_ids ++ response_ids`
     /// of the earlier steps of its context (from the last step with `context_len == 0`, the
     /// start of a re-rendered window) followed by step `t`'s `obs_ids`. Empty when `t` is out
@@ -439,7 +466,7 @@ impl Dataset {
         let mut segments = Vec::new();
         let mut problems = Vec::new();
         for (number, path) in segment_files(dir)? {
-            let seg = MappedSegment::open(&path)?;
+            let seg = MappedSegment::open(&path, listed_version(&loaded.manifest, &path))?;
             problems.extend(seg.scan.problems.iter().map(|(offset, kind)| Problem {
                 path: path.clone(),
                 offset: *offset,
@@ -573,6 +600,14 @@ impl Dataset {
     }
 }
 
+/// The format version `manifest` lists for the segment file at `path` (none for a damaged
+/// manifest, which lists no segments, or one written before it kept versions).
+fn listed_version(manifest: &Manifest, path: &Path) -> Option<u32> {
+    let name = path.file_name()?.to_str()?;
+    let entry = manifest.segments.iter().find(|e| e.file == name)?;
+    entry.format_version
+}
+
 /// The manifest of a dataset whose segments are `segments`: the one read, with its disagreements
 /// with the files added to `problems`; or, when it is missing or damaged, what was recovered of
 /// it listing the segment files, with the damage added to `problems`.
@@ -629,12 +664,13 @@ fn manifest_problems(
         let on_disk = segments
             .iter()
             .find(|(_, s)| s.path.file_name().is_some_and(|n| n == entry.file.as_str()));
-        match on_disk {
-            None => problems.push(problem(format!("lists {} which is missing", entry.file))),
-            Some((_, seg)) if entry.sealed => {
-                problems.extend(sealed_problems(entry, seg, &problem));
-            }
-            Some(_) => {}
+        let Some((_, seg)) = on_disk else {
+            problems.push(problem(format!("lists {} which is missing", entry.file)));
+            continue;
+        };
+        problems.extend(version_problem(entry, seg, &problem));
+        if entry.sealed {
+            problems.extend(sealed_problems(entry, seg, &problem));
         }
     }
     for (_, seg) in segments {
@@ -648,6 +684,23 @@ fn manifest_problems(
         }
     }
     problems
+}
+
+/// A segment whose records decode under another format version than its `entry` lists (the
+/// scan trusts the listed version whenever a record decodes under it).
+fn version_problem(
+    entry: &SegmentEntry,
+    seg: &MappedSegment,
+    problem: &dyn Fn(String) -> Problem,
+) -> Option<Problem> {
+    let listed = entry.format_version?;
+    let read = seg.scan.format_version;
+    (listed != read && !seg.scan.frames.is_empty()).then(|| {
+        problem(format!(
+            "lists {} as format version {listed}, its records decode as version {read}",
+            entry.file
+        ))
+    })
 }
 
 /// Where a segment the manifest lists as sealed differs from its `entry`: no footer (and no

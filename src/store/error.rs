@@ -48,8 +48,14 @@ pub enum ProblemKind {
     TornTail,
     /// Bytes that are not a valid record (bad framing or crc); the next valid record starts `skipped` bytes later.
     CorruptFrame { skipped: u64 },
-    /// The segment header is missing, damaged or of an unknown version.
+    /// The segment header names a format version or flags this build does not read (a newer
+    /// format, as far as it can tell): none of the segment's records is read, and `repair`
+    /// leaves the segment alone.
     BadHeader(String),
+    /// A damaged header field (magic, format version or flags; the offset says which): the
+    /// records were read under the version the manifest lists or the frames decode as, and
+    /// `repair` rewrites the header.
+    DamagedHeader(String),
     /// The footer of a sealed segment is damaged; its records are still read by scanning.
     BadFooter(String),
     /// A frame's crc holds but its metadata does not decode.
@@ -89,6 +95,9 @@ impl fmt::Display for Problem {
             }
             ProblemKind::BadHeader(why) => {
                 write!(f, "{path} at byte {offset}: bad segment header: {why}")
+            }
+            ProblemKind::DamagedHeader(why) => {
+                write!(f, "{path} at byte {offset}: damaged segment header: {why}")
             }
             ProblemKind::BadFooter(why) => write!(f, "{path} at byte {offset}: bad footer: {why}"),
             ProblemKind::Undecodable(why) => {

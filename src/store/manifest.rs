@@ -1,6 +1,8 @@
 //! `manifest.json`: the dataset's description (format version, creator, the segment list with
-//! per-segment state, a free-form `metadata` map for env config / tokenizer / run info), its
-//! checksum, its atomic replacement, and what is recovered of it when it is damaged.
+//! per-segment state and format version, a free-form `metadata` map for env config / tokenizer /
+//! run info), its checksum, its atomic replacement, and what is recovered of it when it is damaged.
+//! The per-segment format version is the checksummed second copy of each segment header's version
+//! field: a reader trusts it over a damaged header (see `segment`).
 //!
 //! The file is pretty-printed JSON whose first member is `"checksum": "crc32:xxxxxxxx"` (lowercase
 //! hex): the crc32
@@ -40,6 +42,11 @@ pub struct SegmentEntry {
     /// Record count and file size when sealed (0 while the segment is active).
     pub records: u64,
     pub bytes: u64,
+    /// Format version of the segment's frames: the checksummed copy of its header's version
+    /// field, trusted when the header is damaged (see `segment`). Absent in manifests written
+    /// before it was kept; the header alone decides then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format_version: Option<u32>,
 }
 
 impl SegmentEntry {
@@ -57,6 +64,7 @@ impl SegmentEntry {
                 0
             },
             bytes: if sealed { seg.bytes().len() as u64 } else { 0 },
+            format_version: Some(seg.scan.format_version),
         }
     }
 }
@@ -304,6 +312,7 @@ mod tests {
             sealed: true,
             records: 12,
             bytes: 4096,
+            format_version: Some(3),
         });
         manifest
     }

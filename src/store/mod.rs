@@ -59,7 +59,9 @@ pub use dataset::{
 pub use error::{Problem, ProblemKind, StoreError};
 pub use manifest::{LoadedManifest, Manifest, ManifestDamage, SegmentEntry, MANIFEST_FILE};
 pub use record::{StepInfo, StepRecord};
-pub use replay::{decode_trajectory, jsonl_line, transcript, DatasetStats, Stats, Summary};
+pub use replay::{
+    decode_trajectory, jsonl_line, transcript, Completeness, DatasetStats, Stats, Summary,
+};
 pub use segment::{scan as scan_segment, SegmentScan, FORMAT_VERSION, SEGMENT_MAGIC};
 pub use tokens::{TokenIds, TokenIter};
 pub use verify::{repair, verify, RepairReport, VerifyReport};

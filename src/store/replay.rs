@@ -15,6 +15,13 @@
 //! carries `"open": true` (finished trajectories' lines have no such field); `stepppo replay
 //! --skip-open` leaves them out instead. Statistics always leave them out of every figure and
 //! count them apart (`open_trajectories`), since their returns and lengths are not final.
+//!
+//! Incomplete trajectories: a trajectory whose stored step indices skip one
+//! ([`Trajectory::missing_step`]) lost that step to damage; its return and length are those of a
+//! shorter episode. The transcript's header says `incomplete: step N missing`, each of its JSONL
+//! lines carries `"incomplete": true, "missing_step": N`, and statistics leave it out of every
+//! figure and count it apart (`incomplete_trajectories`; a trajectory that is both is counted
+//! here, not as open).
 
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
@@ -24,6 +31,30 @@ use serde::Serialize;
 use super::dataset::{Dataset, Trajectory};
 use super::error::StoreError;
 use super::record::StepRecord;
+
+/// Whether a trajectory's figures are those of a finished episode: the marks the replay output
+/// puts on it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Completeness {
+    /// No terminal step yet ([`Trajectory::is_open`]).
+    pub open: bool,
+    /// The first step index missing among the stored steps ([`Trajectory::missing_step`]).
+    pub missing_step: Option<u32>,
+}
+
+impl Completeness {
+    pub fn of(traj: &Trajectory<'_>) -> Result<Self, StoreError> {
+        Ok(Self {
+            open: traj.is_open()?,
+            missing_step: traj.missing_step(),
+        })
+    }
+
+    /// Neither open nor missing a step.
+    pub fn is_complete(&self) -> bool {
+        !self.open && self.missing_step.is_none()
+    }
+}
 
 /// The steps of a trajectory decoded into records.
 pub fn decode_trajectory(traj: &Trajectory<'_>) -> Result<Vec<StepRecord>, StoreError> {
@@ -53,14 +84,16 @@ pub fn transcript(traj: &Trajectory<'_>) -> Result<String, StoreError> {
     let ret: f32 = steps.iter().map(|s| s.reward).sum();
     let success = steps.iter().any(|s| s.info.success);
     let first = steps.first().cloned().unwrap_or_default();
-    let open = if traj.is_open()? {
-        " | open: no terminal step yet"
-    } else {
-        ""
-    };
+    let mut marks = String::new();
+    if traj.is_open()? {
+        marks.push_str(" | open: no terminal step yet");
+    }
+    if let Some(step) = traj.missing_step() {
+        let _ = write!(marks, " | incomplete: step {step} missing");
+    }
     let _ = writeln!(
         out,
-        "=== trajectory {} | group {} | {} | seed {} | policy v{} | {} steps | return {ret:.3} | {}{open} ===",
+        "=== trajectory {} | group {} | {} | seed {} | policy v{} | {} steps | return {ret:.3} | {}{marks} ===",
         traj.traj_id,
         traj.group_id,
         first.env_tag,
@@ -97,15 +130,22 @@ pub fn transcript(traj: &Trajectory<'_>) -> Result<String, StoreError> {
     Ok(out)
 }
 
-/// One JSONL line (no newline) for a step; see the module documentation for the fields.
-/// `open`: the step belongs to an open trajectory, marked `"open": true`.
-pub fn jsonl_line(record: &StepRecord, open: bool) -> Result<String, serde_json::Error> {
-    if !open {
+/// One JSONL line (no newline) for a step; see the module documentation for the fields. A step
+/// of an open trajectory is marked `"open": true`, one of a trajectory missing step N
+/// `"incomplete": true, "missing_step": N`.
+pub fn jsonl_line(record: &StepRecord, marks: Completeness) -> Result<String, serde_json::Error> {
+    if marks.is_complete() {
         return serde_json::to_string(record);
     }
     let mut value = serde_json::to_value(record)?;
     if let serde_json::Value::Object(fields) = &mut value {
-        fields.insert("open".into(), serde_json::Value::Bool(true));
+        if marks.open {
+            fields.insert("open".into(), true.into());
+        }
+        if let Some(step) = marks.missing_step {
+            fields.insert("incomplete".into(), true.into());
+            fields.insert("missing_step".into(), step.into());
+        }
     }
     serde_json::to_string(&value)
 }
@@ -152,9 +192,9 @@ pub struct Stats {
     pub valid_action_rate: f64,
 }
 
-/// `replay --stats`: overall statistics and the same per env tag, over finished trajectories;
-/// the open ones counted apart; and the number of problems (damage found at open, and records
-/// repeating an earlier record's key).
+/// `replay --stats`: overall statistics and the same per env tag, over finished, complete
+/// trajectories; the open and the incomplete ones counted apart; and the number of problems
+/// (damage found at open, and records repeating an earlier record's key).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct DatasetStats {
     #[serde(flatten)]
@@ -162,6 +202,8 @@ pub struct DatasetStats {
     pub per_env: BTreeMap<String, Stats>,
     /// Trajectories with no terminal step yet, left out of every figure above.
     pub open_trajectories: usize,
+    /// Trajectories missing a step (lost to damage), left out of every figure above.
+    pub incomplete_trajectories: usize,
     pub problems: usize,
 }
 
@@ -203,9 +245,14 @@ impl DatasetStats {
     pub fn compute(dataset: &Dataset) -> Result<Self, StoreError> {
         let mut overall = Accumulator::default();
         let mut per_env: BTreeMap<String, Accumulator> = BTreeMap::new();
-        let mut open_trajectories = 0;
+        let (mut open_trajectories, mut incomplete_trajectories) = (0, 0);
         for traj in dataset.trajectories() {
-            if traj.is_open()? {
+            let marks = Completeness::of(&traj)?;
+            if marks.missing_step.is_some() {
+                incomplete_trajectories += 1;
+                continue;
+            }
+            if marks.open {
                 open_trajectories += 1;
                 continue;
             }
@@ -221,6 +268,7 @@ impl DatasetStats {
                 .map(|(k, v)| (k.clone(), v.finish()))
                 .collect(),
             open_trajectories,
+            incomplete_trajectories,
             problems: dataset.problems().len() + super::verify::duplicate_keys(dataset).len(),
         })
     }
@@ -260,6 +308,13 @@ impl fmt::Display for DatasetStats {
                 f,
                 "open trajectories (no terminal step yet; left out above): {}",
                 self.open_trajectories
+            )?;
+        }
+        if self.incomplete_trajectories > 0 {
+            writeln!(
+                f,
+                "incomplete trajectories (a step lost to damage; left out above): {}",
+                self.incomplete_trajectories
             )?;
         }
         writeln!(f, "problems: {}", self.problems)

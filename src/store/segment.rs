@@ -13,6 +13,17 @@
 //! next valid frame, so one flipped byte never hides other records. Bytes after the last valid frame
 //! of an unsealed segment are a torn tail (a crash mid-write, or a write still in progress).
 //!
+//! The header's version and flags fields have a second copy: the manifest lists each segment's
+//! format version (checksummed), and the flags are 0 in every version (a writer that needs a
+//! flag writes a new version). A header that disagrees with that copy, names a version or flags
+//! this build does not read, or under whose version no frame decodes, is read under the listed
+//! version when records decode under it, else (no listed copy: an old manifest, a damaged one)
+//! under the supported version under which the most records decode; each field that disagrees
+//! is a [`ProblemKind::DamagedHeader`] at its offset (8 or 12) that `repair` rewrites, and no
+//! record is lost. A version the manifest lists and this build does not read, or an unknown
+//! version with no listed copy and no frame decoding under any known version, is a newer format:
+//! the segment is refused ([`ProblemKind::BadHeader`]) and none of its frames is read.
+//!
 //! The writer encodes each frame straight into an in-memory buffer (no per-record allocation or
 //! system call); when the buffer passes [`WRITE_BUFFER_BYTES`] it goes to the segment's I/O
 //! thread (`io_thread`), which copies it into the file while the next buffer is encoded, and
@@ -251,44 +262,152 @@ fn parse_footer(bytes: &[u8]) -> Option<Footer> {
     })
 }
 
-fn check_header(bytes: &[u8], scan: &mut SegmentScan) -> bool {
-    if bytes[..8] != SEGMENT_MAGIC {
-        scan.problems
-            .push((0, ProblemKind::BadHeader("wrong magic".into())));
-    }
-    let version = read_u32(bytes, 8).unwrap_or(0);
-    let flags = read_u32(bytes, 12).unwrap_or(0);
-    if !codec::SUPPORTED_VERSIONS.contains(&version) {
-        let why = format!("format version {version} is not supported by this build");
-        scan.problems.push((8, ProblemKind::BadHeader(why)));
-        return false;
-    }
-    if flags != 0 {
-        let why = format!("unknown flags {flags:#x}");
-        scan.problems.push((12, ProblemKind::BadHeader(why)));
-        return false;
-    }
-    scan.format_version = version;
-    true
+/// The version and flags fields of a segment header, as stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct HeaderFields {
+    version: u32,
+    flags: u32,
 }
 
-/// Validates the bytes of one segment file: header, every frame, the footer.
+impl HeaderFields {
+    fn read(bytes: &[u8]) -> Self {
+        Self {
+            version: read_u32(bytes, 8).unwrap_or(0),
+            flags: read_u32(bytes, 12).unwrap_or(0),
+        }
+    }
+
+    /// Whether this build reads frames of the version and flags the fields name.
+    fn readable(&self) -> bool {
+        self.flags == 0 && codec::SUPPORTED_VERSIONS.contains(&self.version)
+    }
+}
+
+/// The header of a segment of format `version` (flags are 0 in every version).
+pub(crate) fn header_bytes(version: u32) -> [u8; HEADER_LEN] {
+    let mut header = [0; HEADER_LEN];
+    header[..8].copy_from_slice(&SEGMENT_MAGIC);
+    header[8..12].copy_from_slice(&version.to_le_bytes());
+    header
+}
+
+/// Validates the bytes of one segment file: header, every frame, the footer. The frames are
+/// read under the header's format version unless the header is damaged (see [`scan_listed`]).
 pub fn scan(bytes: &[u8]) -> SegmentScan {
+    scan_listed(bytes, None)
+}
+
+/// As [`scan`], where the manifest lists the segment as format version `listed`: a header
+/// that disagrees with it is damaged (see [`recover_version`]).
+pub fn scan_listed(bytes: &[u8], listed: Option<u32>) -> SegmentScan {
+    if bytes.len() < HEADER_LEN {
+        let torn = (!bytes.is_empty()).then_some((0, ProblemKind::TornTail));
+        return SegmentScan {
+            format_version: FORMAT_VERSION,
+            problems: torn.into_iter().collect(),
+            ..SegmentScan::default()
+        };
+    }
+    let header = HeaderFields::read(bytes);
+    let as_stored = (header.readable() && listed.is_none_or(|v| v == header.version))
+        .then(|| scan_frames(bytes, header.version))
+        .filter(|scan| !scan.frames.is_empty() || scan.problems.is_empty());
+    let mut scan = as_stored.unwrap_or_else(|| recover_version(bytes, header, listed));
+    if bytes[..8] != SEGMENT_MAGIC {
+        let wrong = ProblemKind::DamagedHeader("wrong magic".into());
+        scan.problems.insert(0, (0, wrong));
+    }
+    scan
+}
+
+/// Reads a segment whose header cannot be taken at its word (a version or flags this build
+/// does not read, a version other than the manifest's `listed` one, or no frame decoding under
+/// it): under `listed` when records decode under it, else under the supported version under
+/// which the most records decode; each header field that disagrees is a
+/// [`ProblemKind::DamagedHeader`]. Refused (no frame read) when the manifest lists a version this
+/// build does not read, or when the manifest lists none, no version decodes a record, and the
+/// header's version or flags are unknown: a newer format, as far as this build can tell.
+fn recover_version(bytes: &[u8], header: HeaderFields, listed: Option<u32>) -> SegmentScan {
+    if let Some(version) = listed {
+        if !codec::SUPPORTED_VERSIONS.contains(&version) {
+            return refused(HeaderFields { version, ..header });
+        }
+        let scan = scan_frames(bytes, version);
+        if decoded_records(bytes, &scan) > 0 || scan.problems.is_empty() {
+            return with_header_problems(scan, header, "the manifest lists");
+        }
+    }
+    let best = (codec::SUPPORTED_VERSIONS)
+        .filter(|&v| Some(v) != listed)
+        .map(|v| scan_frames(bytes, v))
+        .map(|scan| (decoded_records(bytes, &scan), scan))
+        .filter(|(decoded, _)| *decoded > 0)
+        .max_by_key(|(decoded, _)| *decoded);
+    match (best, listed) {
+        (Some((_, scan)), _) => with_header_problems(scan, header, "its records decode as"),
+        (None, Some(version)) => {
+            with_header_problems(scan_frames(bytes, version), header, "the manifest lists")
+        }
+        (None, None) if header.readable() => scan_frames(bytes, header.version),
+        (None, None) => refused(header),
+    }
+}
+
+/// Valid frames of `scan` whose metadata decodes.
+fn decoded_records(bytes: &[u8], scan: &SegmentScan) -> usize {
+    let frames = scan.frames.iter();
+    frames
+        .filter(|frame| scan.view(bytes, frame).meta_view().is_ok())
+        .count()
+}
+
+/// `scan` (read under its format version) with a problem for each field of `header` that
+/// disagrees with it; `source`: what says the version, for the message.
+fn with_header_problems(mut scan: SegmentScan, header: HeaderFields, source: &str) -> SegmentScan {
+    let version = scan.format_version;
+    let mut found = Vec::new();
+    if header.version != version {
+        let why = format!(
+            "format version field holds {}, {source} version {version}: records read as version {version}",
+            header.version
+        );
+        found.push((8, ProblemKind::DamagedHeader(why)));
+    }
+    if header.flags != 0 {
+        let why = format!(
+            "flags field holds {:#x}, 0 in every format version: records read as version {version}",
+            header.flags
+        );
+        found.push((12, ProblemKind::DamagedHeader(why)));
+    }
+    scan.problems.splice(0..0, found);
+    scan
+}
+
+/// The scan of a segment whose header names a version or flags this build does not read.
+fn refused(header: HeaderFields) -> SegmentScan {
+    let version = header.version;
+    let problem = match codec::SUPPORTED_VERSIONS.contains(&version) {
+        false => (
+            8,
+            format!("format version {version} is not supported by this build"),
+        ),
+        true => (12, format!("unknown flags {:#x}", header.flags)),
+    };
+    SegmentScan {
+        format_version: version,
+        problems: vec![(problem.0, ProblemKind::BadHeader(problem.1))],
+        ..SegmentScan::default()
+    }
+}
+
+/// Validates every frame and the footer of a segment of format `version`.
+fn scan_frames(bytes: &[u8], version: u32) -> SegmentScan {
     let mut scan = SegmentScan {
-        format_version: FORMAT_VERSION,
+        format_version: version,
+        footer: parse_footer(bytes),
         ..SegmentScan::default()
     };
-    if bytes.is_empty() {
-        return scan;
-    }
-    if bytes.len() < HEADER_LEN {
-        scan.problems.push((0, ProblemKind::TornTail));
-        return scan;
-    }
-    if !check_header(bytes, &mut scan) {
-        return scan;
-    }
-    scan.footer = parse_footer(bytes);
     let end = scan.footer.map_or(bytes.len(), |f| f.seal_offset as usize);
     let mut pos = HEADER_LEN;
     while pos < end {
@@ -336,9 +455,10 @@ pub struct MappedSegment {
 }
 
 impl MappedSegment {
-    /// Maps and scans `path`. The file must not be truncated while mapped (appends are fine:
-    /// the map covers the length at open time, and only complete frames are ever returned).
-    pub fn open(path: &Path) -> Result<Self, StoreError> {
+    /// Maps and scans `path`; `listed`: the format version the manifest lists for it (see
+    /// [`scan_listed`]). The file must not be truncated while mapped (appends are fine: the map
+    /// covers the length at open time, and only complete frames are ever returned).
+    pub fn open(path: &Path, listed: Option<u32>) -> Result<Self, StoreError> {
         let file = File::open(path).map_err(StoreError::io(path))?;
         let len = file.metadata().map_err(StoreError::io(path))?.len();
         // SAFETY: segment files are append-only; stepppo never truncates a file that a reader
@@ -347,7 +467,7 @@ impl MappedSegment {
             0 => None,
             _ => Some(unsafe { Mmap::map(&file) }.map_err(StoreError::io(path))?),
         };
-        let scan = scan(map.as_deref().unwrap_or(&[]));
+        let scan = scan_listed(map.as_deref().unwrap_or(&[]), listed);
         Ok(Self {
             path: path.to_path_buf(),
             map,
@@ -546,10 +666,7 @@ impl SegmentWriter {
             .open(path)
             .map_err(StoreError::io(path))?;
         let mut writer = Self::start(path, file, 0, FORMAT_VERSION, durable)?;
-        let header = &mut writer.batch.bytes;
-        header.extend_from_slice(&SEGMENT_MAGIC);
-        header.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        header.extend_from_slice(&0u32.to_le_bytes());
+        (writer.batch.bytes).extend_from_slice(&header_bytes(FORMAT_VERSION));
         Ok(writer)
     }
 
@@ -619,6 +736,11 @@ impl SegmentWriter {
     pub(crate) fn with_reference_block(mut self, block: u64) -> Self {
         self.texts.block = block;
         self
+    }
+
+    /// Format version of the segment's frames.
+    pub fn format_version(&self) -> u32 {
+        self.format_version
     }
 
     /// Whether this segment takes more records (it has the current format version).
@@ -958,6 +1080,82 @@ mod tests {
         assert!(seen > 0 && seen < records.len(), "{seen}");
         writer.flush().unwrap();
         assert_eq!(check(&std::fs::read(&path).unwrap()), records.len());
+    }
+
+    /// Checks that the only problem of `scan` is the damaged header field holding byte `at`.
+    fn assert_damaged_field(scan: &SegmentScan, at: usize) {
+        let field = if at < 12 { 8 } else { 12 };
+        let damaged = (scan.problems.iter())
+            .filter(|(_, kind)| matches!(kind, ProblemKind::DamagedHeader(_)))
+            .map(|(offset, _)| *offset);
+        assert_eq!(damaged.collect::<Vec<_>>(), [field], "byte {at}");
+        assert_eq!(scan.problems.len(), 1, "byte {at}: {:?}", scan.problems);
+    }
+
+    #[test]
+    fn every_flipped_bit_of_the_version_or_flags_field_loses_no_record() {
+        let records: Vec<_> = (0..6).map(|i| with_texts(i, "shared", "a")).collect();
+        let bytes = segment_bytes(&records, true);
+        for listed in [Some(FORMAT_VERSION), None] {
+            for at in 8..HEADER_LEN {
+                for bit in 0..8 {
+                    let mut damaged = bytes.clone();
+                    damaged[at] ^= 1 << bit;
+                    let scan = scan_listed(&damaged, listed);
+                    assert_damaged_field(&scan, at);
+                    assert_eq!(scan.format_version, FORMAT_VERSION);
+                    let read: Vec<StepRecord> = (scan.frames.iter())
+                        .map(|f| scan.view(&damaged, f).to_record().unwrap())
+                        .collect();
+                    assert_eq!(read, records, "byte {at} bit {bit}, listed {listed:?}");
+                }
+            }
+        }
+    }
+
+    /// `bytes` with format version `version` in its header and every payload overwritten with
+    /// `0xff` (crc fixed), so that no frame decodes under any version this build reads.
+    fn newer_format(bytes: &[u8], version: u32) -> Vec<u8> {
+        let frames = scan(bytes).frames;
+        let mut out = bytes.to_vec();
+        out[8..12].copy_from_slice(&version.to_le_bytes());
+        for frame in &frames {
+            let start = frame.offset as usize + FRAME_HEADER_LEN;
+            out[start..start + frame.payload_len as usize].fill(0xff);
+        }
+        let offsets: Vec<u32> = frames.iter().map(|f| f.offset as u32).collect();
+        finish_frames(&mut out, &offsets);
+        out
+    }
+
+    #[test]
+    fn a_newer_format_is_refused_when_listed_or_when_no_frame_decodes() {
+        let bytes = segment_bytes(&[record(1, 0), record(2, 0)], true);
+        let refused = |scan: SegmentScan| {
+            assert!(scan.frames.is_empty());
+            let newer = FORMAT_VERSION + 1;
+            let why = format!("format version {newer} is not supported by this build");
+            assert_eq!(scan.problems, vec![(8, ProblemKind::BadHeader(why))]);
+        };
+        refused(scan_listed(&bytes, Some(FORMAT_VERSION + 1)));
+        let newer = newer_format(&bytes, FORMAT_VERSION + 1);
+        refused(scan_listed(&newer, None));
+        let mut flagged = newer_format(&bytes, FORMAT_VERSION);
+        flagged[12] = 1;
+        let scan = scan_listed(&flagged, None);
+        let why = "unknown flags 0x1".to_string();
+        assert_eq!(scan.problems, vec![(12, ProblemKind::BadHeader(why))]);
+    }
+
+    #[test]
+    fn a_listed_version_that_no_record_decodes_under_gives_way_to_the_header() {
+        let bytes = segment_bytes(&[record(1, 0), record(2, 0)], true);
+        let scan = scan_listed(&bytes, Some(1));
+        assert!(scan.problems.is_empty(), "{:?}", scan.problems);
+        assert_eq!(
+            (scan.format_version, scan.frames.len()),
+            (FORMAT_VERSION, 2)
+        );
     }
 
     #[test]

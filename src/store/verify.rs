@@ -1,16 +1,17 @@
 //! `verify` (every problem of a dataset, with file and offset) and `repair` (truncate torn
-//! tails, seal again the segments the manifest lists as sealed, rewrite damaged segments with
-//! their valid records, rebuild the manifest keeping its metadata).
+//! tails, seal again the segments the manifest lists as sealed, rewrite damaged headers in place,
+//! rewrite damaged segments with their valid records, rebuild the manifest keeping its metadata).
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, OpenOptions};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::dataset::Dataset;
 use super::error::{Problem, ProblemKind, StoreError};
 use super::manifest::{SegmentEntry, MANIFEST_FILE};
-use super::segment::{MappedSegment, SegmentWriter, FORMAT_VERSION};
+use super::segment::{self, MappedSegment, SegmentWriter, FORMAT_VERSION};
 
 /// What `verify` found.
 #[derive(Clone, Debug)]
@@ -105,6 +106,8 @@ pub struct RepairReport {
 }
 
 enum Fix {
+    /// Write the header of format `version` over the file's first bytes.
+    Header { path: PathBuf, version: u32 },
     /// Cut the file at `at`, then write its footer when `seal`.
     Truncate { path: PathBuf, at: u64, seal: bool },
     Replace {
@@ -115,7 +118,8 @@ enum Fix {
     },
 }
 
-/// Repairs `dir`: a torn tail (or torn footer) at the end of a segment is truncated, and a
+/// Repairs `dir`: a damaged header field is rewritten in place (the version the records were
+/// read under, flags 0); a torn tail (or torn footer) at the end of a segment is truncated, and a
 /// segment the manifest lists as sealed is sealed again (its footer written anew); a segment
 /// with corrupt or undecodable records (a record whose text reference points at a corrupt frame
 /// included) or with records repeating an earlier record's (traj_id, step_index) key is
@@ -134,9 +138,7 @@ pub fn repair(dir: &Path) -> Result<RepairReport, StoreError> {
             .collect();
         let listed = SegmentEntry::found(seg).file;
         let sealed = (dataset.manifest().segments.iter()).any(|e| e.sealed && e.file == listed);
-        if let Some(fix) = plan_fix(seg, &problems, sealed)? {
-            fixes.push(fix);
-        }
+        fixes.extend(plan_fixes(seg, &problems, sealed)?);
     }
     drop(dataset);
     let mut actions = Vec::new();
@@ -154,8 +156,40 @@ pub fn repair(dir: &Path) -> Result<RepairReport, StoreError> {
     Ok(RepairReport { actions, records })
 }
 
-/// What to do with `seg` given its `problems`; `sealed`: whether the manifest lists it as sealed.
-fn plan_fix(
+/// What to do with `seg` given its `problems`, in order; `sealed`: whether the manifest lists it
+/// as sealed. A damaged header is rewritten first, unless the whole segment is rewritten.
+fn plan_fixes(
+    seg: &MappedSegment,
+    problems: &[&Problem],
+    sealed: bool,
+) -> Result<Vec<Fix>, StoreError> {
+    for problem in problems {
+        if let ProblemKind::BadHeader(why) = &problem.kind {
+            return Err(StoreError::Corrupt {
+                path: seg.path.clone(),
+                offset: problem.offset,
+                reason: format!(
+                    "bad segment header: {why}; repair leaves a segment of an unknown format alone"
+                ),
+            });
+        }
+    }
+    let (header, rest): (Vec<&Problem>, Vec<&Problem>) =
+        (problems.iter()).partition(|p| matches!(p.kind, ProblemKind::DamagedHeader(_)));
+    let body = plan_body_fix(seg, &rest, sealed)?;
+    if matches!(body, Some(Fix::Replace { .. })) || header.is_empty() {
+        return Ok(body.into_iter().collect());
+    }
+    let version = seg.scan.format_version;
+    let path = seg.path.clone();
+    Ok([Fix::Header { path, version }]
+        .into_iter()
+        .chain(body)
+        .collect())
+}
+
+/// What to do with `seg` given its `problems` past its header.
+fn plan_body_fix(
     seg: &MappedSegment,
     problems: &[&Problem],
     sealed: bool,
@@ -163,14 +197,6 @@ fn plan_fix(
     let [.., last] = problems else {
         return Ok(None);
     };
-    let unreadable = problems.iter().any(|p| matches!(&p.kind, ProblemKind::BadHeader(why) if why.contains("not supported") || why.contains("flags")));
-    if unreadable {
-        return Err(StoreError::Invalid {
-            path: seg.path.clone(),
-            reason: "segment header is of an unknown version or flags; repair leaves it alone"
-                .into(),
-        });
-    }
     let tail_only = problems.len() == 1
         && matches!(last.kind, ProblemKind::TornTail | ProblemKind::BadFooter(_))
         && seg.scan.footer.is_none();
@@ -211,8 +237,21 @@ fn plan_fix(
 
 fn apply_fix(fix: Fix) -> Result<String, StoreError> {
     match fix {
+        Fix::Header { path, version } => {
+            let mut file = OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .map_err(StoreError::io(&path))?;
+            file.write_all(&segment::header_bytes(version))
+                .and_then(|_| file.sync_all())
+                .map_err(StoreError::io(&path))?;
+            Ok(format!(
+                "{}: header rewritten (format version {version}, flags 0)",
+                path.display()
+            ))
+        }
         Fix::Truncate { path, at, seal } => {
-            let at = if at < super::segment::HEADER_LEN as u64 {
+            let at = if at < segment::HEADER_LEN as u64 {
                 0
             } else {
                 at
@@ -227,7 +266,7 @@ fn apply_fix(fix: Fix) -> Result<String, StoreError> {
                 .map_err(StoreError::io(&path))?;
             drop(file);
             if seal {
-                SegmentWriter::resume(&MappedSegment::open(&path)?, true)?.seal()?;
+                SegmentWriter::resume(&MappedSegment::open(&path, None)?, true)?.seal()?;
             }
             let what = match (cut, seal) {
                 (true, true) => format!("truncated at byte {at} and sealed"),
