@@ -242,10 +242,8 @@ impl FeatureCritic {
         let varmap = VarMap::new();
         loaded.take(&Self::param_shapes(width), &varmap)?;
         let scaling = VarMap::new();
-        let scaling_shapes: Vec<(String, Vec<usize>)> = Self::SCALING
-            .iter()
-            .map(|n| (n.to_string(), vec![width]))
-            .collect();
+        let [mean, scale] = Self::SCALING.map(String::from);
+        let scaling_shapes = [(mean, vec![width]), (scale, vec![1])];
         loaded.take(&scaling_shapes, &scaling)?;
         loaded.check_all_known(
             &|name| params::has_var(&varmap, name) || params::has_var(&scaling, name),

@@ -153,24 +153,26 @@ const FC1_BIAS: &str = "value_mlp.fc1.bias";
 const FC2_WEIGHT: &str = "value_mlp.fc2.weight";
 const FC2_BIAS: &str = "value_mlp.fc2.bias";
 const FEATURE_MEAN: &str = "value_mlp.feature_mean";
-const FEATURE_INV_STD: &str = "value_mlp.feature_inv_std";
-/// Floor of a feature's standard deviation in the scaling.
-const MIN_FEATURE_STD: f64 = 1e-5;
+const FEATURE_SCALE: &str = "value_mlp.feature_scale";
+/// Floor of the features' spread in the scaling.
+const MIN_FEATURE_SPREAD: f64 = 1e-6;
 
-/// A value MLP `features → standardise → SiLU(fc1) → fc2 → value` over the policy's detached
-/// hidden states. The residual stream at a given token barely changes with the state (the
-/// token's own embedding dominates it: across a FrozenLake batch each feature's spread is under
-/// 1 % of its size), so each feature is standardised by the mean and standard deviation of the
-/// batch the MLP was last fitted on ([`FeatureCritic::standardize_on`]); that scaling is part of
-/// the critic's state and its checkpoint, not trained by the optimizer.
+/// A value MLP `features → centre and scale → SiLU(fc1) → fc2 → value` over the policy's
+/// detached hidden states. The residual stream at a given token barely changes with the state
+/// (the token's own embedding dominates it: across a FrozenLake batch a feature's spread is
+/// about 0.2 % of its size), so the features are centred on the mean of the batch the MLP was
+/// last fitted on and multiplied by one factor that gives them unit spread over that batch
+/// ([`FeatureCritic::standardize_on`]). One factor for all, not one per feature: a feature that
+/// hardly varies in the batch stays small instead of turning a slight shift in the next batch
+/// into a huge input. The scaling is part of the critic's state and its checkpoint, not trained.
 pub struct FeatureCritic {
     /// The trainable parameters (the MLP).
     varmap: VarMap,
     fc1: Linear,
     fc2: Linear,
-    /// `[F]` each; set by [`FeatureCritic::standardize_on`], identity until then.
+    /// `[F]` and `[1]`; set by [`FeatureCritic::standardize_on`], identity until then.
     mean: Var,
-    inv_std: Var,
+    scale: Var,
 }
 
 impl FeatureCritic {
@@ -184,8 +186,9 @@ impl FeatureCritic {
         ]
     }
 
-    /// Names of the feature scaling's tensors (`[F]` each), saved beside the parameters.
-    pub const SCALING: [&'static str; 2] = [FEATURE_MEAN, FEATURE_INV_STD];
+    /// Names of the feature scaling's tensors (the mean `[F]`, the factor `[1]`), saved beside
+    /// the parameters.
+    pub const SCALING: [&'static str; 2] = [FEATURE_MEAN, FEATURE_SCALE];
 
     /// A fresh MLP for `policy`'s features (normal(0, initializer_range) weights, zero biases)
     /// with the identity scaling.
@@ -199,17 +202,17 @@ impl FeatureCritic {
         )?;
         let device = policy.device();
         let mean = Tensor::zeros(width, candle_core::DType::F32, device)?;
-        let inv_std = Tensor::ones(width, candle_core::DType::F32, device)?;
-        Self::from_parts(varmap, &mean, &inv_std)
+        let scale = Tensor::ones(1, candle_core::DType::F32, device)?;
+        Self::from_parts(varmap, &mean, &scale)
     }
 
     /// Builds the MLP over `varmap`, which holds every name of [`FeatureCritic::param_shapes`],
-    /// with the scaling `mean` and `inv_std`.
-    pub fn from_parts(varmap: VarMap, mean: &Tensor, inv_std: &Tensor) -> Result<Self> {
+    /// with the scaling `mean` (`[F]`) and `scale` (`[1]`).
+    pub fn from_parts(varmap: VarMap, mean: &Tensor, scale: &Tensor) -> Result<Self> {
         let get = |name: &str| params::var_tensor(&varmap, name);
         Ok(Self {
             mean: Var::from_tensor(&mean.copy()?)?,
-            inv_std: Var::from_tensor(&inv_std.copy()?)?,
+            scale: Var::from_tensor(&scale.copy()?)?,
             fc1: Linear {
                 weight: get(FC1_WEIGHT)?,
                 bias: Some(get(FC1_BIAS)?),
@@ -235,22 +238,22 @@ impl FeatureCritic {
     pub fn scaling(&self) -> [(String, Tensor); 2] {
         [
             (FEATURE_MEAN.into(), self.mean.as_tensor().detach()),
-            (FEATURE_INV_STD.into(), self.inv_std.as_tensor().detach()),
+            (FEATURE_SCALE.into(), self.scale.as_tensor().detach()),
         ]
     }
 
-    /// Sets the feature scaling to the mean and standard deviation (floored at 1e-5) of each
-    /// feature over the rows of `features` `[n, F]`.
+    /// Sets the feature scaling from `features` `[n, F]`: the mean of each feature over the rows,
+    /// and the factor that brings the centred features to unit root-mean-square.
     pub fn standardize_on(&self, features: &Tensor) -> Result<()> {
         let mean = features.mean(0)?;
-        let std = features
+        let spread = features
             .broadcast_sub(&mean)?
             .sqr()?
-            .mean(0)?
+            .mean_all()?
             .sqrt()?
-            .maximum(MIN_FEATURE_STD)?;
+            .maximum(MIN_FEATURE_SPREAD)?;
         self.mean.set(&mean)?;
-        self.inv_std.set(&std.recip()?)?;
+        self.scale.set(&spread.recip()?.reshape(1)?)?;
         Ok(())
     }
 
@@ -258,7 +261,7 @@ impl FeatureCritic {
     pub fn forward(&self, features: &Tensor) -> Result<Tensor> {
         let x = features
             .broadcast_sub(self.mean.as_tensor())?
-            .broadcast_mul(self.inv_std.as_tensor())?;
+            .broadcast_mul(self.scale.as_tensor())?;
         let h = candle_nn::ops::silu(&self.fc1.forward(&x)?)?;
         Ok(self.fc2.forward(&h)?.squeeze(D::Minus1)?)
     }
@@ -271,5 +274,37 @@ impl FeatureCritic {
         attention_mask: &Tensor,
     ) -> Result<Tensor> {
         self.forward(&policy.value_features(input_ids, attention_mask)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn the_feature_scaling_centres_on_the_batch_and_scales_by_one_factor() {
+        let policy =
+            crate::model::Model::new(&crate::model::ModelConfig::tiny(16), 1, &Device::Cpu)
+                .unwrap();
+        let critic = FeatureCritic::new(&policy, 2).unwrap();
+        let width = policy.value_feature_width();
+        // Two rows: feature 0 is 1 and 3 (mean 2, deviations ±1), every other feature is 5 in
+        // both rows (no spread). Mean squared deviation over all features: 2 / (2 · width).
+        let mut rows = vec![5f32; 2 * width];
+        rows[0] = 1.0;
+        rows[width] = 3.0;
+        let features = Tensor::from_vec(rows, (2, width), &Device::Cpu).unwrap();
+        critic.standardize_on(&features).unwrap();
+        let [(_, mean), (_, scale)] = critic.scaling();
+        let mean = mean.to_vec1::<f32>().unwrap();
+        assert_eq!(mean[0], 2.0);
+        assert!(mean[1..].iter().all(|&m| m == 5.0));
+        let expected = (width as f32).sqrt();
+        let scale = scale.to_vec1::<f32>().unwrap()[0];
+        assert!(
+            (scale - expected).abs() < 1e-4 * expected,
+            "{scale} vs {expected}"
+        );
     }
 }

@@ -229,16 +229,18 @@ impl Trunk {
         input_ids: &Tensor,
         attention_mask: &Tensor,
     ) -> Result<Tensor> {
-        Ok(self.forward_train_layers(input_ids, attention_mask, 0)?.0)
+        Ok(self
+            .forward_train_streams(input_ids, attention_mask, false)?
+            .0)
     }
 
-    /// [`Trunk::forward_train`] that also returns the residual stream `[B, T, hidden]` after each
-    /// of the last `last_blocks` blocks (fewer when the trunk has fewer), earliest first.
-    pub(crate) fn forward_train_layers(
+    /// [`Trunk::forward_train`] that, with `keep_streams`, also returns the residual stream
+    /// `[B, T, hidden]` before the first block (the embeddings) and after each block, in order.
+    pub(crate) fn forward_train_streams(
         &self,
         input_ids: &Tensor,
         attention_mask: &Tensor,
-        last_blocks: usize,
+        keep_streams: bool,
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let (b_sz, t_len) = input_ids.dims2()?;
         if attention_mask.dims() != input_ids.dims() {
@@ -271,9 +273,11 @@ impl Trunk {
             .index_select(&input_ids.flatten_all()?, 0)?
             .reshape((b_sz, t_len, cfg.hidden_size))?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let first_kept = self.blocks.len().saturating_sub(last_blocks);
-        let mut kept = Vec::with_capacity(self.blocks.len() - first_kept);
-        for (i, b) in self.blocks.iter().enumerate() {
+        let mut streams = Vec::new();
+        for b in &self.blocks {
+            if keep_streams {
+                streams.push(x.clone());
+            }
             let h = rms_norm(&x, &b.input_norm, self.eps())?;
             let heads = |lin: &Linear, n: usize| -> Result<Tensor> {
                 Ok(lin
@@ -292,11 +296,11 @@ impl Trunk {
                 .reshape((b_sz, t_len, nh * hd))?;
             x = (x + b.o.forward(&o)?)?;
             x = self.mlp(b, &x)?;
-            if i >= first_kept {
-                kept.push(x.clone());
-            }
         }
-        Ok((rms_norm(&x, &self.norm, self.eps())?, kept))
+        if keep_streams {
+            streams.push(x.clone());
+        }
+        Ok((rms_norm(&x, &self.norm, self.eps())?, streams))
     }
 
     /// Final hidden states `[n, hidden]` of the new tokens of `seqs` (in batch order), whose ids are

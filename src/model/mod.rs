@@ -248,15 +248,24 @@ impl Model {
         self.trunk.forward_train(input_ids, attention_mask)
     }
 
-    /// The features a [`FeatureCritic`] reads, `[B, T, F]`, detached: the residual stream after
-    /// each of the last [`critic::FEATURE_BLOCKS`] blocks, each scaled to unit RMS per position
-    /// (no weights), side by side. `F` is [`Model::value_feature_width`].
+    /// The features a [`FeatureCritic`] reads, `[B, T, F]`, detached, each part scaled to unit
+    /// RMS per position (no weights) and set side by side: the residual stream after each of the
+    /// last [`critic::FEATURE_BLOCKS`] blocks at the position, and the mean over the positions up
+    /// to it of the embeddings and of the last block's stream (what the sequence so far holds,
+    /// which the position's own stream, dominated by its token, carries only faintly). `F` is
+    /// [`Model::value_feature_width`].
     pub fn value_features(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
-        let (_, layers) =
-            self.trunk
-                .forward_train_layers(input_ids, attention_mask, critic::FEATURE_BLOCKS)?;
-        let unit: Vec<Tensor> = layers
+        let (_, streams) = self
+            .trunk
+            .forward_train_streams(input_ids, attention_mask, true)?;
+        let blocks = &streams[streams.len() - self.feature_blocks()..];
+        let pooled = [&streams[0], &streams[streams.len() - 1]]
+            .into_iter()
+            .map(|x| prefix_mean(x))
+            .collect::<Result<Vec<_>>>()?;
+        let unit: Vec<Tensor> = blocks
             .iter()
+            .chain(&pooled)
             .map(|x| {
                 let x = x.detach();
                 let rms = (x.sqr()?.mean_keepdim(D::Minus1)? + 1e-6)?.sqrt()?;
@@ -266,9 +275,14 @@ impl Model {
         Ok(Tensor::cat(&unit, D::Minus1)?)
     }
 
+    /// How many blocks' streams [`Model::value_features`] reads at the position.
+    fn feature_blocks(&self) -> usize {
+        self.cfg.num_hidden_layers.min(critic::FEATURE_BLOCKS)
+    }
+
     /// Width of [`Model::value_features`].
     pub fn value_feature_width(&self) -> usize {
-        self.cfg.num_hidden_layers.min(critic::FEATURE_BLOCKS) * self.cfg.hidden_size
+        (self.feature_blocks() + 2) * self.cfg.hidden_size
     }
 
     /// Logits `[B, T, vocab]` of a padded batch with a causal + padding mask (differentiable).
@@ -365,6 +379,15 @@ impl Model {
             .ok_or_else(|| ModelError::Input("this policy has no shared value head".into()))?;
         head.forward(hidden)
     }
+}
+
+/// The mean of `x` `[B, T, H]` over positions `0..=t`, at every `t` (right padding never enters a
+/// real position's mean).
+fn prefix_mean(x: &Tensor) -> Result<Tensor> {
+    let t_len = x.dim(1)?;
+    let counts: Vec<f32> = (1..=t_len).map(|n| 1.0 / n as f32).collect();
+    let inv = Tensor::from_vec(counts, (1, t_len, 1), x.device())?;
+    Ok(x.detach().cumsum(1)?.broadcast_mul(&inv)?)
 }
 
 /// Sampling temperatures divide logits: they must be finite and positive.
