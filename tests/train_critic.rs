@@ -145,7 +145,7 @@ fn fit(
 fn critic_only_updates_raise_the_explained_variance_on_a_fixed_dataset() {
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
-    let critic = CriticModel::Separate(Critic::new(&cfg, 2, &Device::Cpu).unwrap());
+    let critic = CriticModel::Separate(Box::new(Critic::new(&cfg, 2, &Device::Cpu).unwrap()));
     let (before, after) = fit(&critic, &policy, 30, 1, 3e-3);
     assert!(
         before < 0.3,

@@ -261,7 +261,7 @@ impl Model {
         let blocks = &streams[streams.len() - self.feature_blocks()..];
         let pooled = [&streams[0], &streams[streams.len() - 1]]
             .into_iter()
-            .map(|x| prefix_mean(x))
+            .map(prefix_mean)
             .collect::<Result<Vec<_>>>()?;
         let unit: Vec<Tensor> = blocks
             .iter()

@@ -129,9 +129,8 @@ impl Trainer {
         run_dir::prepare_fresh(run_dir, false)?;
         let (mut policy, tok) = fresh_policy(&cfg, &device)?;
         let mut critic = match cfg.critic.mode {
-            CriticMode::Separate => {
-                critic_from_checkpoint(&cfg, &policy, &device)?.map(CriticModel::Separate)
-            }
+            CriticMode::Separate => critic_from_checkpoint(&cfg, &policy, &device)?
+                .map(|c| CriticModel::Separate(Box::new(c))),
             CriticMode::Features => Some(CriticModel::Features(FeatureCritic::new(
                 &policy,
                 critic_seed(&cfg),
@@ -147,7 +146,7 @@ impl Trainer {
         std::fs::create_dir_all(run_dir).map_err(io_err(run_dir))?;
         let warm_start = if cfg.sft.steps > 0 {
             let separate = match &critic {
-                Some(CriticModel::Separate(c)) => Some(c),
+                Some(CriticModel::Separate(c)) => Some(c.as_ref()),
                 _ => None,
             };
             Some(warm_start(&cfg, &policy, separate, &tok)?)
@@ -156,7 +155,7 @@ impl Trainer {
         };
         if cfg.critic.mode == CriticMode::Separate && critic.is_none() {
             let copy = Critic::from_policy(&policy, critic_seed(&cfg))?;
-            critic = Some(CriticModel::Separate(copy));
+            critic = Some(CriticModel::Separate(Box::new(copy)));
         }
         let reference = if cfg.keeps_reference() {
             policy.save(&run_dir.join(REFERENCE_DIR), Some(&tok))?;
@@ -203,11 +202,11 @@ impl Trainer {
         )?;
         let critic_dir = ckpt.join("critic");
         let critic = match cfg.critic.mode {
-            CriticMode::Separate => Some(CriticModel::Separate(Critic::load(
+            CriticMode::Separate => Some(CriticModel::Separate(Box::new(Critic::load(
                 &critic_dir,
                 &device,
                 critic_seed(&cfg),
-            )?)),
+            )?))),
             CriticMode::Features => Some(CriticModel::Features(FeatureCritic::load(
                 &critic_dir,
                 &policy,

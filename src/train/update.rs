@@ -73,8 +73,8 @@ pub struct UpdateSettings<'a> {
 
 /// The critic model a run trains beside its policy (a shared value head lives in the policy).
 pub enum CriticModel {
-    /// A model of the policy's family with a value head.
-    Separate(Critic),
+    /// A model of the policy's family with a value head (boxed: a trunk is large).
+    Separate(Box<Critic>),
     /// A value MLP on the policy's detached hidden states.
     Features(FeatureCritic),
 }
