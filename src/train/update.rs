@@ -5,9 +5,10 @@
 //! separate critic runs one forward too and is trained at each step's start position
 //! (`step_gae`) or at every response token (`token_gae`); a shared-trunk value head adds its loss
 //! to the actor's; a feature critic is fitted after the actor's epochs, on the updated policy's
-//! features of the batch ([`fit_feature_critic`]); with self-imitation on, each actor mini-batch also adds the negative
-//! log-likelihood of a draw from the replay buffer ([`super::self_imitation`]). A non-finite loss
-//! or gradient skips that update (counted and reported); the run goes on.
+//! features of the batch ([`fit_feature_critic`]); with self-imitation on, each actor mini-batch
+//! also adds the negative log-likelihood of a draw from the replay buffer
+//! ([`super::self_imitation`]). A non-finite loss or gradient skips that update (counted and
+//! reported); the run goes on.
 
 use super::batch::{pack, PackedBatch};
 use super::device_batch::DeviceBatch;
@@ -163,14 +164,18 @@ pub fn ppo_update(
     let mut means = Means::default();
     let mut skipped = 0usize;
     let mut actor_updates = 0usize;
-    let critic_epochs = if learners.critic.is_some() {
-        settings.critic_epochs
-    } else {
-        0
+    // Passes in which the critic trains on the actor's mini-batches (a feature critic is fitted
+    // after them, on features of its own).
+    let mini_batch_critic_epochs = match learners.critic {
+        Some(CriticLearner::Features(..)) | None => 0,
+        Some(_) => settings.critic_epochs,
     };
-    for epoch in 0..settings.epochs.max(critic_epochs) {
+    for epoch in 0..settings.epochs.max(mini_batch_critic_epochs) {
         let train_actor = epoch < settings.epochs && !settings.freeze_actor;
-        let train_critic = epoch < critic_epochs;
+        let train_critic = epoch < mini_batch_critic_epochs;
+        if !(train_actor || train_critic) {
+            continue;
+        }
         for (k, chunk) in mini_batches(inputs, settings, epoch as u64)
             .into_iter()
             .enumerate()
@@ -232,7 +237,7 @@ pub fn ppo_update(
             settings,
             (learners.policy, critic),
             opt,
-            critic_epochs,
+            settings.critic_epochs,
             &mut means,
         )?;
     }
