@@ -68,6 +68,24 @@ fn play_json_reports_one_object_per_episode() {
 }
 
 #[test]
+fn sokoban_oracle_plays_with_the_grid_local_render() {
+    let play = ["env", "play", "sokoban", "--set", "render=grid_local"];
+    let oracle = ["--agent", "oracle", "--episodes", "20", "--json"];
+    let (ok, out, err) = stepppo(&[&play[..], &oracle[..]].concat());
+    assert!(ok, "{err}");
+    assert!(json_lines(&out).iter().all(|e| e["success"] == true));
+    let (ok, out, err) = stepppo(&play);
+    assert!(ok, "{err}");
+    assert!(out.contains("\nUp: "), "{out}");
+    assert!(out.contains("\nBox to target:\n"), "{out}");
+    let (ok, _, err) = stepppo(&["env", "play", "sokoban", "--set", "render=pixels"]);
+    assert!(
+        !ok && err.contains("render") && err.contains("pixels"),
+        "{err}"
+    );
+}
+
+#[test]
 fn play_transcript_and_bad_settings() {
     let (ok, out, _) = stepppo(&["env", "play", "bandit", "--agent", "random", "--seed", "3"]);
     assert!(ok);

@@ -6,6 +6,14 @@
 //! `P` player, `S` player on target. Actions `Up, Down, Left, Right` are gym-sokoban's push
 //! actions 1–4 (walking into a box pushes it).
 //!
+//! `render: grid_local` appends lines to the grid ([`local`]) for a small model trained from
+//! scratch, which cannot locate cells in a row-major grid: what each move would do (`Up: wall`,
+//! `Down: move`, `Left: push box to target`, `Right: cannot push`, …), then for each box not on
+//! a target its offset from the player, its paired free target's offset from the player and the
+//! target's offset from the box (`Box:`, `Left 1`, `Target:`, `Down 2`, `Box to target:`, …).
+//! Every action word starts a line, so it is the very token the answer writes. `grid` (the
+//! default) is RAGEN's text unchanged.
+//!
 //! Differences from RAGEN / ROLL:
 //! - `search_depth` defaults to 30 (verl-agent; fast) where RAGEN's SimpleSokoban uses 300; set it
 //!   with `--set search_depth=300`. `dim_room`, `num_boxes`, `max_steps` (10, as ROLL) are config.
@@ -18,6 +26,7 @@
 //!   ROLL makes it a no-op step costing −0.1). Rooms hold at most 128 cells.
 
 pub mod generate;
+pub mod local;
 pub mod room;
 pub mod solver;
 
@@ -31,6 +40,17 @@ use room::{Room, DIRECTIONS, MAX_CELLS};
 
 /// Generation attempts per reset before falling back to the best room seen.
 const MAX_ATTEMPTS: u64 = 200;
+
+/// How a state is written for the agent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SokobanRender {
+    /// RAGEN's grid: rows joined by `\n`.
+    #[default]
+    Grid,
+    /// The grid, then each move's outcome and where the boxes and targets lie ([`local`]).
+    GridLocal,
+}
 
 /// Sokoban settings (`--set key=value`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -49,6 +69,9 @@ pub struct SokobanConfig {
     pub max_reverse_states: usize,
     /// Most states the BFS solver explores before giving up.
     pub max_solver_states: usize,
+    /// Observation text: `grid` (RAGEN) or `grid_local`.
+    #[serde(default)]
+    pub render: SokobanRender,
 }
 
 impl Default for SokobanConfig {
@@ -61,6 +84,7 @@ impl Default for SokobanConfig {
             search_depth: 30,
             max_reverse_states: 300_000,
             max_solver_states: 1_000_000,
+            render: SokobanRender::Grid,
         }
     }
 }
@@ -233,7 +257,12 @@ impl Env for SokobanEnv {
     }
 
     fn state_text(&self) -> String {
-        self.room.render()
+        match self.cfg.render {
+            SokobanRender::Grid => self.room.render(),
+            SokobanRender::GridLocal => {
+                format!("{}\n{}", self.room.render(), local::local_text(&self.room))
+            }
+        }
     }
 
     fn action_space(&self) -> ActionSpace {
@@ -258,6 +287,11 @@ impl Env for SokobanEnv {
 mod tests {
     use super::*;
 
+    /// The default render of `reset(0)` with the default config.
+    const SEED_0_GRID: &str = "######\n#___O#\n#_X__#\n##P###\n######\n######";
+    /// `stable_hash` of the default renders of `reset(0..20)` joined by blank lines.
+    const GRID_RESETS_0_TO_19_HASH: u64 = 7_803_447_535_415_635_707;
+
     #[test]
     fn rewards_follow_gym_sokoban() {
         let mut env = SokobanEnv::new(SokobanConfig::default()).unwrap();
@@ -277,6 +311,97 @@ mod tests {
             (t.reward + 1.1).abs() < 1e-6,
             "pushing off a target costs 1"
         );
+    }
+
+    #[test]
+    fn default_render_is_ragens_grid_unchanged() {
+        let mut env = SokobanEnv::new(SokobanConfig::default()).unwrap();
+        assert_eq!(env.cfg.render, SokobanRender::Grid);
+        let texts: Vec<String> = (0..20).map(|seed| env.reset(seed)).collect();
+        // Both pinned from the render before `grid_local` existed.
+        assert_eq!(texts[0], SEED_0_GRID);
+        assert_eq!(
+            crate::env::stable_hash(texts.join("\n\n").as_bytes()),
+            GRID_RESETS_0_TO_19_HASH
+        );
+        assert_eq!(env.state_text(), env.room().render());
+    }
+
+    #[test]
+    fn grid_local_appends_outcomes_and_offsets_to_the_grid() {
+        let cfg = SokobanConfig {
+            render: SokobanRender::GridLocal,
+            ..SokobanConfig::default()
+        };
+        let mut env = SokobanEnv::new(cfg).unwrap();
+        env.reset(0);
+        env.room = Room::parse("######\n#P_XO#\n#____#\n######").unwrap();
+        let expected = [
+            "######\n#P_XO#\n#____#\n######",
+            "Up: wall\nDown: move\nLeft: wall\nRight: move",
+            "Box:\nRight 2\nTarget:\nRight 3\nBox to target:\nRight 1",
+        ];
+        assert_eq!(env.state_text(), expected.join("\n"));
+        let t = env.step(&Action::Move("Right".into()));
+        assert!(t.observation.ends_with(
+            "Right: push box to target\nBox:\nRight 1\nTarget:\nRight 2\nBox to target:\nRight 1"
+        ));
+        let t = env.step(&Action::Move("Right".into()));
+        assert!(t.terminated && t.observation.ends_with("Left: move\nRight: cannot push"));
+    }
+
+    #[test]
+    fn an_unknown_render_is_an_error_naming_the_key() {
+        let err = crate::env::build_session("sokoban", &serde_json::json!({"render": "pixels"}))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("sokoban") && err.contains("`render`") && err.contains("pixels"),
+            "{err}"
+        );
+        let session =
+            crate::env::build_session("sokoban", &serde_json::json!({"render": "grid_local"}))
+                .unwrap();
+        assert!(session.env().state_text().contains("\nUp: "));
+    }
+
+    #[test]
+    fn grid_local_writes_action_words_as_the_answer_tokens() {
+        let tok = crate::tokenizer::Tokenizer::builtin();
+        let cfg = SokobanConfig {
+            dim_room: [7, 7],
+            num_boxes: 2,
+            render: SokobanRender::GridLocal,
+            ..SokobanConfig::default()
+        };
+        let mut env = SokobanEnv::new(cfg).unwrap();
+        for seed in 0..8 {
+            let text = env.reset(seed);
+            let observed = tok.encode(&text);
+            for action in DIRECTIONS {
+                let answer = tok.encode(action);
+                assert_eq!(answer.len(), 1);
+                let written = text
+                    .split(|c: char| !c.is_alphanumeric())
+                    .filter(|w| w.eq_ignore_ascii_case(action))
+                    .count();
+                let as_answer = observed.iter().filter(|&&id| id == answer[0]).count();
+                assert_eq!(as_answer, written, "seed {seed}, {action} in {text:?}");
+            }
+        }
+        for outcome in [
+            local::MoveOutcome::Wall,
+            local::MoveOutcome::Move,
+            local::MoveOutcome::PushBox,
+            local::MoveOutcome::PushBoxToTarget,
+            local::MoveOutcome::PushBoxFromTarget,
+            local::MoveOutcome::CannotPush,
+        ] {
+            let text = format!(" {}", outcome.text());
+            let words = text.split_whitespace().count();
+            assert_eq!(tok.encode(&text).len(), words, "{text:?}: one token a word");
+        }
     }
 
     #[test]
