@@ -190,6 +190,12 @@ pub struct EnvManagerConfig {
     pub tags: Vec<String>,
     /// Number of groups of each tag; sums to `num_env_groups`.
     pub num_groups_partition: Vec<usize>,
+    /// Training only: draw env seeds from this many levels (group `g` plays level `g mod n`),
+    /// as Procgen's `num_levels`, so each level is seen again every `n / num_env_groups` steps and
+    /// a critic can learn its value; validation keeps its own unbounded stream of unseen levels.
+    /// `None`: a new level for every group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_levels: Option<u64>,
 }
 
 impl EnvManagerConfig {
@@ -872,6 +878,18 @@ impl Config {
         if m.tags.is_empty() {
             return fail("tags", "must name at least one env of custom_envs".into());
         }
+        match m.num_levels {
+            Some(0) => return fail("num_levels", "must be at least 1".into()),
+            Some(_) if key == "val_env_manager" => {
+                return fail(
+                    "num_levels",
+                    "validation always plays levels training never saw; only \
+                     train_env_manager takes num_levels"
+                        .into(),
+                )
+            }
+            _ => {}
+        }
         if m.tags.len() != m.num_groups_partition.len() {
             return fail(
                 "num_groups_partition",
@@ -1203,6 +1221,15 @@ mod tests {
             &["reward_normalization.method=median".into()],
         ));
         assert!(e.contains("reward_normalization.method"), "{e}");
+    }
+
+    #[test]
+    fn a_finite_level_set_is_for_training_only() {
+        assert!(with(&["train_env_manager.num_levels=64"]).is_ok());
+        let e = err_text(with(&["train_env_manager.num_levels=0"]));
+        assert!(e.contains("train_env_manager.num_levels"), "{e}");
+        let e = err_text(with(&["val_env_manager.num_levels=64"]));
+        assert!(e.contains("val_env_manager.num_levels"), "{e}");
     }
 
     #[test]

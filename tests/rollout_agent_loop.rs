@@ -213,3 +213,36 @@ fn constrained_decoding_answers_with_an_action_and_the_update_scores_it_alike() 
         assert!(free[1] < lp[1] - 1e-3, "{free:?} vs {lp:?}");
     }
 }
+
+/// With `num_levels`, groups cycle through that many levels: group g plays level g mod n (the
+/// same map, so the same first observation), while its sampling stays its own.
+#[test]
+fn a_finite_level_set_repeats_levels_across_groups() {
+    let mut s = setup(CacheMode::Radix);
+    let first_obs = |out: &Rollout, group: u64| {
+        let r = out
+            .records
+            .iter()
+            .find(|r| r.group_id == group && r.step_index == 0)
+            .unwrap();
+        (r.state_hash, r.obs_ids.clone())
+    };
+    let levels = RolloutConfig {
+        num_groups: 4,
+        num_levels: Some(2),
+        ..config(ContextLayout::Concat)
+    };
+    let out = rollout(&mut s, &levels, &mut Vec::new());
+    assert_eq!(first_obs(&out, 0), first_obs(&out, 2));
+    assert_eq!(first_obs(&out, 1), first_obs(&out, 3));
+    assert_ne!(first_obs(&out, 0).0, first_obs(&out, 1).0);
+    let unbounded = rollout(
+        &mut s,
+        &RolloutConfig {
+            num_groups: 4,
+            ..config(ContextLayout::Concat)
+        },
+        &mut Vec::new(),
+    );
+    assert_ne!(first_obs(&unbounded, 0).0, first_obs(&unbounded, 2).0);
+}

@@ -69,6 +69,10 @@ pub struct RolloutConfig {
     /// Id of the first group; group g gets `first_group_id + g`, its member m the trajectory id
     /// `group_id * group_size + m`. Advance it between rollouts to keep ids unique.
     pub first_group_id: u64,
+    /// With `Some(n)`, the env of group `g` is seeded from level `g mod n` instead of `g`: the
+    /// rollouts cycle through a finite set of `n` levels (Procgen's `num_levels`). Sampling
+    /// stays seeded by the group id, so a level's visits differ.
+    pub num_levels: Option<u64>,
     pub sampling: SamplingParams,
     pub max_new_tokens: usize,
     /// Hard cap on rounds per trajectory on top of the protocol's own `max_turns` (the round
@@ -91,6 +95,7 @@ impl Default for RolloutConfig {
             group_size: 4,
             base_seed: 0,
             first_group_id: 0,
+            num_levels: None,
             sampling: SamplingParams::default(),
             max_new_tokens: 64,
             max_turns: 64,
@@ -233,7 +238,8 @@ fn start_trajectories(
     let mut trajs = Vec::with_capacity(cfg.num_groups * cfg.group_size);
     for g in 0..cfg.num_groups as u64 {
         let group_id = cfg.first_group_id + g;
-        let env_seed = seed::derive(cfg.base_seed, &[group_id]);
+        let level = cfg.num_levels.map_or(group_id, |n| group_id % n);
+        let env_seed = seed::derive(cfg.base_seed, &[level]);
         for member in 0..cfg.group_size as u64 {
             let mut session = build_session(&cfg.env_name, &cfg.env_config).map_err(|source| {
                 RolloutError::Env {

@@ -129,6 +129,7 @@ pub fn rollout_config(
         group_size,
         base_seed,
         first_group_id,
+        num_levels: None,
         sampling: sampling_params(gen),
         max_new_tokens: gen.max_new_tokens,
         max_turns: turn_cap,
@@ -165,16 +166,19 @@ pub fn run_manager(
             continue;
         }
         let spec = &cfg.custom_envs[tag];
-        let rc = rollout_config(
-            cfg,
-            spec,
-            groups,
-            manager.group_size,
-            base_seed,
-            next_group,
-            gen,
-            policy.config().max_position_embeddings,
-        );
+        let rc = RolloutConfig {
+            num_levels: manager.num_levels,
+            ..rollout_config(
+                cfg,
+                spec,
+                groups,
+                manager.group_size,
+                base_seed,
+                next_group,
+                gen,
+                policy.config().max_position_embeddings,
+            )
+        };
         next_group += groups as u64;
         let mut rollout = run_rollout(engine, policy, tok, &template, &rc, &mut |_| Ok(()))?;
         for r in &mut rollout.records {
