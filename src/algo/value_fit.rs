@@ -3,8 +3,11 @@
 //! ([`explained_variance`], the figure a critic is judged by), and its ceiling
 //! ([`tabular_ceiling`]): the explained variance reached by a table that predicts each step's
 //! return by the mean return of the other steps of its group that started in the same state
-//! (GiGPO's anchor states: same `group_id` and `state_hash`). A critic that generalises across
-//! states should reach at least that on the rows the table covers; where returns depend on
+//! (GiGPO's anchor states: same `group_id` and `state_hash`). The table reads the other
+//! trajectories of the same group, on the same level: where levels recur
+//! (`train_env_manager.num_levels`) a critic can learn that much, but on a freshly drawn level
+//! the return also depends on what the state does not show (a FrozenLake map's holes beyond the
+//! render's summary), and a step-start critic stays below the table. Where returns depend on
 //! chance (slippery maps, later random moves) even a perfect critic stays below 1.
 
 use super::loss::explained_variance;
