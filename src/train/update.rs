@@ -362,14 +362,7 @@ fn fit_feature_critic(
             means.add("critic/vf_loss", m.vf_loss);
             means.add("critic/vf_clipfrac", m.vf_clipfrac);
             means.add("critic/value_mean", m.value_mean);
-            let report = opt.step(
-                &loss.backward()?,
-                settings.critic_lr,
-                Some(settings.max_grad_norm),
-            )?;
-            means.add("critic/grad_norm", report.grad_norm);
-            means.add("critic/lr", report.lr);
-            skipped += usize::from(report.skipped);
+            skipped += usize::from(step_critic(opt, &loss, settings, means)?);
         }
     }
     let fitted: Vec<f64> = critic
@@ -652,6 +645,17 @@ fn critic_step(
     if !any {
         return Ok(false);
     }
+    step_critic(opt, &loss, settings, means)
+}
+
+/// Steps the critic's optimizer on `loss`; returns whether the update was skipped (a loss or a
+/// gradient that is not finite).
+fn step_critic(
+    opt: &mut AdamW,
+    loss: &Tensor,
+    settings: &UpdateSettings,
+    means: &mut Means,
+) -> Result<bool, TrainError> {
     let value = loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
     if !value.is_finite() {
         return Ok(true);
