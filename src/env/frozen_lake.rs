@@ -509,7 +509,6 @@ mod tests {
 
     #[test]
     fn grid_local_writes_action_words_as_the_answer_tokens() {
-        let tok = crate::tokenizer::Tokenizer::builtin();
         let mut env = lake(FrozenLakeConfig {
             is_slippery: false,
             render: FrozenLakeRender::GridLocal,
@@ -517,19 +516,7 @@ mod tests {
         });
         for seed in 0..8 {
             env.reset(seed);
-            let text = env.state_text();
-            let observed = tok.encode(&text);
-            for action in ACTIONS {
-                let answer = tok.encode(action);
-                assert_eq!(answer.len(), 1);
-                // Every time the word appears (move lines and goal lines), it is the answer's token.
-                let written = text
-                    .split(|c: char| !c.is_alphanumeric())
-                    .filter(|w| w.eq_ignore_ascii_case(action))
-                    .count();
-                let as_answer = observed.iter().filter(|&&id| id == answer[0]).count();
-                assert_eq!(as_answer, written, "seed {seed}, {action} in {text:?}");
-            }
+            crate::env::assert_action_words_are_answer_tokens(&env.state_text(), &ACTIONS);
         }
     }
 

@@ -306,6 +306,25 @@ pub(crate) fn bad_value(env: &str, key: &str, reason: impl Into<String>) -> EnvE
     }
 }
 
+/// Test check of a readable render: each action word is one built-in token, and every time the
+/// word appears in `text` (move lines, offset lines) it is encoded as that very token, the one the
+/// answer writes.
+#[cfg(test)]
+pub(crate) fn assert_action_words_are_answer_tokens(text: &str, actions: &[&str]) {
+    let tok = crate::tokenizer::Tokenizer::builtin();
+    let observed = tok.encode(text);
+    for action in actions {
+        let answer = tok.encode(action);
+        assert_eq!(answer.len(), 1, "{action} is one token");
+        let written = text
+            .split(|c: char| !c.is_alphanumeric())
+            .filter(|w| w.eq_ignore_ascii_case(action))
+            .count();
+        let as_answer = observed.iter().filter(|&&id| id == answer[0]).count();
+        assert_eq!(as_answer, written, "{action} in {text:?}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

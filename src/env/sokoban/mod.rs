@@ -368,7 +368,6 @@ mod tests {
 
     #[test]
     fn grid_local_writes_action_words_as_the_answer_tokens() {
-        let tok = crate::tokenizer::Tokenizer::builtin();
         let cfg = SokobanConfig {
             dim_room: [7, 7],
             num_boxes: 2,
@@ -377,19 +376,9 @@ mod tests {
         };
         let mut env = SokobanEnv::new(cfg).unwrap();
         for seed in 0..8 {
-            let text = env.reset(seed);
-            let observed = tok.encode(&text);
-            for action in DIRECTIONS {
-                let answer = tok.encode(action);
-                assert_eq!(answer.len(), 1);
-                let written = text
-                    .split(|c: char| !c.is_alphanumeric())
-                    .filter(|w| w.eq_ignore_ascii_case(action))
-                    .count();
-                let as_answer = observed.iter().filter(|&&id| id == answer[0]).count();
-                assert_eq!(as_answer, written, "seed {seed}, {action} in {text:?}");
-            }
+            crate::env::assert_action_words_are_answer_tokens(&env.reset(seed), &DIRECTIONS);
         }
+        let tok = crate::tokenizer::Tokenizer::builtin();
         for outcome in [
             local::MoveOutcome::Wall,
             local::MoveOutcome::Move,
