@@ -12,6 +12,7 @@ pub mod algo;
 pub mod config;
 pub mod crash;
 pub mod device;
+pub mod dist;
 pub mod env;
 pub mod kv;
 pub mod model;

@@ -1,0 +1,151 @@
+//! Data parallelism: which rank of how many this process is, and the collectives the trainer
+//! needs across ranks — summing host numbers, gathering bytes, broadcasting, a barrier, and
+//! summing the flat gradient of a model. One process is [`Single`] (every collective is the
+//! identity); a job launched by `mpirun` or Slurm's `srun` is an MPI world (feature `mpi`), whose
+//! gradients are summed by MPI on the host or, for a model on a CUDA device, by NCCL (feature
+//! `nccl`, its unique id broadcast over MPI). It does not decide what is reduced: that is the
+//! trainer's.
+
+use std::sync::Arc;
+
+use candle_core::Tensor;
+
+#[cfg(feature = "mpi")]
+mod mpi_world;
+#[cfg(feature = "nccl")]
+mod nccl;
+
+/// Errors of a collective or of joining the world; each names the operation.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    #[error("{0}")]
+    Launch(String),
+    #[error("{op}: {reason}")]
+    Collective { op: &'static str, reason: String },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// The collectives of a data-parallel world. Every rank must call each collective in the same
+/// order with buffers of the same length; the results are the same on every rank.
+pub trait Collective: Send + Sync {
+    /// This process's rank, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// What carries the collectives, for the log (`single`, `mpi`, `mpi+nccl`).
+    fn backend(&self) -> &'static str;
+    /// Element-wise sum over ranks, in place.
+    fn all_reduce_f64(&self, values: &mut [f64]) -> Result<(), DistError>;
+    /// Element-wise sum over ranks, in place.
+    fn all_reduce_f32(&self, values: &mut [f32]) -> Result<(), DistError>;
+    /// Every rank's bytes, in rank order.
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, DistError>;
+    /// Rank 0's bytes on every rank (`bytes` is replaced on the others).
+    fn broadcast_bytes(&self, bytes: &mut Vec<u8>) -> Result<(), DistError>;
+    /// Returns when every rank has called it.
+    fn barrier(&self) -> Result<(), DistError>;
+    /// The sum over ranks of a flat `f32` gradient (a 1-D tensor on the model's device). The
+    /// default goes through the host; a device backend (NCCL) keeps it on the device.
+    fn all_reduce_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
+        if self.size() == 1 {
+            return Ok(flat.clone());
+        }
+        let mut host = flat.to_vec1::<f32>()?;
+        self.all_reduce_f32(&mut host)?;
+        Ok(Tensor::from_vec(host, flat.dims(), flat.device())?)
+    }
+}
+
+/// One process: every collective is the identity.
+pub struct Single;
+
+impl Collective for Single {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
+    fn backend(&self) -> &'static str {
+        "single"
+    }
+    fn all_reduce_f64(&self, _: &mut [f64]) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn all_reduce_f32(&self, _: &mut [f32]) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
+        Ok(vec![mine.to_vec()])
+    }
+    fn broadcast_bytes(&self, _: &mut Vec<u8>) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn barrier(&self) -> Result<(), DistError> {
+        Ok(())
+    }
+}
+
+/// The world size a launcher announced through its environment (Open MPI's
+/// `OMPI_COMM_WORLD_SIZE`, MPICH/Hydra's `PMI_SIZE`, Slurm's `SLURM_NTASKS` under `srun`), if
+/// any.
+pub fn launcher_world_size() -> Option<usize> {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok())
+        .or_else(|| {
+            // `SLURM_NTASKS` is set for the whole allocation; a task started by `srun` also
+            // has `SLURM_PROCID`.
+            std::env::var("SLURM_PROCID")
+                .ok()
+                .and(std::env::var("SLURM_NTASKS").ok())
+        })
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The world this process belongs to: an MPI world when a launcher started it (`mpirun`,
+/// `srun`), else [`Single`]. `use_nccl` asks for gradients summed by NCCL on the CUDA device
+/// `cuda_ordinal` (feature `nccl`). A launch this build cannot join is an error that says which
+/// feature to build with.
+pub fn join_world(cuda_ordinal: Option<usize>) -> Result<Arc<dyn Collective>, DistError> {
+    let announced = launcher_world_size();
+    #[cfg(feature = "mpi")]
+    {
+        if announced.is_some() {
+            let world = mpi_world::MpiWorld::init()?;
+            #[cfg(feature = "nccl")]
+            if let Some(ordinal) = cuda_ordinal {
+                return Ok(Arc::new(nccl::NcclWorld::init(world, ordinal)?));
+            }
+            let _ = cuda_ordinal;
+            return Ok(Arc::new(world));
+        }
+    }
+    let _ = cuda_ordinal;
+    match announced {
+        Some(n) if n > 1 => Err(DistError::Launch(format!(
+            "a launcher started {n} ranks, but this stepppo was built without the `mpi` feature: \
+             rebuild with `cargo build --release --features mpi` (README, \"Data parallel\")"
+        ))),
+        _ => Ok(Arc::new(Single)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_single_process_is_rank_zero_of_one_and_its_collectives_are_the_identity() {
+        let s = Single;
+        assert_eq!((s.rank(), s.size()), (0, 1));
+        let mut v = [1.5, -2.0];
+        s.all_reduce_f64(&mut v).unwrap();
+        assert_eq!(v, [1.5, -2.0]);
+        assert_eq!(s.all_gather_bytes(b"ab").unwrap(), vec![b"ab".to_vec()]);
+        let t = Tensor::new(&[1f32, 2.0], &candle_core::Device::Cpu).unwrap();
+        let r = s.all_reduce_tensor(&t).unwrap();
+        assert_eq!(r.to_vec1::<f32>().unwrap(), vec![1.0, 2.0]);
+    }
+}
