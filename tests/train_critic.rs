@@ -123,6 +123,7 @@ fn fit(
             shuffle_seed: round,
             masks: &masks,
             freeze_actor: true,
+            dist: &stepppo::dist::Single,
         };
         let learner = match critic {
             CriticModel::Separate(c) => CriticLearner::Separate(c, &mut critic_opt),

@@ -104,6 +104,24 @@ pub fn agg_loss(
     Ok(out)
 }
 
+/// The number `agg_loss` divides the masked sum by under `mode`, before its clamp to at least 1:
+/// the mask tokens (`token-mean`), the rows with a token (sequence modes), times `norm_len`
+/// (default `width`) for `seq-mean-token-sum-norm`. `counts` are the rows' mask tokens. Ranks
+/// that each hold part of a batch weight their losses by their share of it.
+pub fn agg_normaliser(
+    counts: &[f64],
+    width: usize,
+    mode: LossAggMode,
+    norm_len: Option<usize>,
+) -> f64 {
+    let valid_rows = counts.iter().filter(|&&c| c > 0.0).count() as f64;
+    match mode {
+        LossAggMode::TokenMean => counts.iter().sum(),
+        LossAggMode::SeqMeanTokenSum | LossAggMode::SeqMeanTokenMean => valid_rows,
+        LossAggMode::SeqMeanTokenSumNorm => valid_rows * norm_len.unwrap_or(width).max(1) as f64,
+    }
+}
+
 /// Importance ratio per token: exp(clamp(lp − old)) (`token`), or the GSPO-token ratio
 /// sg[s_i]·π/sg[π] with s_i = exp(masked mean of the row's log-ratios) (`segment`).
 fn importance_ratio(

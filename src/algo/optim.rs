@@ -90,6 +90,11 @@ impl AdamW {
         Self::new(params, cfg)
     }
 
+    /// The parameters it steps, in its order.
+    pub fn params(&self) -> &[(String, Var)] {
+        &self.params
+    }
+
     /// Number of updates applied so far.
     pub fn step_count(&self) -> u64 {
         self.step

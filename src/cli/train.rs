@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::Args;
 use std::path::{Path, PathBuf};
-use stepppo::config::Config;
+use stepppo::config::{Config, DeviceKind};
 use stepppo::store::Dataset;
 use stepppo::train::checkpoint;
 use stepppo::train::eval::{self, TagSummary};
@@ -120,20 +120,23 @@ fn keep_freed_memory() {}
 
 pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     keep_freed_memory();
-    let (cfg, run_dir) = if a.resume {
-        resume_config(&a)?
-    } else {
-        let cfg = load_config(a.config.as_deref(), &a.sets)?;
-        let run_dir = a.out.clone().unwrap_or_else(|| cfg.run_dir());
-        (cfg, run_dir)
-    };
+    let (cfg, run_dir) = run_config(&a)?;
+    let cuda = (cfg.device == DeviceKind::Cuda).then(stepppo::dist::local_rank);
+    let dist = stepppo::dist::join_world(cuda)?;
+    if dist.rank() != 0 {
+        return train_rank(a, cfg, &run_dir, dist);
+    }
     let max_steps = cfg.max_steps as u64;
     eprintln!(
-        "stepppo train: {} ({:?}, {:?}) → {}",
+        "stepppo train: {} ({:?}, {:?}) → {}{}",
         cfg.exp_name,
         cfg.adv_estimator,
         cfg.context,
-        run_dir.display()
+        run_dir.display(),
+        match dist.size() {
+            1 => String::new(),
+            n => format!(" on {n} ranks ({})", dist.backend()),
+        }
     );
     if !a.resume && cfg.sft.steps > 0 {
         eprintln!(
@@ -142,13 +145,47 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
         );
     }
     let mut trainer = if a.resume {
-        Trainer::resume(cfg, &run_dir)?
+        Trainer::resume_rank(cfg, &run_dir, dist)?
     } else {
         if a.overwrite {
             run_dir::prepare_fresh(&run_dir, true)?;
         }
-        Trainer::create(cfg, &run_dir)?
+        Trainer::create_rank(cfg, &run_dir, dist)?
     };
+    report_run(&mut trainer, max_steps, &run_dir)
+}
+
+/// The run's config and directory: given (`--config`, `--set`, `--out`) or, for `--resume`, the
+/// run's own.
+fn run_config(a: &TrainArgs) -> anyhow::Result<(Config, PathBuf)> {
+    Ok(if a.resume {
+        resume_config(a)?
+    } else {
+        let cfg = load_config(a.config.as_deref(), &a.sets)?;
+        let run_dir = a.out.clone().unwrap_or_else(|| cfg.run_dir());
+        (cfg, run_dir)
+    })
+}
+
+/// A rank other than 0: trains its share and writes nothing (rank 0 reports and saves).
+fn train_rank(
+    a: TrainArgs,
+    cfg: Config,
+    run_dir: &Path,
+    dist: std::sync::Arc<dyn stepppo::dist::Collective>,
+) -> anyhow::Result<()> {
+    let max_steps = cfg.max_steps as u64;
+    let mut trainer = if a.resume {
+        Trainer::resume_rank(cfg, run_dir, dist)?
+    } else {
+        Trainer::create_rank(cfg, run_dir, dist)?
+    };
+    trainer.run(max_steps, &mut |_| {})?;
+    Ok(())
+}
+
+/// Trains until `max_steps` with the progress bar and log lines, then plots the run.
+fn report_run(trainer: &mut Trainer, max_steps: u64, run_dir: &Path) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let progress = Progress::new(max_steps, trainer.state().step);
     let mut last_val: Option<f64> = None;
@@ -203,7 +240,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
         Event::Checkpoint(dir) => progress.println(format!("checkpoint {}", dir.display())),
     })?;
     progress.finish();
-    let svg = plot_run(&run_dir)?;
+    let svg = plot_run(run_dir)?;
     eprintln!(
         "done in {:.1}s: metrics {}, plot {}, latest checkpoint {}",
         start.elapsed().as_secs_f64(),

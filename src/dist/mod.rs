@@ -104,6 +104,16 @@ pub fn launcher_world_size() -> Option<usize> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// This process's rank among the ranks on its node, as the launcher announced it (Open MPI's
+/// `OMPI_COMM_WORLD_LOCAL_RANK`, Slurm's `SLURM_LOCALID`, MPICH's `MPI_LOCALRANKID`); 0 when
+/// none did. A rank on a CUDA device uses the device of this ordinal.
+pub fn local_rank() -> usize {
+    ["OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// The world this process belongs to: an MPI world when a launcher started it (`mpirun`,
 /// `srun`), else [`Single`]. `use_nccl` asks for gradients summed by NCCL on the CUDA device
 /// `cuda_ordinal` (feature `nccl`). A launch this build cannot join is an error that says which

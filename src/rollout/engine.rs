@@ -217,6 +217,17 @@ pub struct CacheCounters {
 }
 
 impl CacheCounters {
+    /// Adds the request and token counters of `other` (the pool's gauges and timings stay).
+    pub fn add(&mut self, other: &CacheCounters) {
+        self.requests += other.requests;
+        self.prompt_tokens += other.prompt_tokens;
+        self.tokens_prefilled += other.tokens_prefilled;
+        self.tokens_from_cache += other.tokens_from_cache;
+        self.decode_tokens += other.decode_tokens;
+        self.forward_calls += other.forward_calls;
+        self.tokens_computed += other.tokens_computed;
+    }
+
     /// Share of requested context tokens served from the cache.
     pub fn hit_ratio(&self) -> f64 {
         if self.prompt_tokens == 0 {

@@ -144,8 +144,9 @@ pub fn rollout_config(
     }
 }
 
-/// Runs the groups of `manager` (tags in partition order) and returns every record, its
-/// `env_tag` set to the config tag, plus the summed cache counters.
+/// Runs this rank's share ([`super::ranks::group_share`], `rank` of `ranks`) of the groups of
+/// `manager` (tags in partition order) and returns their records, `env_tag` set to the config
+/// tag, plus the summed cache counters.
 #[allow(clippy::too_many_arguments)]
 pub fn run_manager(
     engine: &mut Engine,
@@ -156,13 +157,17 @@ pub fn run_manager(
     base_seed: u64,
     first_group_id: u64,
     gen: &GeneratingArgs,
+    (rank, ranks): (usize, usize),
 ) -> Result<(Vec<StepRecord>, CacheCounters), TrainError> {
     let template = ChatTemplate;
     let mut records = Vec::new();
     let mut counters = CacheCounters::default();
     let mut next_group = first_group_id;
     for (tag, &groups) in manager.tags.iter().zip(&manager.num_groups_partition) {
-        if groups == 0 {
+        let (offset, share) = super::ranks::group_share(groups, rank, ranks);
+        let first = next_group + offset as u64;
+        next_group += groups as u64;
+        if share == 0 {
             continue;
         }
         let spec = &cfg.custom_envs[tag];
@@ -171,34 +176,22 @@ pub fn run_manager(
             ..rollout_config(
                 cfg,
                 spec,
-                groups,
+                share,
                 manager.group_size,
                 base_seed,
-                next_group,
+                first,
                 gen,
                 policy.config().max_position_embeddings,
             )
         };
-        next_group += groups as u64;
         let mut rollout = run_rollout(engine, policy, tok, &template, &rc, &mut |_| Ok(()))?;
         for r in &mut rollout.records {
             r.env_tag = tag.clone();
         }
-        add_counters(&mut counters, &rollout.stats.cache);
+        counters.add(&rollout.stats.cache);
         records.extend(rollout.records);
     }
     Ok((records, counters))
-}
-
-/// Adds the prefix-reuse counters of `b` to `a`.
-pub fn add_counters(a: &mut CacheCounters, b: &CacheCounters) {
-    a.requests += b.requests;
-    a.prompt_tokens += b.prompt_tokens;
-    a.tokens_prefilled += b.tokens_prefilled;
-    a.tokens_from_cache += b.tokens_from_cache;
-    a.decode_tokens += b.decode_tokens;
-    a.forward_calls += b.forward_calls;
-    a.tokens_computed += b.tokens_computed;
 }
 
 /// Runs validation (`val_env_manager` on the held-out seeds) and returns `val/<tag>/*` metrics
@@ -218,6 +211,7 @@ pub fn validate(
         cfg.seed.wrapping_add(VAL_SEED_OFFSET),
         0,
         &cfg.val_generating_args,
+        (0, 1),
     )?;
     let mut scalars = Scalars::new();
     let summaries = env_metrics("val", &records, &mut scalars);

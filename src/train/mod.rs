@@ -20,6 +20,7 @@ pub mod masks;
 pub mod metrics;
 pub mod plot;
 pub mod progress;
+mod ranks;
 pub mod run_dir;
 pub mod self_imitation;
 mod setup;
@@ -54,6 +55,8 @@ pub enum TrainError {
     Metrics(#[from] metrics::MetricsError),
     #[error(transparent)]
     Plot(#[from] plot::PlotError),
+    #[error("data parallel: {0}")]
+    Dist(#[from] crate::dist::DistError),
     #[error(transparent)]
     Batch(#[from] batch::BatchError),
     #[error("env: {0}")]

@@ -11,10 +11,11 @@
 //! updates instead of once. The buffer is written into every checkpoint as a store dataset
 //! (`ckpt-N/self_imitation/`), so `--resume` continues with the same buffer.
 
-use super::batch::pack;
+use super::batch::{pack, PackedBatch};
 use super::device_batch::DeviceBatch;
 use super::masks::ResponseMasks;
 use super::TrainError;
+use crate::dist::Collective;
 use crate::model::Model;
 use crate::seed;
 use crate::store::{Dataset, DatasetWriter, StepRecord, WriterOptions};
@@ -138,33 +139,75 @@ pub struct Replay<'a> {
 }
 
 impl Replay<'_> {
-    /// `coef ×` the mean negative log-likelihood of the response tokens of `batch_size` buffer
-    /// steps drawn with replacement (`seed`, `draw` pick them), and the unweighted value; `None`
-    /// when the buffer is empty.
-    pub fn loss(
+    /// This rank's part of the replay of mini-batch `draw`: `batch_size` buffer steps drawn with
+    /// replacement (`seed`, `draw` pick them, the same on every rank), dealt round-robin over the
+    /// ranks, packed for `policy`. `None` when the buffer is empty.
+    pub fn draw(
         &self,
         policy: &Model,
         pad_id: u32,
         masks: &ResponseMasks,
         draw: &[u64],
-    ) -> Result<Option<(Tensor, f64)>, TrainError> {
+        dist: &dyn Collective,
+    ) -> Result<Option<ReplayDraw>, TrainError> {
         if self.records.is_empty() {
             return Ok(None);
         }
         let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(self.seed, draw));
-        let sequences: Vec<Vec<usize>> = (0..self.batch_size)
-            .map(|_| vec![rng.random_range(0..self.records.len())])
+        let picked: Vec<usize> = (0..self.batch_size)
+            .map(|_| rng.random_range(0..self.records.len()))
             .collect();
+        let sequences: Vec<Vec<usize>> = (picked.iter().skip(dist.rank()))
+            .step_by(dist.size())
+            .map(|&i| vec![i])
+            .collect();
+        if sequences.is_empty() {
+            return Ok(Some(ReplayDraw {
+                coef: self.coef,
+                part: None,
+            }));
+        }
         let packed = pack(self.records, &sequences)?;
         let batch =
             DeviceBatch::constrained(&packed, pad_id, policy.device(), self.records, masks)?;
+        Ok(Some(ReplayDraw {
+            coef: self.coef,
+            part: Some((packed, batch)),
+        }))
+    }
+}
+
+/// One rank's part of a mini-batch's replay draw.
+pub struct ReplayDraw {
+    coef: f64,
+    part: Option<(PackedBatch, DeviceBatch)>,
+}
+
+impl ReplayDraw {
+    /// Replayed steps in this part.
+    pub fn rows(&self) -> usize {
+        self.part.as_ref().map_or(0, |(p, _)| p.rows)
+    }
+
+    /// Response tokens in this part (the loss's normaliser).
+    pub fn tokens(&self) -> f64 {
+        self.part
+            .as_ref()
+            .map_or(0.0, |(p, _)| p.num_tokens() as f64)
+    }
+
+    /// `coef ×` the mean negative log-likelihood of this part's response tokens, and the
+    /// unweighted value; `None` for an empty part.
+    pub fn loss(&self, policy: &Model) -> Result<Option<(Tensor, f64)>, TrainError> {
+        let Some((packed, batch)) = &self.part else {
+            return Ok(None);
+        };
         let hidden = policy.hidden_train(&batch.ids, &batch.mask)?;
-        let nll = super::sft::cross_entropy(policy, &packed, &batch, &hidden)?;
+        let nll = super::sft::cross_entropy(policy, packed, batch, &hidden)?;
         let value = f64::from(nll.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?);
         Ok(Some((nll.affine(self.coef, 0.0)?, value)))
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,10 +16,11 @@ const SEED_POLICY: u64 = 1;
 
 pub(crate) fn device_of(kind: DeviceKind) -> Result<Device, TrainError> {
     let name = match kind {
-        DeviceKind::Cpu => "cpu",
-        DeviceKind::Cuda => "cuda",
+        DeviceKind::Cpu => "cpu".to_string(),
+        // Each data-parallel rank of a node on its own GPU.
+        DeviceKind::Cuda => format!("cuda:{}", crate::dist::local_rank()),
     };
-    crate::device::parse_device(name).map_err(|e| TrainError::Data(format!("key `device`: {e}")))
+    crate::device::parse_device(&name).map_err(|e| TrainError::Data(format!("key `device`: {e}")))
 }
 
 /// The rollout engine of a run (radix cache unless `cache.prefix_cache` is off).

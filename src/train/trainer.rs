@@ -20,13 +20,14 @@ use super::collapse::CollapseDetector;
 use super::eval::{self, TagSummary, VAL_SEED_OFFSET};
 use super::masks::{response_masks, ResponseMasks};
 use super::metrics::{MetricsSink, Scalars};
+use super::ranks;
 use super::run_dir::{self, Rewound, RunPosition};
 use super::self_imitation::{self, Replay, ReplayBuffer};
 use super::setup::{device_of, engine_for, fresh_policy};
 use super::sft::{self, CloneSettings, SftReport};
 use super::update::{self, CriticLearner, CriticModel, Learners, UpdateInputs, UpdateSettings};
 use super::TrainError;
-use crate::algo::config::Truncation;
+use crate::algo::config::{LossAggMode, Truncation};
 use crate::algo::filter::group_reward_std;
 use crate::algo::loss::explained_variance;
 use crate::algo::value_fit::tabular_ceiling;
@@ -36,16 +37,18 @@ use crate::algo::{
 };
 use crate::config::{Config, ContextLayout, CriticMode};
 use crate::crash;
+use crate::dist::{Collective, Single};
 use crate::env::AgentKind;
 use crate::model::{Critic, FeatureCritic, Model};
 use crate::rollout::engine::Engine;
 use crate::seed;
 use crate::store::{DatasetWriter, StepRecord, WriterOptions};
 use crate::tokenizer::Tokenizer;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Counters that, with the config, determine everything a run does next.
@@ -101,8 +104,10 @@ pub struct Trainer {
     actor_opt: AdamW,
     critic_opt: Option<AdamW>,
     engine: Engine,
-    dataset: DatasetWriter,
-    sink: MetricsSink,
+    /// The run directory's dataset and metrics: rank 0's alone (`None` on the other ranks).
+    outputs: Option<Outputs>,
+    /// The data-parallel world this process is a rank of.
+    dist: Arc<dyn Collective>,
     detector: CollapseDetector,
     state: TrainState,
     warm_start: Option<SftReport>,
@@ -112,6 +117,12 @@ pub struct Trainer {
     replay_buffer: Option<ReplayBuffer>,
     /// Warnings found while opening the run, reported when it runs.
     pending_warnings: Vec<String>,
+}
+
+/// What rank 0 writes into the run directory as it trains.
+struct Outputs {
+    dataset: DatasetWriter,
+    sink: MetricsSink,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -125,8 +136,24 @@ impl Trainer {
     /// Starts a fresh run in `run_dir` (which must not hold one yet): builds or loads the models,
     /// runs the supervised warm start when `sft.steps > 0`.
     pub fn create(cfg: Config, run_dir: &Path) -> Result<Self, TrainError> {
+        Self::create_rank(cfg, run_dir, Arc::new(Single))
+    }
+
+    /// [`Trainer::create`] as one rank of the data-parallel world `dist`. Rank 0 writes the run
+    /// directory and runs the warm start; the others receive its weights, and read what they
+    /// need of the directory (the reference policy), which every rank must see (a shared
+    /// filesystem).
+    pub fn create_rank(
+        cfg: Config,
+        run_dir: &Path,
+        dist: Arc<dyn Collective>,
+    ) -> Result<Self, TrainError> {
         let device = device_of(cfg.device)?;
-        run_dir::prepare_fresh(run_dir, false)?;
+        check_world(&cfg, dist.size())?;
+        let lead = dist.rank() == 0;
+        if lead {
+            run_dir::prepare_fresh(run_dir, false)?;
+        }
         let (mut policy, tok) = fresh_policy(&cfg, &device)?;
         let mut critic = match cfg.critic.mode {
             CriticMode::Separate => critic_from_checkpoint(&cfg, &policy, &device)?
@@ -143,8 +170,10 @@ impl Trainer {
         };
         // Only now that the device and every model directory were found good does the run
         // directory come into being: a config that fails leaves nothing behind.
-        std::fs::create_dir_all(run_dir).map_err(io_err(run_dir))?;
-        let warm_start = if cfg.sft.steps > 0 {
+        if lead {
+            std::fs::create_dir_all(run_dir).map_err(io_err(run_dir))?;
+        }
+        let warm_start = if cfg.sft.steps > 0 && lead {
             let separate = match &critic {
                 Some(CriticModel::Separate(c)) => Some(c.as_ref()),
                 _ => None,
@@ -153,32 +182,42 @@ impl Trainer {
         } else {
             None
         };
+        broadcast_weights(dist.as_ref(), &policy.named_vars())?;
+        if let Some(CriticModel::Separate(c)) = &critic {
+            broadcast_weights(dist.as_ref(), &c.named_vars())?;
+        }
         if cfg.critic.mode == CriticMode::Separate && critic.is_none() {
             let copy = Critic::from_policy(&policy, critic_seed(&cfg))?;
             critic = Some(CriticModel::Separate(Box::new(copy)));
         }
         let reference = if cfg.keeps_reference() {
-            policy.save(&run_dir.join(REFERENCE_DIR), Some(&tok))?;
+            if lead {
+                policy.save(&run_dir.join(REFERENCE_DIR), Some(&tok))?;
+            }
+            dist.barrier()?;
             Some(load_reference(run_dir, &device)?)
         } else {
             None
         };
         let (actor_opt, critic_opt) = optimizers(&cfg, &policy, critic.as_ref())?;
-        let dataset =
-            DatasetWriter::create(&run_dir.join(run_dir::DATASET_DIR), writer_options(&cfg))?;
-        let text = serde_json::to_string_pretty(&cfg).expect("a config serialises");
-        let path = run_dir.join(run_dir::CONFIG_FILE);
-        std::fs::write(&path, text).map_err(io_err(&path))?;
+        let dataset = if lead {
+            let text = serde_json::to_string_pretty(&cfg).expect("a config serialises");
+            let path = run_dir.join(run_dir::CONFIG_FILE);
+            std::fs::write(&path, text).map_err(io_err(&path))?;
+            Some(DatasetWriter::create(
+                &run_dir.join(run_dir::DATASET_DIR),
+                writer_options(&cfg),
+            )?)
+        } else {
+            None
+        };
         Self::assemble(
             cfg,
             run_dir,
             tok,
-            policy,
-            critic,
-            reference,
-            actor_opt,
-            critic_opt,
-            dataset,
+            (policy, critic, reference),
+            (actor_opt, critic_opt),
+            (dataset, dist),
             TrainState::default(),
             warm_start,
         )
@@ -190,12 +229,30 @@ impl Trainer {
     /// files are first brought back to the checkpoint's position, so steps redone after a crash
     /// are not kept twice.
     pub fn resume(cfg: Config, run_dir: &Path) -> Result<Self, TrainError> {
+        Self::resume_rank(cfg, run_dir, Arc::new(Single))
+    }
+
+    /// [`Trainer::resume`] as one rank of the data-parallel world `dist`, which may have another
+    /// size than the run had (every rank holds the whole state). Rank 0 rewinds the run
+    /// directory; then every rank reads the checkpoint.
+    pub fn resume_rank(
+        cfg: Config,
+        run_dir: &Path,
+        dist: Arc<dyn Collective>,
+    ) -> Result<Self, TrainError> {
         let ckpt = run_dir::checkpoint_to_resume(run_dir)?;
         let stored = run_dir::checkpoint_config(&ckpt, &[])?;
         let stored_name = ckpt.join(run_dir::CONFIG_FILE).display().to_string();
         crate::config::check_resume(&stored, &cfg, &stored_name)?;
         let device = device_of(cfg.device)?;
-        let rewound = rewind_to(run_dir, &ckpt)?;
+        check_world(&cfg, dist.size())?;
+        let lead = dist.rank() == 0;
+        let rewound = if lead {
+            rewind_to(run_dir, &ckpt)?
+        } else {
+            Vec::new()
+        };
+        dist.barrier()?;
         let (policy, tok) = crate::model::checkpoint::load_policy(
             &ckpt.join("policy").display().to_string(),
             &device,
@@ -224,10 +281,22 @@ impl Trainer {
             None
         };
         let state: TrainState = checkpoint::load_json(&ckpt, "state")?;
-        let dataset =
-            DatasetWriter::open_append(&run_dir.join(run_dir::DATASET_DIR), writer_options(&cfg))?;
+        let dataset = if lead {
+            Some(DatasetWriter::open_append(
+                &run_dir.join(run_dir::DATASET_DIR),
+                writer_options(&cfg),
+            )?)
+        } else {
+            None
+        };
         let mut trainer = Self::assemble(
-            cfg, run_dir, tok, policy, critic, reference, actor_opt, critic_opt, dataset, state,
+            cfg,
+            run_dir,
+            tok,
+            (policy, critic, reference),
+            (actor_opt, critic_opt),
+            (dataset, dist),
+            state,
             None,
         )?;
         trainer.pending_warnings.extend(rewound);
@@ -244,12 +313,9 @@ impl Trainer {
         cfg: Config,
         run_dir: &Path,
         tok: Tokenizer,
-        mut policy: Model,
-        critic: Option<CriticModel>,
-        reference: Option<Model>,
-        actor_opt: AdamW,
-        critic_opt: Option<AdamW>,
-        dataset: DatasetWriter,
+        (mut policy, critic, reference): (Model, Option<CriticModel>, Option<Model>),
+        (actor_opt, critic_opt): (AdamW, Option<AdamW>),
+        (dataset, dist): (Option<DatasetWriter>, Arc<dyn Collective>),
         state: TrainState,
         warm_start: Option<SftReport>,
     ) -> Result<Self, TrainError> {
@@ -259,8 +325,16 @@ impl Trainer {
         let masks = response_masks(&cfg, &tok, policy.config().vocab_size)?;
         let replay_buffer = (cfg.self_imitation.coef > 0.0)
             .then(|| ReplayBuffer::new(cfg.self_imitation.buffer_size));
+        let outputs = match dataset {
+            Some(dataset) => Some(Outputs {
+                dataset,
+                sink: MetricsSink::open(run_dir)?,
+            }),
+            None => None,
+        };
         Ok(Trainer {
-            sink: MetricsSink::open(run_dir)?,
+            outputs,
+            dist,
             run_dir: run_dir.to_path_buf(),
             cfg,
             tok,
@@ -270,7 +344,6 @@ impl Trainer {
             actor_opt,
             critic_opt,
             engine,
-            dataset,
             detector: CollapseDetector::new(),
             state,
             warm_start,
@@ -316,7 +389,7 @@ impl Trainer {
             let mut s = Scalars::new();
             s.insert("sft/loss_first".into(), report.first_loss);
             s.insert("sft/loss_final".into(), report.final_loss);
-            self.sink.write(0, &s)?;
+            self.log(0, &s)?;
             on_event(Event::WarmStart(&report));
         }
         if self.state.step == 0 && self.cfg.eval_steps > 0 {
@@ -336,7 +409,7 @@ impl Trainer {
                     self.state.step, scalars["actor/skipped_updates"]
                 )));
             }
-            self.sink.write(self.state.step, &scalars)?;
+            self.log(self.state.step, &scalars)?;
             crash::point("train.step_logged");
             on_event(Event::Step {
                 step: self.state.step,
@@ -347,7 +420,9 @@ impl Trainer {
             if self.cfg.eval_steps > 0 && (step.is_multiple_of(self.cfg.eval_steps) || last) {
                 self.validate_and_log(on_event)?;
             }
-            if last || (self.cfg.save_steps > 0 && step.is_multiple_of(self.cfg.save_steps)) {
+            let save =
+                last || (self.cfg.save_steps > 0 && step.is_multiple_of(self.cfg.save_steps));
+            if save && self.outputs.is_some() {
                 let dir = self.save_checkpoint()?;
                 on_event(Event::Checkpoint(&dir));
             }
@@ -355,14 +430,31 @@ impl Trainer {
         Ok(())
     }
 
+    /// Validates on rank 0 (the other ranks go on to the next rollout and wait for it there).
     fn validate_and_log(&mut self, on_event: &mut dyn FnMut(Event)) -> Result<(), TrainError> {
+        if self.outputs.is_none() {
+            return Ok(());
+        }
         let (scalars, summaries) = self.validate()?;
-        self.sink.write(self.state.step, &scalars)?;
+        self.log(self.state.step, &scalars)?;
         on_event(Event::Validation {
             step: self.state.step,
             summaries: &summaries,
         });
         Ok(())
+    }
+
+    /// Writes metrics of `step` (rank 0; the other ranks keep none).
+    fn log(&mut self, step: u64, scalars: &Scalars) -> Result<(), TrainError> {
+        match self.outputs.as_mut() {
+            Some(out) => Ok(out.sink.write(step, scalars)?),
+            None => Ok(()),
+        }
+    }
+
+    /// This process's rank and the number of ranks.
+    pub fn world(&self) -> (usize, usize) {
+        (self.dist.rank(), self.dist.size())
     }
 
     /// Runs validation with the current policy (held-out seeds).
@@ -377,7 +469,7 @@ impl Trainer {
         // Validation may have filled the cache under this version: start every rollout from the
         // same (empty) cache so a resumed run samples exactly what the original did.
         self.engine.flush()?;
-        let (records, counters) = eval::run_manager(
+        let (local, counters) = eval::run_manager(
             &mut self.engine,
             &self.policy,
             &self.tok,
@@ -386,17 +478,22 @@ impl Trainer {
             self.cfg.seed,
             self.state.next_group_id,
             &self.cfg.generating_args,
+            (self.dist.rank(), self.dist.size()),
         )?;
+        let records = ranks::gather_records(local, self.dist.as_ref())?;
+        let counters = ranks::sum_counters(counters, self.dist.as_ref())?;
         self.state.next_group_id += self.cfg.train_env_manager.num_env_groups as u64;
         let t_rollout = t_step.elapsed().as_secs_f64();
         crash::point("train.rollout_done");
-        for (i, r) in records.iter().enumerate() {
-            if i == records.len() / 2 {
-                crash::point_after("train.store_write", || self.dataset.flush());
+        if let Some(out) = self.outputs.as_mut() {
+            for (i, r) in records.iter().enumerate() {
+                if i == records.len() / 2 {
+                    crash::point_after("train.store_write", || out.dataset.flush());
+                }
+                out.dataset.append(r)?;
             }
-            self.dataset.append(r)?;
+            out.dataset.flush()?;
         }
-        self.dataset.flush()?;
         eval::env_metrics("env", &records, &mut scalars);
         rollout_metrics(
             &records,
@@ -664,6 +761,7 @@ impl Trainer {
             shuffle_seed: seed::derive(self.cfg.seed, &[SEED_SHUFFLE, self.state.step]),
             masks: &self.masks,
             freeze_actor: update_index < self.cfg.critic.warmup_steps,
+            dist: self.dist.as_ref(),
         };
         let shared_head = self.cfg.critic.mode == CriticMode::Shared;
         let mut learners = Learners {
@@ -695,9 +793,14 @@ impl Trainer {
         }
     }
 
-    /// Writes `ckpt-<step>` atomically (never from non-finite weights) and points `ckpt-latest` at it.
+    /// Writes `ckpt-<step>` atomically (never from non-finite weights) and points `ckpt-latest` at
+    /// it. Rank 0's work: the other ranks hold the same state and write nothing.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
-        let position = RunPosition::capture(&self.run_dir, &mut self.dataset, &mut self.sink)?;
+        let out = self
+            .outputs
+            .as_mut()
+            .ok_or_else(|| TrainError::Data("only rank 0 writes checkpoints".into()))?;
+        let position = RunPosition::capture(&self.run_dir, &mut out.dataset, &mut out.sink)?;
         let writer = CheckpointWriter::begin(&self.run_dir, self.state.step)?;
         let policy_vars = self.policy.named_vars();
         writer.ensure_finite(policy_vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
@@ -723,6 +826,43 @@ impl Trainer {
         crash::point("checkpoint.committed");
         Ok(dir)
     }
+}
+
+/// Refuses what several ranks cannot compute as one process would: a loss normalised by the
+/// mask width of each rank's part.
+fn check_world(cfg: &Config, ranks: usize) -> Result<(), TrainError> {
+    let sum_norm = cfg.loss_agg_mode == LossAggMode::SeqMeanTokenSumNorm;
+    if ranks > 1 && sum_norm {
+        return Err(TrainError::Data(format!(
+            "loss_agg_mode: seq-mean-token-sum-norm divides by the mask width, which differs \
+             between the {ranks} ranks' parts of a mini-batch: choose another mode to train on \
+             several ranks"
+        )));
+    }
+    Ok(())
+}
+
+/// Gives every rank rank 0's values of `vars` (the warm-started weights).
+fn broadcast_weights(dist: &dyn Collective, vars: &[(String, Var)]) -> Result<(), TrainError> {
+    if dist.size() == 1 {
+        return Ok(());
+    }
+    for (_, var) in vars {
+        let host = var
+            .as_tensor()
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let mut bytes: Vec<u8> = host.iter().flat_map(|x| x.to_le_bytes()).collect();
+        dist.broadcast_bytes(&mut bytes)?;
+        let values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let t = Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?;
+        var.set(&t)?;
+    }
+    Ok(())
 }
 
 /// Brings the run's dataset and metrics back to the position `ckpt` recorded; returns the

@@ -15,9 +15,10 @@ use super::device_batch::DeviceBatch;
 use super::masks::ResponseMasks;
 use super::metrics::Scalars;
 use super::self_imitation::Replay;
-use super::TrainError;
-use crate::algo::loss::explained_variance;
+use super::{ranks, TrainError};
+use crate::algo::loss::{agg_normaliser, explained_variance};
 use crate::algo::{policy_loss, value_loss, AdamW, CriticTarget, LossConfig};
+use crate::dist::{Collective, Single};
 use crate::model::{Critic, FeatureCritic, Model};
 use crate::seed;
 use crate::store::StepRecord;
@@ -70,6 +71,8 @@ pub struct UpdateSettings<'a> {
     pub masks: &'a ResponseMasks,
     /// Train the critic only (critic warm-up): the policy's parameters stay as they are.
     pub freeze_actor: bool,
+    /// The data-parallel world: this rank's part of each mini-batch, and the gradient sum.
+    pub dist: &'a dyn Collective,
 }
 
 /// The critic model a run trains beside its policy (a shared value head lives in the policy).
@@ -148,6 +151,12 @@ impl Means {
         }
     }
 
+    /// The sums and counts of every rank.
+    fn merged(self, dist: &dyn Collective) -> Result<Self, TrainError> {
+        let (sums, counts) = ranks::merge_means(self.sums, self.counts, dist)?;
+        Ok(Self { sums, counts })
+    }
+
     fn into_scalars(self, out: &mut Scalars) {
         for (k, s) in self.sums {
             out.insert(k.clone(), s / self.counts[&k] as f64);
@@ -170,6 +179,7 @@ pub fn ppo_update(
         Some(CriticLearner::Features(..)) | None => 0,
         Some(_) => settings.critic_epochs,
     };
+    let dist = settings.dist;
     for epoch in 0..settings.epochs.max(mini_batch_critic_epochs) {
         let train_actor = epoch < settings.epochs && !settings.freeze_actor;
         let train_critic = epoch < mini_batch_critic_epochs;
@@ -180,54 +190,49 @@ pub fn ppo_update(
             .into_iter()
             .enumerate()
         {
-            let seqs: Vec<Vec<usize>> =
-                chunk.iter().map(|&s| inputs.sequences[s].clone()).collect();
-            let mut packed = pack(inputs.records, &seqs)?;
-            packed.read_values_after_forced(inputs.records, |r| settings.masks.forced_prefix(r));
-            if packed.rows == 0 {
+            let seqs: Vec<Vec<usize>> = ranks::deal(&chunk, dist)
+                .into_iter()
+                .map(|s| inputs.sequences[s].clone())
+                .collect();
+            let part = local_batch(inputs, settings, learners.policy, &seqs)?;
+            // With one rank an empty mini-batch is skipped; with several every rank takes part
+            // in each step's collectives, with or without rows of its own.
+            if part.is_none() && dist.size() == 1 {
                 continue;
             }
-            let device = learners.policy.device().clone();
-            let batch = DeviceBatch::constrained(
-                &packed,
-                settings.pad_id,
-                &device,
-                inputs.records,
-                settings.masks,
-            )?;
+            let part = part.as_ref().map(|(p, b)| (p, b));
             if train_actor {
                 let draw = [epoch as u64, k as u64];
-                let (actor_skipped, stepped) = actor_step(
-                    inputs,
-                    settings,
-                    learners,
-                    (&packed, &batch),
-                    draw,
-                    &mut means,
-                )?;
+                let (actor_skipped, stepped) =
+                    actor_step(inputs, settings, learners, part, draw, &mut means)?;
                 skipped += usize::from(actor_skipped);
                 actor_updates += usize::from(stepped);
             }
-            let values = match &learners.critic {
-                _ if !train_critic => None,
-                Some(CriticLearner::Separate(critic, _)) => {
+            let critic_trains = train_critic
+                && match &learners.critic {
+                    Some(CriticLearner::Separate(..)) => true,
+                    // A shared head trains with the actor's backward when the actor steps.
+                    Some(CriticLearner::SharedHead(_)) => !train_actor,
+                    _ => false,
+                };
+            if !critic_trains {
+                continue;
+            }
+            let values = match (&learners.critic, part) {
+                (Some(CriticLearner::Separate(critic, _)), Some((_, batch))) => {
                     Some(critic.values(&batch.ids, &batch.mask)?)
                 }
-                // A shared head trains with the actor's backward when the actor steps.
-                Some(CriticLearner::SharedHead(_)) if !train_actor => {
-                    Some(learners.policy.values(&batch.ids, &batch.mask)?)
-                }
-                _ => None,
+                (_, Some((_, batch))) => Some(learners.policy.values(&batch.ids, &batch.mask)?),
+                (_, None) => None,
             };
-            if let (Some(values), Some(critic)) = (values, learners.critic.as_mut()) {
+            if let Some(critic) = learners.critic.as_mut() {
                 let opt = match critic {
                     CriticLearner::Separate(_, opt)
                     | CriticLearner::Features(_, opt)
                     | CriticLearner::SharedHead(opt) => opt,
                 };
-                skipped += usize::from(critic_step(
-                    inputs, settings, &values, opt, &packed, &batch, &mut means,
-                )?);
+                let local = values.as_ref().zip(part);
+                skipped += usize::from(critic_step(inputs, settings, local, opt, &mut means)?);
             }
         }
     }
@@ -242,7 +247,7 @@ pub fn ppo_update(
         )?;
     }
     let mut out = Scalars::new();
-    means.into_scalars(&mut out);
+    means.merged(dist)?.into_scalars(&mut out);
     out.insert("actor/skipped_updates".into(), skipped as f64);
     out.insert("actor/updates".into(), actor_updates as f64);
     Ok(out)
@@ -362,7 +367,8 @@ fn fit_feature_critic(
             means.add("critic/vf_loss", m.vf_loss);
             means.add("critic/vf_clipfrac", m.vf_clipfrac);
             means.add("critic/value_mean", m.value_mean);
-            skipped += usize::from(step_critic(opt, &loss, settings, means)?);
+            // Every rank fits the same rows: no sum over ranks.
+            skipped += usize::from(step_critic(opt, Some(&loss), settings, &Single, means)?);
         }
     }
     let fitted: Vec<f64> = critic
@@ -431,21 +437,200 @@ fn row_mask(
     Ok((Tensor::from_vec(m, (p.rows, w), device)?, kept))
 }
 
-/// One actor update (plus the self-imitation replay of mini-batch `draw` = [epoch, index]);
-/// returns (skipped, stepped).
+/// This rank's sequences packed and on the device; `None` when they hold no row.
+fn local_batch(
+    inputs: &UpdateInputs,
+    settings: &UpdateSettings,
+    policy: &Model,
+    seqs: &[Vec<usize>],
+) -> Result<Option<(PackedBatch, DeviceBatch)>, TrainError> {
+    if seqs.is_empty() {
+        return Ok(None);
+    }
+    let mut packed = pack(inputs.records, seqs)?;
+    packed.read_values_after_forced(inputs.records, |r| settings.masks.forced_prefix(r));
+    if packed.rows == 0 {
+        return Ok(None);
+    }
+    let batch = DeviceBatch::constrained(
+        &packed,
+        settings.pad_id,
+        policy.device(),
+        inputs.records,
+        settings.masks,
+    )?;
+    Ok(Some((packed, batch)))
+}
+
+/// Mask tokens per row of `p`, rows not in `keep` counted as empty.
+fn kept_counts(p: &PackedBatch, keep: &[bool]) -> Vec<f64> {
+    let w = p.max_response_len;
+    p.record_of_row
+        .iter()
+        .enumerate()
+        .map(|(row, &r)| {
+            if keep[r] {
+                p.token_mask[row * w..(row + 1) * w]
+                    .iter()
+                    .map(|&m| f64::from(m))
+                    .sum()
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+/// `(rows kept, loss normaliser)` of the rows of `p` in `keep` whose mask tokens are `counts`
+/// (row widths `width`), under the run's loss aggregation.
+fn normaliser(
+    settings: &UpdateSettings,
+    p: &PackedBatch,
+    keep: &[bool],
+    counts: &[f64],
+    width: usize,
+) -> (usize, f64) {
+    let kept = p.record_of_row.iter().filter(|&&r| keep[r]).count();
+    let l = settings.loss;
+    (
+        kept,
+        agg_normaliser(counts, width, l.loss_agg_mode, l.loss_norm_len),
+    )
+}
+
+/// [`normaliser`] of the critic loss on the rows of `p`: at every response token or one per row
+/// (the step start).
+fn critic_normaliser(
+    inputs: &UpdateInputs,
+    settings: &UpdateSettings,
+    p: &PackedBatch,
+) -> (usize, f64) {
+    let keep = &inputs.critic_keep;
+    match inputs.critic_target {
+        Some(CriticTarget::AllResponseTokens) => {
+            let counts = kept_counts(p, keep);
+            normaliser(settings, p, keep, &counts, p.max_response_len)
+        }
+        _ => {
+            let counts: Vec<f64> = p
+                .record_of_row
+                .iter()
+                .map(|&r| f64::from(u8::from(keep[r])))
+                .collect();
+            normaliser(settings, p, keep, &counts, 1)
+        }
+    }
+}
+
+/// Whether `loss` is finite, and its gradients when it is (none without a loss).
+fn backward(
+    loss: Option<&Tensor>,
+) -> Result<(bool, Option<candle_core::backprop::GradStore>), TrainError> {
+    let Some(loss) = loss else {
+        return Ok((true, None));
+    };
+    let value = loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+    if !value.is_finite() {
+        return Ok((false, None));
+    }
+    Ok((true, Some(loss.backward()?)))
+}
+
+/// One actor update (plus the self-imitation replay of mini-batch `draw` = [epoch, index]) on
+/// this rank's part of the mini-batch (`None`: no rows here); returns (skipped, stepped).
 fn actor_step(
     inputs: &UpdateInputs,
     settings: &UpdateSettings,
     learners: &mut Learners,
-    (p, batch): (&PackedBatch, &DeviceBatch),
+    part: Option<(&PackedBatch, &DeviceBatch)>,
     draw: [u64; 2],
     means: &mut Means,
 ) -> Result<(bool, bool), TrainError> {
-    let device = learners.policy.device().clone();
-    let (mask, kept) = row_mask(p, &inputs.actor_keep, &device)?;
-    if kept == 0 {
+    let dist = settings.dist;
+    let shared_head = matches!(learners.critic, Some(CriticLearner::SharedHead(_)));
+    let actor = part.map_or((0, 0.0), |(p, _)| {
+        let counts = kept_counts(p, &inputs.actor_keep);
+        normaliser(settings, p, &inputs.actor_keep, &counts, p.max_response_len)
+    });
+    let critic = match (part, shared_head) {
+        (Some((p, _)), true) => critic_normaliser(inputs, settings, p),
+        _ => (0, 0.0),
+    };
+    let replay = match &inputs.replay {
+        Some(replay) => replay.draw(
+            learners.policy,
+            settings.pad_id,
+            settings.masks,
+            &draw,
+            dist,
+        )?,
+        None => None,
+    };
+    let replay_norm = replay.as_ref().map_or((0, 0.0), |r| (r.rows(), r.tokens()));
+    let [actor_share, critic_share, replay_share] =
+        ranks::shares([actor, critic, replay_norm], dist)?;
+    if actor_share.global_rows == 0.0 {
         return Ok((false, false));
     }
+    let mut loss: Option<Tensor> = None;
+    if let Some((p, batch)) = part.filter(|_| actor.0 > 0) {
+        let (policy_part, shared_values) = actor_loss(inputs, settings, learners, p, batch, means)?;
+        let mut l = ranks::scaled(policy_part, &actor_share, dist)?;
+        if let Some(values) = shared_values {
+            let (vf, _) = critic_loss(inputs, settings, &values, p, batch, means)?;
+            l = (l + ranks::scaled(vf, &critic_share, dist)?)?;
+        }
+        loss = Some(l);
+    }
+    if let Some(replayed) = &replay {
+        if let Some((weighted, nll)) = replayed.loss(learners.policy)? {
+            let weighted = ranks::scaled(weighted, &replay_share, dist)?;
+            loss = Some(match loss {
+                Some(l) => (l + weighted)?,
+                None => weighted,
+            });
+            means.add("self_imitation/nll", nll);
+        }
+    }
+    let (finite, local_grads) = backward(loss.as_ref())?;
+    let Some(grads) =
+        ranks::summed_gradients(learners.actor_opt, local_grads.as_ref(), finite, dist)?
+    else {
+        return Ok((true, false));
+    };
+    let report =
+        learners
+            .actor_opt
+            .step(&grads, settings.actor_lr, Some(settings.max_grad_norm))?;
+    means.add("actor/grad_norm", report.grad_norm);
+    means.add("actor/lr", report.lr);
+    if let Some(CriticLearner::SharedHead(head_opt)) = learners.critic.as_mut() {
+        // The head's parameters are the head optimizer's: summed over ranks on their own.
+        let head_grads = ranks::summed_gradients(head_opt, local_grads.as_ref(), finite, dist)?
+            .ok_or_else(|| TrainError::Data("a shared head lost its gradient".into()))?;
+        let head = head_opt.step(
+            &head_grads,
+            settings.critic_lr,
+            Some(settings.max_grad_norm),
+        )?;
+        means.add("critic/grad_norm", head.grad_norm);
+        means.add("critic/lr", head.lr);
+    }
+    Ok((report.skipped, !report.skipped))
+}
+
+/// The policy loss of this rank's rows (aggregated over them) and, with a shared value head,
+/// the head's values from the same trunk pass; logs the policy metrics.
+fn actor_loss(
+    inputs: &UpdateInputs,
+    settings: &UpdateSettings,
+    learners: &Learners,
+    p: &PackedBatch,
+    batch: &DeviceBatch,
+    means: &mut Means,
+) -> Result<(Tensor, Option<Tensor>), TrainError> {
+    let device = learners.policy.device().clone();
+    let (mask, _) = row_mask(p, &inputs.actor_keep, &device)?;
     let shared_head = matches!(learners.critic, Some(CriticLearner::SharedHead(_)));
     let (logp, entropy, shared_values) = if shared_head {
         let (lp, ent, v) = shared_forward(learners.policy, batch, settings.temperature)?;
@@ -488,7 +673,7 @@ fn actor_step(
             rows_tensor(rows, p.rows, p.max_response_len, &device)
         })
         .transpose()?;
-    let (mut loss, m) = policy_loss(
+    let (loss, m) = policy_loss(
         &logp,
         &old,
         &adv,
@@ -503,17 +688,6 @@ fn actor_step(
     if settings.loss.negative_unlikelihood_coef > 0.0 {
         means.add("actor/unlikelihood_loss", m.unlikelihood_loss);
     }
-    if let Some(values) = shared_values {
-        let (vf, _) = critic_loss(inputs, settings, &values, p, batch, means)?;
-        loss = (loss + vf)?;
-    }
-    if let Some(replay) = &inputs.replay {
-        let replayed = replay.loss(learners.policy, settings.pad_id, settings.masks, &draw)?;
-        if let Some((weighted, nll)) = replayed {
-            loss = (loss + weighted)?;
-            means.add("self_imitation/nll", nll);
-        }
-    }
     means.add("actor/pg_loss", m.pg_loss);
     means.add("actor/entropy", m.entropy);
     means.add("actor/clipfrac", m.clipfrac);
@@ -524,23 +698,7 @@ fn actor_step(
     means.add("actor/ratio_mean", m.ratio_mean);
     means.add("actor/ratio_max", m.ratio_max);
     means.add("actor/ratio_min", m.ratio_min);
-    let value = loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
-    if !value.is_finite() {
-        return Ok((true, false));
-    }
-    let grads = loss.backward()?;
-    let report =
-        learners
-            .actor_opt
-            .step(&grads, settings.actor_lr, Some(settings.max_grad_norm))?;
-    means.add("actor/grad_norm", report.grad_norm);
-    means.add("actor/lr", report.lr);
-    if let Some(CriticLearner::SharedHead(head_opt)) = learners.critic.as_mut() {
-        let head = head_opt.step(&grads, settings.critic_lr, Some(settings.max_grad_norm))?;
-        means.add("critic/grad_norm", head.grad_norm);
-        means.add("critic/lr", head.lr);
-    }
-    Ok((report.skipped, !report.skipped))
+    Ok((loss, shared_values))
 }
 
 /// One trunk pass for both heads of a policy with a shared value head: log-probs and entropies
@@ -631,40 +789,48 @@ fn critic_loss(
 }
 
 /// One critic update on `values` (of a separate critic, or of the shared head during the critic
-/// warm-up), stepping `opt`; returns whether it was skipped for a non-finite loss/gradient.
+/// warm-up) at this rank's rows (`None`: no rows here), stepping `opt`; returns whether it was
+/// skipped for a non-finite loss/gradient.
 fn critic_step(
     inputs: &UpdateInputs,
     settings: &UpdateSettings,
-    values: &Tensor,
+    local: Option<(&Tensor, (&PackedBatch, &DeviceBatch))>,
     opt: &mut AdamW,
-    p: &PackedBatch,
-    batch: &DeviceBatch,
     means: &mut Means,
 ) -> Result<bool, TrainError> {
-    let (loss, any) = critic_loss(inputs, settings, values, p, batch, means)?;
-    if !any {
+    let dist = settings.dist;
+    let norm = local.map_or((0, 0.0), |(_, (p, _))| {
+        critic_normaliser(inputs, settings, p)
+    });
+    let [share] = ranks::shares([norm], dist)?;
+    if share.global_rows == 0.0 {
         return Ok(false);
     }
-    step_critic(opt, &loss, settings, means)
+    let loss = match local.filter(|_| norm.0 > 0) {
+        Some((values, (p, batch))) => {
+            let (loss, _) = critic_loss(inputs, settings, values, p, batch, means)?;
+            Some(ranks::scaled(loss, &share, dist)?)
+        }
+        None => None,
+    };
+    step_critic(opt, loss.as_ref(), settings, dist, means)
 }
 
-/// Steps the critic's optimizer on `loss`; returns whether the update was skipped (a loss or a
-/// gradient that is not finite).
+/// Steps the critic's optimizer on `loss` (this rank's part; `None`: none here), its gradients
+/// summed over ranks; returns whether the update was skipped (a loss or a gradient that is not
+/// finite).
 fn step_critic(
     opt: &mut AdamW,
-    loss: &Tensor,
+    loss: Option<&Tensor>,
     settings: &UpdateSettings,
+    dist: &dyn Collective,
     means: &mut Means,
 ) -> Result<bool, TrainError> {
-    let value = loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
-    if !value.is_finite() {
+    let (finite, local) = backward(loss)?;
+    let Some(grads) = ranks::summed_gradients(opt, local.as_ref(), finite, dist)? else {
         return Ok(true);
-    }
-    let report = opt.step(
-        &loss.backward()?,
-        settings.critic_lr,
-        Some(settings.max_grad_norm),
-    )?;
+    };
+    let report = opt.step(&grads, settings.critic_lr, Some(settings.max_grad_norm))?;
     means.add("critic/grad_norm", report.grad_norm);
     Ok(report.skipped)
 }
@@ -906,6 +1072,7 @@ mod tests {
             shuffle_seed: 1,
             masks: &ResponseMasks::default(),
             freeze_actor: false,
+            dist: &crate::dist::Single,
         };
         let mut learners = Learners {
             policy: &policy,
