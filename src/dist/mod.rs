@@ -6,7 +6,9 @@
 //! `nccl`, its unique id broadcast over MPI). It does not decide what is reduced: that is the
 //! trainer's.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::Tensor;
 
@@ -84,6 +86,80 @@ impl Collective for Single {
     }
     fn barrier(&self) -> Result<(), DistError> {
         Ok(())
+    }
+}
+
+/// A collective that counts what passes through it: the bytes this rank contributed and the
+/// seconds it spent in collectives (waiting for the slowest rank included).
+pub struct Metered {
+    inner: Arc<dyn Collective>,
+    bytes: AtomicU64,
+    nanos: AtomicU64,
+}
+
+/// What a [`Metered`] collective has carried so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Traffic {
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+impl Metered {
+    pub fn new(inner: Arc<dyn Collective>) -> Self {
+        Self {
+            inner,
+            bytes: AtomicU64::new(0),
+            nanos: AtomicU64::new(0),
+        }
+    }
+
+    /// Bytes and seconds since this collective was made.
+    pub fn traffic(&self) -> Traffic {
+        Traffic {
+            bytes: self.bytes.load(Ordering::Relaxed),
+            seconds: self.nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+        }
+    }
+
+    fn count<T>(&self, bytes: usize, op: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = op();
+        let nanos = start.elapsed().as_nanos() as u64;
+        self.nanos.fetch_add(nanos, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        out
+    }
+}
+
+impl Collective for Metered {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    fn all_reduce_f64(&self, values: &mut [f64]) -> Result<(), DistError> {
+        self.count(values.len() * 8, || self.inner.all_reduce_f64(values))
+    }
+    fn all_reduce_f32(&self, values: &mut [f32]) -> Result<(), DistError> {
+        self.count(values.len() * 4, || self.inner.all_reduce_f32(values))
+    }
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
+        self.count(mine.len(), || self.inner.all_gather_bytes(mine))
+    }
+    fn broadcast_bytes(&self, bytes: &mut Vec<u8>) -> Result<(), DistError> {
+        let n = bytes.len();
+        self.count(n, || self.inner.broadcast_bytes(bytes))
+    }
+    fn barrier(&self) -> Result<(), DistError> {
+        self.count(0, || self.inner.barrier())
+    }
+    fn all_reduce_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
+        let n = flat.elem_count() * flat.dtype().size_in_bytes();
+        self.count(n, || self.inner.all_reduce_tensor(flat))
     }
 }
 

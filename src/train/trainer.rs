@@ -37,7 +37,7 @@ use crate::algo::{
 };
 use crate::config::{Config, ContextLayout, CriticMode};
 use crate::crash;
-use crate::dist::{Collective, Single};
+use crate::dist::{Collective, Metered, Single};
 use crate::env::AgentKind;
 use crate::model::{Critic, FeatureCritic, Model};
 use crate::rollout::engine::Engine;
@@ -106,8 +106,8 @@ pub struct Trainer {
     engine: Engine,
     /// The run directory's dataset and metrics: rank 0's alone (`None` on the other ranks).
     outputs: Option<Outputs>,
-    /// The data-parallel world this process is a rank of.
-    dist: Arc<dyn Collective>,
+    /// The data-parallel world this process is a rank of, counting its traffic.
+    dist: Arc<Metered>,
     detector: CollapseDetector,
     state: TrainState,
     warm_start: Option<SftReport>,
@@ -334,7 +334,7 @@ impl Trainer {
         };
         Ok(Trainer {
             outputs,
-            dist,
+            dist: Arc::new(Metered::new(dist)),
             run_dir: run_dir.to_path_buf(),
             cfg,
             tok,
@@ -465,6 +465,7 @@ impl Trainer {
     /// One training step; returns its metrics.
     pub fn train_step(&mut self) -> Result<Scalars, TrainError> {
         let t_step = Instant::now();
+        let traffic = self.dist.traffic();
         let mut scalars = Scalars::new();
         // Validation may have filled the cache under this version: start every rollout from the
         // same (empty) cache so a resumed run samples exactly what the original did.
@@ -568,6 +569,12 @@ impl Trainer {
         scalars.insert("time/advantage".into(), time_adv);
         scalars.insert("time/update".into(), time_update);
         scalars.insert("time/step".into(), time_step);
+        if self.dist.size() > 1 {
+            let now = self.dist.traffic();
+            scalars.insert("dist/ranks".into(), self.dist.size() as f64);
+            scalars.insert("dist/bytes".into(), (now.bytes - traffic.bytes) as f64);
+            scalars.insert("dist/seconds".into(), now.seconds - traffic.seconds);
+        }
         scalars.insert(
             "throughput/tokens_per_s".into(),
             tokens as f64 / time_step.max(1e-9),
