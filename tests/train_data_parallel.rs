@@ -126,10 +126,15 @@ fn assert_same_dataset(one: &Path, two: &Path) {
         Dataset::open(&one.join("dataset")).unwrap(),
         Dataset::open(&two.join("dataset")).unwrap(),
     );
-    let (ra, rb): (Vec<_>, Vec<_>) = (
-        a.records().map(|r| r.to_record().unwrap()).collect(),
-        b.records().map(|r| r.to_record().unwrap()).collect(),
-    );
+    assert!(a.problems().is_empty(), "{:?}", a.problems());
+    assert!(b.problems().is_empty(), "{:?}", b.problems());
+    // Each rank writes its own segments: compare in trajectory order.
+    let sorted = |d: &Dataset| {
+        let mut r: Vec<_> = d.records().map(|r| r.to_record().unwrap()).collect();
+        r.sort_by_key(|r| (r.traj_id, r.step_index));
+        r
+    };
+    let (ra, rb) = (sorted(&a), sorted(&b));
     assert_eq!(ra.len(), rb.len(), "record counts");
     for (x, y) in ra.iter().zip(&rb) {
         let at = (x.traj_id, x.step_index);
