@@ -1,11 +1,12 @@
 //! What a data-parallel rank does on its own and what the ranks agree on. Each rank plays a
 //! contiguous share of every tag's env groups; the records are then gathered, in the order one
 //! process would have produced them, so every rank holds the whole batch (advantages, the
-//! replay buffer and the counters stay identical). Each mini-batch's sequences are dealt to the
-//! ranks round-robin; a rank scales its part of each loss by its share of the loss's
-//! normaliser, so the summed gradients are the gradient of the whole mini-batch's loss; the
-//! gradients are summed before each optimizer step, which then runs identically everywhere.
-//! With one rank every function here is the identity.
+//! replay buffer and the counters stay identical). Rollout-time critic values and reference
+//! log-probs are computed by each rank on a dealt share of the sequences and gathered. Each
+//! mini-batch's sequences are dealt to the ranks round-robin; a rank scales its part of each
+//! loss by its share of the loss's normaliser, so the summed gradients are the gradient of the
+//! whole mini-batch's loss; the gradients are summed before each optimizer step, which then runs
+//! identically everywhere. With one rank every function here is the identity.
 
 use std::collections::BTreeMap;
 
@@ -34,6 +35,38 @@ pub fn deal<T: Copy>(items: &[T], dist: &dyn Collective) -> Vec<T> {
         .step_by(dist.size())
         .copied()
         .collect()
+}
+
+/// A per-record result (critic values, reference log-probs) computed by each rank on its dealt
+/// share of `sequences` and gathered, so every rank holds every record's row. `compute` returns
+/// one row per record of `records_len`, filled for the records of the sequences it was given.
+pub fn per_record_rows(
+    records_len: usize,
+    sequences: &[Vec<usize>],
+    dist: &dyn Collective,
+    compute: impl FnOnce(&[Vec<usize>]) -> Result<Vec<Vec<f32>>, TrainError>,
+) -> Result<Vec<Vec<f32>>, TrainError> {
+    if dist.size() == 1 {
+        return compute(sequences);
+    }
+    let mine: Vec<Vec<usize>> = sequences
+        .iter()
+        .skip(dist.rank())
+        .step_by(dist.size())
+        .cloned()
+        .collect();
+    let rows = compute(&mine)?;
+    let filled: Vec<(usize, &Vec<f32>)> = mine.iter().flatten().map(|&r| (r, &rows[r])).collect();
+    let bytes = serde_json::to_vec(&filled).map_err(|e| TrainError::Data(e.to_string()))?;
+    let mut out = vec![Vec::new(); records_len];
+    for (rank, part) in dist.all_gather_bytes(&bytes)?.iter().enumerate() {
+        let rows: Vec<(usize, Vec<f32>)> = serde_json::from_slice(part)
+            .map_err(|e| TrainError::Data(format!("rows gathered from rank {rank}: {e}")))?;
+        for (r, row) in rows {
+            out[r] = row;
+        }
+    }
+    Ok(out)
 }
 
 /// Every rank's records, in one process's order (trajectory id, then step).
@@ -182,9 +215,9 @@ pub fn summed_gradients<'a>(
 /// Running sums and counts of the update's metrics, merged over ranks.
 pub fn merge_means(
     sums: Scalars,
-    counts: BTreeMap<String, usize>,
+    counts: BTreeMap<String, f64>,
     dist: &dyn Collective,
-) -> Result<(Scalars, BTreeMap<String, usize>), TrainError> {
+) -> Result<(Scalars, BTreeMap<String, f64>), TrainError> {
     if dist.size() == 1 {
         return Ok((sums, counts));
     }
@@ -192,7 +225,7 @@ pub fn merge_means(
         serde_json::to_vec(&(&sums, &counts)).map_err(|e| TrainError::Data(e.to_string()))?;
     let (mut all_sums, mut all_counts) = (Scalars::new(), BTreeMap::new());
     for part in dist.all_gather_bytes(&bytes)? {
-        let (s, c): (Scalars, BTreeMap<String, usize>) =
+        let (s, c): (Scalars, BTreeMap<String, f64>) =
             serde_json::from_slice(&part).map_err(|e| TrainError::Data(e.to_string()))?;
         for (k, v) in s {
             *all_sums.entry(k).or_default() += v;

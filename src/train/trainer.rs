@@ -605,6 +605,8 @@ impl Trainer {
         }
     }
 
+    /// Rollout-time critic values of every record (each rank computes its share of the
+    /// sequences).
     fn critic_values(
         &self,
         records: &[StepRecord],
@@ -613,11 +615,12 @@ impl Trainer {
     ) -> Result<Vec<Vec<f32>>, TrainError> {
         let pad = self.tok.pad_id();
         let device = self.policy.device().clone();
-        match &self.critic {
+        let dist = self.dist.as_ref();
+        ranks::per_record_rows(records.len(), sequences, dist, |mine| match &self.critic {
             Some(c) => update::critic_values(
                 &|ids, mask| c.values(&self.policy, ids, mask),
                 records,
-                sequences,
+                mine,
                 target,
                 VALUE_CHUNK,
                 pad,
@@ -627,14 +630,14 @@ impl Trainer {
             None => update::critic_values(
                 &|ids, mask| Ok(self.policy.values(ids, mask)?),
                 records,
-                sequences,
+                mine,
                 target,
                 VALUE_CHUNK,
                 pad,
                 &self.masks,
                 &device,
             ),
-        }
+        })
     }
 
     /// The reference policy's log-prob of every response token; `None` without a reference.
@@ -646,15 +649,19 @@ impl Trainer {
         let Some(reference) = &self.reference else {
             return Ok(None);
         };
-        Ok(Some(update::response_logprobs(
-            reference,
-            records,
-            sequences,
-            VALUE_CHUNK,
-            self.tok.pad_id(),
-            self.update_temperature(),
-            &self.masks,
-        )?))
+        let dist = self.dist.as_ref();
+        let rows = ranks::per_record_rows(records.len(), sequences, dist, |mine| {
+            update::response_logprobs(
+                reference,
+                records,
+                mine,
+                VALUE_CHUNK,
+                self.tok.pad_id(),
+                self.update_temperature(),
+                &self.masks,
+            )
+        })?;
+        Ok(Some(rows))
     }
 
     /// The KL-in-reward penalty of every response token, `init_kl_coef · KL(π_rollout ‖ π_ref)`

@@ -137,29 +137,56 @@ pub struct Learners<'a> {
 }
 
 /// Running means of the update's metrics.
-#[derive(Default)]
+///
+/// A value measured on one rank's part of a mini-batch counts as that part's share of the
+/// mini-batch ([`Means::part`]), so merged over ranks it is the whole mini-batch's value (for the
+/// means the losses aggregate); a value every rank holds alike counts once per rank.
 struct Means {
     sums: Scalars,
-    counts: std::collections::BTreeMap<String, usize>,
+    counts: std::collections::BTreeMap<String, f64>,
+    /// Weight of the values added now (1 outside [`Means::part`]).
+    weight: f64,
+}
+
+impl Default for Means {
+    fn default() -> Self {
+        Self {
+            sums: Scalars::new(),
+            counts: Default::default(),
+            weight: 1.0,
+        }
+    }
 }
 
 impl Means {
     fn add(&mut self, name: &str, v: f64) {
         if v.is_finite() {
-            *self.sums.entry(name.into()).or_default() += v;
-            *self.counts.entry(name.into()).or_default() += 1;
+            *self.sums.entry(name.into()).or_default() += v * self.weight;
+            *self.counts.entry(name.into()).or_default() += self.weight;
         }
+    }
+
+    /// Runs `f` with the values it adds weighted by this rank's `share` of the mini-batch.
+    fn part<T>(&mut self, share: &ranks::Share, f: impl FnOnce(&mut Self) -> T) -> T {
+        self.weight = share.scale();
+        let out = f(self);
+        self.weight = 1.0;
+        out
     }
 
     /// The sums and counts of every rank.
     fn merged(self, dist: &dyn Collective) -> Result<Self, TrainError> {
         let (sums, counts) = ranks::merge_means(self.sums, self.counts, dist)?;
-        Ok(Self { sums, counts })
+        Ok(Self {
+            sums,
+            counts,
+            weight: 1.0,
+        })
     }
 
     fn into_scalars(self, out: &mut Scalars) {
         for (k, s) in self.sums {
-            out.insert(k.clone(), s / self.counts[&k] as f64);
+            out.insert(k.clone(), s / self.counts[&k]);
         }
     }
 }
@@ -574,10 +601,14 @@ fn actor_step(
     }
     let mut loss: Option<Tensor> = None;
     if let Some((p, batch)) = part.filter(|_| actor.0 > 0) {
-        let (policy_part, shared_values) = actor_loss(inputs, settings, learners, p, batch, means)?;
+        let (policy_part, shared_values) = means.part(&actor_share, |m| {
+            actor_loss(inputs, settings, learners, p, batch, m)
+        })?;
         let mut l = ranks::scaled(policy_part, &actor_share, dist)?;
         if let Some(values) = shared_values {
-            let (vf, _) = critic_loss(inputs, settings, &values, p, batch, means)?;
+            let (vf, _) = means.part(&critic_share, |m| {
+                critic_loss(inputs, settings, &values, p, batch, m)
+            })?;
             l = (l + ranks::scaled(vf, &critic_share, dist)?)?;
         }
         loss = Some(l);
@@ -589,7 +620,7 @@ fn actor_step(
                 Some(l) => (l + weighted)?,
                 None => weighted,
             });
-            means.add("self_imitation/nll", nll);
+            means.part(&replay_share, |m| m.add("self_imitation/nll", nll));
         }
     }
     let (finite, local_grads) = backward(loss.as_ref())?;
@@ -808,7 +839,9 @@ fn critic_step(
     }
     let loss = match local.filter(|_| norm.0 > 0) {
         Some((values, (p, batch))) => {
-            let (loss, _) = critic_loss(inputs, settings, values, p, batch, means)?;
+            let (loss, _) = means.part(&share, |m| {
+                critic_loss(inputs, settings, values, p, batch, m)
+            })?;
             Some(ranks::scaled(loss, &share, dist)?)
         }
         None => None,
