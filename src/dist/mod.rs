@@ -37,6 +37,11 @@ pub trait Collective: Send + Sync {
     fn size(&self) -> usize;
     /// What carries the collectives, for the log (`single`, `mpi`, `mpi+nccl`).
     fn backend(&self) -> &'static str;
+    /// Whether this is a process on its own ([`Single`]), where the trainer skips every
+    /// collective; a launched world of one rank still runs them (which tests the backend).
+    fn is_single_process(&self) -> bool {
+        false
+    }
     /// Element-wise sum over ranks, in place.
     fn all_reduce_f64(&self, values: &mut [f64]) -> Result<(), DistError>;
     /// Element-wise sum over ranks, in place.
@@ -50,9 +55,6 @@ pub trait Collective: Send + Sync {
     /// The sum over ranks of a flat `f32` gradient (a 1-D tensor on the model's device). The
     /// default goes through the host; a device backend (NCCL) keeps it on the device.
     fn all_reduce_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
-        if self.size() == 1 {
-            return Ok(flat.clone());
-        }
         let mut host = flat.to_vec1::<f32>()?;
         self.all_reduce_f32(&mut host)?;
         Ok(Tensor::from_vec(host, flat.dims(), flat.device())?)
@@ -72,6 +74,9 @@ impl Collective for Single {
     fn backend(&self) -> &'static str {
         "single"
     }
+    fn is_single_process(&self) -> bool {
+        true
+    }
     fn all_reduce_f64(&self, _: &mut [f64]) -> Result<(), DistError> {
         Ok(())
     }
@@ -80,6 +85,9 @@ impl Collective for Single {
     }
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
         Ok(vec![mine.to_vec()])
+    }
+    fn all_reduce_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
+        Ok(flat.clone())
     }
     fn broadcast_bytes(&self, _: &mut Vec<u8>) -> Result<(), DistError> {
         Ok(())
@@ -140,6 +148,9 @@ impl Collective for Metered {
     }
     fn backend(&self) -> &'static str {
         self.inner.backend()
+    }
+    fn is_single_process(&self) -> bool {
+        self.inner.is_single_process()
     }
     fn all_reduce_f64(&self, values: &mut [f64]) -> Result<(), DistError> {
         self.count(values.len() * 8, || self.inner.all_reduce_f64(values))

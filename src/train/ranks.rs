@@ -6,7 +6,7 @@
 //! mini-batch's sequences are dealt to the ranks round-robin; a rank scales its part of each
 //! loss by its share of the loss's normaliser, so the summed gradients are the gradient of the
 //! whole mini-batch's loss; the gradients are summed before each optimizer step, which then runs
-//! identically everywhere. With one rank every function here is the identity.
+//! identically everywhere. In a single process (no launcher) every function here is the identity.
 
 use std::collections::BTreeMap;
 
@@ -46,7 +46,7 @@ pub fn per_record_rows(
     dist: &dyn Collective,
     compute: impl FnOnce(&[Vec<usize>]) -> Result<Vec<Vec<f32>>, TrainError>,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
-    if dist.size() == 1 {
+    if dist.is_single_process() {
         return compute(sequences);
     }
     let mine: Vec<Vec<usize>> = sequences
@@ -74,7 +74,7 @@ pub fn gather_records(
     local: Vec<StepRecord>,
     dist: &dyn Collective,
 ) -> Result<Vec<StepRecord>, TrainError> {
-    if dist.size() == 1 {
+    if dist.is_single_process() {
         return Ok(local);
     }
     let bytes = serde_json::to_vec(&local).map_err(|e| TrainError::Data(e.to_string()))?;
@@ -93,7 +93,7 @@ pub fn sum_counters(
     mine: CacheCounters,
     dist: &dyn Collective,
 ) -> Result<CacheCounters, TrainError> {
-    if dist.size() == 1 {
+    if dist.is_single_process() {
         return Ok(mine);
     }
     let bytes = serde_json::to_vec(&mine).map_err(|e| TrainError::Data(e.to_string()))?;
@@ -144,15 +144,15 @@ pub fn shares<const N: usize>(
     }))
 }
 
-/// `loss × share.scale()` when there are several ranks (the loss unchanged with one).
+/// `loss × share.scale()` in a launched world (the loss unchanged in a single process).
 pub fn scaled(loss: Tensor, share: &Share, dist: &dyn Collective) -> Result<Tensor, TrainError> {
-    if dist.size() == 1 {
+    if dist.is_single_process() {
         return Ok(loss);
     }
     Ok(loss.affine(share.scale(), 0.0)?)
 }
 
-/// Gradients for an optimizer step: this rank's own (one rank) or the sum over ranks.
+/// Gradients for an optimizer step: this process's own (a single process) or the sum over ranks.
 pub enum Gradients<'a> {
     Local(&'a GradStore),
     Summed(GradStore),
@@ -177,7 +177,7 @@ pub fn summed_gradients<'a>(
     finite: bool,
     dist: &dyn Collective,
 ) -> Result<Option<Gradients<'a>>, TrainError> {
-    if dist.size() == 1 {
+    if dist.is_single_process() {
         return Ok(local.filter(|_| finite).map(Gradients::Local));
     }
     let params = opt.params();
@@ -218,7 +218,7 @@ pub fn merge_means(
     counts: BTreeMap<String, f64>,
     dist: &dyn Collective,
 ) -> Result<(Scalars, BTreeMap<String, f64>), TrainError> {
-    if dist.size() == 1 {
+    if dist.is_single_process() {
         return Ok((sums, counts));
     }
     let bytes =

@@ -569,7 +569,7 @@ impl Trainer {
         scalars.insert("time/advantage".into(), time_adv);
         scalars.insert("time/update".into(), time_update);
         scalars.insert("time/step".into(), time_step);
-        if self.dist.size() > 1 {
+        if !self.dist.is_single_process() {
             let now = self.dist.traffic();
             scalars.insert("dist/ranks".into(), self.dist.size() as f64);
             scalars.insert("dist/bytes".into(), (now.bytes - traffic.bytes) as f64);
@@ -858,7 +858,7 @@ fn check_world(cfg: &Config, ranks: usize) -> Result<(), TrainError> {
 
 /// Gives every rank rank 0's values of `vars` (the warm-started weights).
 fn broadcast_weights(dist: &dyn Collective, vars: &[(String, Var)]) -> Result<(), TrainError> {
-    if dist.size() == 1 {
+    if dist.is_single_process() {
         return Ok(());
     }
     for (_, var) in vars {

@@ -222,9 +222,9 @@ pub fn ppo_update(
                 .map(|s| inputs.sequences[s].clone())
                 .collect();
             let part = local_batch(inputs, settings, learners.policy, &seqs)?;
-            // With one rank an empty mini-batch is skipped; with several every rank takes part
+            // A single process skips an empty mini-batch; in a launched world every rank takes part
             // in each step's collectives, with or without rows of its own.
-            if part.is_none() && dist.size() == 1 {
+            if part.is_none() && dist.is_single_process() {
                 continue;
             }
             let part = part.as_ref().map(|(p, b)| (p, b));
