@@ -699,7 +699,14 @@ fn a_shard_writer_creates_beside_the_lead_refuses_its_own_segments_and_keeps_its
     let err = lead.record_shards(twice).unwrap_err();
     assert!(err.to_string().contains("listed twice"), "{err}");
     lead.record_shards(resumed.segments).unwrap();
-    drop((shard, other));
+    // A rank that has written nothing yet (a world grown on resume) opens to append as well.
+    let mut newcomer = DatasetWriter::open_append(&data, ranked(Some(7))).unwrap();
+    assert!(newcomer.position().unwrap().segments.is_empty());
+    let at = newcomer.append(&rank_records(1, 4..5)[0]).unwrap();
+    assert_eq!((at.shard, at.segment), (Some(7), 0));
+    lead.record_shards(newcomer.position().unwrap().segments)
+        .unwrap();
+    drop((shard, other, newcomer));
     lead.seal().unwrap();
     let report = verify(&data).unwrap();
     assert!(report.is_sound(), "{:?}", report.problems);

@@ -292,15 +292,17 @@ impl DatasetWriter {
     /// holds no segment of its shard, and writes nothing until its first record.
     pub fn create(dir: &Path, opts: WriterOptions) -> Result<Self, StoreError> {
         fs::create_dir_all(dir).map_err(StoreError::io(dir))?;
+        let manifest = dir.join(MANIFEST_FILE);
         let files = segment_files(dir)?;
         let taken = match opts.shard {
-            None if dir.join(MANIFEST_FILE).exists() => Some(MANIFEST_FILE.to_string()),
-            None => files.first().map(|(id, _)| id.file_name()),
+            None if manifest.exists() => Some(&manifest),
+            None => files.first().map(|(_, path)| path),
             Some(shard) => (files.iter())
                 .find(|(id, _)| id.shard == Some(shard))
-                .map(|(id, _)| id.file_name()),
+                .map(|(_, path)| path),
         };
-        if let Some(file) = taken {
+        if let Some(path) = taken {
+            let file = path.file_name().unwrap_or_default().to_string_lossy();
             let what = opts
                 .shard
                 .map_or("a dataset".into(), |s| format!("shard {s}'s segments"));
