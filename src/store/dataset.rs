@@ -139,7 +139,9 @@ impl DatasetPosition {
 /// when the manifest is damaged). Returns the number of records removed. Idempotent, so a crash
 /// during a rewind is repaired by rewinding again. Fails, naming the file, when a segment is
 /// missing or shorter than recorded (records the position counts are gone) or a sealed one has
-/// changed. No writer may be writing to `dir` meanwhile.
+/// changed. No writer may be writing to `dir` meanwhile. In a data-parallel dataset `position`
+/// must be the lead writer's: a shard writer's lists only its own segments, and every other
+/// segment file would go.
 pub fn rewind(dir: &Path, position: &DatasetPosition) -> Result<u64, StoreError> {
     let mut removed = 0;
     for (_, path) in segment_files(dir)? {
