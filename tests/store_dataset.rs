@@ -1,12 +1,14 @@
 //! Dataset-level properties of the step store: round trip, linear storage, crash and corruption
-//! handling, index lookup, readers over a dataset being appended.
+//! handling, index lookup, readers over a dataset being appended, rewind, and the shards of
+//! data-parallel ranks writing one dataset.
 
 use std::fs;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use stepppo::store::{
-    repair, rewind, verify, Dataset, DatasetWriter, ProblemKind, StepInfo, StepRecord,
-    WriterOptions,
+    repair, rewind, verify, Dataset, DatasetPosition, DatasetWriter, Manifest, ProblemKind,
+    SegmentEntry, StepInfo, StepRecord, WriterOptions,
 };
 
 /// A trajectory in the concatenated layout: `turns` steps, `new_tokens` tokens per obs/response.
@@ -452,5 +454,274 @@ fn rewind_cuts_a_dataset_back_to_a_recorded_position_across_rolls_and_seals() {
     assert!(
         err.contains("fewer than") || err.contains("was sealed"),
         "{err}"
+    );
+}
+
+/// Options of the writer of `shard` (`None`: the lead) rolling at 600 bytes.
+fn ranked(shard: Option<u32>) -> WriterOptions {
+    WriterOptions {
+        roll_bytes: 600,
+        shard,
+        ..WriterOptions::default()
+    }
+}
+
+/// Rank `rank`'s share of `groups` in a world of 3: trajectory `3g + rank` of each group `g`, so
+/// every group has one trajectory in each rank's files.
+fn rank_records(rank: u64, groups: Range<u64>) -> Vec<StepRecord> {
+    groups
+        .flat_map(|g| trajectory(3 * g + rank, g, 2 + ((g + rank) % 3) as u32, 12))
+        .collect()
+}
+
+fn append_all(writer: &mut DatasetWriter, records: &[StepRecord]) {
+    for record in records {
+        writer.append(record).unwrap();
+    }
+}
+
+/// Records ordered by (traj_id, step_index): the order of no one file.
+fn by_key(mut records: Vec<StepRecord>) -> Vec<StepRecord> {
+    records.sort_by_key(|r| (r.traj_id, r.step_index));
+    records
+}
+
+/// One training step of a world of 3: every rank appends its share of `groups` (added to
+/// `all`), and the lead records the shard writers' positions.
+fn ranks_step(
+    lead: &mut DatasetWriter,
+    shards: &mut [DatasetWriter],
+    groups: Range<u64>,
+    all: &mut Vec<StepRecord>,
+) {
+    let own = rank_records(0, groups.clone());
+    append_all(lead, &own);
+    all.extend(own);
+    let mut reported = Vec::new();
+    for (rank, shard) in (1..).zip(shards.iter_mut()) {
+        let records = rank_records(rank, groups.clone());
+        append_all(shard, &records);
+        all.extend(records);
+        reported.extend(shard.position().unwrap().segments);
+    }
+    lead.record_shards(reported).unwrap();
+}
+
+/// The lead writer and the writers of shards 1 and 2 of a new dataset in `dir`.
+fn ranks(dir: &Path) -> (DatasetWriter, Vec<DatasetWriter>) {
+    let lead = DatasetWriter::create(dir, ranked(None)).unwrap();
+    let shards = (1..=2)
+        .map(|r| DatasetWriter::create(dir, ranked(Some(r))).unwrap())
+        .collect();
+    (lead, shards)
+}
+
+fn file_names(segments: &[SegmentEntry]) -> Vec<&str> {
+    segments.iter().map(|e| e.file.as_str()).collect()
+}
+
+#[test]
+fn a_lead_and_two_shard_writers_write_one_dataset_that_reads_as_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("d");
+    let (mut lead, mut shards) = ranks(&data);
+    let mut all = Vec::new();
+    for step in 0..2 {
+        ranks_step(&mut lead, &mut shards, step * 3..step * 3 + 3, &mut all);
+    }
+    let position = lead.position().unwrap();
+    assert_eq!(position.records(), all.len() as u64);
+    let files = file_names(&position.segments);
+    for name in [
+        "seg-000000.stp",
+        "seg-r0001-000001.stp",
+        "seg-r0002-000001.stp",
+    ] {
+        assert!(files.contains(&name), "{files:?}");
+    }
+    // Shards seal on drop after the lead last recorded them: listed unsealed, which is no problem.
+    drop(shards);
+    lead.seal().unwrap();
+
+    let dataset = Dataset::open(&data).unwrap();
+    assert!(dataset.problems().is_empty(), "{:?}", dataset.problems());
+    let read: Vec<StepRecord> = dataset.records().map(|v| v.to_record().unwrap()).collect();
+    assert_eq!(by_key(read), by_key(all.clone()));
+    let on_disk: Vec<String> = dataset
+        .segments()
+        .map(|s| s.path.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(on_disk, file_names(&dataset.manifest().segments));
+    assert_eq!(on_disk.len(), files.len());
+    assert!(on_disk[0].starts_with("seg-0") && on_disk.last().unwrap().starts_with("seg-r0002-"));
+    // Each group has a trajectory in every rank's files, each trajectory whole.
+    let groups = dataset.groups();
+    assert_eq!(groups.len(), 6);
+    for group in &groups {
+        let ranks: Vec<u64> = group.trajectories.iter().map(|t| t.traj_id % 3).collect();
+        assert_eq!(ranks, [0, 1, 2], "group {}", group.group_id);
+        for traj in &group.trajectories {
+            let expected = all.iter().filter(|r| r.traj_id == traj.traj_id).count();
+            assert_eq!(traj.steps.len(), expected);
+            assert_eq!(traj.missing_step(), None);
+            assert!(!traj.is_open().unwrap());
+            let found = dataset.trajectory(traj.traj_id).unwrap();
+            assert_eq!(found.steps.len(), expected);
+        }
+    }
+    drop(dataset);
+    let report = verify(&data).unwrap();
+    assert!(report.is_sound(), "{:?}", report.problems);
+    assert_eq!((report.segments, report.records), (files.len(), all.len()));
+}
+
+#[test]
+fn rewind_brings_every_shard_back_to_the_lead_position_and_every_rank_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("d");
+    let (mut lead, mut shards) = ranks(&data);
+    let mut before = Vec::new();
+    ranks_step(&mut lead, &mut shards, 0..3, &mut before);
+    let position = lead.position().unwrap();
+    assert_eq!(position.records(), before.len() as u64);
+    // Later steps roll every rank into new segments; shard 2 writes past the last record too.
+    let mut after = Vec::new();
+    ranks_step(&mut lead, &mut shards, 3..7, &mut after);
+    let unrecorded = rank_records(2, 7..9);
+    append_all(&mut shards[1], &unrecorded);
+    after.extend(unrecorded);
+    drop(shards);
+    lead.seal().unwrap();
+    assert_eq!(
+        Dataset::open(&data).unwrap().len(),
+        before.len() + after.len()
+    );
+
+    assert_eq!(rewind(&data, &position).unwrap(), after.len() as u64);
+    assert!(verify(&data).unwrap().is_sound());
+    assert_eq!(by_key(read_all(&data)), by_key(before.clone()));
+    let manifest = Manifest::read(&data).unwrap();
+    assert_eq!(
+        file_names(&manifest.segments),
+        file_names(&position.segments)
+    );
+    assert_eq!(rewind(&data, &position).unwrap(), 0);
+
+    // Every rank resumes where the position left it, a shard in its own last segment.
+    let mut lead = DatasetWriter::open_append(&data, ranked(None)).unwrap();
+    assert_eq!(lead.position().unwrap(), position);
+    let mut reported = Vec::new();
+    for rank in 1..=2 {
+        let opts = WriterOptions {
+            shard: Some(rank),
+            ..WriterOptions::default()
+        };
+        let mut shard = DatasetWriter::open_append(&data, opts).unwrap();
+        let last = shard.position().unwrap().segments.pop().unwrap();
+        assert!(!last.sealed && last.file.starts_with(&format!("seg-r{rank:04}-")));
+        let at = shard.append(&rank_records(rank.into(), 3..4)[0]).unwrap();
+        assert_eq!(at.shard, Some(rank));
+        assert_eq!(format!("seg-r{rank:04}-{:06}.stp", at.segment), last.file);
+        reported.extend(shard.position().unwrap().segments);
+    }
+    lead.record_shards(reported).unwrap();
+    lead.seal().unwrap();
+    assert!(verify(&data).unwrap().is_sound());
+    assert_eq!(Dataset::open(&data).unwrap().len(), before.len() + 2);
+}
+
+#[test]
+fn a_shard_writer_creates_beside_the_lead_refuses_its_own_segments_and_keeps_its_numbering() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("d");
+    let mut lead = DatasetWriter::create(&data, ranked(None)).unwrap();
+    append_all(&mut lead, &rank_records(0, 0..3));
+    let mut shard = DatasetWriter::create(&data, ranked(Some(1))).unwrap();
+    let ones = rank_records(1, 0..3);
+    append_all(&mut shard, &ones);
+    let reported = shard.position().unwrap();
+    drop(shard);
+    let (last, count) = (
+        reported.segments.last().unwrap().clone(),
+        reported.segments.len(),
+    );
+    assert!(count > 1 && last.file == format!("seg-r0001-{:06}.stp", count - 1));
+
+    let err = DatasetWriter::create(&data, ranked(Some(1))).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("already holds shard 1's segments (seg-r0001-000000.stp)"),
+        "{err}"
+    );
+    let err = DatasetWriter::create(&data, ranked(None)).unwrap_err();
+    assert!(err.to_string().contains("already holds a dataset"), "{err}");
+    // Its segments are not listed yet: the shard refuses to append until the lead records them.
+    let err = DatasetWriter::open_append(&data, ranked(Some(1))).unwrap_err();
+    assert!(
+        err.to_string().contains("does not list seg-r0001-"),
+        "{err}"
+    );
+    lead.record_shards(reported.segments).unwrap();
+
+    // Sealed on drop, so the next record starts the shard's next segment.
+    let mut shard = DatasetWriter::open_append(&data, ranked(Some(1))).unwrap();
+    let at = shard.append(&rank_records(1, 3..4)[0]).unwrap();
+    assert_eq!((at.shard, at.segment), (Some(1), count as u64));
+    // A killed shard writer's unsealed segment is resumed.
+    let mut other = DatasetWriter::create(&data, ranked(Some(2))).unwrap();
+    other.append(&rank_records(2, 0..1)[0]).unwrap();
+    let mut reported = shard.position().unwrap().segments;
+    reported.extend(other.position().unwrap().segments);
+    std::mem::forget(other);
+    lead.record_shards(reported).unwrap();
+    let mut other = DatasetWriter::open_append(&data, ranked(Some(2))).unwrap();
+    let at = other.append(&rank_records(2, 1..2)[0]).unwrap();
+    assert_eq!((at.shard, at.segment), (Some(2), 0));
+    let resumed = other.position().unwrap();
+    assert_eq!(resumed.segments.len(), 1);
+    assert_eq!(resumed.records(), 2);
+
+    // Recording shards is the lead's, and only shard segments are recorded.
+    let err = other.record_shards(resumed.segments.clone()).unwrap_err();
+    assert!(
+        err.to_string().contains("shard 2 cannot record shards"),
+        "{err}"
+    );
+    let mut lead_entry = resumed.segments[0].clone();
+    lead_entry.file = "seg-000003.stp".into();
+    let err = lead.record_shards(vec![lead_entry]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("seg-000003.stp: is not a shard's segment"),
+        "{err}"
+    );
+    let twice = [resumed.segments.clone(), resumed.segments.clone()].concat();
+    let err = lead.record_shards(twice).unwrap_err();
+    assert!(err.to_string().contains("listed twice"), "{err}");
+    lead.record_shards(resumed.segments).unwrap();
+    // A rank that has written nothing yet (a world grown on resume) opens to append as well.
+    let mut newcomer = DatasetWriter::open_append(&data, ranked(Some(7))).unwrap();
+    assert!(newcomer.position().unwrap().segments.is_empty());
+    let at = newcomer.append(&rank_records(1, 4..5)[0]).unwrap();
+    assert_eq!((at.shard, at.segment), (Some(7), 0));
+    lead.record_shards(newcomer.position().unwrap().segments)
+        .unwrap();
+    drop((shard, other, newcomer));
+    lead.seal().unwrap();
+    let report = verify(&data).unwrap();
+    assert!(report.is_sound(), "{:?}", report.problems);
+}
+
+/// A position of a dataset can be stored and read back (a checkpoint's `run_position.json`).
+#[test]
+fn a_position_with_shard_segments_round_trips_through_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut lead, mut shards) = ranks(dir.path());
+    ranks_step(&mut lead, &mut shards, 0..2, &mut Vec::new());
+    let position = lead.position().unwrap();
+    let text = serde_json::to_string(&position).unwrap();
+    assert_eq!(
+        serde_json::from_str::<DatasetPosition>(&text).unwrap(),
+        position
     );
 }

@@ -377,3 +377,108 @@ fn a_segment_the_manifest_lists_in_a_newer_format_is_refused_and_left_alone() {
     );
     assert_eq!(fs::read(&seg).unwrap(), before);
 }
+
+#[test]
+fn a_shard_segment_the_lead_has_not_recorded_is_read_and_repair_lists_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let written = records(24);
+    let (mine, theirs) = written.split_at(8);
+    let (recorded, late) = theirs.split_at(6);
+    write(dir.path(), mine);
+    let mut lead = DatasetWriter::open_append(dir.path(), WriterOptions::default()).unwrap();
+    let shard_opts = || WriterOptions {
+        roll_bytes: 600,
+        shard: Some(3),
+        ..WriterOptions::default()
+    };
+    let mut shard = DatasetWriter::create(dir.path(), shard_opts()).unwrap();
+    for record in recorded {
+        shard.append(record).unwrap();
+    }
+    lead.record_shards(shard.position().unwrap().segments)
+        .unwrap();
+    lead.seal().unwrap();
+    // The rank goes on into new segments; the lead never hears of them (a crash, say).
+    let mut rolled = None;
+    for record in late {
+        rolled = Some(shard.append(record).unwrap().segment);
+    }
+    drop(shard);
+    let unlisted = format!("seg-r0003-{:06}.stp", rolled.unwrap());
+
+    let dataset = Dataset::open(dir.path()).unwrap();
+    let problems = manifest_problems(&dataset);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.ends_with(&format!("does not list {unlisted}"))),
+        "{problems:?}"
+    );
+    assert_eq!(problems.len(), dataset.problems().len());
+    assert!(problems
+        .iter()
+        .all(|p| p.contains("does not list seg-r0003-")));
+    let mut read = read_all(dir.path());
+    read.sort_by_key(|r| r.traj_id);
+    assert_eq!(read, written);
+    drop(dataset);
+    // The shard's writer refuses to append to segments the manifest does not list.
+    let err = DatasetWriter::open_append(dir.path(), shard_opts()).unwrap_err();
+    assert!(
+        err.to_string().contains("run `stepppo dataset repair`"),
+        "{err}"
+    );
+
+    let fixed = repair(dir.path()).unwrap();
+    assert!(
+        fixed.actions.iter().any(|a| a.contains("rebuilt")),
+        "{:?}",
+        fixed.actions
+    );
+    assert!(verify(dir.path()).unwrap().is_sound());
+    let manifest = Manifest::read(dir.path()).unwrap();
+    assert!(manifest.segments.iter().any(|e| e.file == unlisted));
+    assert_eq!(manifest.metadata, metadata());
+    // The lead resumes with every shard segment in its position, counted.
+    let mut lead = DatasetWriter::open_append(dir.path(), WriterOptions::default()).unwrap();
+    assert_eq!(lead.position().unwrap().records(), written.len() as u64);
+    let shard = DatasetWriter::open_append(dir.path(), shard_opts()).unwrap();
+    drop((lead, shard));
+}
+
+#[test]
+fn a_shard_segment_shorter_than_the_lead_recorded_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), &records(2));
+    let mut lead = DatasetWriter::open_append(dir.path(), WriterOptions::default()).unwrap();
+    let opts = WriterOptions {
+        shard: Some(1),
+        ..WriterOptions::default()
+    };
+    let mut shard = DatasetWriter::create(dir.path(), opts).unwrap();
+    for record in &records(6)[2..] {
+        shard.append(record).unwrap();
+    }
+    let position = shard.position().unwrap();
+    std::mem::forget(shard);
+    lead.record_shards(position.segments.clone()).unwrap();
+    lead.seal().unwrap();
+    let seg = dir.path().join(&position.segments[0].file);
+    let len = fs::metadata(&seg).unwrap().len();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&seg)
+        .unwrap()
+        .set_len(len - 3)
+        .unwrap();
+    let problems = verify(dir.path()).unwrap().problems;
+    let shown: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
+    let lost = format!(
+        "lists seg-r0001-000000.stp at {len} bytes, the file holds {}",
+        len - 3
+    );
+    assert!(shown.iter().any(|p| p.contains(&lost)), "{shown:?}");
+    repair(dir.path()).unwrap();
+    assert!(verify(dir.path()).unwrap().is_sound());
+    assert_eq!(read_all(dir.path()).len(), 5);
+}

@@ -1,18 +1,27 @@
-//! A dataset: a directory of segment files `seg-NNNNNN.stp` plus `manifest.json`; the writer that
-//! appends records and rolls segments, and the reader that iterates records, trajectories and
-//! groups (reassembled across segments) and finds trajectories by id through the footer index.
+//! A dataset: a directory of segment files plus `manifest.json`; the writer that appends records
+//! and rolls segments, and the reader that iterates records, trajectories and groups
+//! (reassembled across segments) and finds trajectories by id through the footer index.
 //!
-//! The segment files themselves are the truth for the records: a reader opens every `seg-*.stp`
-//! of the directory and reports disagreements with the manifest (see `manifest`): a segment it
-//! lists that is missing, a sealed one whose footer, record count or size differs from the file.
-//! A damaged or missing manifest does not stop a reader: the segment list is then taken from the
-//! segment files, and the damage is a [`ProblemKind::Manifest`] problem. Each segment is scanned
-//! with the format version the manifest lists for it, which a damaged header gives way to (see
-//! `segment`). Readers may also skip records whose metadata does not decode
+//! Segment files are `seg-NNNNNN.stp`, written by the lead writer (a single process, or rank 0 of
+//! a data-parallel run), and `seg-rSSSS-NNNNNN.stp` (`SSSS`: 4 or more digits), written by the
+//! writer of shard SSSS (rank SSSS), each rank into its own files of the one directory
+//! ([`SegmentId`]; other names are ignored). The lead alone writes the manifest, listing the
+//! shards' segments as their writers' positions report them ([`DatasetWriter::record_shards`]);
+//! its position, and [`rewind`] to it, cover every shard.
+//!
+//! The segment files themselves are the truth for the records: a reader opens every segment
+//! file of the directory, of every shard, in the order lead first, then by shard and number, and
+//! reports disagreements with the manifest (see `manifest`): a segment it lists that is missing,
+//! a sealed one whose footer, record count or size differs from the file, an unsealed one shorter
+//! than listed, a file it does not list (a shard's segment written after the lead last recorded
+//! the shards, say). A damaged or missing manifest does not stop a reader: the segment list is
+//! then taken from the segment files, and the damage is a [`ProblemKind::Manifest`] problem. Each
+//! segment is scanned with the format version the manifest lists for it, which a damaged header
+//! gives way to (see `segment`). Readers may also skip records whose metadata does not decode
 //! ([`Dataset::skip_undecodable`]); a trajectory that lost a step that way says which
 //! ([`Trajectory::missing_step`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -27,34 +36,90 @@ use super::segment::{self, Frame, MappedSegment, SegmentWriter};
 /// Default segment size at which the writer rolls to a new segment.
 pub const DEFAULT_ROLL_BYTES: u64 = 64 << 20;
 
-fn segment_file_name(number: u64) -> String {
-    format!("seg-{number:06}.stp")
+/// Which segment file: the shard that writes it (`None`: the lead writer, or a single process)
+/// and its number within that shard. The order is the file order of a dataset: the lead's
+/// segments first, then each shard's, each by number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SegmentId {
+    pub shard: Option<u32>,
+    pub number: u64,
 }
 
-fn segment_number(name: &str) -> Option<u64> {
-    let digits = name.strip_prefix("seg-")?.strip_suffix(".stp")?;
-    (digits.len() >= 6 && digits.bytes().all(|b| b.is_ascii_digit()))
-        .then(|| digits.parse().ok())
-        .flatten()
+impl SegmentId {
+    /// The file name: `seg-NNNNNN.stp`, or `seg-rSSSS-NNNNNN.stp` for shard SSSS.
+    pub fn file_name(self) -> String {
+        match self.shard {
+            None => format!("seg-{:06}.stp", self.number),
+            Some(shard) => format!("seg-r{shard:04}-{:06}.stp", self.number),
+        }
+    }
+
+    /// The segment a file name names (`seg-` and at least 6 digits, or `seg-r`, at least 4
+    /// digits, `-` and at least 6 digits, then `.stp`); `None` for any other name.
+    pub fn parse(name: &str) -> Option<Self> {
+        let stem = name.strip_prefix("seg-")?.strip_suffix(".stp")?;
+        let (shard, number) = match stem.strip_prefix('r') {
+            Some(rest) => {
+                let (shard, number) = rest.split_once('-')?;
+                (Some(parse_digits(shard, 4)?), number)
+            }
+            None => (None, stem),
+        };
+        let number = parse_digits(number, 6)?;
+        Some(Self { shard, number })
+    }
 }
 
-/// Segment files of `dir`, ordered by number.
-pub fn segment_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>, StoreError> {
+/// `digits` as a number when it is at least `min` ASCII digits and fits `T`.
+fn parse_digits<T: std::str::FromStr>(digits: &str, min: usize) -> Option<T> {
+    let all_digits = digits.len() >= min && digits.bytes().all(|b| b.is_ascii_digit());
+    all_digits.then(|| digits.parse().ok()).flatten()
+}
+
+/// The shard whose writer a manifest entry's file belongs to: `None` for the lead's segments
+/// and for a name that is no segment's (the lead's manifest lists it, as it listed it before).
+fn shard_of(file: &str) -> Option<u32> {
+    SegmentId::parse(file).and_then(|id| id.shard)
+}
+
+/// Segment files of `dir` (of every shard), in file order (see [`SegmentId`]); other names are
+/// left out.
+pub fn segment_files(dir: &Path) -> Result<Vec<(SegmentId, PathBuf)>, StoreError> {
     let mut found = Vec::new();
     for entry in fs::read_dir(dir).map_err(StoreError::io(dir))? {
         let entry = entry.map_err(StoreError::io(dir))?;
         let name = entry.file_name();
-        if let Some(number) = name.to_str().and_then(segment_number) {
-            found.push((number, entry.path()));
+        if let Some(id) = name.to_str().and_then(SegmentId::parse) {
+            found.push((id, entry.path()));
         }
     }
     found.sort();
     Ok(found)
 }
 
+/// Which segment files a [`Dataset`] opens: all of them (a reader), or those one writer writes
+/// (`open_append` checks only its own; the shards' writers run beside it).
+#[derive(Clone, Copy, Debug)]
+enum Part {
+    All,
+    Shard(Option<u32>),
+}
+
+impl Part {
+    /// Whether a segment of `shard` belongs to this part.
+    fn holds(self, shard: Option<u32>) -> bool {
+        match self {
+            Part::All => true,
+            Part::Shard(own) => own == shard,
+        }
+    }
+}
+
 /// Where a [`DatasetWriter`] stood at one moment: every segment with its state, bytes and record
-/// count then. A training checkpoint keeps one, and [`rewind`] brings the directory back to it,
-/// so records written after the checkpoint are not kept twice when the run resumes.
+/// count then (a shard writer's: its own segments; the lead's: its own and every shard's as
+/// last recorded, see [`DatasetWriter::record_shards`]). A training checkpoint keeps one, and
+/// [`rewind`] brings the directory back to it, so records written after the checkpoint are not
+/// kept twice when the run resumes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DatasetPosition {
     pub segments: Vec<SegmentEntry>,
@@ -67,13 +132,16 @@ impl DatasetPosition {
     }
 }
 
-/// Brings the dataset in `dir` back to `position`: segment files started after it are removed,
-/// the segment that was active then is cut at its recorded length (dropping later records, a
-/// torn tail and a footer added since), and the manifest lists the segments as they were, with
-/// its metadata kept (what can be recovered of it when the manifest is damaged). Returns the
-/// number of records removed. Idempotent, so a crash during a rewind is repaired by rewinding
-/// again. Fails, naming the file, when a segment is missing or
-/// shorter than recorded (records the position counts are gone) or a sealed one has changed.
+/// Brings the dataset in `dir` back to `position`, every shard's files with the lead's: segment
+/// files the position does not list are removed, each segment that was active then is cut at
+/// its recorded length (dropping later records, a torn tail and a footer added since), and the
+/// manifest lists the segments as they were, with its metadata kept (what can be recovered of it
+/// when the manifest is damaged). Returns the number of records removed. Idempotent, so a crash
+/// during a rewind is repaired by rewinding again. Fails, naming the file, when a segment is
+/// missing or shorter than recorded (records the position counts are gone) or a sealed one has
+/// changed. No writer may be writing to `dir` meanwhile. In a data-parallel dataset `position`
+/// must be the lead writer's: a shard writer's lists only its own segments, and every other
+/// segment file would go.
 pub fn rewind(dir: &Path, position: &DatasetPosition) -> Result<u64, StoreError> {
     let mut removed = 0;
     for (_, path) in segment_files(dir)? {
@@ -139,10 +207,11 @@ fn cut_segment(path: &Path, entry: &SegmentEntry) -> Result<u64, StoreError> {
     Ok(dropped)
 }
 
-/// The manifest's entry for a segment in the state `entry` records: an active segment is listed
-/// with zero counts, as the writer lists it.
-fn manifest_entry(entry: &SegmentEntry) -> SegmentEntry {
-    if entry.sealed {
+/// The manifest's entry for a segment in the state `entry` records: an unsealed segment of the
+/// lead is listed with zero counts, as the lead writer lists its active segment; a shard's with
+/// its counts, as [`DatasetWriter::record_shards`] lists them.
+pub(crate) fn manifest_entry(entry: &SegmentEntry) -> SegmentEntry {
+    if entry.sealed || shard_of(&entry.file).is_some() {
         entry.clone()
     } else {
         SegmentEntry {
@@ -158,13 +227,18 @@ fn manifest_entry(entry: &SegmentEntry) -> SegmentEntry {
 pub struct WriterOptions {
     /// Roll to a new segment before a segment would exceed this many bytes.
     pub roll_bytes: u64,
-    /// Written into the manifest on create.
+    /// Written into the manifest on create (not by a shard writer).
     pub created_by: String,
-    /// Merged into the manifest's `metadata` map.
+    /// Merged into the manifest's `metadata` map (not by a shard writer).
     pub metadata: BTreeMap<String, serde_json::Value>,
     /// fsync sealed segments and every manifest replacement (default). `false` leaves the bytes
     /// in the OS page cache: readable at once, lost on a power cut (not on a process crash).
     pub durable: bool,
+    /// The shard this writer writes: `None` (default) for the lead writer (a single process, or
+    /// rank 0 of a data-parallel run), which writes `seg-NNNNNN.stp` files and the manifest;
+    /// `Some(rank)` for another rank, which writes only its `seg-rRRRR-NNNNNN.stp` files and
+    /// never the manifest: the lead lists them ([`DatasetWriter::record_shards`]).
+    pub shard: Option<u32>,
 }
 
 impl Default for WriterOptions {
@@ -174,25 +248,38 @@ impl Default for WriterOptions {
             created_by: format!("stepppo {}", env!("CARGO_PKG_VERSION")),
             metadata: BTreeMap::new(),
             durable: true,
+            shard: None,
         }
     }
 }
 
-/// Where [`DatasetWriter::append`] put a record: segment number (file `seg-NNNNNN.stp`) and
-/// frame offset.
+/// Where [`DatasetWriter::append`] put a record: the writer's shard and segment number (file
+/// `seg-NNNNNN.stp`, or `seg-rSSSS-NNNNNN.stp` in shard SSSS) and frame offset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RecordLocation {
+    pub shard: Option<u32>,
     pub segment: u64,
     pub offset: u64,
 }
 
 /// Appends records to a dataset, rolling segments at `roll_bytes`; seals the active segment
-/// on [`DatasetWriter::seal`] or drop. The manifest is written on create, when a segment starts
-/// and when one is sealed, never per record.
+/// on [`DatasetWriter::seal`] or drop. The lead writer (no shard) writes the manifest on
+/// create, when a segment starts, when one is sealed and when it records the other shards'
+/// segments, never per record; a shard writer never writes it.
+///
+/// Data-parallel ranks write one dataset: rank 0 through the lead writer, rank r > 0 through a
+/// writer of shard r, each into its own segment files. Once per step the lead records what the
+/// shard writers' [`position`](Self::position)s returned ([`record_shards`](Self::record_shards)),
+/// so the manifest lists every shard's segments and the lead's position covers every rank.
 #[derive(Debug)]
 pub struct DatasetWriter {
     dir: PathBuf,
+    /// The shard written (`None`: the lead, which alone writes the manifest).
+    shard: Option<u32>,
+    /// The manifest as this writer keeps it, `segments` listing its own segments only.
     manifest: Manifest,
+    /// The other shards' segments as the lead last recorded them (empty for a shard writer).
+    shards: Vec<SegmentEntry>,
     roll_bytes: u64,
     durable: bool,
     /// The segment being written and its number.
@@ -201,33 +288,55 @@ pub struct DatasetWriter {
 }
 
 impl DatasetWriter {
-    /// Creates a new dataset in `dir` (created if missing; it must not hold a dataset yet).
+    /// Creates a new dataset in `dir` (created if missing). The lead writer needs a directory
+    /// that holds no dataset yet (no manifest, no segment file of any shard: create it before
+    /// the other ranks append) and writes the manifest; a shard writer needs only that `dir`
+    /// holds no segment of its shard, and writes nothing until its first record.
     pub fn create(dir: &Path, opts: WriterOptions) -> Result<Self, StoreError> {
         fs::create_dir_all(dir).map_err(StoreError::io(dir))?;
-        if dir.join(MANIFEST_FILE).exists() || !segment_files(dir)?.is_empty() {
+        let manifest = dir.join(MANIFEST_FILE);
+        let files = segment_files(dir)?;
+        let taken = match opts.shard {
+            None if manifest.exists() => Some(&manifest),
+            None => files.first().map(|(_, path)| path),
+            Some(shard) => (files.iter())
+                .find(|(id, _)| id.shard == Some(shard))
+                .map(|(_, path)| path),
+        };
+        if let Some(path) = taken {
+            let file = path.file_name().unwrap_or_default().to_string_lossy();
+            let what = opts
+                .shard
+                .map_or("a dataset".into(), |s| format!("shard {s}'s segments"));
             return Err(StoreError::Invalid {
                 path: dir.to_path_buf(),
-                reason: "already holds a dataset".into(),
+                reason: format!("already holds {what} ({file})"),
             });
         }
-        let manifest = Manifest::new(opts.created_by, opts.metadata);
-        manifest.replace(dir, opts.durable)?;
-        Ok(Self {
+        let writer = Self {
             dir: dir.to_path_buf(),
-            manifest,
+            shard: opts.shard,
+            manifest: Manifest::new(opts.created_by, opts.metadata),
+            shards: Vec::new(),
             roll_bytes: opts.roll_bytes,
             durable: opts.durable,
             active: None,
             next_number: 0,
-        })
+        };
+        writer.store_manifest()?;
+        Ok(writer)
     }
 
-    /// Opens an existing, undamaged dataset to append more records. An unsealed last segment of
-    /// the current format version is resumed; one of an older version is sealed as it is (one
-    /// file holds frames of one version) and the next record starts a new segment.
-    /// `opts.metadata` is merged into the manifest, and every segment's format version listed.
+    /// Opens an existing, undamaged dataset to append more records (a problem with the
+    /// writer's own segments, or with the manifest's entries of them, refuses). The writer's
+    /// unsealed last segment of the current format version is resumed; one of an older version
+    /// is sealed as it is (one file holds frames of one version) and the next record starts a
+    /// new segment, numbered after the writer's last. The lead merges `opts.metadata` into the
+    /// manifest, lists every one of its segments' format versions, and keeps the other shards'
+    /// entries as the manifest lists them; a shard writer takes its segments' state from its
+    /// files.
     pub fn open_append(dir: &Path, opts: WriterOptions) -> Result<Self, StoreError> {
-        let dataset = Dataset::open(dir)?;
+        let dataset = Dataset::open_part(dir, Part::Shard(opts.shard))?;
         if let Some(problem) = dataset.problems().first() {
             return Err(StoreError::Damaged {
                 problem: problem.clone(),
@@ -236,38 +345,39 @@ impl DatasetWriter {
         let mut manifest = dataset.manifest.clone();
         manifest.metadata.extend(opts.metadata);
         manifest.format_version = segment::FORMAT_VERSION;
-        // A manifest written before it listed versions gets them, to read damaged headers by.
-        for (_, seg) in &dataset.segments {
-            let found = SegmentEntry::found(seg);
-            if let Some(entry) = manifest.entry_mut(&found.file) {
-                entry.format_version = found.format_version;
-            }
-        }
+        let (own, shards) = match opts.shard {
+            None => lead_entries(&dataset, manifest.segments),
+            Some(_) => (dataset.segments().map(SegmentEntry::held).collect(), vec![]),
+        };
+        manifest.segments = own;
         let last = dataset.segments.last();
         let resumed = match last {
-            Some((number, seg)) if seg.scan.footer.is_none() => {
-                Some((*number, SegmentWriter::resume(seg, opts.durable)?))
+            Some((id, seg)) if seg.scan.footer.is_none() => {
+                Some((id.number, SegmentWriter::resume(seg, opts.durable)?))
             }
             _ => None,
         };
         let mut writer = Self {
             dir: dir.to_path_buf(),
+            shard: opts.shard,
             manifest,
+            shards,
             roll_bytes: opts.roll_bytes,
             durable: opts.durable,
             active: None,
-            next_number: last.map_or(0, |(n, _)| n + 1),
+            next_number: last.map_or(0, |(id, _)| id.number + 1),
         };
         match resumed {
             Some(active) if active.1.appendable() => writer.active = Some(active),
             Some((_, older)) => writer.seal_writer(older)?,
             None => {}
         }
-        writer.manifest.replace(dir, opts.durable)?;
+        writer.store_manifest()?;
         Ok(writer)
     }
 
-    /// Sets one entry of the manifest's `metadata` map (written at the next roll or seal).
+    /// Sets one entry of the manifest's `metadata` map (written at the next roll or seal; a
+    /// shard writer writes no manifest).
     pub fn set_metadata(&mut self, key: &str, value: serde_json::Value) {
         self.manifest.metadata.insert(key.to_string(), value);
     }
@@ -276,12 +386,58 @@ impl DatasetWriter {
         &self.dir
     }
 
+    /// The shard this writer writes (`None`: the lead).
+    pub fn shard(&self) -> Option<u32> {
+        self.shard
+    }
+
+    /// Lists `entries` (what the shard writers' [`position`](Self::position)s returned) as the
+    /// segments of their shards in the manifest, in place of the entries it held for those
+    /// shards (a shard `entries` does not name keeps its entries), and replaces the manifest.
+    /// From then on [`position`](Self::position) includes them. Only the lead writer records
+    /// shards; an entry whose file is not a shard's segment (`seg-rSSSS-NNNNNN.stp`), or a file
+    /// listed twice, is refused and nothing is recorded.
+    pub fn record_shards(&mut self, entries: Vec<SegmentEntry>) -> Result<(), StoreError> {
+        let invalid = |path: PathBuf, reason: String| StoreError::Invalid { path, reason };
+        if let Some(shard) = self.shard {
+            let reason = format!("the writer of shard {shard} cannot record shards: the lead does");
+            return Err(invalid(self.dir.join(MANIFEST_FILE), reason));
+        }
+        let mut named = BTreeSet::new();
+        for entry in &entries {
+            match shard_of(&entry.file) {
+                Some(shard) => named.insert(shard),
+                None => {
+                    let reason = "is not a shard's segment file (seg-rSSSS-NNNNNN.stp)".into();
+                    return Err(invalid(self.dir.join(&entry.file), reason));
+                }
+            };
+        }
+        let mut shards: Vec<SegmentEntry> = (self.shards.iter())
+            .filter(|e| !shard_of(&e.file).is_some_and(|s| named.contains(&s)))
+            .cloned()
+            .chain(entries)
+            .collect();
+        shards.sort_by_key(|e| SegmentId::parse(&e.file));
+        if let Some(twice) = shards.windows(2).find(|w| w[0].file == w[1].file) {
+            let reason = "is listed twice in the shards' segments to record".into();
+            return Err(invalid(self.dir.join(&twice[0].file), reason));
+        }
+        self.shards = shards;
+        self.store_manifest()
+    }
+
     /// Appends one record (encoded straight into the active segment's buffer).
     pub fn append(&mut self, record: &StepRecord) -> Result<RecordLocation, StoreError> {
+        let shard = self.shard;
         if let Some((segment, writer)) = &mut self.active {
             if let Some(offset) = writer.append(record, self.roll_bytes)? {
                 let segment = *segment;
-                return Ok(RecordLocation { segment, offset });
+                return Ok(RecordLocation {
+                    shard,
+                    segment,
+                    offset,
+                });
             }
             self.seal_active()?;
         }
@@ -293,12 +449,20 @@ impl DatasetWriter {
             path,
             reason: "a fresh segment refused a record".into(),
         })?;
-        Ok(RecordLocation { segment, offset })
+        Ok(RecordLocation {
+            shard,
+            segment,
+            offset,
+        })
     }
 
     fn start_segment(&mut self) -> Result<(u64, SegmentWriter), StoreError> {
         let number = self.next_number;
-        let file = segment_file_name(number);
+        let file = SegmentId {
+            shard: self.shard,
+            number,
+        }
+        .file_name();
         self.next_number += 1;
         let writer = SegmentWriter::create(&self.dir.join(&file), self.durable)?;
         self.manifest.segments.push(SegmentEntry {
@@ -308,7 +472,7 @@ impl DatasetWriter {
             bytes: 0,
             format_version: Some(writer.format_version()),
         });
-        self.manifest.replace(&self.dir, self.durable)?;
+        self.store_manifest()?;
         Ok((number, writer))
     }
 
@@ -338,11 +502,23 @@ impl DatasetWriter {
             Some(listed) => *listed = entry,
             None => self.manifest.segments.push(entry),
         }
-        self.manifest.replace(&self.dir, self.durable)
+        self.store_manifest()
+    }
+
+    /// Replaces the manifest (the lead's segments, then the other shards' as recorded); a shard
+    /// writer writes none.
+    fn store_manifest(&self) -> Result<(), StoreError> {
+        if self.shard.is_some() {
+            return Ok(());
+        }
+        let mut manifest = self.manifest.clone();
+        manifest.segments.extend(self.shards.iter().cloned());
+        manifest.replace(&self.dir, self.durable)
     }
 
     /// Flushes (and, when durable, syncs) every appended record and returns where the dataset
-    /// stands now: the position [`rewind`] can bring it back to.
+    /// stands now: the position [`rewind`] can bring it back to. A shard writer's lists its own
+    /// segments; the lead's lists its own, then every shard's as last recorded.
     pub fn position(&mut self) -> Result<DatasetPosition, StoreError> {
         let mut segments = self.manifest.segments.clone();
         if let Some((_, writer)) = &mut self.active {
@@ -359,6 +535,7 @@ impl DatasetWriter {
                 entry.bytes = writer.len();
             }
         }
+        segments.extend(self.shards.iter().cloned());
         Ok(DatasetPosition { segments })
     }
 
@@ -367,13 +544,31 @@ impl DatasetWriter {
         self.active.as_mut().map_or(Ok(()), |(_, w)| w.flush())
     }
 
-    /// Seals the active segment and writes the manifest.
+    /// Seals the active segment and (the lead) writes the manifest.
     pub fn seal(mut self) -> Result<(), StoreError> {
         match self.active.take() {
             Some((_, writer)) => self.seal_writer(writer),
-            None => self.manifest.replace(&self.dir, self.durable),
+            None => self.store_manifest(),
         }
     }
+}
+
+/// The lead writer's own entries and the other shards' among `listed` (the manifest's), with
+/// the format version of each of the lead's segments in `dataset` listed: a manifest written
+/// before it listed versions gets them, to read damaged headers by.
+fn lead_entries(
+    dataset: &Dataset,
+    listed: Vec<SegmentEntry>,
+) -> (Vec<SegmentEntry>, Vec<SegmentEntry>) {
+    let (mut own, shards): (Vec<_>, Vec<_>) =
+        (listed.into_iter()).partition(|e| shard_of(&e.file).is_none());
+    for seg in dataset.segments() {
+        let found = SegmentEntry::found(seg);
+        if let Some(entry) = own.iter_mut().find(|e| e.file == found.file) {
+            entry.format_version = found.format_version;
+        }
+    }
+    (own, shards)
 }
 
 impl Drop for DatasetWriter {
@@ -452,29 +647,39 @@ pub struct Group<'a> {
 pub struct Dataset {
     dir: PathBuf,
     manifest: Manifest,
-    segments: Vec<(u64, MappedSegment)>,
+    segments: Vec<(SegmentId, MappedSegment)>,
     problems: Vec<Problem>,
 }
 
 impl Dataset {
-    /// Maps and validates every segment of `dir`. Damage does not fail the open: it is listed
-    /// in [`Dataset::problems`] and every valid record stays readable; a missing or damaged
-    /// manifest is replaced by the segment list of the files (with what can be recovered of its
-    /// metadata). Fails when the directory holds neither a manifest nor a segment file.
+    /// Maps and validates every segment of `dir`, of every shard. Damage does not fail the
+    /// open: it is listed in [`Dataset::problems`] and every valid record stays readable; a
+    /// missing or damaged manifest is replaced by the segment list of the files (with what can
+    /// be recovered of its metadata). Fails when the directory holds neither a manifest nor a
+    /// segment file.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        Self::open_part(dir, Part::All)
+    }
+
+    /// [`Dataset::open`] of the segment files of `part` alone, checked against the manifest's
+    /// entries of them (and the manifest's own soundness).
+    fn open_part(dir: &Path, part: Part) -> Result<Self, StoreError> {
         let loaded = Manifest::load(dir)?;
         let mut segments = Vec::new();
         let mut problems = Vec::new();
-        for (number, path) in segment_files(dir)? {
+        for (id, path) in segment_files(dir)? {
+            if !part.holds(id.shard) {
+                continue;
+            }
             let seg = MappedSegment::open(&path, listed_version(&loaded.manifest, &path))?;
             problems.extend(seg.scan.problems.iter().map(|(offset, kind)| Problem {
                 path: path.clone(),
                 offset: *offset,
                 kind: kind.clone(),
             }));
-            segments.push((number, seg));
+            segments.push((id, seg));
         }
-        let manifest = checked_manifest(dir, loaded, &segments, &mut problems)?;
+        let manifest = checked_manifest(dir, loaded, (&segments, part), &mut problems)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             manifest,
@@ -608,18 +813,18 @@ fn listed_version(manifest: &Manifest, path: &Path) -> Option<u32> {
     entry.format_version
 }
 
-/// The manifest of a dataset whose segments are `segments`: the one read, with its disagreements
-/// with the files added to `problems`; or, when it is missing or damaged, what was recovered of
+/// The manifest of a dataset whose segments (of `part`) are `segments`: the one read, with its
+/// disagreements with the files (its entries of `part`) added to `problems`; or, when it is missing or damaged, what was recovered of
 /// it listing the segment files, with the damage added to `problems`.
 fn checked_manifest(
     dir: &Path,
     loaded: LoadedManifest,
-    segments: &[(u64, MappedSegment)],
+    (segments, part): (&[(SegmentId, MappedSegment)], Part),
     problems: &mut Vec<Problem>,
 ) -> Result<Manifest, StoreError> {
     let path = dir.join(MANIFEST_FILE);
     let Some(damage) = loaded.damage else {
-        problems.extend(manifest_problems(&path, &loaded.manifest, segments));
+        problems.extend(manifest_problems(&path, &loaded.manifest, (segments, part)));
         return Ok(loaded.manifest);
     };
     if segments.is_empty() && damage == ManifestDamage::Missing {
@@ -643,10 +848,12 @@ fn checked_manifest(
     Ok(manifest)
 }
 
+/// Where `manifest` disagrees with `segments`, the files of `part`: newer than this build, an
+/// entry of `part` that is missing or differs from its file, a file it does not list.
 fn manifest_problems(
     manifest_path: &Path,
     manifest: &Manifest,
-    segments: &[(u64, MappedSegment)],
+    (segments, part): (&[(SegmentId, MappedSegment)], Part),
 ) -> Vec<Problem> {
     let problem = |why: String| Problem {
         path: manifest_path.to_path_buf(),
@@ -660,7 +867,8 @@ fn manifest_problems(
             "format version {v} is newer than this build"
         )));
     }
-    for entry in &manifest.segments {
+    let entries = (manifest.segments.iter()).filter(|e| part.holds(shard_of(&e.file)));
+    for entry in entries {
         let on_disk = segments
             .iter()
             .find(|(_, s)| s.path.file_name().is_some_and(|n| n == entry.file.as_str()));
@@ -671,6 +879,8 @@ fn manifest_problems(
         problems.extend(version_problem(entry, seg, &problem));
         if entry.sealed {
             problems.extend(sealed_problems(entry, seg, &problem));
+        } else {
+            problems.extend(unsealed_problem(entry, seg, &problem));
         }
     }
     for (_, seg) in segments {
@@ -699,6 +909,22 @@ fn version_problem(
         problem(format!(
             "lists {} as format version {listed}, its records decode as version {read}",
             entry.file
+        ))
+    })
+}
+
+/// An unsealed segment the manifest lists with more bytes than its file holds (a shard's
+/// segment, listed with its counts): records the lead recorded are gone.
+fn unsealed_problem(
+    entry: &SegmentEntry,
+    seg: &MappedSegment,
+    problem: &dyn Fn(String) -> Problem,
+) -> Option<Problem> {
+    let len = seg.bytes().len() as u64;
+    (entry.bytes > len).then(|| {
+        problem(format!(
+            "lists {} at {} bytes, the file holds {len}: records it counted are lost",
+            entry.file, entry.bytes
         ))
     })
 }
@@ -739,4 +965,81 @@ fn sealed_problems(
         )));
     }
     problems
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_names_of_the_lead_and_of_shards_parse_back() {
+        for id in [
+            SegmentId {
+                shard: None,
+                number: 7,
+            },
+            SegmentId {
+                shard: Some(1),
+                number: 0,
+            },
+            SegmentId {
+                shard: Some(12_345),
+                number: 1_234_567,
+            },
+        ] {
+            assert_eq!(SegmentId::parse(&id.file_name()), Some(id), "{id:?}");
+        }
+        assert_eq!(SegmentId::parse("seg-r0001-000002.stp").unwrap().number, 2);
+        let malformed = [
+            "seg-00001.stp",
+            "seg-r001-000000.stp",
+            "seg-r0001-00000.stp",
+            "seg-r0001000000.stp",
+            "seg-rx001-000000.stp",
+            "seg-R0001-000000.stp",
+            "seg-r0001-000000.stp.tmp",
+            "seg-r99999999999-000000.stp",
+            "seg--000000.stp",
+            "manifest.json",
+        ];
+        for name in malformed {
+            assert_eq!(SegmentId::parse(name), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn segment_files_come_lead_first_then_by_shard_and_number() {
+        let dir = tempfile::tempdir().unwrap();
+        let names = [
+            "seg-r0002-000000.stp",
+            "seg-000001.stp",
+            "seg-r0001-000010.stp",
+            "seg-r0010-000000.stp",
+            "seg-r0001-000002.stp",
+            "seg-000000.stp",
+            "seg-r001-000000.stp",
+            "seg-r0001-000002.stp.rewind",
+            "manifest.json",
+        ];
+        for name in names {
+            fs::write(dir.path().join(name), b"").unwrap();
+        }
+        let listed: Vec<String> = segment_files(dir.path())
+            .unwrap()
+            .into_iter()
+            .map(|(id, path)| {
+                assert_eq!(path, dir.path().join(id.file_name()));
+                id.file_name()
+            })
+            .collect();
+        let expected = [
+            "seg-000000.stp",
+            "seg-000001.stp",
+            "seg-r0001-000002.stp",
+            "seg-r0001-000010.stp",
+            "seg-r0002-000000.stp",
+            "seg-r0010-000000.stp",
+        ];
+        assert_eq!(listed, expected);
+    }
 }

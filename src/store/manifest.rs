@@ -2,7 +2,10 @@
 //! per-segment state and format version, a free-form `metadata` map for env config / tokenizer /
 //! run info), its checksum, its atomic replacement, and what is recovered of it when it is damaged.
 //! The per-segment format version is the checksummed second copy of each segment header's version
-//! field: a reader trusts it over a damaged header (see `segment`).
+//! field: a reader trusts it over a damaged header (see `segment`). The segment list names the
+//! segments of every shard (`seg-rSSSS-NNNNNN.stp` of data-parallel rank SSSS after the lead's
+//! `seg-NNNNNN.stp`); only the lead writer writes the file, and it lists an unsealed shard
+//! segment with its records and bytes as that rank's writer last reported them.
 //!
 //! The file is pretty-printed JSON whose first member is `"checksum": "crc32:xxxxxxxx"` (lowercase
 //! hex): the crc32
@@ -39,7 +42,9 @@ const KNOWN_KEYS: [&str; 4] = ["format_version", "created_by", "segments", "meta
 pub struct SegmentEntry {
     pub file: String,
     pub sealed: bool,
-    /// Record count and file size when sealed (0 while the segment is active).
+    /// Record count and file size: of a sealed segment, at its seal; of an unsealed segment of
+    /// a data-parallel rank's shard (`seg-rSSSS-NNNNNN.stp`), as the lead writer last recorded
+    /// them; 0 for the lead's unsealed segment (its writer's position tells them).
     pub records: u64,
     pub bytes: u64,
     /// Format version of the segment's frames: the checksummed copy of its header's version
@@ -65,6 +70,16 @@ impl SegmentEntry {
             },
             bytes: if sealed { seg.bytes().len() as u64 } else { 0 },
             format_version: Some(seg.scan.format_version),
+        }
+    }
+
+    /// The state of a segment as a position records it: its valid records and its file size,
+    /// sealed or not (for a segment without damage: where a rewind keeps it whole).
+    pub(crate) fn held(seg: &MappedSegment) -> Self {
+        Self {
+            records: seg.scan.frames.len() as u64,
+            bytes: seg.bytes().len() as u64,
+            ..Self::found(seg)
         }
     }
 }

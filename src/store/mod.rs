@@ -1,12 +1,15 @@
 //! Step-native storage: every interaction round as a [`StepRecord`] in append-only,
 //! memory-mapped segment files with crc-framed records, a footer index by trajectory, readers
 //! for records / trajectories / groups, verify and repair, replay rendering and statistics.
+//! Data-parallel ranks write one dataset: each rank its own segment files (`seg-rSSSS-*.stp` for
+//! rank SSSS > 0, `WriterOptions::shard`), the lead (rank 0) the manifest listing them all.
 //!
 //! Layout: `codec` (record bytes, the only bincode user), `tokens` (id arrays at 1 to 4 bytes
 //! per id), `segment` (one file), `io_thread` (the segment writer's background writes: crc and
 //! copy into the file overlap the encoding of the next buffer), `manifest` (`manifest.json`, its
-//! checksum and what is recovered of it when damaged), `dataset` (directory, writer and readers;
-//! opens from the segment files when the manifest is damaged), `verify` (verify / repair).
+//! checksum and what is recovered of it when damaged), `dataset` (directory, segment file names
+//! of every shard, writers and readers; opens from the segment files when the manifest is
+//! damaged), `verify` (verify / repair).
 //!
 //! Format version 3 (what the writer writes) stores each token id array at the narrowest
 //! width that holds its largest id (3 bytes for a 151k vocabulary; read in place through
@@ -53,7 +56,7 @@ mod verify;
 pub use codec::{StepMeta, StepMetaView, StepView, REFERENCE_BLOCK};
 pub use collect::{agent_episode, collect, CollectConfig, CollectSummary, EpisodeIds};
 pub use dataset::{
-    rewind, Dataset, DatasetPosition, DatasetWriter, Group, RecordLocation, Trajectory,
+    rewind, Dataset, DatasetPosition, DatasetWriter, Group, RecordLocation, SegmentId, Trajectory,
     WriterOptions, DEFAULT_ROLL_BYTES,
 };
 pub use error::{Problem, ProblemKind, StoreError};

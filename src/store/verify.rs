@@ -1,6 +1,9 @@
 //! `verify` (every problem of a dataset, with file and offset) and `repair` (truncate torn
 //! tails, seal again the segments the manifest lists as sealed, rewrite damaged headers in place,
 //! rewrite damaged segments with their valid records, rebuild the manifest keeping its metadata).
+//! Both cover the segment files of every shard (data-parallel ranks' `seg-rSSSS-NNNNNN.stp`): a
+//! shard segment the manifest does not list yet (a rank wrote it after the lead last recorded
+//! the shards) is a manifest problem, and `repair` lists it.
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap};
@@ -8,7 +11,7 @@ use std::fs::{self, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use super::dataset::Dataset;
+use super::dataset::{manifest_entry, Dataset};
 use super::error::{Problem, ProblemKind, StoreError};
 use super::manifest::{SegmentEntry, MANIFEST_FILE};
 use super::segment::{self, MappedSegment, SegmentWriter, FORMAT_VERSION};
@@ -294,7 +297,8 @@ fn apply_fix(fix: Fix) -> Result<String, StoreError> {
     }
 }
 
-/// Writes the manifest anew listing the segment files as they are, with the metadata of the
+/// Writes the manifest anew listing the segment files (of every shard) as they are (a shard's
+/// unsealed segment with its records and bytes, as the lead lists it), with the metadata of the
 /// manifest (what can be recovered of it when it is damaged); a format version newer than this
 /// build's is lowered to it (every segment read, else repair would have stopped); returns the
 /// action line.
@@ -302,7 +306,8 @@ fn rebuild_manifest(dir: &Path) -> Result<String, StoreError> {
     let dataset = Dataset::open(dir)?;
     let mut manifest = dataset.manifest().clone();
     manifest.format_version = manifest.format_version.min(FORMAT_VERSION);
-    manifest.segments = dataset.segments().map(SegmentEntry::found).collect();
+    let held = dataset.segments().map(SegmentEntry::held);
+    manifest.segments = held.map(|entry| manifest_entry(&entry)).collect();
     manifest.write(dir)?;
     Ok(format!(
         "{}: rebuilt from the segment files ({} metadata entries kept)",
