@@ -42,7 +42,7 @@ use crate::env::AgentKind;
 use crate::model::{Critic, FeatureCritic, Model};
 use crate::rollout::engine::Engine;
 use crate::seed;
-use crate::store::{DatasetWriter, StepRecord, WriterOptions};
+use crate::store::{DatasetWriter, SegmentEntry, StepRecord, WriterOptions};
 use crate::tokenizer::Tokenizer;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
@@ -104,8 +104,11 @@ pub struct Trainer {
     actor_opt: AdamW,
     critic_opt: Option<AdamW>,
     engine: Engine,
-    /// The run directory's dataset and metrics: rank 0's alone (`None` on the other ranks).
-    outputs: Option<Outputs>,
+    /// This rank's writer of the run's dataset: the lead's (rank 0, which keeps the manifest) or
+    /// shard r's (rank r > 0, its own segment files).
+    dataset: DatasetWriter,
+    /// The run's metrics: rank 0's alone (`None` on the other ranks).
+    sink: Option<MetricsSink>,
     /// The data-parallel world this process is a rank of, counting its traffic.
     dist: Arc<Metered>,
     detector: CollapseDetector,
@@ -117,12 +120,6 @@ pub struct Trainer {
     replay_buffer: Option<ReplayBuffer>,
     /// Warnings found while opening the run, reported when it runs.
     pending_warnings: Vec<String>,
-}
-
-/// What rank 0 writes into the run directory as it trains.
-struct Outputs {
-    dataset: DatasetWriter,
-    sink: MetricsSink,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -200,17 +197,12 @@ impl Trainer {
             None
         };
         let (actor_opt, critic_opt) = optimizers(&cfg, &policy, critic.as_ref())?;
-        let dataset = if lead {
+        if lead {
             let text = serde_json::to_string_pretty(&cfg).expect("a config serialises");
             let path = run_dir.join(run_dir::CONFIG_FILE);
             std::fs::write(&path, text).map_err(io_err(&path))?;
-            Some(DatasetWriter::create(
-                &run_dir.join(run_dir::DATASET_DIR),
-                writer_options(&cfg),
-            )?)
-        } else {
-            None
-        };
+        }
+        let dataset = rank_writer(&cfg, run_dir, dist.as_ref(), DatasetWriter::create)?;
         Self::assemble(
             cfg,
             run_dir,
@@ -281,14 +273,7 @@ impl Trainer {
             None
         };
         let state: TrainState = checkpoint::load_json(&ckpt, "state")?;
-        let dataset = if lead {
-            Some(DatasetWriter::open_append(
-                &run_dir.join(run_dir::DATASET_DIR),
-                writer_options(&cfg),
-            )?)
-        } else {
-            None
-        };
+        let dataset = rank_writer(&cfg, run_dir, dist.as_ref(), DatasetWriter::open_append)?;
         let mut trainer = Self::assemble(
             cfg,
             run_dir,
@@ -315,7 +300,7 @@ impl Trainer {
         tok: Tokenizer,
         (mut policy, critic, reference): (Model, Option<CriticModel>, Option<Model>),
         (actor_opt, critic_opt): (AdamW, Option<AdamW>),
-        (dataset, dist): (Option<DatasetWriter>, Arc<dyn Collective>),
+        (dataset, dist): (DatasetWriter, Arc<dyn Collective>),
         state: TrainState,
         warm_start: Option<SftReport>,
     ) -> Result<Self, TrainError> {
@@ -325,15 +310,13 @@ impl Trainer {
         let masks = response_masks(&cfg, &tok, policy.config().vocab_size)?;
         let replay_buffer = (cfg.self_imitation.coef > 0.0)
             .then(|| ReplayBuffer::new(cfg.self_imitation.buffer_size));
-        let outputs = match dataset {
-            Some(dataset) => Some(Outputs {
-                dataset,
-                sink: MetricsSink::open(run_dir)?,
-            }),
-            None => None,
+        let sink = match dist.rank() {
+            0 => Some(MetricsSink::open(run_dir)?),
+            _ => None,
         };
         Ok(Trainer {
-            outputs,
+            dataset,
+            sink,
             dist: Arc::new(Metered::new(dist)),
             run_dir: run_dir.to_path_buf(),
             cfg,
@@ -422,7 +405,7 @@ impl Trainer {
             }
             let save =
                 last || (self.cfg.save_steps > 0 && step.is_multiple_of(self.cfg.save_steps));
-            if save && self.outputs.is_some() {
+            if save && self.sink.is_some() {
                 let dir = self.save_checkpoint()?;
                 on_event(Event::Checkpoint(&dir));
             }
@@ -432,7 +415,7 @@ impl Trainer {
 
     /// Validates on rank 0 (the other ranks go on to the next rollout and wait for it there).
     fn validate_and_log(&mut self, on_event: &mut dyn FnMut(Event)) -> Result<(), TrainError> {
-        if self.outputs.is_none() {
+        if self.sink.is_none() {
             return Ok(());
         }
         let (scalars, summaries) = self.validate()?;
@@ -446,8 +429,8 @@ impl Trainer {
 
     /// Writes metrics of `step` (rank 0; the other ranks keep none).
     fn log(&mut self, step: u64, scalars: &Scalars) -> Result<(), TrainError> {
-        match self.outputs.as_mut() {
-            Some(out) => Ok(out.sink.write(step, scalars)?),
+        match self.sink.as_mut() {
+            Some(sink) => Ok(sink.write(step, scalars)?),
             None => Ok(()),
         }
     }
@@ -481,20 +464,12 @@ impl Trainer {
             &self.cfg.generating_args,
             (self.dist.rank(), self.dist.size()),
         )?;
+        let t_rollout = t_step.elapsed().as_secs_f64();
+        crash::point("train.rollout_done");
+        self.store(&local)?;
         let records = ranks::gather_records(local, self.dist.as_ref())?;
         let counters = ranks::sum_counters(counters, self.dist.as_ref())?;
         self.state.next_group_id += self.cfg.train_env_manager.num_env_groups as u64;
-        let t_rollout = t_step.elapsed().as_secs_f64();
-        crash::point("train.rollout_done");
-        if let Some(out) = self.outputs.as_mut() {
-            for (i, r) in records.iter().enumerate() {
-                if i == records.len() / 2 {
-                    crash::point_after("train.store_write", || out.dataset.flush());
-                }
-                out.dataset.append(r)?;
-            }
-            out.dataset.flush()?;
-        }
         eval::env_metrics("env", &records, &mut scalars);
         rollout_metrics(
             &records,
@@ -580,6 +555,38 @@ impl Trainer {
             tokens as f64 / time_step.max(1e-9),
         );
         Ok(scalars)
+    }
+
+    /// Appends this rank's records to its segments; in a launched world the lead then lists every
+    /// rank's segments in the manifest, so the dataset and the lead's position cover them all.
+    fn store(&mut self, records: &[StepRecord]) -> Result<(), TrainError> {
+        for (i, r) in records.iter().enumerate() {
+            if i == records.len() / 2 {
+                crash::point_after("train.store_write", || self.dataset.flush());
+            }
+            self.dataset.append(r)?;
+        }
+        self.dataset.flush()?;
+        if self.dist.is_single_process() {
+            return Ok(());
+        }
+        let own = match self.dataset.shard() {
+            Some(_) => self.dataset.position()?.segments,
+            None => Vec::new(),
+        };
+        let bytes = serde_json::to_vec(&own).map_err(|e| TrainError::Data(e.to_string()))?;
+        let gathered = self.dist.all_gather_bytes(&bytes)?;
+        if self.dataset.shard().is_none() {
+            let mut entries = Vec::new();
+            for (rank, part) in gathered.iter().enumerate().skip(1) {
+                let listed: Vec<SegmentEntry> = serde_json::from_slice(part).map_err(|e| {
+                    TrainError::Data(format!("segments reported by rank {rank}: {e}"))
+                })?;
+                entries.extend(listed);
+            }
+            self.dataset.record_shards(entries)?;
+        }
+        Ok(())
     }
 
     /// Sends the rollout's better choices to the self-imitation buffer (when there is one).
@@ -810,11 +817,11 @@ impl Trainer {
     /// Writes `ckpt-<step>` atomically (never from non-finite weights) and points `ckpt-latest` at
     /// it. Rank 0's work: the other ranks hold the same state and write nothing.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
-        let out = self
-            .outputs
+        let sink = self
+            .sink
             .as_mut()
             .ok_or_else(|| TrainError::Data("only rank 0 writes checkpoints".into()))?;
-        let position = RunPosition::capture(&self.run_dir, &mut out.dataset, &mut out.sink)?;
+        let position = RunPosition::capture(&self.run_dir, &mut self.dataset, sink)?;
         let writer = CheckpointWriter::begin(&self.run_dir, self.state.step)?;
         let policy_vars = self.policy.named_vars();
         writer.ensure_finite(policy_vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
@@ -840,6 +847,33 @@ impl Trainer {
         crash::point("checkpoint.committed");
         Ok(dir)
     }
+}
+
+/// This rank's writer of the run's dataset, made by `open` (`DatasetWriter::create` or
+/// `open_append`): rank 0's keeps the manifest, rank r's writes shard r's segments once rank 0's
+/// exists.
+fn rank_writer(
+    cfg: &Config,
+    run_dir: &Path,
+    dist: &dyn Collective,
+    open: fn(&Path, WriterOptions) -> Result<DatasetWriter, crate::store::StoreError>,
+) -> Result<DatasetWriter, TrainError> {
+    let dir = run_dir.join(run_dir::DATASET_DIR);
+    let lead = match dist.rank() {
+        0 => Some(open(&dir, writer_options(cfg))?),
+        _ => None,
+    };
+    dist.barrier()?;
+    Ok(match lead {
+        Some(writer) => writer,
+        None => open(
+            &dir,
+            WriterOptions {
+                shard: Some(dist.rank() as u32),
+                ..writer_options(cfg)
+            },
+        )?,
+    })
 }
 
 /// Refuses what several ranks cannot compute as one process would: a loss normalised by the
