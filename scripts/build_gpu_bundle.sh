@@ -26,9 +26,13 @@ if [ -n "$with_mpi" ] && ! command -v apt-get >/dev/null; then
 fi
 source <(bash kernels/toolchain.sh)
 mkdir -p .gpu
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 cargo build --release --features "$features"
-tests=$(cargo test --release --features "$features" --no-run --message-format=json \
+only=(--test 'cuda_*')
+[ -n "$with_mpi" ] && only+=(--test dist_mpi)
+tests=$(cargo test --release --features "$features" "${only[@]}" --no-run --message-format=json \
   | WITH_MPI=$with_mpi python3 -c 'import json, os, sys
 wanted = lambda name: name.startswith("cuda_") or (name == "dist_mpi" and os.environ["WITH_MPI"])
 for line in sys.stdin:
