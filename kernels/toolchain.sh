@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs a CUDA 13.0 build toolchain without a system CUDA toolkit or a GPU, from PyPI
-# wheels only, and prints the environment a `--features cuda` build needs.
+# wheels only, and prints the environment a `--features cuda` (or `nccl`) build needs.
 #
 #   source <(bash kernels/toolchain.sh [DIR])   # default DIR: $HOME/.cache/stepppo-cuda
 #   cargo build --release --features cuda
@@ -19,6 +19,7 @@ wheels=(
   nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88
   nvidia-cuda-cccl==13.0.85 nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88
   nvidia-cublas==13.0.2.14 nvidia-curand==10.4.0.35
+  nvidia-nccl-cu13==2.28.9
 )
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv" >&2
@@ -36,6 +37,11 @@ for lib in "$cu13"/lib/lib*.so.*; do
   base=$(basename "$lib")
   ln -sfn "$lib" "$root/lib/${base%%.so.*}.so"
 done
+# NCCL for `--features nccl`: 2.28.9 is the release PyTorch 2.11 (cu130) pins, so the GPU
+# machine's libnccl.so.2 is the one this build binds (cudarc's `nccl-02028`).
+nccl=$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "nccl", "lib"))')
+[ -e "$nccl/libnccl.so.2" ] || { echo "toolchain.sh: libnccl.so.2 not found under $nccl" >&2; exit 1; }
+ln -sfn "$nccl/libnccl.so.2" "$root/lib/libnccl.so"
 
 # Link-time stand-in for the driver library: one dummy definition per cu* symbol that
 # cudarc's driver bindings declare (read from the cudarc sources cargo downloaded).

@@ -1,24 +1,53 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything the GPU check needs and packs it into .gpu/
 # (git-ignored): the `stepppo` binary and the CUDA test binaries, built with `--features cuda`
-# (add `flash-attn` through FEATURES), xz-compressed. Carry `.gpu` to the GPU machine and run
+# (FEATURES picks others: `cuda,flash-attn`, or `nccl`), xz-compressed. A build with `nccl` (or
+# `mpi`) also carries the `dist_mpi` test and, in .gpu/debs, Debian bookworm's Open MPI runtime
+# packages with the libraries they load that a base system lacks: the GPU machine has no MPI,
+# and scripts/gpu_check.sh unpacks them there. Carry `.gpu` to the GPU machine and run
 # `bash scripts/gpu_check.sh` there (see README, "CUDA").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 features=${FEATURES:-cuda}
+with_mpi=
+case ",$features," in *,mpi,*|*,nccl,*) with_mpi=1 ;; esac
+# Open MPI 4.1's runtime (`libopenmpi3`, `mpirun` from `openmpi-bin`, help texts and settings
+# from `openmpi-common`) and the closure of its library dependencies, less glibc, libstdc++,
+# libgcc, zlib and libuuid (every base system has them) and less the optional hwloc plugins
+# (`libhwloc-plugins` would bring X11, libxml2 and ICU for topology sources a run does without).
+mpi_debs=(
+  libopenmpi3 openmpi-bin openmpi-common libpmix2 libhwloc15 libevent-core-2.1-7
+  libevent-pthreads-2.1-7 libfabric1 libibverbs1 ibverbs-providers librdmacm1 libnl-3-200
+  libnl-route-3-200 libpsm2-2 libpsm-infinipath1 libucx0 libnuma1 libmunge2 libatomic1 libudev1
+)
+if [ -n "$with_mpi" ] && ! command -v apt-get >/dev/null; then
+  echo "build_gpu_bundle.sh: FEATURES=$features needs apt-get (Debian bookworm) to fetch Open MPI's packages" >&2
+  exit 1
+fi
 source <(bash kernels/toolchain.sh)
 mkdir -p .gpu
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 cargo build --release --features "$features"
-tests=$(cargo test --release --features "$features" --no-run --message-format=json \
-  | python3 -c 'import json,sys
+only=(--test 'cuda_*')
+[ -n "$with_mpi" ] && only+=(--test dist_mpi)
+tests=$(cargo test --release --features "$features" "${only[@]}" --no-run --message-format=json \
+  | WITH_MPI=$with_mpi python3 -c 'import json, os, sys
+wanted = lambda name: name.startswith("cuda_") or (name == "dist_mpi" and os.environ["WITH_MPI"])
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"].startswith("cuda_"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and wanted(m["target"]["name"]):
         print(m["executable"])')
-rm -f .gpu/*
-cp target/release/stepppo .gpu/stepppo
+rm -rf .gpu/*
+cp "${CARGO_TARGET_DIR:-target}/release/stepppo" .gpu/stepppo
 for t in $tests; do cp "$t" ".gpu/$(basename "$t" | sed 's/-[0-9a-f]*$//')"; done
 strip .gpu/* 2>/dev/null || true
 xz -T2 -6 .gpu/*
-ls -la .gpu
+if [ -n "$with_mpi" ]; then
+  mkdir .gpu/debs
+  (cd .gpu/debs && { apt-get download -qq "${mpi_debs[@]}" \
+    || { apt-get update -qq && apt-get download -qq "${mpi_debs[@]}"; }; })
+fi
+ls -la .gpu .gpu/debs 2>/dev/null || true
+du -sh .gpu
