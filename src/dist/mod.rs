@@ -195,10 +195,14 @@ pub fn launcher_world_size() -> Option<usize> {
 /// `OMPI_COMM_WORLD_LOCAL_RANK`, Slurm's `SLURM_LOCALID`, MPICH's `MPI_LOCALRANKID`); 0 when
 /// none did. A rank on a CUDA device uses the device of this ordinal.
 pub fn local_rank() -> usize {
-    ["OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"]
-        .iter()
-        .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
-        .unwrap_or(0)
+    [
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "SLURM_LOCALID",
+        "MPI_LOCALRANKID",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
+    .unwrap_or(0)
 }
 
 /// The world this process belongs to: an MPI world when a launcher started it (`mpirun`,
