@@ -5,8 +5,11 @@
 # stepppo's rollout throughput with the radix cache vs without it, and Hugging Face
 # transformers `generate` on the same workload (Qwen2.5-0.5B shape, random bf16 weights). A
 # bundle built with `nccl` also brings Open MPI's Debian packages (.gpu/debs): they are unpacked
-# under /tmp/mpiroot and relocated there (the machine has no MPI), and the `dist_mpi` test runs as
-# one rank under that `mpirun`, its gradient summed by NCCL on the GPU. ONLY=dist stops after it.
+# under /tmp/mpiroot and relocated there (the machine has no MPI), the `dist_mpi` test runs as
+# one rank under that `mpirun`, its gradient summed by NCCL on the GPU, and a tiny training run on
+# the GPU as a plain process and as one NCCL rank must end with the same weights. ONLY=dist stops
+# after that. Then the GPU tests, the embedded default trained on the GPU for 3 steps, the
+# benchmarks, compute-sanitizer and transformers, each bounded by a timeout.
 set -uo pipefail
 out=${OUT:-gpu-results}
 mkdir -p "$out" /tmp/stepppo-gpu
@@ -38,17 +41,43 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 if [ -x /tmp/stepppo-gpu/dist_mpi ] && command -v mpirun >/dev/null; then
   ldd /tmp/stepppo-gpu/dist_mpi > "$out/dist_mpi-ldd.txt" 2>&1
   grep 'not found' "$out/dist_mpi-ldd.txt"
-  NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout 300 mpirun -np 1 /tmp/stepppo-gpu/dist_mpi --nocapture 2>&1 \
+  NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout 90 mpirun -np 1 /tmp/stepppo-gpu/dist_mpi --nocapture 2>&1 \
     | tee "$out/test-dist_mpi.log"
+  # Training on the GPU, as a plain process and as one launched rank whose every gradient NCCL
+  # sums: the same tiny run, the same weights.
+  tiny=(--set device=cuda --set builtin_size=tiny --set max_steps=2 --set eval_steps=2
+    --set save_steps=2 --set sft.steps=3 --set sft.episodes=4 --set sft.batch_size=2
+    --set rollout_batch_size=8 --set ppo_mini_batch_size=4 --set train_env_manager.num_env_groups=4
+    --set train_env_manager.group_size=2 --set train_env_manager.num_groups_partition=[4]
+    --set val_batch_size=2 --set val_env_manager.num_env_groups=2
+    --set val_env_manager.num_groups_partition=[2] --set generating_args.max_new_tokens=6
+    --set val_generating_args.max_new_tokens=6 --set custom_envs.SimpleFrozenLake.env_config.max_turns=2)
+  timeout 180 "$bin" train --out /tmp/dp-single "${tiny[@]}" 2>&1 | tail -n 5 | tee "$out/train-cuda-single.log"
+  NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout 180 mpirun -np 1 "$bin" train --out /tmp/dp-nccl "${tiny[@]}" 2>&1 \
+    | tail -n 8 | tee "$out/train-cuda-nccl.log"
+  python3 - /tmp/dp-single /tmp/dp-nccl <<'PY' 2>&1 | tee "$out/train-cuda-compare.log"
+import sys
+from safetensors.torch import load_file
+a, b = (load_file(f"{d}/ckpt-2/policy/model.safetensors") for d in sys.argv[1:])
+worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+print(f"plain CUDA run vs one NCCL rank, policy after 2 steps: {len(a)} tensors, max |diff| {worst:.3g}")
+PY
   [ "${ONLY:-}" = dist ] && exit 0
 fi
+# In order of what matters most, each bounded, so a slow or hung part leaves the rest their time.
 for t in /tmp/stepppo-gpu/cuda_*; do
-  "$t" --nocapture 2>&1 | tee "$out/test-$(basename "$t").log"
+  timeout 150 "$t" --nocapture 2>&1 | tee "$out/test-$(basename "$t").log"
 done
+# The embedded default trained on the GPU for a few steps (its step time next to the CPU's).
+timeout 240 "$bin" train --out /tmp/default-cuda --set device=cuda --set max_steps=3 --set eval_steps=3 \
+  --set save_steps=0 2>&1 | tail -n 8 | tee "$out/train-default-cuda.log"
+cp /tmp/default-cuda/metrics.jsonl "$out/train-default-cuda-metrics.jsonl" 2>/dev/null
+timeout 60 "$bin" bench kernels --device cuda --json | tee "$out/kernels.jsonl"
+timeout 60 "$bin" bench kernels --device cuda --batch 8 --context 32768 --json | tee -a "$out/kernels.jsonl"
+timeout 120 "$bin" bench prefix --device cuda --model configs/models/qwen2.5-0.5b.json --spec "$spec" --json \
+  | tee "$out/prefix.jsonl"
 if command -v compute-sanitizer >/dev/null; then
-  compute-sanitizer --tool memcheck /tmp/stepppo-gpu/cuda_kernels 2>&1 | tail -n 20 | tee "$out/memcheck.log"
+  timeout 120 compute-sanitizer --tool memcheck /tmp/stepppo-gpu/cuda_kernels 2>&1 | tail -n 20 \
+    | tee "$out/memcheck.log"
 fi
-"$bin" bench kernels --device cuda --json | tee "$out/kernels.jsonl"
-"$bin" bench kernels --device cuda --batch 8 --context 32768 --json | tee -a "$out/kernels.jsonl"
-"$bin" bench prefix --device cuda --model configs/models/qwen2.5-0.5b.json --spec "$spec" --json | tee "$out/prefix.jsonl"
-python3 scripts/hf_rollout_bench.py --spec "$spec" --json | tee "$out/hf.jsonl"
+timeout 150 python3 scripts/hf_rollout_bench.py --spec "$spec" --json | tee "$out/hf.jsonl"
