@@ -244,3 +244,21 @@ fn a_config_that_fails_leaves_no_run_directory_behind() {
     assert!(err.contains("no-such-model"), "{err}");
     assert!(!run.exists(), "a failed start created {}", run.display());
 }
+
+/// A launcher's ranks in a build without the `mpi` feature: each says which feature to build
+/// with, and no run directory is made.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn ranks_launched_without_the_mpi_feature_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let out = Command::new(env!("CARGO_BIN_EXE_stepppo"))
+        .args(with_sets(vec!["train", "--out", run.to_str().unwrap()], TINY))
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("2 ranks") && err.contains("--features mpi"), "{err}");
+    assert!(!run.exists());
+}

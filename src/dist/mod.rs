@@ -238,6 +238,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_metered_collective_counts_the_bytes_it_carries() {
+        let m = Metered::new(Arc::new(Single));
+        let mut v = [1.0f64; 3];
+        m.all_reduce_f64(&mut v).unwrap();
+        m.all_gather_bytes(b"abcde").unwrap();
+        let t = Tensor::zeros(4, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        m.all_reduce_tensor(&t).unwrap();
+        assert_eq!(m.traffic().bytes, 24 + 5 + 16);
+        assert!(m.is_single_process());
+    }
+
+    #[test]
     fn a_single_process_is_rank_zero_of_one_and_its_collectives_are_the_identity() {
         let s = Single;
         assert_eq!((s.rank(), s.size()), (0, 1));
