@@ -253,12 +253,18 @@ fn ranks_launched_without_the_mpi_feature_are_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let out = Command::new(env!("CARGO_BIN_EXE_stepppo"))
-        .args(with_sets(vec!["train", "--out", run.to_str().unwrap()], TINY))
+        .args(with_sets(
+            vec!["train", "--out", run.to_str().unwrap()],
+            TINY,
+        ))
         .env("OMPI_COMM_WORLD_SIZE", "2")
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("2 ranks") && err.contains("--features mpi"), "{err}");
+    assert!(
+        err.contains("2 ranks") && err.contains("--features mpi"),
+        "{err}"
+    );
     assert!(!run.exists());
 }
