@@ -437,6 +437,8 @@ impl Env for HotpotQaEnv {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
+
     use super::*;
 
     #[test]
@@ -501,6 +503,42 @@ mod tests {
             ..cfg
         });
         assert!(err.contains("`world_questions`"), "{err}");
+    }
+
+    /// Normalized titles and answers (yes/no aside) of an env's split.
+    fn names(env: &HotpotQaEnv) -> BTreeSet<String> {
+        env.split_records()
+            .flat_map(|r| r.context.iter().map(|(t, _)| t).chain([&r.answer]))
+            .map(|s| metric::normalize_answer(s))
+            .filter(|s| s != "yes" && s != "no")
+            .collect()
+    }
+
+    #[test]
+    fn the_train_and_val_envs_share_no_title_or_answer() {
+        for corpus in [CorpusKind::Distractor, CorpusKind::World] {
+            let cfg = |split: &str| HotpotQaConfig {
+                split: split.into(),
+                corpus,
+                world_seed: 11,
+                ..HotpotQaConfig::default()
+            };
+            let train = names(&HotpotQaEnv::new(cfg("train")).unwrap());
+            let val = names(&HotpotQaEnv::new(cfg("val")).unwrap());
+            assert!(train.len() > 300 && val.len() > 300);
+            assert_eq!(train.intersection(&val).count(), 0);
+        }
+        let fixture = |split: &str| HotpotQaConfig {
+            world: WorldKind::Fixture,
+            split: split.into(),
+            ..HotpotQaConfig::default()
+        };
+        let train = names(&HotpotQaEnv::new(fixture("train")).unwrap());
+        let val = names(&HotpotQaEnv::new(fixture("val")).unwrap());
+        assert!(
+            train.intersection(&val).count() > 0,
+            "the fixture's splits share its one knowledge base"
+        );
     }
 
     #[test]

@@ -237,6 +237,15 @@ fn word(rng: &mut ChaCha8Rng) -> String {
     capitalize(&format!("{a}{b}"))
 }
 
+/// "a" or "an" before `word`.
+fn article(word: &str) -> &'static str {
+    if word.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    }
+}
+
 fn pick<'a>(rng: &mut ChaCha8Rng, items: &'a [&'a str]) -> &'a str {
     items.choose(rng).expect("non-empty")
 }
@@ -431,7 +440,7 @@ impl World {
         } else if l.people.contains(&id) {
             let p = &self.people[id - l.people.start];
             vec![
-                format!("{name} (born {}) is a {}.", p.year, p.job),
+                format!("{name} (born {}) is {} {}.", p.year, article(p.job), p.job),
                 format!(" {name} was born in {}.", self.city(p.city)),
                 format!(" {name} is employed by {}.", self.company(p.employer)),
             ]
