@@ -9,12 +9,13 @@
 //! (two named entities, one attribute each: who/which came first, or a balanced yes/no).
 //!
 //! Train and val worlds of one seed never share an entity name: every name is assigned to one
-//! side of a seed-dependent partition by a hash of its normalized spelling, and a world only
-//! draws names from its own side. The name *parts* (syllables, suffixes) are common to both, so
-//! every token a validation name is made of also occurs in training. Output is a pure function
-//! of (seed, split, size, questions, distractors). The questions are the `questions` submodule's. What this
-//! module does not do: retrieval and scoring (the env), the 80-record fixture
-//! ([`super::synthetic`]).
+//! side of a seed-dependent partition by a hash of its normalized words (in any order), and a
+//! world only draws names from its own side. The name *parts* (syllables, suffixes, company
+//! kinds, film nouns) come from the same lists for both, so a validation name is a new
+//! combination of familiar pieces. Output is a pure function of (seed, split, size, questions,
+//! distractors). The questions are the
+//! `questions` submodule's. What this module does not do: retrieval and scoring (the env), the
+//! 80-record fixture ([`super::synthetic`]).
 
 use std::collections::BTreeSet;
 use std::ops::Range;
