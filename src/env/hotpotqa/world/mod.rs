@@ -13,9 +13,8 @@
 //! world only draws names from its own side. The name *parts* (syllables, suffixes, company
 //! kinds, film nouns) come from the same lists for both, so a validation name is a new
 //! combination of familiar pieces. Output is a pure function of (seed, split, size, questions,
-//! distractors). The questions are the
-//! `questions` submodule's. What this module does not do: retrieval and scoring (the env), the
-//! 80-record fixture ([`super::synthetic`]).
+//! distractors). The questions are the `questions` submodule's. What this module does not do:
+//! retrieval and scoring (the env), the 80-record fixture ([`super::synthetic`]).
 
 use std::collections::BTreeSet;
 use std::ops::Range;
