@@ -1,9 +1,13 @@
 //! Env throughput: agent turns per second through the full text protocol (parse + step +
 //! render, including the resets of the episodes played; Sokoban resets generate a room) for
-//! each env, and Sokoban room generation time per room (reverse play + BFS acceptance check).
+//! each env, Sokoban room generation time per room (reverse play + BFS acceptance check), and
+//! for the QA task the time to generate a world with its questions and to index a whole world
+//! (`corpus: world`).
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use serde_json::Value;
+use stepppo::env::hotpotqa::corpus::Corpus;
+use stepppo::env::hotpotqa::world::{Split, World};
 use stepppo::env::{build_session, play_episode, registry, Agent, AgentKind, AgentSession, Env};
 use stepppo::env::{SokobanConfig, SokobanEnv};
 
@@ -57,5 +61,30 @@ fn sokoban_generation(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, steps_per_second, sokoban_generation);
+/// A world of `size` entities with 2,400 questions (the defaults' count), and the BM25 index
+/// over all its paragraphs.
+fn hotpotqa_world(c: &mut Criterion) {
+    let mut group = c.benchmark_group("hotpotqa_world");
+    group.sample_size(20);
+    for size in [400, 5000] {
+        group.bench_function(format!("generate_{size}_entities_2400_questions"), |b| {
+            b.iter(|| {
+                let world = World::generate(1, Split::Train, size).unwrap();
+                world.records(2400, 6).unwrap()
+            })
+        });
+        let world = World::generate(1, Split::Train, size).unwrap();
+        group.bench_function(format!("index_{size}_paragraphs"), |b| {
+            b.iter(|| Corpus::new(world.paragraphs()))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    steps_per_second,
+    sokoban_generation,
+    hotpotqa_world
+);
 criterion_main!(benches);

@@ -85,22 +85,56 @@ fn bandit_oracle_picks_the_better_arm_and_random_is_a_coin_flip() {
     assert!((random - 0.5).abs() < 0.07, "{random}");
 }
 
-#[test]
-fn hotpotqa_oracle_has_exact_match_one_on_the_fixture() {
-    let mut session = build_session("hotpotqa", &json!({"split": "all"})).unwrap();
-    for seed in 0..200 {
+/// The text between `<search>` and `</search>` of a response.
+fn searched(response: &str) -> Option<&str> {
+    let rest = response.split_once("<search>")?.1;
+    Some(rest.split_once("</search>")?.0)
+}
+
+/// Plays the oracle for `episodes` seeds: each episode searches the two supporting titles (each
+/// found at rank 1), then answers with exact match 1.
+fn assert_oracle_does_both_hops(config: serde_json::Value, episodes: u64) {
+    let mut session = build_session("hotpotqa", &config).unwrap();
+    for seed in 0..episodes {
         let mut agent = Agent::new(AgentKind::Oracle, seed);
         let episode = play_episode(&mut session, seed, &mut |s| agent.respond(s));
-        assert_eq!(episode.reward(), 1.0, "seed {seed}");
-        assert_eq!(episode.turns.len(), 2, "search, then answer");
-        let last = &episode.turns[1].outcome;
+        assert_eq!(episode.reward(), 1.0, "{config} seed {seed}");
+        assert_eq!(episode.turns.len(), 3, "search, search, answer");
+        for hop in 0..2 {
+            let title = searched(&episode.turns[hop].response).expect("a search");
+            let found = &episode.turns[hop + 1].user_message;
+            assert!(
+                found.contains(&format!("<information>Doc 1(Title: {title}) ")),
+                "{config} seed {seed}: {title} not first in {found}"
+            );
+        }
+        let last = &episode.turns[2].outcome;
         assert_eq!(last.metrics, vec![("em", 1.0), ("f1", 1.0)]);
-        assert!(episode.turns[1]
-            .user_message
-            .contains("<information>Doc 1(Title: "));
     }
-    let random = success_rate(&mut session, AgentKind::Random, 200);
-    assert!(random < 0.3, "{random}");
+}
+
+#[test]
+fn hotpotqa_oracle_does_both_hops_on_both_splits_and_corpora() {
+    for split in ["train", "val"] {
+        for corpus in ["distractor", "world"] {
+            let config = json!({"split": split, "corpus": corpus, "world_seed": 3});
+            assert_oracle_does_both_hops(config.clone(), 300);
+            let mut session = build_session("hotpotqa", &config).unwrap();
+            let random = success_rate(&mut session, AgentKind::Random, 300);
+            assert!(random < 0.1, "{config}: random {random}");
+        }
+    }
+}
+
+#[test]
+fn hotpotqa_oracle_has_exact_match_one_on_the_fixture() {
+    for corpus in ["distractor", "world"] {
+        let config = json!({"world": "fixture", "split": "all", "corpus": corpus});
+        assert_oracle_does_both_hops(config.clone(), 200);
+        let mut session = build_session("hotpotqa", &config).unwrap();
+        let random = success_rate(&mut session, AgentKind::Random, 200);
+        assert!(random < 0.3, "{random}");
+    }
 }
 
 #[test]

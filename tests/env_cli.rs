@@ -150,3 +150,50 @@ fn first_bandit_arm() -> Vec<u8> {
         other => panic!("bandit actions: {other:?}"),
     }
 }
+
+#[test]
+fn a_written_generated_world_plays_as_a_data_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("val_world.json");
+    let out = out.to_str().unwrap();
+    let synth = [
+        "env",
+        "synth-hotpotqa",
+        "--world-split",
+        "val",
+        "--seed",
+        "5",
+    ];
+    let (ok, _, err) = stepppo(&[&synth[..], &["--records", "60", "--out", out]].concat());
+    assert!(ok && err.contains("wrote 60 records"), "{err}");
+    let data_file = format!("data_file={out}");
+    let play = [
+        "env",
+        "play",
+        "hotpotqa",
+        "--set",
+        &data_file,
+        "--set",
+        "split=all",
+    ];
+    let oracle = ["--agent", "oracle", "--episodes", "60", "--json"];
+    let (ok, stdout, err) = stepppo(&[&play[..], &oracle[..]].concat());
+    assert!(ok, "{err}");
+    let episodes = json_lines(&stdout);
+    assert!(episodes
+        .iter()
+        .all(|e| e["success"] == true && e["turns"] == 3));
+    let bad = [
+        "env",
+        "synth-hotpotqa",
+        "--world-split",
+        "test",
+        "--out",
+        out,
+    ];
+    let (ok, _, err) = stepppo(&bad);
+    assert!(
+        !ok && err.contains("--world-split") && err.contains("test"),
+        "{err}"
+    );
+}

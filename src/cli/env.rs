@@ -1,5 +1,6 @@
 //! `stepppo env list | play | synth-hotpotqa`: list the registered environments, play them with
-//! a model-free agent (or a person on stdin), and regenerate the synthetic HotpotQA fixture.
+//! a model-free agent (or a person on stdin), and regenerate the synthetic HotpotQA fixture or
+//! write the questions of a generated world.
 
 use std::io::{BufRead, Write};
 
@@ -15,7 +16,8 @@ pub enum EnvCommand {
     List,
     /// Play episodes with a model-free agent (random, oracle) or from stdin.
     Play(PlayArgs),
-    /// Write the synthetic HotpotQA records (official JSON schema).
+    /// Write synthetic HotpotQA records (official JSON schema): the fixture, or with
+    /// --world-split the questions of a generated world.
     SynthHotpotqa(SynthArgs),
 }
 
@@ -43,10 +45,20 @@ pub struct PlayArgs {
 pub struct SynthArgs {
     #[arg(long, default_value_t = hotpotqa::synthetic::FIXTURE_RECORDS)]
     records: usize,
+    /// Fixture seed, or the world seed with --world-split.
     #[arg(long, default_value_t = hotpotqa::synthetic::FIXTURE_SEED)]
     seed: u64,
     #[arg(long, default_value = "data/hotpotqa/synthetic_dev.json")]
     out: String,
+    /// Write the questions of this generated world (train | val) instead of the fixture.
+    #[arg(long)]
+    world_split: Option<String>,
+    /// Entities of the generated world.
+    #[arg(long, default_value_t = 400)]
+    world_size: usize,
+    /// Distractor paragraphs per generated record.
+    #[arg(long, default_value_t = 6)]
+    distractors: usize,
 }
 
 pub fn run(cmd: EnvCommand) -> anyhow::Result<()> {
@@ -58,14 +70,29 @@ pub fn run(cmd: EnvCommand) -> anyhow::Result<()> {
             Ok(())
         }
         EnvCommand::Play(args) => play(args),
-        EnvCommand::SynthHotpotqa(args) => {
-            let records = hotpotqa::synthetic::synthetic_records(args.records, args.seed);
-            std::fs::write(&args.out, hotpotqa::data::to_json(&records))
-                .with_context(|| format!("writing {}", args.out))?;
-            eprintln!("wrote {} records to {}", records.len(), args.out);
-            Ok(())
-        }
+        EnvCommand::SynthHotpotqa(args) => synth(args),
     }
+}
+
+fn synth(args: SynthArgs) -> anyhow::Result<()> {
+    use hotpotqa::world::{Split, World};
+    let records = match args.world_split.as_deref() {
+        None => hotpotqa::synthetic::synthetic_records(args.records, args.seed),
+        Some(name) => {
+            let split = match name {
+                "train" => Split::Train,
+                "val" => Split::Val,
+                other => bail!("--world-split `{other}`: expected train or val"),
+            };
+            World::generate(args.seed, split, args.world_size)
+                .and_then(|world| world.records(args.records, args.distractors))
+                .map_err(|reason| anyhow::anyhow!("--world-size {}: {reason}", args.world_size))?
+        }
+    };
+    std::fs::write(&args.out, hotpotqa::data::to_json(&records))
+        .with_context(|| format!("writing {}", args.out))?;
+    eprintln!("wrote {} records to {}", records.len(), args.out);
+    Ok(())
 }
 
 fn config_from_sets(sets: &[String]) -> anyhow::Result<Value> {

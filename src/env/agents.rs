@@ -2,7 +2,8 @@
 //! `<answer>Left</answer>`, `<search>q</search>`) that goes through the same
 //! [`AgentSession::act`] parser as model output. `random` plays a uniform action; `oracle` plays
 //! the env's best action (FrozenLake: BFS on the non-slippery map; Sokoban: the BFS solver;
-//! Bandit: the better arm; QA: search the question, then answer the gold answer).
+//! Bandit: the better arm; QA: search each supporting title in turn, the first entity then the
+//! bridge or second entity, then answer the gold answer).
 
 use std::str::FromStr;
 

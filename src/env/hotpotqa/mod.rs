@@ -1,21 +1,34 @@
-//! HotpotQA-style multi-hop search QA. The env loads records ([`data`]: official or Hugging
-//! Face layout; by default the embedded synthetic fixture from [`synthetic`]), builds a local
-//! corpus from every context paragraph of the loaded records, and answers `<search>query</search>`
-//! with the BM25 top-k ([`bm25`]) wrapped as `\n\n<information>Doc i(Title: t) text\n…</information>\n\n`
-//! (Search-R1). `<answer>…</answer>` ends the episode with reward = exact match after the
-//! official normalization ([`metric`]); F1 is reported as a metric.
+//! HotpotQA-style multi-hop search QA. The env's records come from a generated world
+//! ([`world`], the default: a world per (`world_seed`, `split`), train and val worlds sharing no
+//! entity name), the embedded 80-record fixture ([`synthetic`], `world: fixture`) or a file
+//! ([`data`]: official or Hugging Face layout, `data_file`). `<search>query</search>` returns the
+//! BM25 top-k ([`corpus`], [`bm25`]) wrapped as `\n\n<information>Doc i(Title: t) text\n…
+//! </information>\n\n` (Search-R1), searched over the episode record's own context (`corpus:
+//! distractor`, HotpotQA's distractor setting) or over every paragraph of the world (`corpus:
+//! world`, full-wiki-like; for a fixture or file, every distinct paragraph of the loaded
+//! records). `<answer>…</answer>` ends the episode with reward = exact match after the official
+//! normalization ([`metric`]); F1 is reported as a metric. The oracle does the two hops: it
+//! searches each supporting title in turn, then answers.
 //!
-//! Differences from StepPO / Search-R1 / ROLL: BM25 over the records' own paragraphs instead of a
-//! dense retriever over Wikipedia; the question is part of the instruction and the per-turn state
-//! is the latest search result (initially "No search results yet."); the turn limit is the
+//! Differences from StepPO / Search-R1 / ROLL: BM25 over generated or loaded paragraphs instead
+//! of a dense retriever over Wikipedia; the question is part of the instruction and the per-turn
+//! state is the latest search result (initially "No search results yet."); the turn limit is the
 //! protocol's `max_turns` (default 4); an unparseable turn gets the format penalty instead of
 //! Search-R1's "My previous action is invalid…" observation. The episode's record is chosen from
-//! the split by the reset seed; `split` is `train`, `val` or `all`, assigned per record id hash.
+//! the split by the reset seed. For a fixture or file, `split` (`train`, `val` or `all`) is
+//! assigned per record id hash; for a generated world it picks the train or the val world.
+//! Generated data (and its world index) is built once per process and shared by every env of
+//! the same settings.
 
 pub mod bm25;
+pub mod corpus;
 pub mod data;
 pub mod metric;
 pub mod synthetic;
+pub mod world;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use rand::seq::IndexedRandom;
 use rand::Rng;
@@ -23,20 +36,53 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use super::{bad_value, stable_hash, Action, ActionSpace, Env, EnvError, EnvInfo, Transition};
-use bm25::Bm25;
+use corpus::Corpus;
 use data::HotpotRecord;
+use world::{Split, World};
+
+/// Where the records come from when no `data_file` is given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorldKind {
+    /// A world generated from `world_seed` for the split ([`world`]).
+    Generated,
+    /// The embedded 80-record fixture ([`synthetic`]).
+    Fixture,
+}
+
+/// What a search runs over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CorpusKind {
+    /// The episode record's own context (gold + distractor paragraphs).
+    Distractor,
+    /// Every paragraph of the split's world (fixture or file: of all loaded records).
+    World,
+}
 
 /// HotpotQA settings (`--set key=value`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HotpotQaConfig {
-    /// Records file (official JSON list, HF JSON list or HF JSON Lines); `null` = the embedded
-    /// synthetic fixture.
+    /// `generated` or `fixture`; unused when `data_file` is set.
+    pub world: WorldKind,
+    /// Seed of the generated train and val worlds.
+    pub world_seed: u64,
+    /// Entities per generated world.
+    pub world_size: usize,
+    /// Questions per generated world.
+    pub world_questions: usize,
+    /// Distractor paragraphs per generated record (the official distractor setting uses 8).
+    pub distractors: usize,
+    /// Records file (official JSON list, HF JSON list or HF JSON Lines); when set, it is the
+    /// data and the `world*` keys are unused.
     pub data_file: Option<String>,
-    /// `train`, `val` or `all`.
+    /// `train` or `val` (a generated world); `train`, `val` or `all` (fixture or file).
     pub split: String,
-    /// Fraction of records (by id hash) in the `val` split.
+    /// Fraction of records (by id hash) in the `val` split of a fixture or file.
     pub val_fraction: f64,
+    /// `distractor` or `world`.
+    pub corpus: CorpusKind,
     /// Passages returned per search.
     pub topk: usize,
 }
@@ -44,36 +90,152 @@ pub struct HotpotQaConfig {
 impl Default for HotpotQaConfig {
     fn default() -> Self {
         HotpotQaConfig {
+            world: WorldKind::Generated,
+            world_seed: 0,
+            world_size: 400,
+            world_questions: 2400,
+            distractors: 6,
             data_file: None,
             split: "train".into(),
             val_fraction: 0.2,
+            corpus: CorpusKind::Distractor,
             topk: 3,
         }
     }
 }
 
-/// A corpus passage.
-struct Passage {
-    title: String,
-    text: String,
-}
-
-/// Records and the search index.
+/// Records, the split and the whole-world index: everything an env reads and never changes.
 struct QaData {
     records: Vec<HotpotRecord>,
-    passages: Vec<Passage>,
-    index: Bm25,
+    /// Indices into `records` of this split.
+    split: Vec<usize>,
+    /// The index over the whole world (`corpus: world`).
+    world: Option<Corpus>,
+}
+
+/// Data of generated worlds and of the fixture, by settings, shared across the envs of a
+/// process (a rollout builds one env per trajectory).
+static SHARED: OnceLock<Mutex<HashMap<String, Arc<QaData>>>> = OnceLock::new();
+/// Settings kept in [`SHARED`] before it is emptied.
+const SHARED_MAX: usize = 16;
+
+impl QaData {
+    /// The data of `cfg`, from the process-wide share unless it is read from a file.
+    fn get(cfg: &HotpotQaConfig) -> Result<Arc<QaData>, EnvError> {
+        if cfg.data_file.is_some() {
+            return Ok(Arc::new(QaData::build(cfg)?));
+        }
+        let key = serde_json::to_string(&HotpotQaConfig {
+            topk: 0,
+            ..cfg.clone()
+        })
+        .expect("configs serialize");
+        let shared = SHARED.get_or_init(Default::default);
+        let mut shared = shared
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(data) = shared.get(&key) {
+            return Ok(Arc::clone(data));
+        }
+        let data = Arc::new(QaData::build(cfg)?);
+        if shared.len() >= SHARED_MAX {
+            shared.clear();
+        }
+        shared.insert(key, Arc::clone(&data));
+        Ok(data)
+    }
+
+    fn build(cfg: &HotpotQaConfig) -> Result<QaData, EnvError> {
+        let Source {
+            records,
+            split,
+            world,
+        } = match (&cfg.data_file, cfg.world) {
+            (Some(path), _) => loaded(data::load_file(path)?, cfg)?,
+            (None, WorldKind::Fixture) => loaded(
+                data::parse_records(data::EMBEDDED_FIXTURE, data::EMBEDDED_NAME)?,
+                cfg,
+            )?,
+            (None, WorldKind::Generated) => generated(cfg)?,
+        };
+        let world = match cfg.corpus {
+            CorpusKind::Distractor => None,
+            CorpusKind::World => Some(match &world {
+                Some(world) => Corpus::new(world.paragraphs()),
+                None => Corpus::new(records.iter().flat_map(|r| &r.context)),
+            }),
+        };
+        Ok(QaData {
+            records,
+            split,
+            world,
+        })
+    }
+}
+
+/// Records, the indices of the split and, for a generated world, the world.
+struct Source {
+    records: Vec<HotpotRecord>,
+    split: Vec<usize>,
+    world: Option<World>,
+}
+
+/// Loaded records and their split by id hash; no world.
+fn loaded(records: Vec<HotpotRecord>, cfg: &HotpotQaConfig) -> Result<Source, EnvError> {
+    let split = split_indices(&records, &cfg.split, cfg.val_fraction)?;
+    Ok(Source {
+        records,
+        split,
+        world: None,
+    })
+}
+
+/// The split's generated world and its questions, all in the split.
+fn generated(cfg: &HotpotQaConfig) -> Result<Source, EnvError> {
+    let split = match cfg.split.as_str() {
+        "train" => Split::Train,
+        "val" => Split::Val,
+        other => {
+            return Err(bad_value(
+                "hotpotqa",
+                "split",
+                format!(
+                    "`{other}` is not one of train, val (a generated world is either the train \
+                     or the val world; `all` needs world: fixture or a data_file)"
+                ),
+            ))
+        }
+    };
+    if cfg.world_questions == 0 {
+        return Err(bad_value(
+            "hotpotqa",
+            "world_questions",
+            "must be at least 1",
+        ));
+    }
+    let world = World::generate(cfg.world_seed, split, cfg.world_size)
+        .map_err(|reason| bad_value("hotpotqa", "world_size", reason))?;
+    let records = world
+        .records(cfg.world_questions, cfg.distractors)
+        .map_err(|reason| bad_value("hotpotqa", "world_size", reason))?;
+    Ok(Source {
+        split: (0..records.len()).collect(),
+        records,
+        world: Some(world),
+    })
 }
 
 /// The QA env.
 pub struct HotpotQaEnv {
     cfg: HotpotQaConfig,
-    data: QaData,
-    /// Indices into `data.records` of this split.
-    split: Vec<usize>,
+    data: Arc<QaData>,
+    /// Index into `data.records` of the episode's record.
     current: usize,
+    /// The episode record's own context (`corpus: distractor`).
+    episode_corpus: Option<Corpus>,
+    /// Queries searched this episode.
+    queries: Vec<String>,
     observation: String,
-    searched: bool,
     finished: bool,
 }
 
@@ -85,28 +247,14 @@ impl HotpotQaEnv {
         if !(0.0..=1.0).contains(&cfg.val_fraction) {
             return Err(bad_value("hotpotqa", "val_fraction", "must be in [0, 1]"));
         }
-        let records = match &cfg.data_file {
-            Some(path) => data::load_file(path)?,
-            None => data::parse_records(data::EMBEDDED_FIXTURE, data::EMBEDDED_NAME)?,
-        };
-        let split = split_indices(&records, &cfg.split, cfg.val_fraction)?;
-        let passages = corpus(&records);
-        let docs: Vec<String> = passages
-            .iter()
-            .map(|p| format!("{} {}", p.title, p.text))
-            .collect();
-        let index = Bm25::new(&docs);
+        let data = QaData::get(&cfg)?;
         let mut env = HotpotQaEnv {
             cfg,
-            data: QaData {
-                records,
-                passages,
-                index,
-            },
-            current: split[0],
-            split,
+            current: data.split[0],
+            data,
+            episode_corpus: None,
+            queries: Vec::new(),
             observation: String::new(),
-            searched: false,
             finished: false,
         };
         env.reset(0);
@@ -120,23 +268,31 @@ impl HotpotQaEnv {
 
     /// Number of records in this env's split.
     pub fn split_len(&self) -> usize {
-        self.split.len()
+        self.data.split.len()
+    }
+
+    /// The records of this env's split.
+    pub fn split_records(&self) -> impl Iterator<Item = &HotpotRecord> {
+        self.data.split.iter().map(|&i| &self.data.records[i])
+    }
+
+    /// The corpus searches run over in the current episode.
+    fn corpus(&self) -> &Corpus {
+        self.data
+            .world
+            .as_ref()
+            .or(self.episode_corpus.as_ref())
+            .expect("a distractor corpus is built at every reset")
+    }
+
+    /// Titles of the top-k passages for `query` in the current episode, best first.
+    pub fn search_titles(&self, query: &str) -> Vec<&str> {
+        self.corpus().titles(query, self.cfg.topk)
     }
 
     /// The `<information>` block for a query.
     fn search(&self, query: &str) -> String {
-        let docs: String = self
-            .data
-            .index
-            .search(query, self.cfg.topk)
-            .iter()
-            .enumerate()
-            .map(|(i, &(doc, _))| {
-                let p = &self.data.passages[doc];
-                format!("Doc {}(Title: {}) {}\n", i + 1, p.title, p.text)
-            })
-            .collect();
-        format!("\n\n<information>{docs}</information>\n\n")
+        self.corpus().render(query, self.cfg.topk)
     }
 }
 
@@ -174,32 +330,19 @@ fn split_indices(
     Ok(indices)
 }
 
-/// Every distinct context paragraph of the records, in first-seen order.
-fn corpus(records: &[HotpotRecord]) -> Vec<Passage> {
-    let mut seen = std::collections::HashSet::new();
-    let mut passages = Vec::new();
-    for (title, sentences) in records.iter().flat_map(|r| &r.context) {
-        let text = sentences.concat().trim().to_string();
-        if seen.insert((title.clone(), text.clone())) {
-            passages.push(Passage {
-                title: title.clone(),
-                text,
-            });
-        }
-    }
-    passages
-}
-
 impl Env for HotpotQaEnv {
     fn tag(&self) -> &str {
         "hotpotqa"
     }
 
     fn reset(&mut self, seed: u64) -> String {
-        let pick = crate::seed::derive(seed, &[1]) % self.split.len() as u64;
-        self.current = self.split[pick as usize];
+        let pick = crate::seed::derive(seed, &[1]) % self.data.split.len() as u64;
+        self.current = self.data.split[pick as usize];
+        if self.data.world.is_none() {
+            self.episode_corpus = Some(Corpus::new(&self.record().context));
+        }
         self.observation = "No search results yet.".to_string();
-        self.searched = false;
+        self.queries.clear();
         self.finished = false;
         self.state_text()
     }
@@ -210,7 +353,7 @@ impl Env for HotpotQaEnv {
             _ if self.finished => (0.0, true),
             Action::Search(query) => {
                 self.observation = self.search(query);
-                self.searched = true;
+                self.queries.push(query.clone());
                 info.action_is_valid = true;
                 info.action_is_effective = true;
                 (0.0, false)
@@ -259,11 +402,22 @@ impl Env for HotpotQaEnv {
         usize::MAX
     }
 
+    /// Searches each supporting title not searched yet, in order (the first entity, then the
+    /// bridge or second entity), then answers; a record without supporting facts gets one
+    /// search of its question.
     fn oracle_action(&self) -> Action {
-        if self.searched {
-            Action::Answer(self.record().answer.clone())
-        } else {
-            Action::Search(self.record().question.clone())
+        let record = self.record();
+        let next = record
+            .supporting_facts
+            .iter()
+            .map(|(title, _)| title)
+            .find(|title| !self.queries.contains(title));
+        match next {
+            Some(title) => Action::Search(title.clone()),
+            None if record.supporting_facts.is_empty() && self.queries.is_empty() => {
+                Action::Search(record.question.clone())
+            }
+            None => Action::Answer(record.answer.clone()),
         }
     }
 
@@ -283,6 +437,8 @@ impl Env for HotpotQaEnv {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
+
     use super::*;
 
     #[test]
@@ -311,8 +467,9 @@ mod tests {
     }
 
     #[test]
-    fn splits_partition_the_records() {
+    fn fixture_splits_partition_the_records() {
         let cfg = |split: &str| HotpotQaConfig {
+            world: WorldKind::Fixture,
             split: split.into(),
             ..HotpotQaConfig::default()
         };
@@ -323,5 +480,140 @@ mod tests {
         assert!(val > 0 && train > val);
         let err = HotpotQaEnv::new(cfg("test")).err().unwrap().to_string();
         assert!(err.contains("split"), "{err}");
+    }
+
+    #[test]
+    fn generated_worlds_are_train_or_val_and_bad_settings_are_named() {
+        let cfg = HotpotQaConfig::default();
+        let env = HotpotQaEnv::new(cfg.clone()).unwrap();
+        assert_eq!(env.split_len(), cfg.world_questions);
+        let bad = |cfg: HotpotQaConfig| HotpotQaEnv::new(cfg).err().unwrap().to_string();
+        let err = bad(HotpotQaConfig {
+            split: "all".into(),
+            ..cfg.clone()
+        });
+        assert!(err.contains("`split`") && err.contains("fixture"), "{err}");
+        let err = bad(HotpotQaConfig {
+            world_size: 7,
+            ..cfg.clone()
+        });
+        assert!(err.contains("`world_size`") && err.contains('7'), "{err}");
+        let err = bad(HotpotQaConfig {
+            world_questions: 0,
+            ..cfg
+        });
+        assert!(err.contains("`world_questions`"), "{err}");
+    }
+
+    /// Normalized titles and answers (yes/no aside) of an env's split.
+    fn names(env: &HotpotQaEnv) -> BTreeSet<String> {
+        env.split_records()
+            .flat_map(|r| r.context.iter().map(|(t, _)| t).chain([&r.answer]))
+            .map(|s| metric::normalize_answer(s))
+            .filter(|s| s != "yes" && s != "no")
+            .collect()
+    }
+
+    #[test]
+    fn the_train_and_val_envs_share_no_title_or_answer() {
+        for corpus in [CorpusKind::Distractor, CorpusKind::World] {
+            let cfg = |split: &str| HotpotQaConfig {
+                split: split.into(),
+                corpus,
+                world_seed: 11,
+                ..HotpotQaConfig::default()
+            };
+            let train = names(&HotpotQaEnv::new(cfg("train")).unwrap());
+            let val = names(&HotpotQaEnv::new(cfg("val")).unwrap());
+            assert!(train.len() > 300 && val.len() > 300);
+            assert_eq!(train.intersection(&val).count(), 0);
+        }
+        let fixture = |split: &str| HotpotQaConfig {
+            world: WorldKind::Fixture,
+            split: split.into(),
+            ..HotpotQaConfig::default()
+        };
+        let train = names(&HotpotQaEnv::new(fixture("train")).unwrap());
+        let val = names(&HotpotQaEnv::new(fixture("val")).unwrap());
+        assert!(
+            train.intersection(&val).count() > 0,
+            "the fixture's splits share its one knowledge base"
+        );
+    }
+
+    #[test]
+    fn envs_of_one_setting_share_their_data() {
+        let cfg = HotpotQaConfig {
+            world_seed: 77,
+            corpus: CorpusKind::World,
+            ..HotpotQaConfig::default()
+        };
+        let a = HotpotQaEnv::new(cfg.clone()).unwrap();
+        let b = HotpotQaEnv::new(HotpotQaConfig {
+            topk: 1,
+            ..cfg.clone()
+        })
+        .unwrap();
+        assert!(
+            Arc::ptr_eq(&a.data, &b.data),
+            "topk does not change the data"
+        );
+        let c = HotpotQaEnv::new(HotpotQaConfig {
+            split: "val".into(),
+            ..cfg
+        })
+        .unwrap();
+        assert!(!Arc::ptr_eq(&a.data, &c.data));
+    }
+
+    #[test]
+    fn the_world_corpus_reaches_beyond_the_record_context() {
+        let cfg = HotpotQaConfig {
+            corpus: CorpusKind::World,
+            topk: 5,
+            ..HotpotQaConfig::default()
+        };
+        let mut env = HotpotQaEnv::new(cfg.clone()).unwrap();
+        assert_eq!(env.corpus().len(), cfg.world_size);
+        let mut own = HotpotQaEnv::new(HotpotQaConfig {
+            corpus: CorpusKind::Distractor,
+            ..cfg
+        })
+        .unwrap();
+        let outside = (0..20).any(|seed| {
+            env.reset(seed);
+            own.reset(seed);
+            assert_eq!(own.corpus().len(), 2 + own.cfg.distractors);
+            let context: Vec<&String> = env.record().context.iter().map(|(t, _)| t).collect();
+            let query = env.record().question.clone();
+            assert!(own
+                .search_titles(&query)
+                .iter()
+                .all(|t| context.iter().any(|c| c == t)));
+            env.search_titles(&query)
+                .iter()
+                .any(|t| !context.iter().any(|c| c == t))
+        });
+        assert!(
+            outside,
+            "a world search returns paragraphs of other records"
+        );
+    }
+
+    #[test]
+    fn the_oracle_searches_each_supporting_title_then_answers() {
+        let mut env = HotpotQaEnv::new(HotpotQaConfig::default()).unwrap();
+        env.reset(9);
+        let facts = env.record().supporting_facts.clone();
+        for (title, _) in &facts {
+            let action = env.oracle_action();
+            assert_eq!(action, Action::Search(title.clone()));
+            assert_eq!(env.search_titles(title)[0], title);
+            env.step(&action);
+        }
+        assert_eq!(
+            env.oracle_action(),
+            Action::Answer(env.record().answer.clone())
+        );
     }
 }

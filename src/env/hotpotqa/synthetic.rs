@@ -3,7 +3,9 @@
 //! all with invented names) is drawn from a seed; each record is a bridge question (two hops
 //! through a linking entity) or a comparison question (two entities, one attribute, including
 //! yes/no), with its two gold paragraphs, distractor paragraphs from the same knowledge base,
-//! and sentence-level supporting facts. Output is a pure function of (count, seed).
+//! and sentence-level supporting facts. Output is a pure function of (count, seed). This is the
+//! shipped fixture (`world: fixture`); train and validation share its one knowledge base, so the
+//! env's default is a generated world per split instead ([`super::world`]).
 
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::{Rng, SeedableRng};
