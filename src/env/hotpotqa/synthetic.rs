@@ -20,7 +20,8 @@ pub const FIXTURE_SEED: u64 = 2024;
 /// Distractor paragraphs per record (the official distractor setting uses 8).
 const DISTRACTORS: usize = 4;
 
-const SYLLABLES: [&str; 24] = [
+/// Name parts of made-up entities (shared with the generated worlds).
+pub(super) const SYLLABLES: [&str; 24] = [
     "ka", "lo", "mir", "zen", "tha", "vor", "bel", "dra", "qui", "sol", "nax", "ere", "ul", "ora",
     "fen", "gal", "tor", "ivi", "mel", "rov", "sta", "pim", "dur", "eko",
 ];
@@ -32,7 +33,8 @@ const FILM_ADJECTIVES: [&str; 8] = [
 const FILM_NOUNS: [&str; 8] = [
     "Harbor", "Orchard", "Signal", "Lantern", "Meridian", "Voyage", "Cipher", "Garden",
 ];
-const JOBS: [&str; 8] = [
+/// Occupations of made-up people (shared with the generated worlds).
+pub(super) const JOBS: [&str; 8] = [
     "painter",
     "engineer",
     "novelist",

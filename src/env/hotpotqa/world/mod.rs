@@ -24,6 +24,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::metric::normalize_answer;
+use super::synthetic::{JOBS, SYLLABLES};
 use crate::env::stable_hash;
 use crate::seed::derive;
 
@@ -31,10 +32,6 @@ use crate::seed::derive;
 pub const MIN_WORLD_SIZE: usize = 40;
 pub const MAX_WORLD_SIZE: usize = 5000;
 
-const SYLLABLES: [&str; 24] = [
-    "ka", "lo", "mir", "zen", "tha", "vor", "bel", "dra", "qui", "sol", "nax", "ere", "ul", "ora",
-    "fen", "gal", "tor", "ivi", "mel", "rov", "sta", "pim", "dur", "eko",
-];
 const COUNTRY_SUFFIXES: [&str; 3] = ["ia", "land", "stan"];
 const CITY_SUFFIXES: [&str; 5] = ["burg", "port", "vale", "mora", "ton"];
 const COMPANY_KINDS: [&str; 8] = [
@@ -43,16 +40,6 @@ const COMPANY_KINDS: [&str; 8] = [
 const FILM_NOUNS: [&str; 12] = [
     "Harbor", "Orchard", "Signal", "Lantern", "Meridian", "Voyage", "Cipher", "Garden", "Mirror",
     "River", "Winter", "Crown",
-];
-const JOBS: [&str; 8] = [
-    "painter",
-    "engineer",
-    "novelist",
-    "architect",
-    "composer",
-    "chemist",
-    "photographer",
-    "sculptor",
 ];
 /// Seed paths of the name partition and the world (the questions use 3 and 4).
 const NAME_STREAM: u64 = 1;
