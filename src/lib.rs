@@ -18,6 +18,7 @@ pub mod kv;
 pub mod model;
 pub mod rollout;
 pub mod seed;
+pub mod serve;
 pub mod store;
 pub mod tokenizer;
 pub mod train;

@@ -391,6 +391,46 @@ impl ChatTemplate {
         Ok(ids)
     }
 
+    /// A whole conversation followed by the generation prompt of the assistant: what
+    /// `apply_chat_template(messages, add_generation_prompt=True)` gives, tokenised (built in:
+    /// each message as `<|im_start|>{role}\n{content}<|im_end|>\n`).
+    pub fn conversation(&self, tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
+        if let Some(t) = tok.chat_template() {
+            return render_ids(tok, t, messages, true);
+        }
+        let mut ids: Vec<u32> = messages
+            .iter()
+            .flat_map(|m| self.message(tok, m.role, m.content))
+            .collect();
+        ids.push(im_start_id(tok));
+        ids.extend(tok.encode("assistant\n"));
+        Ok(ids)
+    }
+
+    /// The tokens that follow a sampled `response` (the reply to `history`) when the messages
+    /// `trailing` come after it: what closes the response, the trailing messages and the
+    /// generation prompt, as the template renders the whole conversation. The response itself
+    /// is never re-tokenised, so a context built this way extends the last one.
+    pub fn after_reply(
+        &self,
+        tok: &Tokenizer,
+        response: &[u32],
+        history: &[Message],
+        trailing: &[Message],
+    ) -> Result<Vec<u32>> {
+        let Some(t) = tok.chat_template() else {
+            let mut ids = self.close_response(tok, response)?;
+            let rest = self.conversation(tok, trailing)?;
+            ids.extend(rest);
+            return Ok(ids);
+        };
+        let mut messages = history.to_vec();
+        messages.push(msg("assistant", RESPONSE_MARK));
+        messages.extend_from_slice(trailing);
+        let after = suffix_after_mark(t, &t.render(&messages, true)?)?;
+        Ok(tok.encode(strip_eos(tok, response, &after)))
+    }
+
     fn builtin_user_turn(&self, tok: &Tokenizer, text: &str) -> Vec<u32> {
         let mut ids = self.message(tok, "user", text);
         ids.push(im_start_id(tok));

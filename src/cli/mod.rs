@@ -3,6 +3,7 @@
 mod bench;
 mod env;
 mod model;
+mod serve;
 mod store;
 mod train;
 mod view;
@@ -41,6 +42,8 @@ enum Command {
     Generate(model::GenerateArgs),
     /// Write a freshly initialised HF-format model directory.
     InitModel(model::InitModelArgs),
+    /// Serve a policy over the OpenAI chat-completions API, recording sessions as steps.
+    Serve(serve::ServeArgs),
     /// Browse a run or a dataset in the browser (a read-only local web server).
     View(view::ViewArgs),
     /// Quick benchmarks with the built-in model.
@@ -61,6 +64,7 @@ impl Cli {
             Command::Dataset(c) => store::dataset(c),
             Command::Generate(a) => model::generate(a),
             Command::InitModel(a) => model::init_model(a),
+            Command::Serve(a) => serve::serve(a),
             Command::View(a) => view::view(a),
             Command::Bench(c) => bench::run(c),
         }

@@ -95,7 +95,7 @@ fn load_config(path: Option<&Path>, sets: &[String]) -> anyhow::Result<Config> {
 }
 
 /// Applies `cpu_threads` (candle and rayon read `RAYON_NUM_THREADS`) unless the user set it.
-fn set_cpu_threads(n: usize) {
+pub(crate) fn set_cpu_threads(n: usize) {
     if n > 0 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }

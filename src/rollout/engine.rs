@@ -370,6 +370,18 @@ impl Engine {
         tokenizer: &Tokenizer,
         requests: &[GenRequest],
     ) -> Result<Vec<Generation>> {
+        self.generate_streaming(model, tokenizer, requests, &mut |_, _, _| {})
+    }
+
+    /// [`Engine::generate`], handing every sampled token to `on_token(request, token, logprob)`
+    /// as soon as its forward call is done (in sampling order within each request).
+    pub fn generate_streaming(
+        &mut self,
+        model: &Model,
+        tokenizer: &Tokenizer,
+        requests: &[GenRequest],
+        on_token: &mut dyn FnMut(usize, u32, f32),
+    ) -> Result<Vec<Generation>> {
         self.validate(requests)?;
         let mut seqs: Vec<Seq> = requests
             .iter()
@@ -378,9 +390,17 @@ impl Engine {
             .collect();
         self.counters.requests += requests.len() as u64;
         self.counters.prompt_tokens += requests.iter().map(|r| r.tokens.len() as u64).sum::<u64>();
+        let mut reported = vec![0usize; seqs.len()];
         while seqs.iter().any(|s| !matches!(s.phase, Phase::Done(_))) {
             self.admit(&mut seqs, requests)?;
             self.step(model, tokenizer, &mut seqs, requests)?;
+            for (s, done) in seqs.iter().zip(reported.iter_mut()) {
+                let generated = s.generated();
+                for (&token, &logprob) in generated[*done..].iter().zip(&s.logprobs[*done..]) {
+                    on_token(s.req, token, logprob);
+                }
+                *done = generated.len();
+            }
         }
         Ok(seqs
             .into_iter()

@@ -1,0 +1,120 @@
+//! `stepppo serve`: the OpenAI-compatible gateway over a fixed policy, recording the sessions it
+//! serves into a step dataset when `--record` is given.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use stepppo::model::checkpoint::load_policy;
+use stepppo::rollout::engine::{Engine, EngineConfig};
+use stepppo::serve::{self, GatewayOptions, PolicyBackend, Recorder};
+use stepppo::store::WriterOptions;
+use stepppo::train::checkpoint;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// `builtin` (the freshly initialised small model), an HF-layout model directory, a run
+    /// directory (its latest checkpoint) or a checkpoint directory.
+    #[arg(long, default_value = "builtin")]
+    pub model: String,
+    /// The model id clients send (default: the `--model` value).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Address to bind. The default serves this machine only.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on; 0 picks a free one (printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Write every closed session into the step dataset in this directory (created, or appended
+    /// to).
+    #[arg(long)]
+    pub record: Option<PathBuf>,
+    /// Reply length when a request gives no `max_tokens`.
+    #[arg(long, default_value_t = 256)]
+    pub default_max_tokens: usize,
+    /// Seconds an idle session is kept open before it is dropped unrecorded.
+    #[arg(long, default_value_t = 600)]
+    pub session_ttl: u64,
+    /// Largest request body in bytes (larger ones get 413).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// KV slots of the engine's pool (the radix cache and running sequences share them).
+    #[arg(long, default_value_t = 65_536)]
+    pub kv_slots: usize,
+    /// Seed of the sampling of requests that give no `seed`.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// `cpu`, `cuda` or `cuda:N` (CUDA needs a `--features cuda` build).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Compute threads on CPU (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+}
+
+/// The policy directory a `--model` value names (`builtin` stays as it is).
+fn model_spec(model: &str) -> anyhow::Result<String> {
+    let path = Path::new(model);
+    if model == "builtin"
+        || path.join("config.json").is_file() && !path.join("ckpt-latest").exists()
+    {
+        return Ok(model.to_string());
+    }
+    let ckpt = checkpoint::resolve(path).with_context(|| {
+        format!("--model {model}: neither `builtin`, a model directory nor a checkpoint")
+    })?;
+    Ok(ckpt.join("policy").display().to_string())
+}
+
+pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    super::train::set_cpu_threads(a.threads);
+    let device = stepppo::device::parse_device(&a.device)?;
+    let spec = model_spec(&a.model)?;
+    let (model, tokenizer) =
+        load_policy(&spec, &device).with_context(|| format!("loading model {spec}"))?;
+    let engine_cfg = EngineConfig {
+        num_slots: a.kv_slots,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(model.config(), engine_cfg, &device)?;
+    let recorder = match &a.record {
+        Some(dir) => {
+            let mut opts = WriterOptions::default();
+            opts.metadata
+                .insert("recorded_by".into(), "stepppo serve".into());
+            opts.metadata.insert("model".into(), spec.clone().into());
+            Some(Recorder::open(dir, opts).with_context(|| format!("--record {}", dir.display()))?)
+        }
+        None => None,
+    };
+    let max_context = model.config().max_position_embeddings.min(a.kv_slots);
+    let mut opts = GatewayOptions::new(
+        a.served_model_name.as_deref().unwrap_or(&a.model),
+        max_context,
+        a.seed,
+    );
+    opts.host = a.host;
+    opts.port = a.port;
+    opts.max_body_bytes = a.max_body_bytes;
+    opts.worker.default_max_tokens = a.default_max_tokens;
+    opts.worker.session_ttl = Duration::from_secs(a.session_ttl);
+    let gateway = serve::start(&opts)?;
+    println!(
+        "stepppo serve: http://{}/v1 serving `{}`{} (Ctrl-C stops)",
+        gateway.addr(),
+        opts.model_name,
+        a.record
+            .as_ref()
+            .map(|d| format!(", recording into {}", d.display()))
+            .unwrap_or_default()
+    );
+    let mut backend = PolicyBackend {
+        model,
+        tokenizer,
+        engine,
+        recorder,
+    };
+    gateway.serve(&mut backend)
+}

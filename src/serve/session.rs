@@ -1,0 +1,501 @@
+//! The gateway's conversations as trajectories. A session (keyed by the id the client sends) is
+//! one trajectory; each completion in it is one step. The prompt of a step is built in token
+//! space whenever the client's messages continue the session: the last request's messages, then
+//! the assistant reply exactly as returned, then new messages. Then the step's context is the
+//! last context plus the sampled response ids plus the template's rendering of what follows them
+//! ([`ChatTemplate::after_reply`]), so a response is never re-tokenised, the radix cache sees
+//! the context grow and the record stores only the new tokens (`context_len` > 0). A
+//! conversation that does not continue (edited history, a new task in the same session) starts a
+//! fresh context: the whole rendered prompt with `context_len` 0, which training reads as the
+//! start of a new sequence. Closing a session with its reward(s) yields its step records; the
+//! caller assigns trajectory and group ids. Sessions idle past their time to live are dropped.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use serde::Deserialize;
+
+use super::api::{ApiError, ChatMessage, Completion};
+use crate::env::stable_hash;
+use crate::store::{StepInfo, StepRecord};
+use crate::tokenizer::{ChatTemplate, Message, Tokenizer};
+
+/// Env tag of records whose client named none.
+pub const DEFAULT_ENV_TAG: &str = "gateway";
+
+/// The context a completion generates from.
+#[derive(Debug, Clone)]
+pub struct Prompt {
+    /// The whole context.
+    pub tokens: Vec<u32>,
+    /// Tokens before this step's new tokens (0 for a fresh context).
+    pub context_len: usize,
+    /// The new messages of this step, as text (the record's observation).
+    pub observation_text: String,
+}
+
+impl Prompt {
+    /// Tokens new at this step.
+    pub fn new_tokens(&self) -> &[u32] {
+        &self.tokens[self.context_len..]
+    }
+}
+
+struct Turn {
+    context_len: usize,
+    obs_ids: Vec<u32>,
+    response_ids: Vec<u32>,
+    response_logprobs: Vec<f32>,
+    policy_version: u64,
+    observation_text: String,
+    action_text: String,
+}
+
+struct Session {
+    task: Option<String>,
+    env_tag: String,
+    env_seed: u64,
+    turns: Vec<Turn>,
+    /// The messages of the last request and the reply returned to it.
+    history: Vec<ChatMessage>,
+    reply: String,
+    /// The last context followed by its sampled response.
+    context: Vec<u32>,
+    busy: bool,
+    touched: Instant,
+}
+
+/// What a sampled turn adds to its session.
+pub struct Sampled<'a> {
+    pub response_ids: &'a [u32],
+    pub response_logprobs: &'a [f32],
+    /// The reply text returned to the client.
+    pub reply: String,
+    pub policy_version: u64,
+}
+
+/// `POST /v1/sessions/{id}/close`: the reward of the whole trajectory (given to its last step) or
+/// one reward per step, and how it ended.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CloseRequest {
+    pub reward: Option<f32>,
+    pub rewards: Option<Vec<f32>>,
+    #[serde(default)]
+    pub success: bool,
+    /// The episode was cut (a limit), not finished: its last step is truncated, not terminated.
+    #[serde(default)]
+    pub truncated: bool,
+}
+
+/// A closed session's steps (ids 0: the caller assigns `traj_id` and `group_id`).
+#[derive(Debug)]
+pub struct ClosedTrajectory {
+    pub session: String,
+    pub task: Option<String>,
+    pub records: Vec<StepRecord>,
+}
+
+/// The open sessions.
+pub struct Sessions {
+    open: HashMap<String, Session>,
+    ttl: Duration,
+}
+
+impl Sessions {
+    pub fn new(ttl: Duration) -> Self {
+        Self {
+            open: HashMap::new(),
+            ttl,
+        }
+    }
+
+    /// Sessions open now.
+    pub fn open_count(&self) -> usize {
+        self.open.len()
+    }
+
+    /// The prompt of completion `c` in session `id` (created when new); marks the session busy
+    /// until [`Sessions::finish`] or [`Sessions::release`].
+    pub fn begin(&mut self, tok: &Tokenizer, id: &str, c: &Completion) -> Result<Prompt, ApiError> {
+        let session = self.open.entry(id.to_string()).or_insert_with(|| Session {
+            task: c.task.clone(),
+            env_tag: c.env_tag.clone().unwrap_or_else(|| DEFAULT_ENV_TAG.into()),
+            env_seed: c.env_seed.unwrap_or(0),
+            turns: Vec::new(),
+            history: Vec::new(),
+            reply: String::new(),
+            context: Vec::new(),
+            busy: false,
+            touched: Instant::now(),
+        });
+        if session.busy {
+            return Err(ApiError::invalid(
+                None,
+                format!("session `{id}` has a completion in flight; send its next turn after it"),
+            )
+            .with_code(StatusCode::CONFLICT, "session_busy"));
+        }
+        if c.task.is_some() && c.task != session.task {
+            return Err(ApiError::invalid(
+                Some("metadata.task"),
+                format!(
+                    "session `{id}` belongs to task {:?}, not {:?}",
+                    session.task, c.task
+                ),
+            ));
+        }
+        let prompt = match continued(session, &c.messages) {
+            Some(trailing) => {
+                let history = as_messages(&session.history);
+                let last_response = &session
+                    .turns
+                    .last()
+                    .expect("a continued session has turns")
+                    .response_ids;
+                let after = ChatTemplate
+                    .after_reply(tok, last_response, &history, &as_messages(trailing))
+                    .map_err(|e| ApiError::internal(e.to_string()))?;
+                let mut tokens = session.context.clone();
+                tokens.extend(after);
+                Prompt {
+                    tokens,
+                    context_len: session.context.len(),
+                    observation_text: transcript(trailing),
+                }
+            }
+            None => fresh_prompt(tok, &c.messages)?,
+        };
+        session.busy = true;
+        session.touched = Instant::now();
+        Ok(prompt)
+    }
+
+    /// Adds the sampled turn to session `id` and frees it for its next turn.
+    pub fn finish(&mut self, id: &str, messages: Vec<ChatMessage>, prompt: Prompt, s: Sampled) {
+        let Some(session) = self.open.get_mut(id) else {
+            return;
+        };
+        session.context = prompt.tokens.clone();
+        session.context.extend_from_slice(s.response_ids);
+        session.turns.push(Turn {
+            context_len: prompt.context_len,
+            obs_ids: prompt.new_tokens().to_vec(),
+            response_ids: s.response_ids.to_vec(),
+            response_logprobs: s.response_logprobs.to_vec(),
+            policy_version: s.policy_version,
+            observation_text: prompt.observation_text,
+            action_text: s.reply.clone(),
+        });
+        session.history = messages;
+        session.reply = s.reply;
+        session.busy = false;
+        session.touched = Instant::now();
+    }
+
+    /// Frees session `id` after a failed completion; a session with no turn is forgotten.
+    pub fn release(&mut self, id: &str) {
+        if let Some(session) = self.open.get_mut(id) {
+            session.busy = false;
+            if session.turns.is_empty() {
+                self.open.remove(id);
+            }
+        }
+    }
+
+    /// Closes session `id` with its reward(s) and returns its steps.
+    pub fn close(&mut self, id: &str, req: &CloseRequest) -> Result<ClosedTrajectory, ApiError> {
+        let Some(session) = self.open.get(id) else {
+            return Err(ApiError::not_found(format!("no open session `{id}`")));
+        };
+        if session.busy {
+            return Err(ApiError::invalid(
+                None,
+                format!("session `{id}` has a completion in flight; close it after the reply"),
+            )
+            .with_code(StatusCode::CONFLICT, "session_busy"));
+        }
+        let rewards = step_rewards(req, session.turns.len())?;
+        let session = self.open.remove(id).expect("checked above");
+        let last = session.turns.len() - 1;
+        let records = session
+            .turns
+            .into_iter()
+            .zip(rewards)
+            .enumerate()
+            .map(|(i, (turn, reward))| {
+                let end = i == last;
+                StepRecord {
+                    step_index: i as u32,
+                    env_tag: session.env_tag.clone(),
+                    seed: session.env_seed,
+                    policy_version: turn.policy_version,
+                    context_len: turn.context_len as u32,
+                    state_hash: stable_hash(turn.observation_text.as_bytes()),
+                    obs_ids: turn.obs_ids,
+                    response_ids: turn.response_ids,
+                    response_logprobs: turn.response_logprobs,
+                    reward,
+                    terminated: end && !req.truncated,
+                    truncated: end && req.truncated,
+                    info: StepInfo {
+                        success: end && req.success,
+                        action_is_valid: true,
+                        action_is_effective: true,
+                        format_penalty: 0.0,
+                        num_actions: 1,
+                        observation_text: turn.observation_text,
+                        action_text: turn.action_text,
+                    },
+                    ..StepRecord::default()
+                }
+            })
+            .collect();
+        Ok(ClosedTrajectory {
+            session: id.to_string(),
+            task: session.task,
+            records,
+        })
+    }
+
+    /// Drops the sessions idle longer than the time to live; returns how many.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let before = self.open.len();
+        let ttl = self.ttl;
+        self.open
+            .retain(|_, s| s.busy || now.duration_since(s.touched) <= ttl);
+        before - self.open.len()
+    }
+}
+
+/// The messages after the last reply when `messages` continue `session` (its last request's
+/// messages, then that reply as an assistant message, then at least one more message).
+fn continued<'m>(session: &Session, messages: &'m [ChatMessage]) -> Option<&'m [ChatMessage]> {
+    let n = session.history.len();
+    if session.turns.is_empty() || messages.len() < n + 2 || messages[..n] != session.history[..] {
+        return None;
+    }
+    let reply = &messages[n];
+    (reply.role == "assistant" && reply.content.trim() == session.reply.trim())
+        .then(|| &messages[n + 1..])
+}
+
+pub fn fresh_prompt(tok: &Tokenizer, messages: &[ChatMessage]) -> Result<Prompt, ApiError> {
+    let tokens = ChatTemplate
+        .conversation(tok, &as_messages(messages))
+        .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+    Ok(Prompt {
+        tokens,
+        context_len: 0,
+        observation_text: transcript(messages),
+    })
+}
+
+fn as_messages(messages: &[ChatMessage]) -> Vec<Message<'_>> {
+    messages
+        .iter()
+        .map(|m| Message {
+            role: &m.role,
+            content: &m.content,
+        })
+        .collect()
+}
+
+/// The messages as one text: the content alone for a single message, `role: content` lines
+/// otherwise.
+fn transcript(messages: &[ChatMessage]) -> String {
+    match messages {
+        [one] => one.content.clone(),
+        many => many
+            .iter()
+            .map(|m| format!("{}: {}", m.role, m.content))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    }
+}
+
+fn step_rewards(req: &CloseRequest, steps: usize) -> Result<Vec<f32>, ApiError> {
+    let rewards =
+        match (req.reward, &req.rewards) {
+            (Some(r), None) => {
+                let mut v = vec![0.0; steps];
+                v[steps - 1] = r;
+                v
+            }
+            (None, Some(v)) if v.len() == steps => v.clone(),
+            (None, Some(v)) => {
+                return Err(ApiError::invalid(
+                    Some("rewards"),
+                    format!("{} rewards for a session of {steps} steps", v.len()),
+                ))
+            }
+            _ => return Err(ApiError::invalid(
+                Some("reward"),
+                "give `reward` (the trajectory's, on its last step) or `rewards` (one per step)",
+            )),
+        };
+    if let Some(bad) = rewards.iter().position(|r| !r.is_finite()) {
+        return Err(ApiError::invalid(
+            Some("rewards"),
+            format!("reward {bad} is not finite"),
+        ));
+    }
+    Ok(rewards)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completion(messages: &[(&str, &str)]) -> Completion {
+        Completion {
+            messages: messages
+                .iter()
+                .map(|(r, c)| ChatMessage {
+                    role: r.to_string(),
+                    content: c.to_string(),
+                })
+                .collect(),
+            max_tokens: None,
+            temperature: 1.0,
+            top_p: 1.0,
+            stop: Vec::new(),
+            seed: None,
+            n: 1,
+            stream: false,
+            include_usage: false,
+            logprobs: false,
+            session: Some("s".into()),
+            task: Some("t".into()),
+            env_tag: None,
+            env_seed: None,
+        }
+    }
+
+    fn sample(tok: &Tokenizer, text: &str) -> (Vec<u32>, Vec<f32>) {
+        let mut ids = tok.encode(text);
+        ids.push(tok.eos_id());
+        let lps = vec![-0.5; ids.len()];
+        (ids, lps)
+    }
+
+    #[test]
+    fn a_continued_conversation_extends_its_context_in_token_space() {
+        let tok = Tokenizer::builtin();
+        let mut sessions = Sessions::new(Duration::from_secs(60));
+        let first = completion(&[("system", "Play."), ("user", "Turn 1: go")]);
+        let p1 = sessions.begin(&tok, "s", &first).unwrap();
+        assert_eq!(p1.context_len, 0);
+        let (ids, lps) = sample(&tok, "<answer>Left</answer>");
+        sessions.finish(
+            "s",
+            first.messages.clone(),
+            p1.clone(),
+            Sampled {
+                response_ids: &ids,
+                response_logprobs: &lps,
+                reply: "<answer>Left</answer>".into(),
+                policy_version: 3,
+            },
+        );
+        let second = completion(&[
+            ("system", "Play."),
+            ("user", "Turn 1: go"),
+            ("assistant", "<answer>Left</answer>"),
+            ("user", "Turn 2: go"),
+        ]);
+        let p2 = sessions.begin(&tok, "s", &second).unwrap();
+        let mut expected = p1.tokens.clone();
+        expected.extend(&ids);
+        assert_eq!(&p2.tokens[..expected.len()], &expected[..]);
+        assert_eq!(p2.context_len, expected.len());
+        // The same conversation rendered whole gives the same tokens (the reply tokenises back).
+        let whole = ChatTemplate
+            .conversation(&tok, &as_messages(&second.messages))
+            .unwrap();
+        assert_eq!(p2.tokens, whole);
+        assert_eq!(p2.observation_text, "Turn 2: go");
+        // A second request while the first is in flight is refused.
+        assert_eq!(
+            sessions.begin(&tok, "s", &second).unwrap_err().status,
+            StatusCode::CONFLICT
+        );
+    }
+
+    #[test]
+    fn an_edited_history_starts_a_fresh_context() {
+        let tok = Tokenizer::builtin();
+        let mut sessions = Sessions::new(Duration::from_secs(60));
+        let first = completion(&[("user", "Turn 1")]);
+        let p1 = sessions.begin(&tok, "s", &first).unwrap();
+        let (ids, lps) = sample(&tok, "Up");
+        let reply = Sampled {
+            response_ids: &ids,
+            response_logprobs: &lps,
+            reply: "Up".into(),
+            policy_version: 0,
+        };
+        sessions.finish("s", first.messages.clone(), p1, reply);
+        let edited = completion(&[
+            ("user", "Turn 1"),
+            ("assistant", "Down"),
+            ("user", "Turn 2"),
+        ]);
+        let p2 = sessions.begin(&tok, "s", &edited).unwrap();
+        assert_eq!(p2.context_len, 0);
+        assert!(p2.observation_text.contains("assistant: Down"));
+    }
+
+    #[test]
+    fn closing_assigns_rewards_and_end_flags() {
+        let tok = Tokenizer::builtin();
+        let mut sessions = Sessions::new(Duration::from_secs(60));
+        let mut messages = vec![("user", "Turn 1")];
+        for turn in 0..3 {
+            let c = completion(&messages);
+            let p = sessions.begin(&tok, "s", &c).unwrap();
+            let (ids, lps) = sample(&tok, "Left");
+            let reply = Sampled {
+                response_ids: &ids,
+                response_logprobs: &lps,
+                reply: "Left".into(),
+                policy_version: turn,
+            };
+            sessions.finish("s", c.messages.clone(), p, reply);
+            messages.push(("assistant", "Left"));
+            messages.push(("user", "next"));
+        }
+        let bad = CloseRequest {
+            reward: None,
+            rewards: Some(vec![1.0]),
+            success: true,
+            truncated: false,
+        };
+        assert_eq!(
+            sessions.close("s", &bad).unwrap_err().param.as_deref(),
+            Some("rewards")
+        );
+        let ok = CloseRequest {
+            reward: Some(1.0),
+            rewards: None,
+            ..bad
+        };
+        let closed = sessions.close("s", &ok).unwrap();
+        let rewards: Vec<f32> = closed.records.iter().map(|r| r.reward).collect();
+        assert_eq!(rewards, vec![0.0, 0.0, 1.0]);
+        assert!(closed.records[2].terminated && closed.records[2].info.success);
+        assert!(!closed.records[1].is_last());
+        assert_eq!(closed.records[2].policy_version, 2);
+        // Each context extends the last.
+        let mut len = 0;
+        for r in &closed.records {
+            assert_eq!(r.context_len as usize, len);
+            len += r.obs_ids.len() + r.response_ids.len();
+        }
+        assert_eq!(
+            sessions.close("s", &ok).unwrap_err().status,
+            StatusCode::NOT_FOUND
+        );
+    }
+}

@@ -1,0 +1,552 @@
+//! The gateway's generation loop, on the thread that owns the policy. HTTP handlers send it
+//! [`Job`]s; it takes every job waiting, renders each completion's prompt (through the session
+//! when it has one), runs all their choices in one radix-engine call (so concurrent requests
+//! share forward calls and every turn reuses its conversation's KV prefix), streams each choice's
+//! text as its tokens are sampled, records the turn in its session, and then answers the session
+//! closes of the same round, whose steps go to the [`Backend`] (a dataset, or the trainer).
+//! Between rounds the backend may update the policy: requests arriving meanwhile wait and are
+//! served by the new weights.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crossbeam::channel::{Receiver, RecvTimeoutError};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
+
+use super::api::{finish_reason_name, ApiError, Completion, Usage};
+use super::session::{CloseRequest, ClosedTrajectory, Prompt, Sampled, Sessions};
+use crate::model::Model;
+use crate::rollout::engine::{CacheCounters, Engine, FinishReason, GenRequest, Generation};
+use crate::rollout::sampling::SamplingParams;
+use crate::seed;
+use crate::tokenizer::Tokenizer;
+
+/// Work for the generation thread.
+pub enum Job {
+    Complete {
+        completion: Completion,
+        reply: mpsc::UnboundedSender<Reply>,
+    },
+    Close {
+        session: String,
+        request: CloseRequest,
+        reply: oneshot::Sender<Result<Value, ApiError>>,
+    },
+    Stats {
+        reply: oneshot::Sender<Value>,
+    },
+}
+
+/// What a completion's handler hears from the generation thread.
+pub enum Reply {
+    /// Text of choice `choice` that is final (streamed as a delta), with the log-probs of the
+    /// tokens it completes.
+    Delta {
+        choice: usize,
+        text: String,
+        logprobs: Vec<(String, f32)>,
+    },
+    Done(Result<Finished, ApiError>),
+}
+
+/// A completed request.
+pub struct Finished {
+    pub created: u64,
+    pub choices: Vec<Choice>,
+    pub usage: Usage,
+    pub policy_version: u64,
+}
+
+pub struct Choice {
+    pub text: String,
+    pub finish_reason: &'static str,
+    pub logprobs: Vec<(String, f32)>,
+}
+
+/// The policy and what becomes of closed sessions.
+pub trait Backend {
+    /// The engine, model and tokenizer that generate.
+    fn parts(&mut self) -> (&mut Engine, &Model, &Tokenizer);
+    /// Version of the weights generating now.
+    fn policy_version(&self) -> u64;
+    /// A closed session's steps; returns what the close request answers (ids, counts).
+    fn closed(&mut self, trajectory: ClosedTrajectory) -> Result<Value, ApiError>;
+    /// Runs after each round of jobs (e.g. a policy update when enough trajectories closed);
+    /// `Ok(false)` stops the loop.
+    fn after_round(&mut self) -> anyhow::Result<bool>;
+    /// Backend-specific figures for `GET /v1/stats`.
+    fn stats(&self) -> Value;
+}
+
+/// Settings of the generation loop.
+#[derive(Clone, Debug)]
+pub struct WorkerOptions {
+    /// `max_tokens` when a request gives none (capped by the context left).
+    pub default_max_tokens: usize,
+    /// Longest context + response a request may ask for.
+    pub max_context: usize,
+    /// Sessions idle longer than this are dropped unrecorded.
+    pub session_ttl: Duration,
+    /// Seed of choices whose request gives none (with a per-request counter).
+    pub seed: u64,
+}
+
+/// Runs the loop until the job channel closes or the backend says stop.
+pub fn run(
+    backend: &mut dyn Backend,
+    jobs: &Receiver<Job>,
+    opts: &WorkerOptions,
+) -> anyhow::Result<()> {
+    let mut worker = Worker {
+        sessions: Sessions::new(opts.session_ttl),
+        opts: opts.clone(),
+        requests_seen: 0,
+        counters: CacheCounters::default(),
+        expired: 0,
+    };
+    loop {
+        let first = match jobs.recv_timeout(Duration::from_secs(1)) {
+            Ok(job) => job,
+            Err(RecvTimeoutError::Timeout) => {
+                worker.expired += worker.sessions.expire(Instant::now());
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => return Ok(()),
+        };
+        let round: Vec<Job> = std::iter::once(first).chain(jobs.try_iter()).collect();
+        worker.run_round(backend, round);
+        if !backend.after_round()? {
+            return Ok(());
+        }
+    }
+}
+
+struct Worker {
+    sessions: Sessions,
+    opts: WorkerOptions,
+    requests_seen: u64,
+    counters: CacheCounters,
+    expired: usize,
+}
+
+/// One accepted completion on its way through the engine.
+struct Running {
+    completion: Completion,
+    reply: mpsc::UnboundedSender<Reply>,
+    prompt: Prompt,
+    first_request: usize,
+    max_tokens: usize,
+    streams: Vec<ChoiceStream>,
+}
+
+impl Worker {
+    fn run_round(&mut self, backend: &mut dyn Backend, round: Vec<Job>) {
+        let mut closes = Vec::new();
+        let mut running = Vec::new();
+        let mut requests = Vec::new();
+        for job in round {
+            match job {
+                Job::Complete { completion, reply } => {
+                    match self.accept(backend, completion, &reply, &mut requests) {
+                        Ok(r) => running.push(r),
+                        Err(e) => drop(reply.send(Reply::Done(Err(e)))),
+                    }
+                }
+                Job::Close { .. } => closes.push(job),
+                Job::Stats { reply } => drop(reply.send(self.stats(backend))),
+            }
+        }
+        if !running.is_empty() {
+            self.generate(backend, running, &requests);
+        }
+        for job in closes {
+            if let Job::Close {
+                session,
+                request,
+                reply,
+            } = job
+            {
+                let answer = self
+                    .sessions
+                    .close(&session, &request)
+                    .and_then(|t| backend.closed(t));
+                drop(reply.send(answer));
+            }
+        }
+    }
+
+    /// Renders a completion's prompt, checks its length and queues one engine request per
+    /// choice.
+    fn accept(
+        &mut self,
+        backend: &mut dyn Backend,
+        completion: Completion,
+        reply: &mpsc::UnboundedSender<Reply>,
+        requests: &mut Vec<GenRequest>,
+    ) -> Result<Running, ApiError> {
+        let (_, _, tok) = backend.parts();
+        let prompt = match &completion.session {
+            Some(id) => self.sessions.begin(tok, id, &completion)?,
+            None => super::session::fresh_prompt(tok, &completion.messages)?,
+        };
+        let max_tokens = match self.max_tokens(&completion, prompt.tokens.len()) {
+            Ok(m) => m,
+            Err(e) => {
+                if let Some(id) = &completion.session {
+                    self.sessions.release(id);
+                }
+                return Err(e);
+            }
+        };
+        let request_seed = completion.seed.unwrap_or_else(|| {
+            self.requests_seen += 1;
+            seed::derive(self.opts.seed, &[self.requests_seen])
+        });
+        let first_request = requests.len();
+        let mut stop_tokens = vec![tok.eos_id()];
+        if tok.pad_id() != tok.eos_id() {
+            stop_tokens.push(tok.pad_id());
+        }
+        for choice in 0..completion.n {
+            requests.push(GenRequest {
+                tokens: prompt.tokens.clone(),
+                traj: seed::derive(request_seed, &[choice as u64]),
+                group: request_seed,
+                turn: prompt.context_len.min(1) as u32,
+                params: sampling(&completion),
+                seed: seed::derive(request_seed, &[choice as u64]),
+                max_new_tokens: max_tokens,
+                stop_token_ids: stop_tokens.clone(),
+                stop_strings: completion.stop.clone(),
+                grammar: None,
+            });
+        }
+        let streams = (0..completion.n)
+            .map(|_| ChoiceStream::new(stop_tokens.clone(), completion.stop.clone()))
+            .collect();
+        Ok(Running {
+            completion,
+            reply: reply.clone(),
+            prompt,
+            first_request,
+            max_tokens,
+            streams,
+        })
+    }
+
+    fn max_tokens(&self, c: &Completion, prompt_len: usize) -> Result<usize, ApiError> {
+        let room = self.opts.max_context.saturating_sub(prompt_len);
+        if room == 0 {
+            return Err(context_exceeded(prompt_len, 1, self.opts.max_context));
+        }
+        match c.max_tokens {
+            Some(m) if m > room => Err(context_exceeded(prompt_len, m, self.opts.max_context)),
+            Some(m) => Ok(m),
+            None => Ok(self.opts.default_max_tokens.min(room)),
+        }
+    }
+
+    fn generate(
+        &mut self,
+        backend: &mut dyn Backend,
+        mut running: Vec<Running>,
+        requests: &[GenRequest],
+    ) {
+        let owner: Vec<(usize, usize)> = running
+            .iter()
+            .enumerate()
+            .flat_map(|(r, run)| (0..run.completion.n).map(move |c| (r, c)))
+            .collect();
+        let version = backend.policy_version();
+        let (engine, model, tok) = backend.parts();
+        let result = engine.generate_streaming(model, tok, requests, &mut |req, token, logprob| {
+            let (r, c) = owner[req];
+            let run = &mut running[r];
+            if let Some(delta) = run.streams[c].push(tok, token, logprob) {
+                if run.completion.stream {
+                    drop(run.reply.send(delta.into_reply(c, run.completion.logprobs)));
+                }
+            }
+        });
+        self.counters.add(&engine.take_counters());
+        let generations = match result {
+            Ok(g) => g,
+            Err(e) => {
+                for run in running {
+                    if let Some(id) = &run.completion.session {
+                        self.sessions.release(id);
+                    }
+                    let err = ApiError::internal(format!("generation failed: {e}"));
+                    drop(run.reply.send(Reply::Done(Err(err))));
+                }
+                return;
+            }
+        };
+        for run in running {
+            let gens = &generations[run.first_request..run.first_request + run.completion.n];
+            self.finish(tok, run, gens, version);
+        }
+    }
+
+    /// Sends a completion's last deltas and its result, and records its turn in its session.
+    fn finish(&mut self, tok: &Tokenizer, mut run: Running, gens: &[Generation], version: u64) {
+        let mut choices = Vec::with_capacity(gens.len());
+        for (c, gen) in gens.iter().enumerate() {
+            let stream = &mut run.streams[c];
+            let text = stream.final_text(tok, gen);
+            if run.completion.stream {
+                let rest = stream.take_rest(&text);
+                if !rest.text.is_empty() || !rest.logprobs.is_empty() {
+                    drop(run.reply.send(rest.into_reply(c, run.completion.logprobs)));
+                }
+            }
+            let length_cut =
+                gen.finish == FinishReason::Length && gen.tokens.len() >= run.max_tokens;
+            choices.push(Choice {
+                text,
+                finish_reason: finish_reason_name(length_cut),
+                logprobs: std::mem::take(&mut stream.all_logprobs),
+            });
+        }
+        let completion_tokens: usize = gens.iter().map(|g| g.tokens.len()).sum();
+        let usage = Usage {
+            prompt_tokens: run.prompt.tokens.len(),
+            completion_tokens,
+            total_tokens: run.prompt.tokens.len() + completion_tokens,
+        };
+        if let Some(id) = &run.completion.session {
+            let gen = &gens[0];
+            let sampled = Sampled {
+                response_ids: &gen.tokens,
+                response_logprobs: &gen.logprobs,
+                reply: choices[0].text.clone(),
+                policy_version: version,
+            };
+            let messages = std::mem::take(&mut run.completion.messages);
+            self.sessions.finish(id, messages, run.prompt, sampled);
+        }
+        let finished = Finished {
+            created: now_secs(),
+            choices,
+            usage,
+            policy_version: version,
+        };
+        drop(run.reply.send(Reply::Done(Ok(finished))));
+    }
+
+    fn stats(&self, backend: &mut dyn Backend) -> Value {
+        let c = &self.counters;
+        json!({
+            "policy_version": backend.policy_version(),
+            "open_sessions": self.sessions.open_count(),
+            "expired_sessions": self.expired,
+            "requests": c.requests,
+            "prompt_tokens": c.prompt_tokens,
+            "tokens_prefilled": c.tokens_prefilled,
+            "tokens_from_cache": c.tokens_from_cache,
+            "prefix_hit_ratio": c.hit_ratio(),
+            "completion_tokens": c.decode_tokens,
+            "forward_calls": c.forward_calls,
+            "forward_s": c.forward_s,
+            "backend": backend.stats(),
+        })
+    }
+}
+
+fn sampling(c: &Completion) -> SamplingParams {
+    if c.temperature == 0.0 {
+        return SamplingParams::greedy();
+    }
+    SamplingParams {
+        temperature: c.temperature,
+        top_p: c.top_p,
+        top_k: 0,
+        greedy: false,
+    }
+}
+
+fn context_exceeded(prompt: usize, asked: usize, max: usize) -> ApiError {
+    ApiError::invalid(
+        Some("messages"),
+        format!(
+            "this model's context holds {max} tokens; the prompt has {prompt} and {asked} more were asked for"
+        ),
+    )
+    .with_code(axum::http::StatusCode::BAD_REQUEST, "context_length_exceeded")
+}
+
+/// A choice's text as it streams: the tokens so far, how much of their text was sent, and the
+/// log-probs not yet sent. Text that could be the start of a stop string, or an incomplete UTF-8
+/// sequence, is held back until the next token decides it.
+struct ChoiceStream {
+    stop_tokens: Vec<u32>,
+    stop_strings: Vec<String>,
+    tokens: Vec<u32>,
+    sent: usize,
+    unsent_logprobs: Vec<(String, f32)>,
+    all_logprobs: Vec<(String, f32)>,
+}
+
+/// Text (and log-probs) to send for one choice.
+struct Delta {
+    text: String,
+    logprobs: Vec<(String, f32)>,
+}
+
+impl Delta {
+    fn into_reply(self, choice: usize, with_logprobs: bool) -> Reply {
+        Reply::Delta {
+            choice,
+            text: self.text,
+            logprobs: if with_logprobs {
+                self.logprobs
+            } else {
+                Vec::new()
+            },
+        }
+    }
+}
+
+impl ChoiceStream {
+    fn new(stop_tokens: Vec<u32>, stop_strings: Vec<String>) -> Self {
+        Self {
+            stop_tokens,
+            stop_strings,
+            tokens: Vec::new(),
+            sent: 0,
+            unsent_logprobs: Vec::new(),
+            all_logprobs: Vec::new(),
+        }
+    }
+
+    /// Takes a sampled token; returns the text that became final, if any.
+    fn push(&mut self, tok: &Tokenizer, token: u32, logprob: f32) -> Option<Delta> {
+        let piece = (tok.decode(&[token]), logprob);
+        self.unsent_logprobs.push(piece.clone());
+        self.all_logprobs.push(piece);
+        if self.stop_tokens.contains(&token) {
+            return None;
+        }
+        self.tokens.push(token);
+        let text = tok.decode(&self.tokens);
+        let visible = cut_at_stop(&text, &self.stop_strings);
+        let safe = if visible.len() < text.len() {
+            visible.len()
+        } else {
+            safe_prefix_len(visible, &self.stop_strings)
+        };
+        if safe <= self.sent {
+            return None;
+        }
+        let delta = Delta {
+            text: visible[self.sent..safe].to_string(),
+            logprobs: std::mem::take(&mut self.unsent_logprobs),
+        };
+        self.sent = safe;
+        Some(delta)
+    }
+
+    /// The reply text of a finished choice: its tokens without the stop token, cut before a
+    /// stop string.
+    fn final_text(&self, tok: &Tokenizer, gen: &Generation) -> String {
+        let body: Vec<u32> = gen
+            .tokens
+            .iter()
+            .copied()
+            .filter(|t| !self.stop_tokens.contains(t))
+            .collect();
+        cut_at_stop(&tok.decode(&body), &self.stop_strings).to_string()
+    }
+
+    /// What was not streamed yet of the final `text`.
+    fn take_rest(&mut self, text: &str) -> Delta {
+        let rest = text.get(self.sent..).unwrap_or_default().to_string();
+        self.sent = text.len();
+        Delta {
+            text: rest,
+            logprobs: std::mem::take(&mut self.unsent_logprobs),
+        }
+    }
+}
+
+/// `text` before the first occurrence of any stop string.
+fn cut_at_stop<'a>(text: &'a str, stops: &[String]) -> &'a str {
+    let end = stops
+        .iter()
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
+        .unwrap_or(text.len());
+    &text[..end]
+}
+
+/// Length of the prefix of `text` that is final: without a trailing replacement character (an
+/// incomplete UTF-8 sequence) and without the longest suffix that begins a stop string.
+fn safe_prefix_len(text: &str, stops: &[String]) -> usize {
+    let text = text.trim_end_matches('\u{FFFD}');
+    let held = stops
+        .iter()
+        .flat_map(|s| {
+            (1..s.len())
+                .filter(|&k| s.is_char_boundary(k) && text.ends_with(&s[..k]))
+                .max()
+        })
+        .max()
+        .unwrap_or(0);
+    text.len() - held
+}
+
+pub fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_are_held_back_until_decided() {
+        let stops = vec!["</answer>".to_string()];
+        assert_eq!(
+            safe_prefix_len("<answer>Left</an", &stops),
+            "<answer>Left".len()
+        );
+        assert_eq!(
+            safe_prefix_len("<answer>Left", &stops),
+            "<answer>Left".len()
+        );
+        assert_eq!(safe_prefix_len("abc\u{FFFD}", &stops), 3);
+        assert_eq!(
+            cut_at_stop("<answer>Left</answer> more", &stops),
+            "<answer>Left"
+        );
+    }
+
+    #[test]
+    fn streamed_deltas_add_up_to_the_final_text() {
+        let tok = Tokenizer::builtin();
+        let stops = vec!["</answer>".to_string()];
+        let mut stream = ChoiceStream::new(vec![tok.eos_id()], stops);
+        let mut tokens = tok.encode("<answer>Left</answer>");
+        tokens.push(tok.eos_id());
+        let mut streamed = String::new();
+        for &t in &tokens {
+            if let Some(d) = stream.push(&tok, t, -1.0) {
+                streamed.push_str(&d.text);
+            }
+        }
+        let gen = Generation {
+            tokens: tokens.clone(),
+            logprobs: vec![-1.0; tokens.len()],
+            finish: FinishReason::StopToken,
+            prefilled: 0,
+            from_cache: 0,
+        };
+        let text = stream.final_text(&tok, &gen);
+        streamed.push_str(&stream.take_rest(&text).text);
+        assert_eq!(text, "<answer>Left");
+        assert_eq!(streamed, text);
+        assert_eq!(stream.all_logprobs.len(), tokens.len());
+    }
+}

@@ -1,0 +1,376 @@
+//! The OpenAI-compatible gateway over real HTTP on loopback: a Rust client (ureq) always, the
+//! official `openai` Python client where Python has it; recording into a step dataset, the
+//! token-space continuation of a session, streaming, the error bodies, and a `kill -9` of a
+//! recording server.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde_json::{json, Value};
+use stepppo::model::{Model, ModelConfig};
+use stepppo::rollout::engine::{Engine, EngineConfig};
+use stepppo::serve::{self, GatewayOptions, PolicyBackend, Recorder};
+use stepppo::store::{self, Dataset, WriterOptions};
+use stepppo::tokenizer::Tokenizer;
+
+const MODEL: &str = "tiny-test";
+
+/// A gateway over the tiny built-in model on a free port, serving on its own thread.
+fn start_gateway(record: Option<&Path>) -> String {
+    let tokenizer = Tokenizer::builtin();
+    let cfg = ModelConfig::tiny(tokenizer.vocab_size());
+    let device = candle_core::Device::Cpu;
+    let model = Model::new(&cfg, 7, &device).unwrap();
+    let engine = Engine::new(&cfg, EngineConfig::default(), &device).unwrap();
+    let recorder = record.map(|d| Recorder::open(d, WriterOptions::default()).unwrap());
+    let mut opts = GatewayOptions::new(MODEL, 512, 0);
+    opts.port = 0;
+    opts.max_body_bytes = 4096;
+    opts.worker.default_max_tokens = 12;
+    let gateway = serve::start(&opts).unwrap();
+    let url = format!("http://{}", gateway.addr());
+    std::thread::spawn(move || {
+        let mut backend = PolicyBackend {
+            model,
+            tokenizer,
+            engine,
+            recorder,
+        };
+        gateway.serve(&mut backend).unwrap();
+    });
+    url
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into()
+}
+
+/// POSTs `body` (raw text) with optional headers; returns status and parsed body.
+fn post(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
+    let mut req = agent().post(url).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let mut resp = req.send(body).unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.body_mut().read_to_string().unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+fn get(url: &str) -> (u16, Value) {
+    let mut resp = agent().get(url).call().unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.body_mut().read_to_string().unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+fn chat_body<S: AsRef<str>>(messages: &[(&str, S)], extra: Value) -> String {
+    let msgs: Vec<Value> = messages
+        .iter()
+        .map(|(r, c)| json!({"role": r, "content": c.as_ref()}))
+        .collect();
+    let mut body = json!({"model": MODEL, "messages": msgs, "max_tokens": 8, "seed": 3});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body.to_string()
+}
+
+fn content(v: &Value) -> String {
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[test]
+fn sessions_are_recorded_as_steps_that_extend_their_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("gateway-data");
+    let url = start_gateway(Some(&data));
+    let (status, models) = get(&format!("{url}/v1/models"));
+    assert_eq!(status, 200);
+    assert_eq!(models["data"][0]["id"], MODEL);
+
+    let chat = format!("{url}/v1/chat/completions");
+    let session = [("x-session-id", "ep-1"), ("x-task-id", "map-9")];
+    let mut messages: Vec<(&str, String)> = vec![
+        ("system", "Play FrozenLake.".into()),
+        ("user", "Turn 1: P_G".into()),
+    ];
+    let mut replies = Vec::new();
+    for _ in 0..3 {
+        let (status, reply) = post(
+            &chat,
+            &chat_body(&messages, json!({"logprobs": true})),
+            &session,
+        );
+        assert_eq!(status, 200, "{reply}");
+        let n_logprobs = reply["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .len();
+        assert_eq!(
+            n_logprobs,
+            reply["usage"]["completion_tokens"].as_u64().unwrap() as usize
+        );
+        replies.push(content(&reply));
+        messages.push(("assistant", content(&reply)));
+        messages.push(("user", "Turn 2: _P".into()));
+    }
+    let (_, stats) = get(&format!("{url}/v1/stats"));
+    assert!(stats["tokens_from_cache"].as_u64().unwrap() > 0, "{stats}");
+    assert_eq!(stats["open_sessions"], 1);
+
+    let close = format!("{url}/v1/sessions/ep-1/close");
+    let (status, closed) = post(&close, r#"{"reward": 1.0, "success": true}"#, &[]);
+    assert_eq!(status, 200, "{closed}");
+    assert_eq!(closed["steps"], 3);
+    let (status, again) = post(&close, r#"{"reward": 1.0}"#, &[]);
+    assert_eq!(status, 404, "{again}");
+    assert_eq!(again["error"]["type"], "invalid_request_error");
+
+    let dataset = Dataset::open(&data).unwrap();
+    let trajs = dataset.trajectories();
+    assert_eq!(trajs.len(), 1);
+    let records = store::decode_trajectory(&trajs[0]).unwrap();
+    assert_eq!(records.len(), 3);
+    let mut context = 0;
+    for (r, reply) in records.iter().zip(&replies) {
+        assert_eq!(
+            r.context_len as usize, context,
+            "each step extends the last"
+        );
+        context += r.obs_ids.len() + r.response_ids.len();
+        assert_eq!(r.response_ids.len(), r.response_logprobs.len());
+        assert_eq!(&r.info.action_text, reply);
+    }
+    assert_eq!(records[2].reward, 1.0);
+    assert!(records[2].terminated && records[2].info.success);
+    assert!(store::verify(&data).unwrap().problems.is_empty());
+}
+
+/// Parses a server-sent event stream into its JSON chunks (without the final `[DONE]`).
+fn sse_chunks(text: &str) -> Vec<Value> {
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_stream_carries_the_same_text_as_the_plain_reply() {
+    let url = start_gateway(None);
+    let chat = format!("{url}/v1/chat/completions");
+    let messages = [("user", "Say something")];
+    let (_, plain) = post(&chat, &chat_body(&messages, json!({})), &[]);
+    let body = chat_body(
+        &messages,
+        json!({"stream": true, "stream_options": {"include_usage": true}}),
+    );
+    let mut resp = agent()
+        .post(&chat)
+        .header("content-type", "application/json")
+        .send(&body)
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let chunks = sse_chunks(&resp.body_mut().read_to_string().unwrap());
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0)?["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, content(&plain));
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage, &plain["usage"]);
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0))
+        .filter(|c| !c["finish_reason"].is_null())
+        .collect();
+    assert_eq!(finish.len(), 1);
+}
+
+#[test]
+fn bad_requests_get_openai_error_bodies_and_the_server_stays_up() {
+    let url = start_gateway(None);
+    let chat = format!("{url}/v1/chat/completions");
+    let cases: Vec<(String, u16, &str)> = vec![
+        ("{not json".into(), 400, "malformed"),
+        (
+            r#"{"model": "tiny-test", "messages": [], "max_tokens": 4}"#.into(),
+            400,
+            "at least one message",
+        ),
+        (
+            r#"{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1}"#.into(),
+            400,
+            "frequency_penalty",
+        ),
+        (
+            r#"{"model": "other", "messages": [{"role": "user", "content": "hi"}]}"#.into(),
+            404,
+            "not served",
+        ),
+        (
+            r#"{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}"#.into(),
+            400,
+            "context holds",
+        ),
+        (
+            r#"{"model": "tiny-test", "messages": [{"role": "wizard", "content": "hi"}]}"#.into(),
+            400,
+            "unknown role",
+        ),
+        (
+            format!(
+                r#"{{"model": "tiny-test", "messages": [{{"role": "user", "content": "{}"}}]}}"#,
+                "x".repeat(10_000)
+            ),
+            413,
+            "",
+        ),
+    ];
+    for (body, status, needle) in cases {
+        let (got, err) = post(&chat, &body, &[]);
+        assert_eq!(got, status, "{body:.80}: {err}");
+        let message = err["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+    }
+    let (status, err) = post(
+        &format!("{url}/v1/sessions/nobody/close"),
+        r#"{"reward": 0}"#,
+        &[],
+    );
+    assert_eq!(
+        (status, err["error"]["code"].as_str()),
+        (404, Some("not_found"))
+    );
+    let (status, _) = get(&format!("{url}/v1/nothing"));
+    assert_eq!(status, 404);
+    let (status, _) = post(&chat, &chat_body(&[("user", "still up?")], json!({})), &[]);
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn a_killed_recording_server_leaves_every_closed_trajectory() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("rec");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_stepppo"))
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--default-max-tokens",
+            "6",
+            "--threads",
+            "1",
+        ])
+        .arg("--record")
+        .arg(&data)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.split("/v1").next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    let url = format!("http://{addr}");
+    for ep in 0..4 {
+        let session = format!("s{ep}");
+        let body = json!({"model": "builtin", "messages": [{"role": "user", "content": "go"}]});
+        let (status, r) = post(
+            &format!("{url}/v1/chat/completions"),
+            &body.to_string(),
+            &[("x-session-id", &session)],
+        );
+        assert_eq!(status, 200, "{r}");
+        if ep < 3 {
+            let close = format!("{url}/v1/sessions/{session}/close");
+            assert_eq!(post(&close, r#"{"reward": 0.5}"#, &[]).0, 200);
+        }
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let dataset = Dataset::open(&data).unwrap();
+    let ids: Vec<u64> = dataset.trajectories().iter().map(|t| t.traj_id).collect();
+    assert_eq!(
+        ids,
+        vec![0, 1, 2],
+        "every closed session, nothing of the open one"
+    );
+    assert!(store::verify(&data).unwrap().problems.is_empty());
+}
+
+/// The Python with the `openai` package: `$STEPPPO_PYTHON`, else `target/examples-venv`.
+fn python() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("STEPPPO_PYTHON") {
+        return Some(PathBuf::from(p));
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/examples-venv/bin/python");
+    venv.exists().then_some(venv)
+}
+
+#[test]
+fn the_official_openai_client_talks_to_the_gateway() {
+    let Some(python) = python() else {
+        eprintln!("skipped: no Python with `openai` (run `bash scripts/examples_venv.sh` or set STEPPPO_PYTHON)");
+        return;
+    };
+    let url = start_gateway(None);
+    let script = r#"
+import json, sys, openai
+client = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused")
+assert [m.id for m in client.models.list()] == ["tiny-test"]
+msgs = [{"role": "user", "content": "Turn 1: go"}]
+plain = client.chat.completions.create(model="tiny-test", messages=msgs, max_tokens=6, seed=5,
+                                       logprobs=True, extra_headers={"x-session-id": "py"})
+text = plain.choices[0].message.content
+stream = client.chat.completions.create(model="tiny-test", messages=msgs, max_tokens=6, seed=5,
+                                        stream=True)
+streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+many = client.chat.completions.create(model="tiny-test", messages=msgs, max_tokens=4, n=3)
+try:
+    client.chat.completions.create(model="tiny-test", messages=msgs, max_tokens=10**6)
+    refused = None
+except openai.BadRequestError as e:
+    refused = e.code
+print(json.dumps({"text": text, "streamed": streamed, "n": len(many.choices),
+                  "logprobs": len(plain.choices[0].logprobs.content),
+                  "tokens": plain.usage.completion_tokens, "refused": refused}))
+"#;
+    let out = Command::new(python)
+        .args(["-c", script, &url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["text"], v["streamed"]);
+    assert_eq!(v["n"], 3);
+    assert_eq!(v["logprobs"], v["tokens"]);
+    assert_eq!(v["refused"], "context_length_exceeded");
+}
