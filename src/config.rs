@@ -312,6 +312,38 @@ impl Default for CacheConfig {
     }
 }
 
+/// `gateway`: train from agents outside the process. With this section, `stepppo train` serves
+/// the OpenAI-compatible gateway instead of running its own agent loop: clients play episodes
+/// against it, close each session with its reward, and every `train_env_manager.num_env_groups`
+/// groups of `group_size` closed sessions of one task make a rollout batch (the gateway serves
+/// the new weights from the next request on). Validation still runs `val_env_manager`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewayConfig {
+    /// `host:port` to listen on (port 0 picks a free one, printed at start).
+    pub listen: String,
+    /// The model id clients send.
+    pub served_model_name: String,
+    /// Reply length when a request gives no `max_tokens`.
+    pub default_max_tokens: usize,
+    /// Seconds an idle session is kept open before it is dropped unrecorded.
+    pub session_ttl_s: u64,
+    /// Largest request body in bytes.
+    pub max_body_bytes: usize,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            listen: "127.0.0.1:8000".into(),
+            served_model_name: "stepppo".into(),
+            default_max_tokens: 64,
+            session_ttl_s: 600,
+            max_body_bytes: 1 << 20,
+        }
+    }
+}
+
 /// A whole run configuration.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -363,6 +395,9 @@ pub struct Config {
     pub constrained_decoding: bool,
     #[serde(default)]
     pub cache: CacheConfig,
+    /// Train from outside agents through the OpenAI-compatible gateway (see [`GatewayConfig`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<GatewayConfig>,
     #[serde(default)]
     pub sft: SftConfig,
     #[serde(default)]

@@ -3,10 +3,12 @@
 use anyhow::Context;
 use clap::Args;
 use std::path::{Path, PathBuf};
-use stepppo::config::{Config, DeviceKind};
+use stepppo::config::{Config, DeviceKind, GatewayConfig};
+use stepppo::serve::{self, GatewayOptions};
 use stepppo::store::Dataset;
 use stepppo::train::checkpoint;
 use stepppo::train::eval::{self, TagSummary};
+use stepppo::train::gateway::GatewayTrainer;
 use stepppo::train::plot::plot_run;
 use stepppo::train::progress::Progress;
 use stepppo::train::run_dir;
@@ -185,11 +187,62 @@ fn train_rank(
 }
 
 /// Trains until `max_steps` with the progress bar and log lines, then plots the run.
+/// Serves the gateway and learns from the sessions outside agents close through it.
+fn train_from_gateway(
+    trainer: &mut Trainer,
+    gateway: &GatewayConfig,
+    max_steps: u64,
+    on_event: &mut dyn FnMut(Event),
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        trainer.world().1 == 1,
+        "key `gateway`: training from the gateway runs in one process (launched on {} ranks)",
+        trainer.world().1
+    );
+    let (host, port) = gateway
+        .listen
+        .rsplit_once(':')
+        .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
+        .with_context(|| {
+            format!(
+                "key `gateway.listen`: `{}` is not host:port",
+                gateway.listen
+            )
+        })?;
+    let cfg = trainer.config().clone();
+    let max_context = trainer
+        .policy()
+        .config()
+        .max_position_embeddings
+        .min(cfg.cache.kv_slots);
+    let mut opts = GatewayOptions::new(&gateway.served_model_name, max_context, cfg.seed);
+    opts.host = host;
+    opts.port = port;
+    opts.max_body_bytes = gateway.max_body_bytes;
+    opts.worker.default_max_tokens = gateway.default_max_tokens;
+    opts.worker.session_ttl = std::time::Duration::from_secs(gateway.session_ttl_s);
+    let served = serve::start(&opts)?;
+    eprintln!(
+        "gateway: http://{}/v1 serving `{}`; an update every {} groups of {} closed sessions",
+        served.addr(),
+        opts.model_name,
+        cfg.train_env_manager.num_env_groups,
+        cfg.train_env_manager.group_size
+    );
+    trainer.begin(on_event)?;
+    let until = max_steps.min(cfg.max_steps as u64);
+    if trainer.state().step >= until {
+        return Ok(());
+    }
+    let mut backend = GatewayTrainer::new(trainer, until, on_event);
+    served.serve(&mut backend)
+}
+
 fn report_run(trainer: &mut Trainer, max_steps: u64, run_dir: &Path) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let progress = Progress::new(max_steps, trainer.state().step);
     let mut last_val: Option<f64> = None;
-    trainer.run(max_steps, &mut |event| match event {
+    let mut on_event = |event: Event| match event {
         Event::WarmStart(r) => progress.println(format!(
             "warm start: {} steps on {} trajectories in {:.1}s, loss {:.3} → {:.3}{}",
             r.steps,
@@ -238,7 +291,11 @@ fn report_run(trainer: &mut Trainer, max_steps: u64, run_dir: &Path) -> anyhow::
         }
         Event::Warning(w) => progress.println(format!("warning: {w}")),
         Event::Checkpoint(dir) => progress.println(format!("checkpoint {}", dir.display())),
-    })?;
+    };
+    match trainer.config().gateway.clone() {
+        Some(gateway) => train_from_gateway(trainer, &gateway, max_steps, &mut on_event)?,
+        None => trainer.run(max_steps, &mut on_event)?,
+    }
     progress.finish();
     let svg = plot_run(run_dir)?;
     eprintln!(

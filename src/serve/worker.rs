@@ -69,6 +69,8 @@ pub trait Backend {
     fn parts(&mut self) -> (&mut Engine, &Model, &Tokenizer);
     /// Version of the weights generating now.
     fn policy_version(&self) -> u64;
+    /// The engine's counters of one generation call (prefix reuse, tokens, forward time).
+    fn generated(&mut self, _counters: &CacheCounters) {}
     /// A closed session's steps; returns what the close request answers (ids, counts).
     fn closed(&mut self, trajectory: ClosedTrajectory) -> Result<Value, ApiError>;
     /// Runs after each round of jobs (e.g. a policy update when enough trajectories closed);
@@ -268,7 +270,7 @@ impl Worker {
                 }
             }
         });
-        self.counters.add(&engine.take_counters());
+        let taken = engine.take_counters();
         let generations = match result {
             Ok(g) => g,
             Err(e) => {
@@ -286,6 +288,9 @@ impl Worker {
             let gens = &generations[run.first_request..run.first_request + run.completion.n];
             self.finish(tok, run, gens, version);
         }
+        self.counters.add(&taken);
+        self.counters.forward_s += taken.forward_s;
+        backend.generated(&taken);
     }
 
     /// Sends a completion's last deltas and its result, and records its turn in its session.

@@ -16,6 +16,7 @@ pub mod checkpoint;
 pub mod collapse;
 mod device_batch;
 pub mod eval;
+pub mod gateway;
 pub mod masks;
 pub mod metrics;
 pub mod plot;

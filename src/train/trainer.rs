@@ -35,12 +35,12 @@ use crate::algo::{
     compute_advantages, kl_reward_penalty, uncertainty_filter, AdamW, AdvantageInputs,
     CriticTarget, LrSchedule,
 };
-use crate::config::{Config, ContextLayout, CriticMode};
+use crate::config::{Config, CriticMode};
 use crate::crash;
 use crate::dist::{Collective, Metered, Single};
 use crate::env::AgentKind;
 use crate::model::{Critic, FeatureCritic, Model};
-use crate::rollout::engine::Engine;
+use crate::rollout::engine::{CacheCounters, Engine};
 use crate::seed;
 use crate::store::{DatasetWriter, SegmentEntry, StepRecord, WriterOptions};
 use crate::tokenizer::Tokenizer;
@@ -365,6 +365,17 @@ impl Trainer {
     /// run and every `eval_steps`, saves every `save_steps` and at `until`.
     pub fn run(&mut self, until: u64, on_event: &mut dyn FnMut(Event)) -> Result<(), TrainError> {
         let until = until.min(self.cfg.max_steps as u64);
+        self.begin(on_event)?;
+        while self.state.step < until {
+            let scalars = self.train_step()?;
+            self.after_step(&scalars, until, on_event)?;
+        }
+        Ok(())
+    }
+
+    /// The warm-start report and the step-0 validation of a fresh run (what [`Trainer::run`]
+    /// does before its first step).
+    pub fn begin(&mut self, on_event: &mut dyn FnMut(Event)) -> Result<(), TrainError> {
         for warning in self.pending_warnings.drain(..) {
             on_event(Event::Warning(warning));
         }
@@ -378,37 +389,44 @@ impl Trainer {
         if self.state.step == 0 && self.cfg.eval_steps > 0 {
             self.validate_and_log(on_event)?;
         }
-        while self.state.step < until {
-            let scalars = self.train_step()?;
-            for w in self.detector.observe(&scalars) {
-                on_event(Event::Warning(format!("step {}: {w}", self.state.step)));
-            }
-            if scalars
-                .get("actor/skipped_updates")
-                .is_some_and(|&n| n > 0.0)
-            {
-                on_event(Event::Warning(format!(
-                    "step {}: {} update(s) skipped for a non-finite loss or gradient",
-                    self.state.step, scalars["actor/skipped_updates"]
-                )));
-            }
-            self.log(self.state.step, &scalars)?;
-            crash::point("train.step_logged");
-            on_event(Event::Step {
-                step: self.state.step,
-                scalars: &scalars,
-            });
-            let step = self.state.step as usize;
-            let last = self.state.step == until;
-            if self.cfg.eval_steps > 0 && (step.is_multiple_of(self.cfg.eval_steps) || last) {
-                self.validate_and_log(on_event)?;
-            }
-            let save =
-                last || (self.cfg.save_steps > 0 && step.is_multiple_of(self.cfg.save_steps));
-            if save && self.sink.is_some() {
-                let dir = self.save_checkpoint()?;
-                on_event(Event::Checkpoint(&dir));
-            }
+        Ok(())
+    }
+
+    /// What follows a step: warnings, its metrics, then validation and a checkpoint when due
+    /// (`until` is the last step of this run).
+    pub fn after_step(
+        &mut self,
+        scalars: &Scalars,
+        until: u64,
+        on_event: &mut dyn FnMut(Event),
+    ) -> Result<(), TrainError> {
+        for w in self.detector.observe(scalars) {
+            on_event(Event::Warning(format!("step {}: {w}", self.state.step)));
+        }
+        if scalars
+            .get("actor/skipped_updates")
+            .is_some_and(|&n| n > 0.0)
+        {
+            on_event(Event::Warning(format!(
+                "step {}: {} update(s) skipped for a non-finite loss or gradient",
+                self.state.step, scalars["actor/skipped_updates"]
+            )));
+        }
+        self.log(self.state.step, scalars)?;
+        crash::point("train.step_logged");
+        on_event(Event::Step {
+            step: self.state.step,
+            scalars,
+        });
+        let step = self.state.step as usize;
+        let last = self.state.step == until;
+        if self.cfg.eval_steps > 0 && (step.is_multiple_of(self.cfg.eval_steps) || last) {
+            self.validate_and_log(on_event)?;
+        }
+        let save = last || (self.cfg.save_steps > 0 && step.is_multiple_of(self.cfg.save_steps));
+        if save && self.sink.is_some() {
+            let dir = self.save_checkpoint()?;
+            on_event(Event::Checkpoint(&dir));
         }
         Ok(())
     }
@@ -448,8 +466,6 @@ impl Trainer {
     /// One training step; returns its metrics.
     pub fn train_step(&mut self) -> Result<Scalars, TrainError> {
         let t_step = Instant::now();
-        let traffic = self.dist.traffic();
-        let mut scalars = Scalars::new();
         // Validation may have filled the cache under this version: start every rollout from the
         // same (empty) cache so a resumed run samples exactly what the original did.
         self.engine.flush()?;
@@ -466,6 +482,34 @@ impl Trainer {
         )?;
         let t_rollout = t_step.elapsed().as_secs_f64();
         crash::point("train.rollout_done");
+        self.learn(local, counters, t_step, t_rollout)
+    }
+
+    /// The engine, policy and tokenizer that generate (an outside rollout source, such as the
+    /// gateway, generates with them between updates).
+    pub fn generation_parts(&mut self) -> (&mut Engine, &Model, &Tokenizer) {
+        (&mut self.engine, &self.policy, &self.tok)
+    }
+
+    /// Id of the first group of the next rollout (trajectory ids are `group_id · group_size +
+    /// member`).
+    pub fn next_group_id(&self) -> u64 {
+        self.state.next_group_id
+    }
+
+    /// The rest of a step once its rollout is done (`local`: this rank's records, ids from
+    /// [`Trainer::next_group_id`] on; `counters`: the engine's during the rollout; `t_step`: when
+    /// the step began, `t_rollout`: seconds the rollout took): store, advantages, update, next
+    /// policy version. Returns the step's metrics.
+    pub fn learn(
+        &mut self,
+        local: Vec<StepRecord>,
+        counters: CacheCounters,
+        t_step: Instant,
+        t_rollout: f64,
+    ) -> Result<Scalars, TrainError> {
+        let traffic = self.dist.traffic();
+        let mut scalars = Scalars::new();
         self.store(&local)?;
         let records = ranks::gather_records(local, self.dist.as_ref())?;
         let counters = ranks::sum_counters(counters, self.dist.as_ref())?;
@@ -603,13 +647,20 @@ impl Trainer {
         );
     }
 
-    /// Training sequences: whole trajectories (concat) or single steps (window).
+    /// Training sequences: a new one starts at every step with a fresh context (`context_len`
+    /// 0), so a trajectory is one sequence in the concat layout and each step is one in the
+    /// window layout (a gateway session may mix them).
     fn sequences(&self, records: &[StepRecord]) -> Vec<Vec<usize>> {
-        let trajs = trajectories(records);
-        match self.cfg.context {
-            ContextLayout::Concat => trajs,
-            ContextLayout::Window => trajs.into_iter().flatten().map(|i| vec![i]).collect(),
+        let mut out: Vec<Vec<usize>> = Vec::new();
+        for traj in trajectories(records) {
+            for i in traj {
+                match out.last_mut() {
+                    Some(seq) if records[i].context_len > 0 => seq.push(i),
+                    _ => out.push(vec![i]),
+                }
+            }
         }
+        out
     }
 
     /// Rollout-time critic values of every record (each rank computes its share of the
