@@ -346,6 +346,13 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`: the prompt tokens the prefix cache served.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 /// The `logprobs.content` entries of sampled tokens.

@@ -13,7 +13,7 @@ use crossbeam::channel::{Receiver, RecvTimeoutError};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
-use super::api::{finish_reason_name, ApiError, Completion, Usage};
+use super::api::{finish_reason_name, ApiError, Completion, PromptTokensDetails, Usage};
 use super::session::{CloseRequest, ClosedTrajectory, Prompt, Sampled, Sessions};
 use crate::model::Model;
 use crate::rollout::engine::{CacheCounters, Engine, FinishReason, GenRequest, Generation};
@@ -318,6 +318,9 @@ impl Worker {
             prompt_tokens: run.prompt.tokens.len(),
             completion_tokens,
             total_tokens: run.prompt.tokens.len() + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: gens[0].from_cache,
+            },
         };
         if let Some(id) = &run.completion.session {
             let gen = &gens[0];
