@@ -424,6 +424,30 @@ mod tests {
     }
 
     #[test]
+    fn idle_sessions_expire_but_not_busy_ones() {
+        let tok = Tokenizer::builtin();
+        let mut sessions = Sessions::new(Duration::from_millis(0));
+        let c = completion(&[("user", "Turn 1")]);
+        let p = sessions.begin(&tok, "busy", &c).unwrap();
+        sessions.begin(&tok, "idle", &c).unwrap();
+        let (ids, lps) = sample(&tok, "Up");
+        let reply = Sampled {
+            response_ids: &ids,
+            response_logprobs: &lps,
+            reply: "Up".into(),
+            policy_version: 0,
+        };
+        sessions.finish("idle", c.messages.clone(), p, reply);
+        let later = Instant::now() + Duration::from_millis(5);
+        assert_eq!(sessions.expire(later), 1);
+        assert_eq!(sessions.open_count(), 1);
+        assert_eq!(
+            sessions.begin(&tok, "busy", &c).unwrap_err().status,
+            StatusCode::CONFLICT
+        );
+    }
+
+    #[test]
     fn an_edited_history_starts_a_fresh_context() {
         let tok = Tokenizer::builtin();
         let mut sessions = Sessions::new(Duration::from_secs(60));

@@ -117,6 +117,7 @@ pub fn run(
         };
         let round: Vec<Job> = std::iter::once(first).chain(jobs.try_iter()).collect();
         worker.run_round(backend, round);
+        worker.expired += worker.sessions.expire(Instant::now());
         if !backend.after_round()? {
             return Ok(());
         }
