@@ -187,14 +187,11 @@ fn main() {
     opts.port = 0;
     let gateway = serve::start(&opts).expect("gateway");
     let url = format!("http://{}", gateway.addr());
-    std::thread::spawn(move || {
-        let mut backend = PolicyBackend {
-            model,
-            tokenizer,
-            engine,
-            recorder: None,
-        };
-        gateway.serve(&mut backend).expect("serve");
+    gateway.spawn(PolicyBackend {
+        model,
+        tokenizer,
+        engine,
+        recorder: None,
     });
     println!(
         "{SESSIONS} FrozenLake sessions of {TURNS} turns, replies ≤ {MAX_TOKENS} tokens, built-in `small`, 1 compute thread\n"

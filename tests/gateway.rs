@@ -30,14 +30,11 @@ fn start_gateway(record: Option<&Path>) -> String {
     opts.worker.default_max_tokens = 12;
     let gateway = serve::start(&opts).unwrap();
     let url = format!("http://{}", gateway.addr());
-    std::thread::spawn(move || {
-        let mut backend = PolicyBackend {
-            model,
-            tokenizer,
-            engine,
-            recorder,
-        };
-        gateway.serve(&mut backend).unwrap();
+    gateway.spawn(PolicyBackend {
+        model,
+        tokenizer,
+        engine,
+        recorder,
     });
     url
 }
@@ -196,7 +193,14 @@ fn a_stream_carries_the_same_text_as_the_plain_reply() {
         .collect();
     assert_eq!(streamed, content(&plain));
     let usage = &chunks.last().unwrap()["usage"];
-    assert_eq!(usage, &plain["usage"]);
+    for key in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(usage[key], plain["usage"][key], "{key}");
+    }
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"],
+        usage["prompt_tokens"].as_u64().unwrap() - 1,
+        "the second request's prompt comes from the cache (all but its last token)"
+    );
     let finish: Vec<&Value> = chunks
         .iter()
         .filter_map(|c| c["choices"].get(0))

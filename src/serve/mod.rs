@@ -121,6 +121,14 @@ impl Gateway {
         self.addr
     }
 
+    /// [`Gateway::serve`] on a thread of its own (for tests, benchmarks and embedding).
+    pub fn spawn<B: Backend + Send + 'static>(
+        self,
+        mut backend: B,
+    ) -> JoinHandle<anyhow::Result<()>> {
+        std::thread::spawn(move || self.serve(&mut backend))
+    }
+
     /// Runs the generation loop with `backend` until it says stop (or HTTP stops), then stops
     /// the HTTP server.
     pub fn serve(self, backend: &mut dyn Backend) -> anyhow::Result<()> {

@@ -380,25 +380,35 @@ mod tests {
         (ids, lps)
     }
 
+    /// Begins completion `c` in session `id`, replies `text` (ending with the end-of-turn
+    /// token) under `version`; returns the prompt and the sampled ids.
+    fn take_turn(
+        sessions: &mut Sessions,
+        tok: &Tokenizer,
+        id: &str,
+        c: &Completion,
+        text: &str,
+        version: u64,
+    ) -> (Prompt, Vec<u32>) {
+        let prompt = sessions.begin(tok, id, c).unwrap();
+        let (ids, lps) = sample(tok, text);
+        let sampled = Sampled {
+            response_ids: &ids,
+            response_logprobs: &lps,
+            reply: text.into(),
+            policy_version: version,
+        };
+        sessions.finish(id, c.messages.clone(), prompt.clone(), sampled);
+        (prompt, ids)
+    }
+
     #[test]
     fn a_continued_conversation_extends_its_context_in_token_space() {
         let tok = Tokenizer::builtin();
         let mut sessions = Sessions::new(Duration::from_secs(60));
         let first = completion(&[("system", "Play."), ("user", "Turn 1: go")]);
-        let p1 = sessions.begin(&tok, "s", &first).unwrap();
+        let (p1, ids) = take_turn(&mut sessions, &tok, "s", &first, "<answer>Left</answer>", 3);
         assert_eq!(p1.context_len, 0);
-        let (ids, lps) = sample(&tok, "<answer>Left</answer>");
-        sessions.finish(
-            "s",
-            first.messages.clone(),
-            p1.clone(),
-            Sampled {
-                response_ids: &ids,
-                response_logprobs: &lps,
-                reply: "<answer>Left</answer>".into(),
-                policy_version: 3,
-            },
-        );
         let second = completion(&[
             ("system", "Play."),
             ("user", "Turn 1: go"),
@@ -428,16 +438,8 @@ mod tests {
         let tok = Tokenizer::builtin();
         let mut sessions = Sessions::new(Duration::from_millis(0));
         let c = completion(&[("user", "Turn 1")]);
-        let p = sessions.begin(&tok, "busy", &c).unwrap();
-        sessions.begin(&tok, "idle", &c).unwrap();
-        let (ids, lps) = sample(&tok, "Up");
-        let reply = Sampled {
-            response_ids: &ids,
-            response_logprobs: &lps,
-            reply: "Up".into(),
-            policy_version: 0,
-        };
-        sessions.finish("idle", c.messages.clone(), p, reply);
+        sessions.begin(&tok, "busy", &c).unwrap();
+        take_turn(&mut sessions, &tok, "idle", &c, "Up", 0);
         let later = Instant::now() + Duration::from_millis(5);
         assert_eq!(sessions.expire(later), 1);
         assert_eq!(sessions.open_count(), 1);
@@ -452,15 +454,7 @@ mod tests {
         let tok = Tokenizer::builtin();
         let mut sessions = Sessions::new(Duration::from_secs(60));
         let first = completion(&[("user", "Turn 1")]);
-        let p1 = sessions.begin(&tok, "s", &first).unwrap();
-        let (ids, lps) = sample(&tok, "Up");
-        let reply = Sampled {
-            response_ids: &ids,
-            response_logprobs: &lps,
-            reply: "Up".into(),
-            policy_version: 0,
-        };
-        sessions.finish("s", first.messages.clone(), p1, reply);
+        take_turn(&mut sessions, &tok, "s", &first, "Up", 0);
         let edited = completion(&[
             ("user", "Turn 1"),
             ("assistant", "Down"),
@@ -478,15 +472,7 @@ mod tests {
         let mut messages = vec![("user", "Turn 1")];
         for turn in 0..3 {
             let c = completion(&messages);
-            let p = sessions.begin(&tok, "s", &c).unwrap();
-            let (ids, lps) = sample(&tok, "Left");
-            let reply = Sampled {
-                response_ids: &ids,
-                response_logprobs: &lps,
-                reply: "Left".into(),
-                policy_version: turn,
-            };
-            sessions.finish("s", c.messages.clone(), p, reply);
+            take_turn(&mut sessions, &tok, "s", &c, "Left", turn);
             messages.push(("assistant", "Left"));
             messages.push(("user", "next"));
         }
