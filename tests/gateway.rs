@@ -20,9 +20,13 @@ const MODEL: &str = "tiny-test";
 fn start_gateway(record: Option<&Path>) -> String {
     let tokenizer = Tokenizer::builtin();
     let cfg = ModelConfig::tiny(tokenizer.vocab_size());
+    let model = Model::new(&cfg, 7, &candle_core::Device::Cpu).unwrap();
+    start_gateway_with(model, tokenizer, record)
+}
+
+fn start_gateway_with(model: Model, tokenizer: Tokenizer, record: Option<&Path>) -> String {
     let device = candle_core::Device::Cpu;
-    let model = Model::new(&cfg, 7, &device).unwrap();
-    let engine = Engine::new(&cfg, EngineConfig::default(), &device).unwrap();
+    let engine = Engine::new(model.config(), EngineConfig::default(), &device).unwrap();
     let recorder = record.map(|d| Recorder::open(d, WriterOptions::default()).unwrap());
     let mut opts = GatewayOptions::new(MODEL, 512, 0);
     opts.port = 0;
@@ -155,6 +159,65 @@ fn sessions_are_recorded_as_steps_that_extend_their_context() {
     assert_eq!(records[2].reward, 1.0);
     assert!(records[2].terminated && records[2].info.success);
     assert!(store::verify(&data).unwrap().problems.is_empty());
+}
+
+/// A Qwen-style template that trims assistant content and drops its `<think>` part when it
+/// re-renders a conversation (the checkpoint-template path of the token-space continuation).
+const TEMPLATE: &str = "{%- for message in messages %}{%- set content = message.content | trim if message.role == 'assistant' else message.content %}{%- if message.role == 'assistant' and '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}{{- '<|im_start|>' + message.role + '\\n' + content.strip() + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+#[test]
+fn a_checkpoint_template_continues_sessions_with_the_sampled_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = dir.path().join("model");
+    let tok = Tokenizer::builtin();
+    let model = Model::new(
+        &ModelConfig::tiny(tok.vocab_size()),
+        3,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    model.save(&model_dir, Some(&tok)).unwrap();
+    let config = json!({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"});
+    std::fs::write(model_dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let (model, tokenizer) = stepppo::model::checkpoint::load_policy(
+        model_dir.to_str().unwrap(),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    assert!(tokenizer.chat_template().is_some());
+    let data = dir.path().join("data");
+    let url = start_gateway_with(model, tokenizer, Some(&data));
+    let chat = format!("{url}/v1/chat/completions");
+    let session = [("x-session-id", "t")];
+    let mut messages: Vec<(&str, String)> = vec![("user", "Turn 1".into())];
+    for _ in 0..2 {
+        let (status, reply) = post(&chat, &chat_body(&messages, json!({})), &session);
+        assert_eq!(status, 200, "{reply}");
+        messages.push(("assistant", content(&reply)));
+        messages.push(("user", "Turn 2".into()));
+    }
+    assert_eq!(
+        post(
+            &format!("{url}/v1/sessions/t/close"),
+            r#"{"reward": 1}"#,
+            &[]
+        )
+        .0,
+        200
+    );
+    let dataset = Dataset::open(&data).unwrap();
+    let records = store::decode_trajectory(&dataset.trajectories()[0]).unwrap();
+    let first = &records[0];
+    assert_eq!(
+        records[1].context_len as usize,
+        first.obs_ids.len() + first.response_ids.len()
+    );
+    let tok = Tokenizer::builtin();
+    let added = tok.decode(&records[1].obs_ids);
+    assert!(
+        added.ends_with("<|im_start|>user\nTurn 2<|im_end|>\n<|im_start|>assistant\n"),
+        "{added:?}"
+    );
 }
 
 /// Parses a server-sent event stream into its JSON chunks (without the final `[DONE]`).
