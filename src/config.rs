@@ -58,13 +58,15 @@ fn shorten(arg: &str) -> String {
 }
 
 /// Keys a resumed run may change: when it stops and how often it validates and saves, and how
-/// many threads compute, and where the run directory is. Everything else is the run's own config, kept in its checkpoints.
+/// many threads compute, where the run directory is and where its gateway listens. Everything
+/// else is the run's own config, kept in its checkpoints.
 pub const RESUME_OVERRIDABLE: &[&str] = &[
     "max_steps",
     "eval_steps",
     "save_steps",
     "cpu_threads",
     "output_dir",
+    "gateway.listen",
 ];
 
 /// Prompt layout of multi-turn trajectories.

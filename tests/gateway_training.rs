@@ -93,24 +93,24 @@ fn play_until_the_gateway_stops(url: &str) -> Vec<u64> {
     unreachable!()
 }
 
-#[test]
-fn an_outside_agent_trains_the_policy_through_the_gateway() {
-    let dir = tempfile::tempdir().unwrap();
-    let run = dir.path().join("run");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stepppo"));
-    cmd.args(["train", "--out", run.to_str().unwrap()]);
-    for s in SETS {
-        cmd.args(["--set", s]);
-    }
-    let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
+/// Runs `stepppo train ARGS` (which serves the gateway) while an agent plays through it; returns
+/// the policy versions of the replies.
+fn train_while_playing(args: &[&str]) -> Vec<u64> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_stepppo"))
+        .args(args)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut stderr = BufReader::new(child.stderr.take().unwrap());
     let mut line = String::new();
+    let mut seen = String::new();
     let url = loop {
         line.clear();
         assert!(
             stderr.read_line(&mut line).unwrap() > 0,
-            "train exited before serving"
+            "train exited before serving: {seen}"
         );
+        seen.push_str(&line);
         if let Some(rest) = line.strip_prefix("gateway: http://") {
             break format!("http://{}", rest.split("/v1").next().unwrap());
         }
@@ -118,9 +118,20 @@ fn an_outside_agent_trains_the_policy_through_the_gateway() {
     std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
     let started = Instant::now();
     let versions = play_until_the_gateway_stops(&url);
-    let status = child.wait().unwrap();
-    assert!(status.success(), "train failed");
+    assert!(child.wait().unwrap().success(), "train failed");
     assert!(started.elapsed() < Duration::from_secs(300));
+    versions
+}
+
+#[test]
+fn an_outside_agent_trains_the_policy_through_the_gateway() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let mut args = vec!["train", "--out", run.to_str().unwrap()];
+    for s in SETS {
+        args.extend(["--set", s]);
+    }
+    let versions = train_while_playing(&args);
     assert_eq!(versions.first(), Some(&0));
     assert!(
         versions.contains(&1),
@@ -140,17 +151,34 @@ fn an_outside_agent_trains_the_policy_through_the_gateway() {
     assert!(run.join("ckpt-latest").exists());
 
     let data = run.join("dataset");
-    let dataset = Dataset::open(&data).unwrap();
-    let trajs = dataset.trajectories();
-    assert_eq!(trajs.len(), 8, "two updates of two groups of two sessions");
-    let groups: std::collections::BTreeSet<u64> = trajs.iter().map(|t| t.group_id).collect();
-    assert_eq!(groups.into_iter().collect::<Vec<_>>(), vec![0, 1, 2, 3]);
-    for t in &trajs {
-        assert_eq!(
-            t.traj_id / 2,
-            t.group_id,
-            "trajectory ids follow the agent loop's"
-        );
-    }
+    let trajectory_ids = |data: &std::path::Path| {
+        let dataset = Dataset::open(data).unwrap();
+        let trajs = dataset.trajectories();
+        for t in &trajs {
+            assert_eq!(
+                t.traj_id / 2,
+                t.group_id,
+                "trajectory ids follow the agent loop's"
+            );
+        }
+        trajs.iter().map(|t| t.traj_id).collect::<Vec<u64>>()
+    };
+    assert_eq!(
+        trajectory_ids(&data),
+        (0..8).collect::<Vec<_>>(),
+        "two updates of two groups of two sessions"
+    );
     assert!(store::verify(&data).unwrap().problems.is_empty());
+
+    // A resumed run serves the checkpoint's version and numbers its groups after the stored ones.
+    let resumed = train_while_playing(&[
+        "train",
+        "--out",
+        run.to_str().unwrap(),
+        "--resume",
+        "--set",
+        "max_steps=3",
+    ]);
+    assert_eq!(resumed.first(), Some(&2));
+    assert_eq!(trajectory_ids(&data), (0..12).collect::<Vec<_>>());
 }
