@@ -346,6 +346,27 @@ impl Default for GatewayConfig {
     }
 }
 
+impl GatewayConfig {
+    fn validate(&self) -> Result<(), (String, String)> {
+        let port = self.listen.rsplit_once(':').map(|(_, p)| p.parse::<u16>());
+        if !matches!(port, Some(Ok(_))) {
+            return Err((
+                "gateway.listen".into(),
+                format!("expected host:port, got `{}`", self.listen),
+            ));
+        }
+        check_positive("gateway.default_max_tokens", self.default_max_tokens as f64)?;
+        check_positive("gateway.session_ttl_s", self.session_ttl_s as f64)?;
+        if self.max_body_bytes < 1024 {
+            return Err((
+                "gateway.max_body_bytes".into(),
+                format!("must be at least 1024, got {}", self.max_body_bytes),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A whole run configuration.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -679,6 +700,9 @@ impl Config {
         let fail = |key: &str, msg: String| Err((key.to_string(), msg));
         self.validate_env_manager("train_env_manager", &self.train_env_manager)?;
         self.validate_env_manager("val_env_manager", &self.val_env_manager)?;
+        if let Some(gateway) = &self.gateway {
+            gateway.validate()?;
+        }
         let train = &self.train_env_manager;
         if self.rollout_batch_size != train.batch_size() {
             return fail(

@@ -229,6 +229,12 @@ fn config_errors_name_the_key() {
     let out = stepppo(&["train", "--set", "train_env_manager.group_size=5"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("rollout_batch_size"), "{err}");
+    let out = stepppo(&["train", "--set", "gateway.listen=localhost"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("gateway.listen") && err.contains("host:port"),
+        "{err}"
+    );
 }
 
 #[test]
