@@ -386,7 +386,20 @@ fn a_killed_recording_server_leaves_every_closed_trajectory() {
         vec![0, 1, 2],
         "every closed session, nothing of the open one"
     );
-    assert!(store::verify(&data).unwrap().problems.is_empty());
+    // An ordinary step dataset for the other commands.
+    for args in [
+        vec!["dataset", "verify"],
+        vec!["replay", "--advantages", "grpo"],
+        vec!["replay", "--stats"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_stepppo"))
+            .args(&args)
+            .arg(&data)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {err}");
+    }
 }
 
 /// The Python with the `openai` package: `$STEPPPO_PYTHON`, else `target/examples-venv`.
