@@ -93,6 +93,9 @@ pub struct WorkerOptions {
     pub seed: u64,
 }
 
+/// Most jobs taken into one round (one engine call); the rest wait for the next.
+const MAX_ROUND_JOBS: usize = 64;
+
 /// Runs the loop until the job channel closes or the backend says stop.
 pub fn run(
     backend: &mut dyn Backend,
@@ -115,7 +118,8 @@ pub fn run(
             }
             Err(RecvTimeoutError::Disconnected) => return Ok(()),
         };
-        let round: Vec<Job> = std::iter::once(first).chain(jobs.try_iter()).collect();
+        let waiting = jobs.try_iter().take(MAX_ROUND_JOBS - 1);
+        let round: Vec<Job> = std::iter::once(first).chain(waiting).collect();
         worker.run_round(backend, round);
         worker.expired += worker.sessions.expire(Instant::now());
         if !backend.after_round()? {
