@@ -454,6 +454,32 @@ mod tests {
     }
 
     #[test]
+    fn remote_configs_are_checked_without_a_server() {
+        let check = check_config(
+            "remote",
+            &json!({"url": "http://127.0.0.1:1", "on_error": "skip"}),
+        );
+        assert_eq!(
+            check.unwrap(),
+            EnvCheck {
+                action_space: None,
+                on_error: OnError::Skip
+            }
+        );
+        let err = |config: Value| check_config("remote", &config).unwrap_err().to_string();
+        let e = err(json!({"max_turns": 3}));
+        assert!(e.contains("url") && e.contains("required"), "{e}");
+        let e = err(json!({"url": "http://h", "on_error": "retry"}));
+        assert!(e.contains("on_error") && e.contains("remote"), "{e}");
+        let e = err(json!({"url": "http://h", "adress": "x"}));
+        assert!(e.contains("adress") && e.contains("timeout"), "{e}");
+        let e = err(json!({"url": "http://h", "max_turns": 0}));
+        assert!(e.contains("max_turns"), "{e}");
+        let local = check_config("bandit", &Value::Null).unwrap();
+        assert!(matches!(local.action_space, Some(ActionSpace::Named(_))));
+    }
+
+    #[test]
     fn overrides_reach_env_and_protocol() {
         let session = build_session(
             "frozen_lake",

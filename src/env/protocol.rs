@@ -534,6 +534,17 @@ mod tests {
     }
 
     #[test]
+    fn free_text_answers_are_taken_whole() {
+        let free = ActionSpace::FreeText;
+        assert_eq!(
+            parse_response("<answer> search[red shoes] </answer>", &free, false, 3),
+            Some(vec![Action::Answer("search[red shoes]".into())])
+        );
+        assert_eq!(parse_response("<answer> </answer>", &free, false, 1), None);
+        assert_eq!(parse_response("search[red shoes]", &free, false, 1), None);
+    }
+
+    #[test]
     fn qa_takes_the_first_complete_block() {
         let qa = ActionSpace::SearchOrAnswer;
         assert_eq!(

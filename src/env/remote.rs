@@ -199,12 +199,14 @@ impl RemoteEnv {
                 .build()
                 .send(text.as_str()),
         };
-        let mut answer = answer.map_err(|e| fail(transport_reason(&e)))?;
+        let mut answer = answer.map_err(|e| fail(transport_reason(&e, timeout)))?;
         let status = answer.status().as_u16();
-        let text = answer
-            .body_mut()
-            .read_to_string()
-            .map_err(|e| fail(format!("reading the answer: {}", transport_reason(&e))))?;
+        let text = answer.body_mut().read_to_string().map_err(|e| {
+            fail(format!(
+                "reading the answer: {}",
+                transport_reason(&e, timeout)
+            ))
+        })?;
         if !(200..300).contains(&status) {
             return Err(fail(format!("HTTP {status}: {}", error_message(&text))));
         }
@@ -354,10 +356,12 @@ fn quote(text: &str, max: usize) -> String {
 }
 
 /// Why a request got no answer, in words.
-fn transport_reason(e: &ureq::Error) -> String {
+fn transport_reason(e: &ureq::Error, timeout: Duration) -> String {
     match e {
-        ureq::Error::Timeout(_) => format!("no answer in time ({e})"),
-        ureq::Error::Io(io) => format!("connection failed: {io}"),
+        ureq::Error::Timeout(_) => {
+            format!("no answer in time (timeout {} s)", timeout.as_secs_f64())
+        }
+        ureq::Error::Io(io) => format!("connection error: {io}"),
         other => other.to_string(),
     }
 }
