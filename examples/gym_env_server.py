@@ -20,6 +20,7 @@ Needs only the standard library and gymnasium (`bash scripts/examples_venv.sh`).
 import argparse
 import itertools
 import json
+import re
 import sys
 import threading
 from collections import OrderedDict
@@ -67,8 +68,11 @@ class TextAdapter:
 
 
 class GenericText(TextAdapter):
-    """Any env with a Discrete action space: actions "0".."n-1", the "ansi" render if the env
-    has one, else the observation's repr."""
+    """Any env with a Discrete action space: actions "0".."n-1"; the observation's repr, after
+    the env's "ansi" render when it has one (colour codes removed: what they marked is lost, a
+    reason to write an adapter)."""
+
+    COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 
     def __init__(self, env_id, make_kwargs):
         self.env_id = env_id
@@ -93,9 +97,10 @@ class GenericText(TextAdapter):
         return int(name)
 
     def render(self, env, obs):
+        text = f"Observation: {obs!r}"
         if self.kwargs.get("render_mode") == "ansi":
-            return str(env.render()).rstrip("\n")
-        return repr(obs)
+            text = self.COLOURS.sub("", str(env.render())).rstrip("\n") + "\n" + text
+        return text
 
 
 class FrozenLakeText(TextAdapter):
