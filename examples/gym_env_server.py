@@ -262,6 +262,7 @@ def handler(spec, episodes, verbose):
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: one connection per client env
+        disable_nagle_algorithm = True  # headers and body leave at once, not after a delayed ACK
 
         def do_GET(self):
             self.answer(lambda: self.route_get())

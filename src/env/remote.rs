@@ -146,7 +146,7 @@ impl RemoteEnv {
             env_id: None,
             observation: String::new(),
         };
-        let spec: Spec = env.request("GET", "/spec", None, env.timeout)?;
+        let spec: Spec = env.request("/spec", None, env.timeout)?;
         env.adopt(spec)?;
         Ok(env)
     }
@@ -169,17 +169,16 @@ impl RemoteEnv {
         Ok(())
     }
 
-    /// Sends one request (failing after `timeout`) and decodes its JSON answer; every failure
-    /// names the request.
+    /// Sends one request, `GET path` without a body or `POST path` with one, failing after
+    /// `timeout`, and decodes its JSON answer; every failure names the request.
     fn request<T: DeserializeOwned>(
         &self,
-        method: &str,
         path: &str,
         body: Option<&Value>,
         timeout: Duration,
     ) -> Result<T, EnvError> {
         let body_text = body.map(Value::to_string);
-        let request = describe(method, path, body_text.as_deref());
+        let request = describe(path, body_text.as_deref());
         let fail = |reason: String| self.error(&request, reason);
         let target = format!("{}{path}", self.url);
         let answer = match body_text {
@@ -239,7 +238,7 @@ impl RemoteEnv {
             return Ok(());
         };
         let body = json!({ "env_id": env_id });
-        let _: Value = self.request("POST", "/close", Some(&body), timeout)?;
+        let _: Value = self.request("/close", Some(&body), timeout)?;
         Ok(())
     }
 }
@@ -259,8 +258,8 @@ impl Env for RemoteEnv {
     fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
         self.close(self.timeout)?;
         let body = json!({ "seed": seed });
-        let answer: ResetAnswer = self.request("POST", "/reset", Some(&body), self.timeout)?;
-        let request = describe("POST", "/reset", Some(&body.to_string()));
+        let answer: ResetAnswer = self.request("/reset", Some(&body), self.timeout)?;
+        let request = describe("/reset", Some(&body.to_string()));
         env_info(&answer.info).map_err(|r| self.error(&request, r))?;
         self.env_id = Some(answer.env_id);
         self.observation = answer.observation;
@@ -273,9 +272,9 @@ impl Env for RemoteEnv {
         };
         let env_id = self.episode("POST /step")?;
         let body = json!({ "env_id": env_id, "action": text });
-        let answer: StepAnswer = self.request("POST", "/step", Some(&body), self.timeout)?;
+        let answer: StepAnswer = self.request("/step", Some(&body), self.timeout)?;
         let fail = |reason: String| {
-            let request = describe("POST", "/step", Some(&body.to_string()));
+            let request = describe("/step", Some(&body.to_string()));
             self.error(&request, reason)
         };
         let info = env_info(&answer.info).map_err(fail)?;
@@ -339,11 +338,11 @@ impl Env for RemoteEnv {
     }
 }
 
-/// `METHOD /path BODY`, the body cut to [`QUOTED_BODY_CHARS`].
-fn describe(method: &str, path: &str, body: Option<&str>) -> String {
+/// `GET /path`, or `POST /path BODY` with the body cut to [`QUOTED_BODY_CHARS`].
+fn describe(path: &str, body: Option<&str>) -> String {
     match body {
-        Some(body) => format!("{method} {path} {}", quote(body, QUOTED_BODY_CHARS)),
-        None => format!("{method} {path}"),
+        Some(body) => format!("POST {path} {}", quote(body, QUOTED_BODY_CHARS)),
+        None => format!("GET {path}"),
     }
 }
 
@@ -479,7 +478,7 @@ mod tests {
     #[test]
     fn long_bodies_are_cut_in_messages() {
         let long = "x".repeat(500);
-        let text = describe("POST", "/step", Some(&long));
+        let text = describe("/step", Some(&long));
         assert!(text.starts_with("POST /step xxx") && text.ends_with('…'));
         assert_eq!(
             text.chars().count(),
