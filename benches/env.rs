@@ -8,7 +8,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use serde_json::Value;
 use stepppo::env::hotpotqa::corpus::Corpus;
 use stepppo::env::hotpotqa::world::{Split, World};
-use stepppo::env::{build_session, play_episode, registry, Agent, AgentKind, AgentSession, Env};
+use stepppo::env::{build_session, in_process, play_episode, Agent, AgentKind, AgentSession, Env};
 use stepppo::env::{SokobanConfig, SokobanEnv};
 
 /// Plays random episodes on `session` until `turns` agent turns have run.
@@ -16,6 +16,7 @@ fn run_turns(session: &mut AgentSession, agent: &mut Agent, seed: &mut u64, turn
     let mut done = 0;
     while done < turns {
         done += play_episode(session, *seed, &mut |s| agent.respond(s))
+            .expect("in-process envs do not fail")
             .turns
             .len() as u64;
         *seed += 1;
@@ -24,7 +25,7 @@ fn run_turns(session: &mut AgentSession, agent: &mut Agent, seed: &mut u64, turn
 
 fn steps_per_second(c: &mut Criterion) {
     let mut group = c.benchmark_group("env_turns");
-    for env in registry() {
+    for env in in_process() {
         let mut session = build_session(env, &Value::Null).unwrap();
         let mut agent = Agent::new(AgentKind::Random, 1);
         let mut seed = 0;
@@ -54,7 +55,7 @@ fn sokoban_generation(c: &mut Criterion) {
         group.bench_function(name, |b| {
             b.iter(|| {
                 seed += 1;
-                env.reset(seed)
+                env.reset(seed).unwrap()
             })
         });
     }

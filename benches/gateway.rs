@@ -49,7 +49,7 @@ fn play_session(url: &str, id: &str, env_seed: u64) -> Vec<TurnTiming> {
     let mut session = build_session("frozen_lake", &env_config()).expect("env");
     let mut messages = vec![
         json!({"role": "system", "content": session.system_prompt()}),
-        json!({"role": "user", "content": session.reset(env_seed)}),
+        json!({"role": "user", "content": session.reset(env_seed).expect("reset")}),
     ];
     let mut out = Vec::new();
     for turn in 0.. {
@@ -76,7 +76,7 @@ fn play_session(url: &str, id: &str, env_seed: u64) -> Vec<TurnTiming> {
             .as_str()
             .unwrap()
             .to_string();
-        let Some(next) = session.act(&text).next_user_message else {
+        let Some(next) = session.act(&text).expect("act").next_user_message else {
             break;
         };
         messages.push(json!({"role": "assistant", "content": text}));

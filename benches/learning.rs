@@ -89,7 +89,8 @@ fn warm_start(dir: &std::path::Path, extra: &[String]) -> f64 {
         cfg.sft.episodes,
         7,
     )
-    .unwrap_or_else(|e| panic!("{e}"));
+    .unwrap_or_else(|e| panic!("{e}"))
+    .records;
     let report = sft::clone_into(&cfg, &records, dir).unwrap_or_else(|e| panic!("{e}"));
     eprintln!(
         "warm start: {} steps, loss {:.3} → {:.3}",

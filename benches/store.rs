@@ -43,14 +43,14 @@ fn records() -> Vec<StepRecord> {
             AgentKind::Random,
             seed::derive(env_seed, &[traj_id % GROUP_SIZE]),
         );
-        session.reset(env_seed);
+        session.reset(env_seed).unwrap();
         for step_index in 0u32.. {
             if out.len() == RECORDS {
                 return out;
             }
             let state_hash = session.state_hash();
-            let response = agent.respond(&session);
-            let outcome = session.act(&response);
+            let response = agent.respond(&session).unwrap();
+            let outcome = session.act(&response).unwrap();
             out.push(StepRecord {
                 traj_id,
                 group_id,

@@ -831,15 +831,16 @@ impl Config {
             );
         }
         for (tag, spec) in &self.custom_envs {
-            let session = match crate::env::build_session(&spec.env_type, &spec.env_config) {
-                Ok(session) => session,
+            // Offline: a remote env's server need not be up yet (its actions are checked when a
+            // rollout builds the answer grammar).
+            let check = match crate::env::check_config(&spec.env_type, &spec.env_config) {
+                Ok(check) => check,
                 Err(e) => return fail(&format!("custom_envs.{tag}"), e.to_string()),
             };
-            let named = matches!(
-                session.env().action_space(),
-                crate::env::ActionSpace::Named(_)
-            );
-            if self.constrained_decoding && !named {
+            let free_text = check
+                .action_space
+                .is_some_and(|space| !matches!(space, crate::env::ActionSpace::Named(_)));
+            if self.constrained_decoding && free_text {
                 return fail(
                     "constrained_decoding",
                     format!("env `{tag}` ({}) answers free text, which the answer grammar cannot enumerate", spec.env_type),

@@ -13,7 +13,9 @@ fn success_rate(session: &mut AgentSession, kind: AgentKind, episodes: u64) -> f
     let wins = (0..episodes)
         .filter(|&seed| {
             let mut agent = Agent::new(kind, seed ^ 0x5eed);
-            play_episode(session, seed, &mut |s| agent.respond(s)).success()
+            play_episode(session, seed, &mut |s| agent.respond(s))
+                .unwrap()
+                .success()
         })
         .count();
     wins as f64 / episodes as f64
@@ -51,7 +53,7 @@ fn solvable_within(room: Room, depth: usize, memo: &mut HashMap<(u128, usize), u
 fn sokoban_oracle_solves_every_room_in_the_optimal_number_of_steps() {
     for seed in 0..100 {
         let mut env = SokobanEnv::new(SokobanConfig::default()).unwrap();
-        env.reset(seed);
+        env.reset(seed).unwrap();
         let optimum = env.solve().unwrap().len();
         let room = *env.room();
         if seed < 30 {
@@ -63,7 +65,7 @@ fn sokoban_oracle_solves_every_room_in_the_optimal_number_of_steps() {
         }
         let mut session = AgentSession::new(Box::new(env), ProtocolConfig::default_for("sokoban"));
         let mut agent = Agent::new(AgentKind::Oracle, seed);
-        let episode = play_episode(&mut session, seed, &mut |s| agent.respond(s));
+        let episode = play_episode(&mut session, seed, &mut |s| agent.respond(s)).unwrap();
         assert!(episode.success(), "seed {seed}");
         assert_eq!(episode.steps(), optimum, "seed {seed}");
         assert!(episode.reward() > 10.0 - 0.1 * optimum as f32);
@@ -97,7 +99,7 @@ fn assert_oracle_does_both_hops(config: serde_json::Value, episodes: u64) {
     let mut session = build_session("hotpotqa", &config).unwrap();
     for seed in 0..episodes {
         let mut agent = Agent::new(AgentKind::Oracle, seed);
-        let episode = play_episode(&mut session, seed, &mut |s| agent.respond(s));
+        let episode = play_episode(&mut session, seed, &mut |s| agent.respond(s)).unwrap();
         assert_eq!(episode.reward(), 1.0, "{config} seed {seed}");
         assert_eq!(episode.turns.len(), 3, "search, search, answer");
         for hop in 0..2 {
@@ -109,7 +111,7 @@ fn assert_oracle_does_both_hops(config: serde_json::Value, episodes: u64) {
             );
         }
         let last = &episode.turns[2].outcome;
-        assert_eq!(last.metrics, vec![("em", 1.0), ("f1", 1.0)]);
+        assert_eq!(last.metrics, vec![("em".into(), 1.0), ("f1".into(), 1.0)]);
     }
 }
 
@@ -142,7 +144,7 @@ fn thinking_agents_pass_the_think_format() {
     for name in ["frozen_lake", "sokoban", "bandit", "hotpotqa"] {
         let mut session = build_session(name, &json!({"enable_think": true})).unwrap();
         let mut agent = Agent::new(AgentKind::Oracle, 1);
-        let episode = play_episode(&mut session, 3, &mut |s| agent.respond(s));
+        let episode = play_episode(&mut session, 3, &mut |s| agent.respond(s)).unwrap();
         assert!(
             episode.turns.iter().all(|t| t.outcome.info.action_is_valid),
             "{name}"

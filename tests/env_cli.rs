@@ -28,7 +28,7 @@ fn list_names_every_env() {
     assert!(ok);
     assert_eq!(
         out.lines().collect::<Vec<_>>(),
-        ["frozen_lake", "sokoban", "bandit", "hotpotqa"]
+        ["frozen_lake", "sokoban", "bandit", "hotpotqa", "remote"]
     );
 }
 

@@ -11,11 +11,11 @@ fn invalid_turn_costs_the_penalty_without_stepping_and_counts_as_a_turn() {
         &json!({"max_turns": 2, "format_penalty": -0.25}),
     )
     .unwrap();
-    let first = session.reset(4);
+    let first = session.reset(4).unwrap();
     assert!(first.contains("Turn 1:\nState:\n") && first.contains("You have 2 actions left."));
     let hash = session.state_hash();
     let state = session.state_text().to_string();
-    let outcome = session.act("I would go left");
+    let outcome = session.act("I would go left").unwrap();
     assert_eq!(outcome.reward, -0.25);
     assert!(!outcome.info.action_is_valid && outcome.info.num_actions == 0);
     assert_eq!(outcome.info.format_penalty, -0.25);
@@ -26,9 +26,9 @@ fn invalid_turn_costs_the_penalty_without_stepping_and_counts_as_a_turn() {
         message.starts_with("Reward: -0.25 (invalid answer)\nTurn 2:"),
         "{message}"
     );
-    let outcome = session.act("<answer>Jump</answer>");
+    let outcome = session.act("<answer>Jump</answer>").unwrap();
     assert!(outcome.truncated && !outcome.terminated && outcome.next_user_message.is_none());
-    let after = session.act("<answer>Left</answer>");
+    let after = session.act("<answer>Left</answer>").unwrap();
     assert!(
         after.next_user_message.is_none() && after.reward == 0.0,
         "acting after the end is inert"
@@ -42,15 +42,17 @@ fn several_actions_per_turn_run_until_done() {
         &json!({"max_actions_per_turn": 10, "max_turns": 1}),
     )
     .unwrap();
-    session.reset(9);
+    session.reset(9).unwrap();
     let plan = stepppo::env::SokobanEnv::new(Default::default()).map(|mut env| {
-        env.reset(9);
+        env.reset(9).unwrap();
         env.solve().unwrap()
     });
     let names = ["Up", "Down", "Left", "Right"];
     let mut text: Vec<&str> = plan.unwrap().iter().map(|&d| names[d]).collect();
     text.push("Left");
-    let outcome = session.act(&format!("<answer>{}</answer>", text.join(" || ")));
+    let outcome = session
+        .act(&format!("<answer>{}</answer>", text.join(" || ")))
+        .unwrap();
     assert!(outcome.terminated && outcome.info.success);
     assert_eq!(
         outcome.info.num_actions as usize,
@@ -62,10 +64,10 @@ fn several_actions_per_turn_run_until_done() {
 #[test]
 fn window_message_holds_the_last_k_rounds_and_stop_strings_match_the_env() {
     let mut session = build_session("frozen_lake", &json!({"is_slippery": false})).unwrap();
-    let first = session.reset(2);
+    let first = session.reset(2).unwrap();
     assert_eq!(session.window_user_message(3), first, "no history yet");
-    let action = session.env().oracle_action();
-    session.act(&response_text(&action, false));
+    let action = session.env().oracle_action().unwrap();
+    session.act(&response_text(&action, false)).unwrap();
     let window = session.window_user_message(1);
     assert!(window.contains("Recent history:\nTurn 1:") && window.contains("Turn 2:\nState:"));
     assert!(!session.window_user_message(0).contains("Recent history"));
@@ -79,10 +81,10 @@ fn window_message_holds_the_last_k_rounds_and_stop_strings_match_the_env() {
 fn state_hash_depends_only_on_the_observation() {
     let mut a = build_session("sokoban", &json!(null)).unwrap();
     let mut b = build_session("sokoban", &json!({"format_penalty": -1.0})).unwrap();
-    a.reset(5);
-    b.reset(5);
+    a.reset(5).unwrap();
+    b.reset(5).unwrap();
     assert_eq!(a.state_hash(), b.state_hash());
-    a.reset(6);
+    a.reset(6).unwrap();
     assert_ne!(a.state_hash(), b.state_hash());
     assert_eq!(
         a.state_hash(),

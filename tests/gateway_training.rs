@@ -44,7 +44,7 @@ fn play_until_the_gateway_stops(url: &str) -> Vec<u64> {
         let mut session = build_session("frozen_lake", &json!({"max_turns": 2})).unwrap();
         let mut messages = vec![
             json!({"role": "system", "content": session.system_prompt()}),
-            json!({"role": "user", "content": session.reset(task)}),
+            json!({"role": "user", "content": session.reset(task).unwrap()}),
         ];
         let mut rewards = Vec::new();
         let mut success = false;
@@ -72,7 +72,7 @@ fn play_until_the_gateway_stops(url: &str) -> Vec<u64> {
                 .as_str()
                 .unwrap()
                 .to_string();
-            let outcome = session.act(&text);
+            let outcome = session.act(&text).unwrap();
             rewards.push(outcome.reward);
             success |= outcome.info.success;
             let Some(next) = outcome.next_user_message else {

@@ -113,13 +113,14 @@ fn play(args: PlayArgs) -> anyhow::Result<()> {
     for episode in 0..args.episodes {
         let seed = args.seed.wrapping_add(episode);
         let played = match args.agent.as_str() {
-            "stdin" => env::play_episode(&mut session, seed, &mut stdin_response),
+            "stdin" => env::play_episode(&mut session, seed, &mut |s| Ok(stdin_response(s))),
             name => {
                 let kind: AgentKind = name.parse().map_err(anyhow::Error::msg)?;
                 let mut agent = Agent::new(kind, stepppo::seed::derive(seed, &[0xA6E7]));
                 env::play_episode(&mut session, seed, &mut |s| agent.respond(s))
             }
-        };
+        }
+        .with_context(|| format!("env `{}`, episode seed {seed}", args.env))?;
         successes += u64::from(played.success());
         if args.json {
             println!("{}", episode_json(&played));

@@ -3,14 +3,15 @@
 //! [`AgentSession::act`] parser as model output. `random` plays a uniform action; `oracle` plays
 //! the env's best action (FrozenLake: BFS on the non-slippery map; Sokoban: the BFS solver;
 //! Bandit: the better arm; QA: search each supporting title in turn, the first entity then the
-//! bridge or second entity, then answer the gold answer).
+//! bridge or second entity, then answer the gold answer). A remote env has no oracle, and no
+//! random agent when it lists no actions: the agent then answers with the env's error.
 
 use std::str::FromStr;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use super::{Action, AgentSession, TurnOutcome};
+use super::{Action, AgentSession, EnvError, TurnOutcome};
 
 /// Which model-free policy to play.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,13 +46,14 @@ impl Agent {
         }
     }
 
-    /// The response text for the session's current turn.
-    pub fn respond(&mut self, session: &AgentSession) -> String {
+    /// The response text for the session's current turn; an error when the env has no such
+    /// agent.
+    pub fn respond(&mut self, session: &AgentSession) -> Result<String, EnvError> {
         let action = match self.kind {
-            AgentKind::Oracle => session.env().oracle_action(),
-            AgentKind::Random => session.env().random_action(&mut self.rng),
+            AgentKind::Oracle => session.env().oracle_action()?,
+            AgentKind::Random => session.env().random_action(&mut self.rng)?,
         };
-        response_text(&action, session.protocol().enable_think)
+        Ok(response_text(&action, session.protocol().enable_think))
     }
 }
 
@@ -134,17 +136,18 @@ impl Episode {
     }
 }
 
-/// Plays one episode: `respond` writes the response text for each turn.
+/// Plays one episode: `respond` writes the response text for each turn. The first env (or agent)
+/// error ends it.
 pub fn play_episode(
     session: &mut AgentSession,
     seed: u64,
-    respond: &mut dyn FnMut(&AgentSession) -> String,
-) -> Episode {
-    let mut user_message = session.reset(seed);
+    respond: &mut dyn FnMut(&AgentSession) -> Result<String, EnvError>,
+) -> Result<Episode, EnvError> {
+    let mut user_message = session.reset(seed)?;
     let mut turns = Vec::new();
     loop {
-        let response = respond(session);
-        let outcome = session.act(&response);
+        let response = respond(session)?;
+        let outcome = session.act(&response)?;
         let next = outcome.next_user_message.clone();
         turns.push(TurnLog {
             user_message,
@@ -156,10 +159,10 @@ pub fn play_episode(
             None => break,
         }
     }
-    Episode {
+    Ok(Episode {
         env: session.env().tag().to_string(),
         seed,
         system_prompt: session.system_prompt(),
         turns,
-    }
+    })
 }

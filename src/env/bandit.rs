@@ -93,7 +93,7 @@ impl Env for BanditEnv {
         "bandit"
     }
 
-    fn reset(&mut self, seed: u64) -> String {
+    fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
         self.rng = env_rng(seed, 1);
         let (lo, hi) = (self.cfg.lo_arm_name.trim(), self.cfg.hi_arm_name.trim());
         self.arms = if self.rng.random_bool(0.5) {
@@ -102,10 +102,10 @@ impl Env for BanditEnv {
             [lo.to_string(), hi.to_string()]
         };
         self.outcome = None;
-        self.state_text()
+        Ok(self.state_text())
     }
 
-    fn step(&mut self, action: &Action) -> Transition {
+    fn step(&mut self, action: &Action) -> Result<Transition, EnvError> {
         let arm = match action {
             Action::Move(name) if self.outcome.is_none() => self
                 .arms
@@ -115,13 +115,13 @@ impl Env for BanditEnv {
             _ => None,
         };
         let Some(arm) = arm else {
-            return Transition {
+            return Ok(Transition {
                 observation: self.state_text(),
                 reward: 0.0,
                 terminated: self.outcome.is_some(),
                 truncated: false,
                 info: EnvInfo::default(),
-            };
+            });
         };
         let is_hi = arm == self.hi_arm();
         let reward = if !is_hi {
@@ -132,7 +132,7 @@ impl Env for BanditEnv {
             self.cfg.hi_arm_loscore
         };
         self.outcome = Some(format!("{arm}: {reward} points"));
-        Transition {
+        Ok(Transition {
             observation: self.state_text(),
             reward,
             terminated: true,
@@ -143,7 +143,7 @@ impl Env for BanditEnv {
                 action_is_effective: true,
                 metrics: Vec::new(),
             },
-        }
+        })
     }
 
     fn instruction(&self) -> String {
@@ -165,12 +165,12 @@ impl Env for BanditEnv {
         1
     }
 
-    fn oracle_action(&self) -> Action {
-        Action::Move(self.hi_arm().to_string())
+    fn oracle_action(&self) -> Result<Action, EnvError> {
+        Ok(Action::Move(self.hi_arm().to_string()))
     }
 
-    fn random_action(&self, rng: &mut ChaCha8Rng) -> Action {
-        Action::Move(self.arms[rng.random_range(0..2)].clone())
+    fn random_action(&self, rng: &mut ChaCha8Rng) -> Result<Action, EnvError> {
+        Ok(Action::Move(self.arms[rng.random_range(0..2)].clone()))
     }
 }
 
@@ -181,14 +181,15 @@ mod tests {
     #[test]
     fn arm_order_varies_with_the_seed_and_names_match_case_insensitively() {
         let mut env = BanditEnv::new(BanditConfig::default()).unwrap();
-        let firsts: std::collections::BTreeSet<String> = (0..20).map(|s| env.reset(s)).collect();
+        let firsts: std::collections::BTreeSet<String> =
+            (0..20).map(|s| env.reset(s).unwrap()).collect();
         assert_eq!(firsts.len(), 2, "{firsts:?}");
-        env.reset(0);
-        let t = env.step(&Action::Move("DRAGON".into()));
+        env.reset(0).unwrap();
+        let t = env.step(&Action::Move("DRAGON".into())).unwrap();
         assert!(t.terminated && t.info.success);
         assert!(t.reward == 0.0 || t.reward == 1.0);
-        env.reset(0);
-        let t = env.step(&Action::Move("Phoenix".into()));
+        env.reset(0).unwrap();
+        let t = env.step(&Action::Move("Phoenix".into())).unwrap();
         assert!(!t.info.success && (t.reward - 0.1).abs() < 1e-6);
     }
 
@@ -198,8 +199,8 @@ mod tests {
         let n = 4000;
         let wins: f32 = (0..n)
             .map(|s| {
-                env.reset(s);
-                env.step(&Action::Move("dragon".into())).reward
+                env.reset(s).unwrap();
+                env.step(&Action::Move("dragon".into())).unwrap().reward
             })
             .sum();
         let rate = wins / n as f32;

@@ -161,7 +161,7 @@ impl FrozenLakeEnv {
             finished: false,
             rng: env_rng(0, 0),
         };
-        lake.reset(0);
+        lake.reset(0)?;
         Ok(lake)
     }
 
@@ -372,21 +372,21 @@ impl Env for FrozenLakeEnv {
         "frozen_lake"
     }
 
-    fn reset(&mut self, seed: u64) -> String {
+    fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
         self.generate(seed);
         self.rng = env_rng(seed, 2);
         self.steps = 0;
         self.finished = false;
-        self.state_text()
+        Ok(self.state_text())
     }
 
-    fn step(&mut self, action: &Action) -> Transition {
+    fn step(&mut self, action: &Action) -> Result<Transition, EnvError> {
         let intended = match action {
             Action::Move(name) => ACTIONS.iter().position(|a| a.eq_ignore_ascii_case(name)),
             _ => None,
         };
         let Some(intended) = intended.filter(|_| !self.finished) else {
-            return self.invalid();
+            return Ok(self.invalid());
         };
         let dir = self.executed_direction(intended);
         let before = self.player;
@@ -396,7 +396,7 @@ impl Env for FrozenLakeEnv {
         let terminated = cell != Cell::Frozen;
         self.finished = terminated || self.steps >= self.cfg.max_steps;
         let goal_reward = if cell == Cell::Goal { 1.0 } else { 0.0 };
-        Transition {
+        Ok(Transition {
             observation: self.state_text(),
             reward: goal_reward + self.shaping(before),
             terminated,
@@ -407,7 +407,7 @@ impl Env for FrozenLakeEnv {
                 action_is_effective: before != self.player,
                 metrics: Vec::new(),
             },
-        }
+        })
     }
 
     fn instruction(&self) -> String {
@@ -441,7 +441,7 @@ impl Env for FrozenLakeEnv {
         self.cfg.max_steps
     }
 
-    fn oracle_action(&self) -> Action {
+    fn oracle_action(&self) -> Result<Action, EnvError> {
         // The first direction (Left, Down, Right, Up order) that brings a shortest path one move
         // nearer.
         let size = self.cfg.size;
@@ -450,11 +450,11 @@ impl Env for FrozenLakeEnv {
         let dir = (0..4)
             .find(|&dir| nearer.is_some() && moves[neighbour(size, self.player, dir)] == nearer)
             .unwrap_or(0);
-        Action::Move(ACTIONS[dir].to_string())
+        Ok(Action::Move(ACTIONS[dir].to_string()))
     }
 
-    fn random_action(&self, rng: &mut ChaCha8Rng) -> Action {
-        Action::Move(ACTIONS[rng.random_range(0..4)].to_string())
+    fn random_action(&self, rng: &mut ChaCha8Rng) -> Result<Action, EnvError> {
+        Ok(Action::Move(ACTIONS[rng.random_range(0..4)].to_string()))
     }
 }
 
@@ -469,7 +469,7 @@ mod tests {
     #[test]
     fn render_uses_ragen_symbols() {
         let mut env = lake(FrozenLakeConfig::default());
-        let text = env.reset(3);
+        let text = env.reset(3).unwrap();
         let rows: Vec<&str> = text.split('\n').collect();
         assert_eq!(rows.len(), 4);
         assert!(rows.iter().all(|r| r.chars().count() == 4));
@@ -485,7 +485,7 @@ mod tests {
             render: FrozenLakeRender::GridLocal,
             ..FrozenLakeConfig::default()
         });
-        env.reset(0);
+        env.reset(0).unwrap();
         env.cells = vec![Cell::Frozen; 16];
         env.cells[5] = Cell::Hole; // row 1, col 1
         env.cells[14] = Cell::Goal; // row 3, col 2
@@ -515,7 +515,7 @@ mod tests {
             ..FrozenLakeConfig::default()
         });
         for seed in 0..8 {
-            env.reset(seed);
+            env.reset(seed).unwrap();
             crate::env::assert_action_words_are_answer_tokens(&env.state_text(), &ACTIONS);
         }
     }
@@ -528,7 +528,7 @@ mod tests {
             ..FrozenLakeConfig::default()
         });
         for seed in 0..200 {
-            env.reset(seed);
+            env.reset(seed).unwrap();
             let moves = env.moves_left().expect("path exists");
             assert!((1..=10).contains(&moves));
         }
@@ -539,7 +539,7 @@ mod tests {
         env.player = pos;
         env.finished = false;
         env.steps = 0;
-        let t = env.step(&Action::Move(action.into()));
+        let t = env.step(&Action::Move(action.into())).unwrap();
         (t.reward, t.terminated)
     }
 
@@ -555,7 +555,7 @@ mod tests {
             distance_reward: 0.1,
             ..FrozenLakeConfig::default()
         });
-        env.reset(0);
+        env.reset(0).unwrap();
         env.cells = vec![Cell::Frozen; 16];
         env.cells[2] = Cell::Goal; // row 0, col 2
         env.cells[8] = Cell::Hole; // row 2, col 0
@@ -579,7 +579,7 @@ mod tests {
             distance: ShapingDistance::Path,
             ..FrozenLakeConfig::default()
         });
-        env.reset(0);
+        env.reset(0).unwrap();
         // ____
         // _GO_
         // _OP_   P at 10: toward the goal are Left and Up, both holes;
@@ -616,7 +616,8 @@ mod tests {
             env.player = centre;
             env.finished = false;
             env.steps = 0;
-            env.step(&Action::Move(ACTIONS[intended].to_string()));
+            env.step(&Action::Move(ACTIONS[intended].to_string()))
+                .unwrap();
             let taken = (0..4)
                 .find(|&d| neighbour(5, centre, d) == env.player)
                 .unwrap();
@@ -635,15 +636,15 @@ mod tests {
             is_slippery: false,
             ..FrozenLakeConfig::default()
         });
-        env.reset(0);
+        env.reset(0).unwrap();
         env.cells = vec![Cell::Frozen; 16];
         env.cells[15] = Cell::Goal;
         env.player = 0;
-        let t = env.step(&Action::Move("Up".into()));
+        let t = env.step(&Action::Move("Up".into())).unwrap();
         assert!(!t.info.action_is_effective && env.player == 0);
-        let t = env.step(&Action::Move("Right".into()));
+        let t = env.step(&Action::Move("Right".into())).unwrap();
         assert!(t.info.action_is_effective && env.player == 1);
-        let t = env.step(&Action::Move("Jump".into()));
+        let t = env.step(&Action::Move("Jump".into())).unwrap();
         assert!(!t.info.action_is_valid && env.player == 1);
     }
 
@@ -653,12 +654,12 @@ mod tests {
             is_slippery: false,
             ..FrozenLakeConfig::default()
         });
-        env.reset(0);
+        env.reset(0).unwrap();
         env.cells = vec![Cell::Frozen; 16];
         env.cells[1] = Cell::Hole;
         env.cells[15] = Cell::Goal;
         env.player = 0;
-        let t = env.step(&Action::Move("Right".into()));
+        let t = env.step(&Action::Move("Right".into())).unwrap();
         assert!(t.terminated && !t.info.success && t.reward == 0.0);
         assert!(t.observation.starts_with("_X"));
     }

@@ -2,20 +2,24 @@
 //!
 //! This module owns the [`Env`] trait (reset by seed, step by a parsed [`Action`], text
 //! observations), the registry that builds an env plus its [`ProtocolConfig`] from a JSON config
-//! (defaults merged with overrides, unknown keys rejected by name), the four envs
-//! (`frozen_lake`, `sokoban`, `bandit`, `hotpotqa`), the agent text protocol ([`AgentSession`]:
+//! (defaults merged with overrides, unknown keys rejected by name), the four in-process envs
+//! (`frozen_lake`, `sokoban`, `bandit`, `hotpotqa`), the `remote` env that plays an env served by
+//! another process over HTTP (`docs/env-bridge.md`), the agent text protocol ([`AgentSession`]:
 //! prompts, parsing of model text, format penalty) and the model-free agents ([`Agent`]).
 //! It does not tokenize, generate or store anything: rollout and store consume its text.
 //!
-//! Every env owns its RNG, seeded only from the `reset` seed through [`crate::seed`], so two
-//! envs built from the same config and reset with the same seed produce identical episodes on
-//! any thread.
+//! Every in-process env owns its RNG, seeded only from the `reset` seed through [`crate::seed`],
+//! so two envs built from the same config and reset with the same seed produce identical episodes
+//! on any thread. `reset` and `step` are fallible: the in-process envs never fail, a remote one
+//! fails when its server times out, disconnects or answers nonsense, and the error names the
+//! server and the request. What a rollout then does is the env config's [`OnError`].
 
 mod agents;
 mod bandit;
 mod frozen_lake;
 pub mod hotpotqa;
 mod protocol;
+mod remote;
 pub mod sokoban;
 
 use serde::{de::DeserializeOwned, Serialize};
@@ -26,6 +30,7 @@ pub use bandit::{BanditConfig, BanditEnv};
 pub use frozen_lake::{FrozenLakeConfig, FrozenLakeEnv};
 pub use hotpotqa::{HotpotQaConfig, HotpotQaEnv};
 pub use protocol::{AgentSession, ProtocolConfig, TurnOutcome};
+pub use remote::{RemoteConfig, RemoteEnv};
 pub use sokoban::{SokobanConfig, SokobanEnv};
 
 /// One parsed agent action.
@@ -49,7 +54,7 @@ pub struct EnvInfo {
     /// The action changed the env state (e.g. the player moved).
     pub action_is_effective: bool,
     /// Env-specific metrics (e.g. `f1` for QA), in a fixed order.
-    pub metrics: Vec<(&'static str, f32)>,
+    pub metrics: Vec<(String, f32)>,
 }
 
 /// Result of one env step.
@@ -72,16 +77,39 @@ pub enum ActionSpace {
     Named(Vec<String>),
     /// `<search>query</search>` or `<answer>text</answer>`.
     SearchOrAnswer,
+    /// `<answer>text</answer>` with any non-empty text (a remote env that lists no actions).
+    FreeText,
 }
 
-/// A text environment. See the module doc for the determinism contract.
+/// What a rollout does when an env fails (a remote env's server timed out, disconnected or
+/// answered nonsense): the `on_error` key of an env config that can fail.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnError {
+    /// End the rollout (and the run) with the error.
+    #[default]
+    Fail,
+    /// Drop the failed episode's whole group from the batch, count it and go on.
+    Skip,
+}
+
+/// What a config says about an env without building it: its action space when that is known
+/// offline (`None` for a remote env: its server lists the actions) and its [`OnError`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct EnvCheck {
+    pub action_space: Option<ActionSpace>,
+    pub on_error: OnError,
+}
+
+/// A text environment. See the module doc for the determinism and failure contracts.
 pub trait Env: Send {
     /// Registry name, e.g. `frozen_lake`.
     fn tag(&self) -> &str;
     /// Starts a new episode determined only by the config and `seed`; returns the raw state text.
-    fn reset(&mut self, seed: u64) -> String;
-    /// Applies one action. Actions outside the action space are reported as invalid, never panic.
-    fn step(&mut self, action: &Action) -> Transition;
+    fn reset(&mut self, seed: u64) -> Result<String, EnvError>;
+    /// Applies one action. Actions outside the action space are reported as invalid, never panic;
+    /// an error means the env could not answer (a remote server failed), never a bad action.
+    fn step(&mut self, action: &Action) -> Result<Transition, EnvError>;
     /// Task instruction for the first user message (symbols, actions, goal).
     fn instruction(&self) -> String;
     /// Raw current observation (the GiGPO anchor).
@@ -90,10 +118,12 @@ pub trait Env: Send {
     fn action_space(&self) -> ActionSpace;
     /// Env actions allowed per episode (`usize::MAX` when only the turn limit applies).
     fn max_steps(&self) -> usize;
-    /// Best next action from the current state (what the oracle agent plays).
-    fn oracle_action(&self) -> Action;
-    /// A uniformly random action (what the random agent plays).
-    fn random_action(&self, rng: &mut rand_chacha::ChaCha8Rng) -> Action;
+    /// Best next action from the current state (what the oracle agent plays); an error when the
+    /// env has none (a remote env).
+    fn oracle_action(&self) -> Result<Action, EnvError>;
+    /// A uniformly random action (what the random agent plays); an error when the env cannot
+    /// draw one (a remote env that lists no actions).
+    fn random_action(&self, rng: &mut rand_chacha::ChaCha8Rng) -> Result<Action, EnvError>;
 }
 
 /// Errors of env construction and data loading.
@@ -128,11 +158,29 @@ pub enum EnvError {
         path: String,
         source: std::io::Error,
     },
+    /// A remote env's request failed: `request` is the method, path and JSON body sent.
+    #[error("remote env {url}: {request}: {reason}")]
+    Remote {
+        url: String,
+        request: String,
+        reason: String,
+    },
+    #[error("env `{env}` has no {agent} agent: {reason}")]
+    NoAgent {
+        env: String,
+        agent: &'static str,
+        reason: String,
+    },
 }
 
-/// Names of the registered environments.
+/// Names of the registered environments: the in-process ones, then `remote`.
 pub fn registry() -> &'static [&'static str] {
-    &["frozen_lake", "sokoban", "bandit", "hotpotqa"]
+    &["frozen_lake", "sokoban", "bandit", "hotpotqa", "remote"]
+}
+
+/// The registered envs that run in this process: all but `remote`, which needs its server.
+pub fn in_process() -> &'static [&'static str] {
+    &registry()[..4]
 }
 
 /// Builds an env and its protocol from `config`: an object whose keys are env keys or protocol
@@ -142,10 +190,8 @@ pub fn build_env(
     env_name: &str,
     config: &Value,
 ) -> Result<(Box<dyn Env>, ProtocolConfig), EnvError> {
-    let overrides = config_object(env_name, config)?;
-    let (protocol_overrides, env_overrides): (Map<_, _>, Map<_, _>) = overrides
-        .into_iter()
-        .partition(|(k, _)| ProtocolConfig::KEYS.contains(&k.as_str()));
+    let (protocol_overrides, env_overrides) = split_config(env_name, config)?;
+    let mut protocol = protocol_config(env_name, &protocol_overrides)?;
     let env: Box<dyn Env> = match env_name {
         "frozen_lake" => Box::new(FrozenLakeEnv::new(merge_config(
             env_name,
@@ -167,14 +213,9 @@ pub fn build_env(
             HotpotQaConfig::default(),
             &env_overrides,
         )?)?),
+        "remote" => Box::new(RemoteEnv::connect(remote_config(&env_overrides)?)?),
         other => return Err(EnvError::UnknownEnv(other.to_string())),
     };
-    let mut protocol = merge_config(
-        env_name,
-        ProtocolConfig::default_for(env_name),
-        &protocol_overrides,
-    )?;
-    protocol.validate(env_name)?;
     if env_name == "sokoban" {
         let turns_given = protocol_overrides.contains_key("max_turns");
         fit_turns_to_action_cap(env_name, env.max_steps(), &mut protocol, turns_given)?;
@@ -211,6 +252,53 @@ fn fit_turns_to_action_cap(
         ));
     }
     Ok(())
+}
+
+/// Checks `config` for `env_name` without contacting any server: a remote env's keys are only
+/// parsed and validated, an in-process env is built. Config validation and the rollout's error
+/// policy use this, so a config is valid whether or not its server is up yet.
+pub fn check_config(env_name: &str, config: &Value) -> Result<EnvCheck, EnvError> {
+    if env_name != "remote" {
+        let (env, _) = build_env(env_name, config)?;
+        return Ok(EnvCheck {
+            action_space: Some(env.action_space()),
+            on_error: OnError::Fail,
+        });
+    }
+    let (protocol_overrides, env_overrides) = split_config(env_name, config)?;
+    let remote = remote_config(&env_overrides)?;
+    protocol_config(env_name, &protocol_overrides)?;
+    Ok(EnvCheck {
+        action_space: None,
+        on_error: remote.on_error,
+    })
+}
+
+/// Keys and values of an env config.
+type ConfigMap = Map<String, Value>;
+
+/// Splits an env config into its protocol keys and the env's own keys.
+fn split_config(env_name: &str, config: &Value) -> Result<(ConfigMap, ConfigMap), EnvError> {
+    Ok(config_object(env_name, config)?
+        .into_iter()
+        .partition(|(k, _)| ProtocolConfig::KEYS.contains(&k.as_str())))
+}
+
+/// The protocol keys merged over the env's protocol defaults and validated.
+fn protocol_config(
+    env_name: &str,
+    overrides: &Map<String, Value>,
+) -> Result<ProtocolConfig, EnvError> {
+    let protocol = merge_config(env_name, ProtocolConfig::default_for(env_name), overrides)?;
+    protocol.validate(env_name)?;
+    Ok(protocol)
+}
+
+/// The remote env's own keys merged over its defaults and validated (no server contacted).
+fn remote_config(overrides: &Map<String, Value>) -> Result<RemoteConfig, EnvError> {
+    let cfg = merge_config("remote", RemoteConfig::default(), overrides)?;
+    cfg.validate()?;
+    Ok(cfg)
 }
 
 /// Builds the agent session (env + text protocol) for `env_name` from `config`.
@@ -331,8 +419,8 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn registry_builds_every_env_with_defaults() {
-        for name in registry() {
+    fn registry_builds_every_in_process_env_with_defaults() {
+        for name in in_process() {
             let session = build_session(name, &Value::Null).unwrap();
             assert_eq!(session.env().tag(), *name);
         }
@@ -366,6 +454,32 @@ mod tests {
     }
 
     #[test]
+    fn remote_configs_are_checked_without_a_server() {
+        let check = check_config(
+            "remote",
+            &json!({"url": "http://127.0.0.1:1", "on_error": "skip"}),
+        );
+        assert_eq!(
+            check.unwrap(),
+            EnvCheck {
+                action_space: None,
+                on_error: OnError::Skip
+            }
+        );
+        let err = |config: Value| check_config("remote", &config).unwrap_err().to_string();
+        let e = err(json!({"max_turns": 3}));
+        assert!(e.contains("url") && e.contains("required"), "{e}");
+        let e = err(json!({"url": "http://h", "on_error": "retry"}));
+        assert!(e.contains("on_error") && e.contains("remote"), "{e}");
+        let e = err(json!({"url": "http://h", "adress": "x"}));
+        assert!(e.contains("adress") && e.contains("timeout"), "{e}");
+        let e = err(json!({"url": "http://h", "max_turns": 0}));
+        assert!(e.contains("max_turns"), "{e}");
+        let local = check_config("bandit", &Value::Null).unwrap();
+        assert!(matches!(local.action_space, Some(ActionSpace::Named(_))));
+    }
+
+    #[test]
     fn overrides_reach_env_and_protocol() {
         let session = build_session(
             "frozen_lake",
@@ -375,7 +489,7 @@ mod tests {
         assert_eq!(session.protocol().max_turns, 3);
         assert!(session.protocol().enable_think);
         let mut session = session;
-        let first = session.reset(1);
+        let first = session.reset(1).unwrap();
         assert!(first.contains("______") || first.lines().any(|l| l.chars().count() == 6));
     }
 

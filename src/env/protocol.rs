@@ -9,6 +9,9 @@
 //! once per turn; ROLL Sokoban turns an invalid action into a no-op step costing −0.1. A turn with
 //! any unknown action name is invalid as a whole; actions beyond `max_actions_per_turn` are
 //! dropped (as RAGEN does). Malformed text never panics.
+//!
+//! An env that fails (a remote server's error) makes `reset` or `act` return its [`EnvError`]
+//! and ends the episode (`is_done`): nothing is made up for the turn that failed.
 
 use serde::{Deserialize, Serialize};
 
@@ -92,7 +95,7 @@ pub struct TurnOutcome {
     pub next_user_message: Option<String>,
     pub info: StepInfo,
     /// Env metrics of the last executed action (e.g. `em`, `f1` for QA); empty when none ran.
-    pub metrics: Vec<(&'static str, f32)>,
+    pub metrics: Vec<(String, f32)>,
 }
 
 /// One finished turn, kept for the re-rendered (window) layout.
@@ -159,7 +162,7 @@ impl AgentSession {
             ""
         };
         match self.env.action_space() {
-            ActionSpace::Named(_) => format!(
+            ActionSpace::Named(_) | ActionSpace::FreeText => format!(
                 "You're a helpful assistant. Always reply {think}<answer>[your answer]</answer> with no extra text."
             ),
             ActionSpace::SearchOrAnswer => format!(
@@ -169,20 +172,22 @@ impl AgentSession {
     }
 
     /// Starts an episode; returns the first user message (instruction + turn 1 state).
-    pub fn reset(&mut self, seed: u64) -> String {
-        self.turn_state = self.env.reset(seed);
+    pub fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
+        self.done = true;
+        self.turn_state = self.env.reset(seed)?;
         self.turn = 1;
         self.actions_used = 0;
         self.done = false;
         self.history.clear();
-        format!("{}\n{}", self.instruction(), self.turn_block())
+        Ok(format!("{}\n{}", self.instruction(), self.turn_block()))
     }
 
     /// Parses `response_text`, steps the env (or applies the format penalty), advances the turn.
-    pub fn act(&mut self, response_text: &str) -> TurnOutcome {
+    /// An env error ends the episode.
+    pub fn act(&mut self, response_text: &str) -> Result<TurnOutcome, EnvError> {
         let observation_text = self.turn_state.clone();
         if self.done {
-            return TurnOutcome {
+            return Ok(TurnOutcome {
                 reward: 0.0,
                 terminated: true,
                 truncated: false,
@@ -193,7 +198,7 @@ impl AgentSession {
                     ..StepInfo::default()
                 },
                 metrics: Vec::new(),
-            };
+            });
         }
         let parsed = parse_response(
             response_text,
@@ -208,7 +213,13 @@ impl AgentSession {
         };
         let mut metrics = Vec::new();
         let (reward, terminated, env_truncated) = match parsed {
-            Some(actions) => self.execute(&actions, &mut info, &mut metrics),
+            Some(actions) => match self.execute(&actions, &mut info, &mut metrics) {
+                Ok(result) => result,
+                Err(e) => {
+                    self.done = true;
+                    return Err(e);
+                }
+            },
             None => {
                 info.format_penalty = self.protocol.format_penalty;
                 (self.protocol.format_penalty, false, false)
@@ -234,14 +245,14 @@ impl AgentSession {
             };
             format!("Reward: {reward}{verdict}\n{}", self.turn_block())
         });
-        TurnOutcome {
+        Ok(TurnOutcome {
             reward,
             terminated,
             truncated,
             next_user_message,
             info,
             metrics,
-        }
+        })
     }
 
     /// Stable hash of the raw observation at the start of the current turn (GiGPO anchor).
@@ -278,7 +289,7 @@ impl AgentSession {
     /// Strings at which generation should stop (the closing tags of a complete turn).
     pub fn stop_strings(&self) -> Vec<String> {
         match self.env.action_space() {
-            ActionSpace::Named(_) => vec!["</answer>".to_string()],
+            ActionSpace::Named(_) | ActionSpace::FreeText => vec!["</answer>".to_string()],
             ActionSpace::SearchOrAnswer => vec!["</answer>".to_string(), "</search>".to_string()],
         }
     }
@@ -317,19 +328,19 @@ impl AgentSession {
     }
 
     /// Runs parsed actions until the budget or the episode ends; returns (reward, terminated,
-    /// env truncated).
+    /// env truncated), or the first env error.
     fn execute(
         &mut self,
         actions: &[Action],
         info: &mut StepInfo,
-        metrics: &mut Vec<(&'static str, f32)>,
-    ) -> (f32, bool, bool) {
+        metrics: &mut Vec<(String, f32)>,
+    ) -> Result<(f32, bool, bool), EnvError> {
         let budget = self.env.max_steps().saturating_sub(self.actions_used);
         let mut reward = 0.0;
         let (mut terminated, mut truncated) = (false, false);
         info.action_is_valid = true;
         for action in actions.iter().take(budget) {
-            let transition = self.env.step(action);
+            let transition = self.env.step(action)?;
             self.actions_used += 1;
             info.num_actions += 1;
             reward += transition.reward;
@@ -343,7 +354,7 @@ impl AgentSession {
                 break;
             }
         }
-        (reward, terminated, truncated)
+        Ok((reward, terminated, truncated))
     }
 }
 
@@ -387,6 +398,14 @@ pub(crate) fn parse_response(
                         .map(|n| Action::Move(n.clone()))
                 })
                 .collect()
+        }
+        ActionSpace::FreeText => {
+            let answer = find_tag(text, &lower, "answer", body_start)?;
+            if enable_think && !text[body_start..answer.start].trim().is_empty() {
+                return None;
+            }
+            let inner = answer.inner.trim();
+            (!inner.is_empty()).then(|| vec![Action::Answer(inner.to_string())])
         }
         ActionSpace::SearchOrAnswer => {
             let search = find_tag(text, &lower, "search", body_start);
@@ -512,6 +531,17 @@ mod tests {
             ),
             None
         );
+    }
+
+    #[test]
+    fn free_text_answers_are_taken_whole() {
+        let free = ActionSpace::FreeText;
+        assert_eq!(
+            parse_response("<answer> search[red shoes] </answer>", &free, false, 3),
+            Some(vec![Action::Answer("search[red shoes]".into())])
+        );
+        assert_eq!(parse_response("<answer> </answer>", &free, false, 1), None);
+        assert_eq!(parse_response("search[red shoes]", &free, false, 1), None);
     }
 
     #[test]

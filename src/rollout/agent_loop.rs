@@ -7,13 +7,20 @@
 //! re-tokenised and the radix cache sees each context extend the last. The `window` layout
 //! renders a fresh prompt with the last k rounds at every step (`context_len == 0`). The loop owns
 //! neither the model nor the cache: it borrows an [`Engine`] whose counters it reports.
+//!
+//! An env that fails (a remote server: `EnvError::Remote`) follows its config's `on_error`:
+//! `fail` ends the rollout with [`RolloutError::Env`]; `skip` drops the failed episode's whole
+//! group (group-relative estimators only ever see whole groups), counts it in
+//! [`RolloutStats::env_errors`] and goes on; when every group fails the first error is returned.
+//! Records reach the sink once the rollout is over, so a dropped group's never do.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::env::{build_session, AgentSession, EnvError};
+use crate::env::{build_session, check_config, AgentSession, EnvError, OnError};
 use crate::model::Model;
 use crate::rollout::engine::{CacheCounters, Engine, EngineError, FinishReason, GenRequest};
 use crate::rollout::grammar::{GrammarError, ResponseGrammar};
@@ -122,7 +129,10 @@ pub struct RolloutStats {
     pub cache: CacheCounters,
     pub wall_s: f64,
     pub generate_s: f64,
+    /// Seconds building, resetting and stepping sessions and building the next contexts.
     pub env_s: f64,
+    /// The env errors that each dropped a group under `on_error: skip`.
+    pub env_errors: Vec<String>,
 }
 
 /// The records of one rollout (trajectory by trajectory, steps in order) and its statistics.
@@ -131,7 +141,8 @@ pub struct Rollout {
     pub stats: RolloutStats,
 }
 
-/// Where records go as they are produced (e.g. a store writer); `|_| Ok(())` keeps them in memory only.
+/// Where the records go once the rollout is over (e.g. a store writer), trajectory by trajectory
+/// in order; `|_| Ok(())` keeps them in memory only.
 pub type StepSink<'a> = dyn FnMut(&StepRecord) -> std::result::Result<(), String> + 'a;
 
 struct Trajectory {
@@ -164,17 +175,25 @@ pub fn run_rollout(
     validate(cfg)?;
     let start = Instant::now();
     engine.take_counters();
-    let mut trajs = start_trajectories(tok, template, cfg)?;
+    let on_error = check_config(&cfg.env_name, &cfg.env_config)
+        .map_err(|source| env_error(cfg, source))?
+        .on_error;
+    let mut dropped = DroppedGroups::new(on_error);
+    let t_start = Instant::now();
+    let mut trajs = start_trajectories(tok, template, cfg, &mut dropped)?;
+    let mut env_s = t_start.elapsed().as_secs_f64();
     let grammar = match trajs.first() {
         Some(t) if cfg.constrained_decoding => {
             Some(Arc::new(ResponseGrammar::for_session(tok, &t.session)?))
         }
         _ => None,
     };
-    let (mut generate_s, mut env_s) = (0.0, 0.0);
+    let mut generate_s = 0.0;
     let mut length_cut = 0;
     for turn in 0..cfg.max_turns {
-        let active: Vec<usize> = (0..trajs.len()).filter(|&i| !trajs[i].done).collect();
+        let active: Vec<usize> = (0..trajs.len())
+            .filter(|&i| !trajs[i].done && !dropped.contains(trajs[i].group_id))
+            .collect();
         if active.is_empty() {
             break;
         }
@@ -187,9 +206,12 @@ pub fn run_rollout(
         generate_s += t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         for (&i, g) in active.iter().zip(gens) {
+            if dropped.contains(trajs[i].group_id) {
+                continue; // another member failed this turn
+            }
             length_cut += usize::from(g.finish == FinishReason::Length);
             let last_turn = turn + 1 == cfg.max_turns;
-            let record = advance(
+            let advanced = advance(
                 &mut trajs[i],
                 turn as u32,
                 g.tokens,
@@ -199,23 +221,29 @@ pub fn run_rollout(
                 tok,
                 template,
                 cfg,
-            )?;
-            sink(&record).map_err(|message| RolloutError::Sink {
-                traj_id: record.traj_id,
-                step: record.step_index,
-                message,
-            })?;
-            trajs[i].records.push(record);
+            );
+            match advanced {
+                Ok(record) => trajs[i].records.push(record),
+                Err(e) => dropped.absorb(trajs[i].group_id, e)?,
+            }
         }
         env_s += t1.elapsed().as_secs_f64();
     }
-    let records: Vec<StepRecord> = trajs.into_iter().flat_map(|t| t.records).collect();
-    let mut stats = summarize(&cfg.env_name, &records, cfg.num_groups * cfg.group_size);
+    let (records, trajectories) = dropped.keep_whole_groups(trajs)?;
+    for record in &records {
+        sink(record).map_err(|message| RolloutError::Sink {
+            traj_id: record.traj_id,
+            step: record.step_index,
+            message,
+        })?;
+    }
+    let mut stats = summarize(&cfg.env_name, &records, trajectories);
     stats.length_cut_responses = length_cut;
     stats.cache = engine.take_counters();
     stats.wall_s = start.elapsed().as_secs_f64();
     stats.generate_s = generate_s;
     stats.env_s = env_s;
+    stats.env_errors = dropped.messages;
     Ok(Rollout { records, stats })
 }
 
@@ -230,40 +258,114 @@ fn validate(cfg: &RolloutConfig) -> Result<()> {
     Ok(())
 }
 
+fn env_error(cfg: &RolloutConfig, source: EnvError) -> RolloutError {
+    RolloutError::Env {
+        env: cfg.env_name.clone(),
+        source,
+    }
+}
+
+/// The groups an env error dropped under `on_error: skip`.
+struct DroppedGroups {
+    on_error: OnError,
+    groups: BTreeSet<u64>,
+    messages: Vec<String>,
+    first: Option<RolloutError>,
+}
+
+impl DroppedGroups {
+    fn new(on_error: OnError) -> Self {
+        DroppedGroups {
+            on_error,
+            groups: BTreeSet::new(),
+            messages: Vec::new(),
+            first: None,
+        }
+    }
+
+    fn contains(&self, group_id: u64) -> bool {
+        self.groups.contains(&group_id)
+    }
+
+    /// Takes an error met by a member of `group_id`: under `skip` an env error drops the group;
+    /// any other error (and every error under `fail`) is returned.
+    fn absorb(&mut self, group_id: u64, err: RolloutError) -> Result<()> {
+        if self.on_error != OnError::Skip || !matches!(err, RolloutError::Env { .. }) {
+            return Err(err);
+        }
+        self.groups.insert(group_id);
+        self.messages.push(err.to_string());
+        self.first.get_or_insert(err);
+        Ok(())
+    }
+
+    /// The records of the groups no error dropped, trajectory by trajectory, and how many
+    /// trajectories that is; the first error when every group was dropped.
+    fn keep_whole_groups(&mut self, trajs: Vec<Trajectory>) -> Result<(Vec<StepRecord>, usize)> {
+        let kept: Vec<Trajectory> = trajs
+            .into_iter()
+            .filter(|t| !self.contains(t.group_id))
+            .collect();
+        if let (true, Some(err)) = (kept.is_empty(), self.first.take()) {
+            return Err(err);
+        }
+        let trajectories = kept.len();
+        Ok((
+            kept.into_iter().flat_map(|t| t.records).collect(),
+            trajectories,
+        ))
+    }
+}
+
+/// Starts every group's trajectories; a group whose env fails is handed to `dropped`.
 fn start_trajectories(
     tok: &Tokenizer,
     template: &ChatTemplate,
     cfg: &RolloutConfig,
+    dropped: &mut DroppedGroups,
 ) -> Result<Vec<Trajectory>> {
     let mut trajs = Vec::with_capacity(cfg.num_groups * cfg.group_size);
     for g in 0..cfg.num_groups as u64 {
         let group_id = cfg.first_group_id + g;
-        let level = cfg.num_levels.map_or(group_id, |n| group_id % n);
-        let env_seed = seed::derive(cfg.base_seed, &[level]);
-        for member in 0..cfg.group_size as u64 {
-            let mut session = build_session(&cfg.env_name, &cfg.env_config).map_err(|source| {
-                RolloutError::Env {
-                    env: cfg.env_name.clone(),
-                    source,
-                }
-            })?;
-            let first = session.reset(env_seed);
-            let context = template.first_prompt(tok, &session.system_prompt(), &first)?;
-            trajs.push(Trajectory {
-                session,
-                traj_id: group_id * cfg.group_size as u64 + member,
-                group_id,
-                member,
-                env_seed,
-                context,
-                context_len: 0,
-                observation_text: first,
-                records: Vec::new(),
-                done: false,
-            });
+        match start_group(tok, template, cfg, group_id) {
+            Ok(members) => trajs.extend(members),
+            Err(e) => dropped.absorb(group_id, e)?,
         }
     }
     Ok(trajs)
+}
+
+/// Builds and resets the sessions of one group (one env seed, hence one first prompt).
+fn start_group(
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    cfg: &RolloutConfig,
+    group_id: u64,
+) -> Result<Vec<Trajectory>> {
+    let level = cfg.num_levels.map_or(group_id, |n| group_id % n);
+    let env_seed = seed::derive(cfg.base_seed, &[level]);
+    let mut members = Vec::with_capacity(cfg.group_size);
+    for member in 0..cfg.group_size as u64 {
+        let mut session = build_session(&cfg.env_name, &cfg.env_config)
+            .map_err(|source| env_error(cfg, source))?;
+        let first = session
+            .reset(env_seed)
+            .map_err(|source| env_error(cfg, source))?;
+        let context = template.first_prompt(tok, &session.system_prompt(), &first)?;
+        members.push(Trajectory {
+            session,
+            traj_id: group_id * cfg.group_size as u64 + member,
+            group_id,
+            member,
+            env_seed,
+            context,
+            context_len: 0,
+            observation_text: first,
+            records: Vec::new(),
+            done: false,
+        });
+    }
+    Ok(members)
 }
 
 fn request(
@@ -303,7 +405,10 @@ fn advance(
 ) -> Result<StepRecord> {
     let state_hash = t.session.state_hash();
     let response_text = tok.decode(&response);
-    let outcome = t.session.act(&response_text);
+    let outcome = t
+        .session
+        .act(&response_text)
+        .map_err(|source| env_error(cfg, source))?;
     let mut info = outcome.info;
     if info.observation_text.is_empty() {
         info.observation_text = std::mem::take(&mut t.observation_text);

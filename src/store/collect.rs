@@ -10,6 +10,9 @@
 //! text followed by the end-of-turn token, `response_logprobs` = 0.0 for every token (a
 //! model-free agent has no token distribution; these records suit SFT and re-scoring, not
 //! off-policy correction), `context_len` = running total, `policy_version` = 0.
+//!
+//! An env error (a remote server's) ends the collection with that error after flushing what was
+//! appended: the episodes already written stay in the dataset, the failed one is not written.
 
 use serde_json::{json, Value};
 
@@ -18,7 +21,7 @@ use super::error::StoreError;
 use super::record::StepRecord;
 use crate::env::{self, Agent, AgentKind, AgentSession};
 use crate::seed;
-use crate::tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
+use crate::tokenizer::{ChatTemplate, Tokenizer};
 
 /// What to collect.
 #[derive(Clone, Debug)]
@@ -88,7 +91,13 @@ pub fn collect(
             env_seed,
             env_tag: session.env().tag().to_string(),
         };
-        let steps = agent_episode(&mut session, &mut agent, &ids, tokenizer)?;
+        let steps = match agent_episode(&mut session, &mut agent, &ids, tokenizer) {
+            Ok(steps) => steps,
+            Err(e) => {
+                writer.flush()?;
+                return Err(e);
+            }
+        };
         for step in &steps {
             writer.append(step)?;
         }
@@ -113,24 +122,24 @@ pub struct EpisodeIds {
 /// token-space records: the first step's `obs_ids` are the system prompt and first user turn, each
 /// later step's are what closes the previous response and the next user turn; responses end with
 /// the end-of-turn token; log-probs are 0 and `policy_version` 0 (no policy sampled them). The
-/// last record always ends the trajectory (`is_last`).
+/// last record always ends the trajectory (`is_last`). An env error ends the episode with it.
 pub fn agent_episode(
     session: &mut AgentSession,
     agent: &mut Agent,
     ids: &EpisodeIds,
     tok: &Tokenizer,
-) -> Result<Vec<StepRecord>, TokenizerError> {
+) -> Result<Vec<StepRecord>, StoreError> {
     let template = ChatTemplate;
-    let first_message = session.reset(ids.env_seed);
+    let first_message = session.reset(ids.env_seed)?;
     let mut obs_ids = template.first_prompt(tok, &session.system_prompt(), &first_message)?;
     let mut context_len = 0u32;
     let mut steps: Vec<StepRecord> = Vec::new();
     for step_index in 0u32.. {
         let state_hash = session.state_hash();
-        let response = agent.respond(session);
+        let response = agent.respond(session)?;
         let mut response_ids = tok.encode(&response);
         response_ids.push(tok.eos_id());
-        let outcome = session.act(&response);
+        let outcome = session.act(&response)?;
         let next = outcome.next_user_message;
         let record = StepRecord {
             traj_id: ids.traj_id,

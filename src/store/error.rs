@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 pub enum StoreError {
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    /// An env failed while an episode was played (it names the env and the request).
+    #[error(transparent)]
+    Env(#[from] crate::env::EnvError),
     #[error("{path}: {source}", path = .path.display())]
     Io {
         path: PathBuf,

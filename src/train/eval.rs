@@ -5,14 +5,15 @@
 //! validation (`val/`). [`validate`] runs the validation env manager on held-out seeds: G = 1
 //! per group, group ids fixed so every validation sees the same episodes, seeds derived from
 //! `seed + VAL_SEED_OFFSET` (a stream disjoint from the training seeds), decoding with
-//! `val_generating_args` (greedy unless `do_sample`).
+//! `val_generating_args` (greedy unless `do_sample`). The groups an env error dropped
+//! (`on_error: skip`) are counted in `val/env_errors`; their episodes are not in the figures.
 
 use super::metrics::Scalars;
 use super::setup::{device_of, engine_for};
 use super::TrainError;
 use crate::config::{Config, CustomEnv, EnvManagerConfig, GeneratingArgs};
 use crate::model::Model;
-use crate::rollout::agent_loop::{run_rollout, ContextLayout, RolloutConfig};
+use crate::rollout::agent_loop::{run_rollout, ContextLayout, RolloutConfig, RolloutError};
 use crate::rollout::engine::{CacheCounters, Engine};
 use crate::rollout::sampling::SamplingParams;
 use crate::store::StepRecord;
@@ -144,9 +145,21 @@ pub fn rollout_config(
     }
 }
 
+/// What an env manager's rollouts (one per tag) produced.
+#[derive(Default)]
+pub struct ManagerRollout {
+    /// The records, `env_tag` set to the config tag.
+    pub records: Vec<StepRecord>,
+    /// The cache counters summed over the tags.
+    pub counters: CacheCounters,
+    /// Seconds spent on the envs and on building contexts (`RolloutStats::env_s`), summed.
+    pub env_s: f64,
+    /// The env errors that dropped a group (`on_error: skip`), each naming its tag.
+    pub env_errors: Vec<String>,
+}
+
 /// Runs this rank's share ([`super::ranks::group_share`], `rank` of `ranks`) of the groups of
-/// `manager` (tags in partition order) and returns their records, `env_tag` set to the config
-/// tag, plus the summed cache counters.
+/// `manager` (tags in partition order). An env error names the tag (`custom_envs.<tag>`).
 #[allow(clippy::too_many_arguments)]
 pub fn run_manager(
     engine: &mut Engine,
@@ -158,10 +171,9 @@ pub fn run_manager(
     first_group_id: u64,
     gen: &GeneratingArgs,
     (rank, ranks): (usize, usize),
-) -> Result<(Vec<StepRecord>, CacheCounters), TrainError> {
+) -> Result<ManagerRollout, TrainError> {
     let template = ChatTemplate;
-    let mut records = Vec::new();
-    let mut counters = CacheCounters::default();
+    let mut out = ManagerRollout::default();
     let mut next_group = first_group_id;
     for (tag, &groups) in manager.tags.iter().zip(&manager.num_groups_partition) {
         let (offset, share) = super::ranks::group_share(groups, rank, ranks);
@@ -184,25 +196,49 @@ pub fn run_manager(
                 policy.config().max_position_embeddings,
             )
         };
-        let mut rollout = run_rollout(engine, policy, tok, &template, &rc, &mut |_| Ok(()))?;
+        let mut rollout = run_rollout(engine, policy, tok, &template, &rc, &mut |_| Ok(()))
+            .map_err(|e| name_tag(e, tag))?;
         for r in &mut rollout.records {
             r.env_tag = tag.clone();
         }
-        counters.add(&rollout.stats.cache);
-        records.extend(rollout.records);
+        out.counters.add(&rollout.stats.cache);
+        out.env_s += rollout.stats.env_s;
+        let errors = rollout.stats.env_errors.into_iter();
+        out.env_errors
+            .extend(errors.map(|e| format!("custom_envs.{tag}: {e}")));
+        out.records.extend(rollout.records);
     }
-    Ok((records, counters))
+    Ok(out)
 }
 
-/// Runs validation (`val_env_manager` on the held-out seeds) and returns `val/<tag>/*` metrics
-/// and per-tag summaries.
+/// An env error of a rollout, naming the config tag next to the env type.
+fn name_tag(err: RolloutError, tag: &str) -> RolloutError {
+    match err {
+        RolloutError::Env { env, source } => RolloutError::Env {
+            env: format!("{env} (custom_envs.{tag})"),
+            source,
+        },
+        other => other,
+    }
+}
+
+/// What a validation measured.
+pub struct Validation {
+    /// `val/<tag>/*` and `val/env_errors`.
+    pub scalars: Scalars,
+    pub summaries: Vec<TagSummary>,
+    /// The env errors that dropped an episode (`on_error: skip`).
+    pub env_errors: Vec<String>,
+}
+
+/// Runs validation (`val_env_manager` on the held-out seeds).
 pub fn validate(
     engine: &mut Engine,
     policy: &Model,
     tok: &Tokenizer,
     cfg: &Config,
-) -> Result<(Scalars, Vec<TagSummary>), TrainError> {
-    let (records, _) = run_manager(
+) -> Result<Validation, TrainError> {
+    let rollout = run_manager(
         engine,
         policy,
         tok,
@@ -214,8 +250,13 @@ pub fn validate(
         (0, 1),
     )?;
     let mut scalars = Scalars::new();
-    let summaries = env_metrics("val", &records, &mut scalars);
-    Ok((scalars, summaries))
+    let summaries = env_metrics("val", &rollout.records, &mut scalars);
+    scalars.insert("val/env_errors".into(), rollout.env_errors.len() as f64);
+    Ok(Validation {
+        scalars,
+        summaries,
+        env_errors: rollout.env_errors,
+    })
 }
 
 /// Loads the policy in HF-layout directory `policy_dir` (a checkpoint's `policy/` or a model
@@ -228,7 +269,7 @@ pub fn evaluate_policy(
     let (policy, tok) =
         crate::model::checkpoint::load_policy(&policy_dir.display().to_string(), &device)?;
     let mut engine = engine_for(cfg, &policy)?;
-    Ok(validate(&mut engine, &policy, &tok, cfg)?.1)
+    Ok(validate(&mut engine, &policy, &tok, cfg)?.summaries)
 }
 
 #[cfg(test)]

@@ -106,6 +106,28 @@ pub fn sum_counters(
     Ok(total)
 }
 
+/// A count summed over the ranks.
+pub fn sum_count(mine: u64, dist: &dyn Collective) -> Result<u64, TrainError> {
+    if dist.is_single_process() {
+        return Ok(mine);
+    }
+    let mut total = 0;
+    for (rank, part) in dist
+        .all_gather_bytes(&mine.to_le_bytes())?
+        .iter()
+        .enumerate()
+    {
+        let bytes: [u8; 8] = part.as_slice().try_into().map_err(|_| {
+            TrainError::Data(format!(
+                "count gathered from rank {rank}: {} bytes",
+                part.len()
+            ))
+        })?;
+        total += u64::from_le_bytes(bytes);
+    }
+    Ok(total)
+}
+
 /// A loss normaliser (tokens or rows, as the loss aggregates) of this rank's part and of the
 /// whole mini-batch, and how many rows of the whole train.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

@@ -6,7 +6,9 @@
 //! the rollout engine (system + user turn, response ids, `<|im_end|>` + after-response + next user
 //! turn) and returns concat-layout [`StepRecord`]s. [`behaviour_clone`] trains the policy on any
 //! such records (e.g. `stepppo collect` datasets). Warm-starting on the *random* agent teaches the
-//! answer format, not the task: the policy's success starts near the random agent's.
+//! answer format, not the task: the policy's success starts near the random agent's. An env that
+//! fails while a transcript is played (a remote server) ends the warm start with its error under
+//! `on_error: fail`; under `skip` that episode is left out and counted.
 
 use super::batch::{pack, step_returns, trajectories, PackedBatch};
 use super::device_batch::DeviceBatch;
@@ -14,16 +16,16 @@ use super::setup::{device_of, fresh_policy};
 use super::TrainError;
 use crate::algo::{AdamW, OptimizerConfig};
 use crate::config::{Config, SftConfig};
-use crate::env::{build_session, Agent, AgentKind};
+use crate::env::{build_session, check_config, Agent, AgentKind, OnError};
 use crate::model::{Critic, Model};
 use crate::seed;
-use crate::store::{agent_episode, EpisodeIds, StepRecord};
+use crate::store::{agent_episode, EpisodeIds, StepRecord, StoreError};
 use crate::tokenizer::Tokenizer;
 use candle_core::Tensor;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 
 /// What a warm start did.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -38,34 +40,77 @@ pub struct SftReport {
     pub skipped: usize,
     /// Wall-clock seconds of the warm start.
     pub seconds: f64,
+    /// The env errors that left a transcript out (`on_error: skip`).
+    pub env_errors: Vec<String>,
+}
+
+/// Episodes played by a model-free agent.
+pub struct Transcripts {
+    /// Their steps as concat-layout records.
+    pub records: Vec<StepRecord>,
+    /// The env errors that left an episode out (`on_error: skip`), each naming its tag.
+    pub env_errors: Vec<String>,
 }
 
 /// Plays `episodes` episodes of `kind` over the train env manager's tags (round robin over its
 /// groups) and returns their steps as concat-layout records (no log-probs needed: filled with 0).
+/// An env error ends it, or under `on_error: skip` leaves its episode out; when every episode
+/// failed, the first error is returned.
 pub fn agent_transcripts(
     cfg: &Config,
     tok: &Tokenizer,
     kind: AgentKind,
     episodes: usize,
     base_seed: u64,
-) -> Result<Vec<StepRecord>, TrainError> {
+) -> Result<Transcripts, TrainError> {
     let tags = cfg.train_env_manager.group_tags();
-    let mut records = Vec::new();
+    let mut on_error = BTreeMap::new();
+    for &tag in &tags {
+        let spec = &cfg.custom_envs[tag];
+        let check = check_config(&spec.env_type, &spec.env_config)
+            .map_err(|e| TrainError::Env(format!("custom_envs.{tag}: {e}")))?;
+        on_error.insert(tag, check.on_error);
+    }
+    let mut out = Transcripts {
+        records: Vec::new(),
+        env_errors: Vec::new(),
+    };
     for ep in 0..episodes as u64 {
         let tag = tags[ep as usize % tags.len()];
-        let spec = &cfg.custom_envs[tag];
-        let mut session = build_session(&spec.env_type, &spec.env_config)
-            .map_err(|e| TrainError::Env(format!("custom_envs.{tag}: {e}")))?;
-        let mut agent = Agent::new(kind, seed::derive(base_seed, &[ep, 1]));
         let ids = EpisodeIds {
             traj_id: ep,
             group_id: ep,
             env_seed: seed::derive(base_seed, &[ep, 0]),
             env_tag: tag.to_string(),
         };
-        records.extend(agent_episode(&mut session, &mut agent, &ids, tok)?);
+        let agent = Agent::new(kind, seed::derive(base_seed, &[ep, 1]));
+        match transcript(cfg, tok, agent, &ids) {
+            Ok(records) => out.records.extend(records),
+            Err(TrainError::Env(e)) if on_error[tag] == OnError::Skip => out.env_errors.push(e),
+            Err(e) => return Err(e),
+        }
     }
-    Ok(records)
+    match out.env_errors.first() {
+        Some(first) if out.records.is_empty() => Err(TrainError::Env(first.clone())),
+        _ => Ok(out),
+    }
+}
+
+/// One episode of `agent` on the env of `ids.env_tag`; env failures are [`TrainError::Env`].
+fn transcript(
+    cfg: &Config,
+    tok: &Tokenizer,
+    mut agent: Agent,
+    ids: &EpisodeIds,
+) -> Result<Vec<StepRecord>, TrainError> {
+    let tag = &ids.env_tag;
+    let spec = &cfg.custom_envs[tag];
+    let env_error = |e: &dyn std::fmt::Display| TrainError::Env(format!("custom_envs.{tag}: {e}"));
+    let mut session = build_session(&spec.env_type, &spec.env_config).map_err(|e| env_error(&e))?;
+    agent_episode(&mut session, &mut agent, ids, tok).map_err(|e| match e {
+        StoreError::Env(e) => env_error(&e),
+        other => other.into(),
+    })
 }
 
 /// The records of the trajectories whose last step reached the goal (`info.success`), in their
@@ -191,6 +236,7 @@ pub fn behaviour_clone(
         value_loss: critic.map(|c| first_and_final(&c.losses)),
         skipped,
         seconds: start.elapsed().as_secs_f64(),
+        env_errors: Vec::new(),
     })
 }
 

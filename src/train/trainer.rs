@@ -13,11 +13,16 @@
 //! `self_imitation.coef > 0` each rollout's better choices enter a replay buffer
 //! ([`super::self_imitation`]) before the update replays them; the buffer goes into every
 //! checkpoint. Every RNG is derived from `seed` and those counters.
+//!
+//! An env that fails (a remote env's server) ends the run with its error under `on_error: fail`,
+//! before anything of that rollout is stored: the records of the steps before it stay in the
+//! dataset. Under `skip` the failed groups are dropped, counted in `rollout/env_errors` (and
+//! `val/env_errors`) and reported as warnings.
 
 use super::batch::{step_returns, trajectories};
 use super::checkpoint::{self, CheckpointWriter};
 use super::collapse::CollapseDetector;
-use super::eval::{self, TagSummary, VAL_SEED_OFFSET};
+use super::eval::{self, TagSummary, Validation, VAL_SEED_OFFSET};
 use super::masks::{response_masks, ResponseMasks};
 use super::metrics::{MetricsSink, Scalars};
 use super::ranks;
@@ -118,7 +123,8 @@ pub struct Trainer {
     masks: ResponseMasks,
     /// Self-imitation replay buffer; `None` when `self_imitation.coef` is 0.
     replay_buffer: Option<ReplayBuffer>,
-    /// Warnings found while opening the run, reported when it runs.
+    /// Warnings found while opening the run or during a step or validation, reported with the
+    /// next event.
     pending_warnings: Vec<String>,
 }
 
@@ -376,14 +382,19 @@ impl Trainer {
     /// The warm-start report and the step-0 validation of a fresh run (what [`Trainer::run`]
     /// does before its first step).
     pub fn begin(&mut self, on_event: &mut dyn FnMut(Event)) -> Result<(), TrainError> {
-        for warning in self.pending_warnings.drain(..) {
-            on_event(Event::Warning(warning));
-        }
+        self.report_warnings(on_event);
         if let Some(report) = self.warm_start.take() {
             let mut s = Scalars::new();
             s.insert("sft/loss_first".into(), report.first_loss);
             s.insert("sft/loss_final".into(), report.final_loss);
+            s.insert("sft/env_errors".into(), report.env_errors.len() as f64);
             self.log(0, &s)?;
+            if let Some(first) = report.env_errors.first() {
+                on_event(Event::Warning(format!(
+                    "warm start: {} env error(s) left their episodes out (on_error: skip); the first: {first}",
+                    report.env_errors.len()
+                )));
+            }
             on_event(Event::WarmStart(&report));
         }
         if self.state.step == 0 && self.cfg.eval_steps > 0 {
@@ -400,6 +411,7 @@ impl Trainer {
         until: u64,
         on_event: &mut dyn FnMut(Event),
     ) -> Result<(), TrainError> {
+        self.report_warnings(on_event);
         for w in self.detector.observe(scalars) {
             on_event(Event::Warning(format!("step {}: {w}", self.state.step)));
         }
@@ -436,13 +448,30 @@ impl Trainer {
         if self.sink.is_none() {
             return Ok(());
         }
-        let (scalars, summaries) = self.validate()?;
-        self.log(self.state.step, &scalars)?;
+        let validation = self.validate()?;
+        self.log(self.state.step, &validation.scalars)?;
+        self.report_warnings(on_event);
         on_event(Event::Validation {
             step: self.state.step,
-            summaries: &summaries,
+            summaries: &validation.summaries,
         });
         Ok(())
+    }
+
+    fn report_warnings(&mut self, on_event: &mut dyn FnMut(Event)) {
+        for warning in self.pending_warnings.drain(..) {
+            on_event(Event::Warning(warning));
+        }
+    }
+
+    /// Queues a warning for env errors that dropped groups (`what`: the step or validation).
+    fn warn_env_errors(&mut self, what: &str, errors: &[String]) {
+        if let Some(first) = errors.first() {
+            self.pending_warnings.push(format!(
+                "{what}: {} env error(s) dropped their groups (on_error: skip); the first: {first}",
+                errors.len()
+            ));
+        }
     }
 
     /// Writes metrics of `step` (rank 0; the other ranks keep none).
@@ -459,8 +488,11 @@ impl Trainer {
     }
 
     /// Runs validation with the current policy (held-out seeds).
-    pub fn validate(&mut self) -> Result<(Scalars, Vec<TagSummary>), TrainError> {
-        eval::validate(&mut self.engine, &self.policy, &self.tok, &self.cfg)
+    pub fn validate(&mut self) -> Result<Validation, TrainError> {
+        let validation = eval::validate(&mut self.engine, &self.policy, &self.tok, &self.cfg)?;
+        let what = format!("validation at step {}", self.state.step);
+        self.warn_env_errors(&what, &validation.env_errors);
+        Ok(validation)
     }
 
     /// One training step; returns its metrics.
@@ -469,7 +501,7 @@ impl Trainer {
         // Validation may have filled the cache under this version: start every rollout from the
         // same (empty) cache so a resumed run samples exactly what the original did.
         self.engine.flush()?;
-        let (local, counters) = eval::run_manager(
+        let rollout = eval::run_manager(
             &mut self.engine,
             &self.policy,
             &self.tok,
@@ -482,7 +514,13 @@ impl Trainer {
         )?;
         let t_rollout = t_step.elapsed().as_secs_f64();
         crash::point("train.rollout_done");
-        self.learn(local, counters, t_step, t_rollout)
+        let what = format!("step {}", self.state.step + 1);
+        self.warn_env_errors(&what, &rollout.env_errors);
+        let env_errors = ranks::sum_count(rollout.env_errors.len() as u64, self.dist.as_ref())?;
+        let mut scalars = self.learn(rollout.records, rollout.counters, t_step, t_rollout)?;
+        scalars.insert("rollout/env_errors".into(), env_errors as f64);
+        scalars.insert("time/rollout_env".into(), rollout.env_s);
+        Ok(scalars)
     }
 
     /// The engine, policy and tokenizer that generate (an outside rollout source, such as the
@@ -1149,17 +1187,21 @@ fn warm_start(
         .parse()
         .map_err(|e: String| TrainError::Data(format!("sft.agent: {e}")))?;
     let base = seed::derive(cfg.seed.wrapping_add(VAL_SEED_OFFSET * 2), &[SEED_SFT]);
-    let records = sft::agent_transcripts(cfg, tok, kind, cfg.sft.episodes, base)?;
+    let transcripts = sft::agent_transcripts(cfg, tok, kind, cfg.sft.episodes, base)?;
     let value = (cfg.sft.value_loss_coef > 0.0).then(|| sft::ValueWarmup {
         gamma: f64::from(cfg.gamma),
         coef: cfg.sft.value_loss_coef,
         separate: critic.map(|c| (c, cfg.critic.learning_rate)),
     });
-    sft::behaviour_clone(
+    let report = sft::behaviour_clone(
         policy,
         tok.pad_id(),
-        &records,
+        &transcripts.records,
         CloneSettings::from_config(&cfg.sft, base),
         value,
-    )
+    )?;
+    Ok(SftReport {
+        env_errors: transcripts.env_errors,
+        ..report
+    })
 }

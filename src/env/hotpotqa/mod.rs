@@ -257,7 +257,7 @@ impl HotpotQaEnv {
             observation: String::new(),
             finished: false,
         };
-        env.reset(0);
+        env.reset(0)?;
         Ok(env)
     }
 
@@ -335,7 +335,7 @@ impl Env for HotpotQaEnv {
         "hotpotqa"
     }
 
-    fn reset(&mut self, seed: u64) -> String {
+    fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
         let pick = crate::seed::derive(seed, &[1]) % self.data.split.len() as u64;
         self.current = self.data.split[pick as usize];
         if self.data.world.is_none() {
@@ -344,10 +344,10 @@ impl Env for HotpotQaEnv {
         self.observation = "No search results yet.".to_string();
         self.queries.clear();
         self.finished = false;
-        self.state_text()
+        Ok(self.state_text())
     }
 
-    fn step(&mut self, action: &Action) -> Transition {
+    fn step(&mut self, action: &Action) -> Result<Transition, EnvError> {
         let mut info = EnvInfo::default();
         let (reward, terminated) = match action {
             _ if self.finished => (0.0, true),
@@ -368,19 +368,19 @@ impl Env for HotpotQaEnv {
                     success: em == 1.0,
                     action_is_valid: true,
                     action_is_effective: true,
-                    metrics: vec![("em", em), ("f1", f1)],
+                    metrics: vec![("em".into(), em), ("f1".into(), f1)],
                 };
                 (em, true)
             }
             Action::Move(_) => (0.0, false),
         };
-        Transition {
+        Ok(Transition {
             observation: self.observation.clone(),
             reward,
             terminated,
             truncated: false,
             info,
-        }
+        })
     }
 
     fn instruction(&self) -> String {
@@ -405,33 +405,33 @@ impl Env for HotpotQaEnv {
     /// Searches each supporting title not searched yet, in order (the first entity, then the
     /// bridge or second entity), then answers; a record without supporting facts gets one
     /// search of its question.
-    fn oracle_action(&self) -> Action {
+    fn oracle_action(&self) -> Result<Action, EnvError> {
         let record = self.record();
         let next = record
             .supporting_facts
             .iter()
             .map(|(title, _)| title)
             .find(|title| !self.queries.contains(title));
-        match next {
+        Ok(match next {
             Some(title) => Action::Search(title.clone()),
             None if record.supporting_facts.is_empty() && self.queries.is_empty() => {
                 Action::Search(record.question.clone())
             }
             None => Action::Answer(record.answer.clone()),
-        }
+        })
     }
 
-    fn random_action(&self, rng: &mut ChaCha8Rng) -> Action {
+    fn random_action(&self, rng: &mut ChaCha8Rng) -> Result<Action, EnvError> {
         let titles: Vec<&String> = self.record().context.iter().map(|(t, _)| t).collect();
         let title = titles
             .choose(rng)
             .map(|t| t.to_string())
             .unwrap_or_default();
-        if rng.random_bool(0.5) {
+        Ok(if rng.random_bool(0.5) {
             Action::Search(title)
         } else {
             Action::Answer(title)
-        }
+        })
     }
 }
 
@@ -444,9 +444,9 @@ mod tests {
     #[test]
     fn search_returns_wrapped_top_k_with_gold_paragraphs() {
         let mut env = HotpotQaEnv::new(HotpotQaConfig::default()).unwrap();
-        env.reset(5);
+        env.reset(5).unwrap();
         let question = env.record().question.clone();
-        let t = env.step(&Action::Search(question));
+        let t = env.step(&Action::Search(question)).unwrap();
         assert!(t.observation.starts_with("\n\n<information>Doc 1(Title: "));
         assert!(t.observation.ends_with("</information>\n\n"));
         assert_eq!(t.observation.matches("Doc ").count(), 3);
@@ -456,14 +456,17 @@ mod tests {
     #[test]
     fn answers_are_scored_by_exact_match_with_f1_reported() {
         let mut env = HotpotQaEnv::new(HotpotQaConfig::default()).unwrap();
-        env.reset(2);
+        env.reset(2).unwrap();
         let gold = env.record().answer.clone();
-        let t = env.step(&Action::Answer(format!("The {gold}.")));
+        let t = env.step(&Action::Answer(format!("The {gold}."))).unwrap();
         assert!(t.terminated && t.info.success && t.reward == 1.0);
-        env.reset(2);
-        let t = env.step(&Action::Answer("zzz".into()));
+        env.reset(2).unwrap();
+        let t = env.step(&Action::Answer("zzz".into())).unwrap();
         assert_eq!(t.reward, 0.0);
-        assert_eq!(t.info.metrics, vec![("em", 0.0), ("f1", 0.0)]);
+        assert_eq!(
+            t.info.metrics,
+            vec![("em".to_string(), 0.0), ("f1".to_string(), 0.0)]
+        );
     }
 
     #[test]
@@ -581,8 +584,8 @@ mod tests {
         })
         .unwrap();
         let outside = (0..20).any(|seed| {
-            env.reset(seed);
-            own.reset(seed);
+            env.reset(seed).unwrap();
+            own.reset(seed).unwrap();
             assert_eq!(own.corpus().len(), 2 + own.cfg.distractors);
             let context: Vec<&String> = env.record().context.iter().map(|(t, _)| t).collect();
             let query = env.record().question.clone();
@@ -603,16 +606,16 @@ mod tests {
     #[test]
     fn the_oracle_searches_each_supporting_title_then_answers() {
         let mut env = HotpotQaEnv::new(HotpotQaConfig::default()).unwrap();
-        env.reset(9);
+        env.reset(9).unwrap();
         let facts = env.record().supporting_facts.clone();
         for (title, _) in &facts {
-            let action = env.oracle_action();
+            let action = env.oracle_action().unwrap();
             assert_eq!(action, Action::Search(title.clone()));
             assert_eq!(env.search_titles(title)[0], title);
-            env.step(&action);
+            env.step(&action).unwrap();
         }
         assert_eq!(
-            env.oracle_action(),
+            env.oracle_action().unwrap(),
             Action::Answer(env.record().answer.clone())
         );
     }

@@ -204,20 +204,20 @@ impl Env for SokobanEnv {
         "sokoban"
     }
 
-    fn reset(&mut self, seed: u64) -> String {
+    fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
         self.room = self.generate(seed).unwrap_or(self.fallback);
         self.steps = 0;
         self.finished = false;
-        self.state_text()
+        Ok(self.state_text())
     }
 
-    fn step(&mut self, action: &Action) -> Transition {
+    fn step(&mut self, action: &Action) -> Result<Transition, EnvError> {
         let dir = match action {
             Action::Move(name) => DIRECTIONS.iter().position(|d| d.eq_ignore_ascii_case(name)),
             _ => None,
         };
         let Some(dir) = dir.filter(|_| !self.finished) else {
-            return Transition {
+            return Ok(Transition {
                 observation: self.state_text(),
                 reward: 0.0,
                 terminated: self.finished && self.room.solved(),
@@ -226,7 +226,7 @@ impl Env for SokobanEnv {
                     success: self.room.solved(),
                     ..EnvInfo::default()
                 },
-            };
+            });
         };
         let on_target_before = self.room.boxes_on_targets() as f32;
         let effect = self.room.push(dir);
@@ -238,7 +238,7 @@ impl Env for SokobanEnv {
         }
         let truncated = !solved && self.steps >= self.cfg.max_steps;
         self.finished = solved || truncated;
-        Transition {
+        Ok(Transition {
             observation: self.state_text(),
             reward,
             terminated: solved,
@@ -249,7 +249,7 @@ impl Env for SokobanEnv {
                 action_is_effective: effect.moved,
                 metrics: Vec::new(),
             },
-        }
+        })
     }
 
     fn instruction(&self) -> String {
@@ -273,13 +273,13 @@ impl Env for SokobanEnv {
         self.cfg.max_steps
     }
 
-    fn oracle_action(&self) -> Action {
+    fn oracle_action(&self) -> Result<Action, EnvError> {
         let dir = self.solve().and_then(|p| p.first().copied()).unwrap_or(0);
-        Action::Move(DIRECTIONS[dir].to_string())
+        Ok(Action::Move(DIRECTIONS[dir].to_string()))
     }
 
-    fn random_action(&self, rng: &mut ChaCha8Rng) -> Action {
-        Action::Move(DIRECTIONS[rng.random_range(0..4)].to_string())
+    fn random_action(&self, rng: &mut ChaCha8Rng) -> Result<Action, EnvError> {
+        Ok(Action::Move(DIRECTIONS[rng.random_range(0..4)].to_string()))
     }
 }
 
@@ -295,18 +295,18 @@ mod tests {
     #[test]
     fn rewards_follow_gym_sokoban() {
         let mut env = SokobanEnv::new(SokobanConfig::default()).unwrap();
-        env.reset(0);
+        env.reset(0).unwrap();
         env.room = Room::parse("#######\n#P_XO_#\n#_____#\n#######").unwrap();
-        let t = env.step(&Action::Move("right".into()));
+        let t = env.step(&Action::Move("right".into())).unwrap();
         assert!((t.reward + 0.1).abs() < 1e-6 && t.info.action_is_effective);
-        let t = env.step(&Action::Move("Up".into()));
+        let t = env.step(&Action::Move("Up".into())).unwrap();
         assert!((t.reward + 0.1).abs() < 1e-6 && !t.info.action_is_effective);
-        let t = env.step(&Action::Move("Right".into()));
+        let t = env.step(&Action::Move("Right".into())).unwrap();
         assert!((t.reward - 10.9).abs() < 1e-5 && t.terminated && t.info.success);
 
-        env.reset(0);
+        env.reset(0).unwrap();
         env.room = Room::parse("#######\n#P√_O_#\n#___X_#\n#######").unwrap();
-        let t = env.step(&Action::Move("Right".into()));
+        let t = env.step(&Action::Move("Right".into())).unwrap();
         assert!(
             (t.reward + 1.1).abs() < 1e-6,
             "pushing off a target costs 1"
@@ -317,7 +317,7 @@ mod tests {
     fn default_render_is_ragens_grid_unchanged() {
         let mut env = SokobanEnv::new(SokobanConfig::default()).unwrap();
         assert_eq!(env.cfg.render, SokobanRender::Grid);
-        let texts: Vec<String> = (0..20).map(|seed| env.reset(seed)).collect();
+        let texts: Vec<String> = (0..20).map(|seed| env.reset(seed).unwrap()).collect();
         // Both pinned from the render before `grid_local` existed.
         assert_eq!(texts[0], SEED_0_GRID);
         assert_eq!(
@@ -334,7 +334,7 @@ mod tests {
             ..SokobanConfig::default()
         };
         let mut env = SokobanEnv::new(cfg).unwrap();
-        env.reset(0);
+        env.reset(0).unwrap();
         env.room = Room::parse("######\n#P_XO#\n#____#\n######").unwrap();
         let expected = [
             "######\n#P_XO#\n#____#\n######",
@@ -342,11 +342,11 @@ mod tests {
             "Box:\nRight 2\nTarget:\nRight 3\nBox to target:\nRight 1",
         ];
         assert_eq!(env.state_text(), expected.join("\n"));
-        let t = env.step(&Action::Move("Right".into()));
+        let t = env.step(&Action::Move("Right".into())).unwrap();
         assert!(t.observation.ends_with(
             "Right: push box to target\nBox:\nRight 1\nTarget:\nRight 2\nBox to target:\nRight 1"
         ));
-        let t = env.step(&Action::Move("Right".into()));
+        let t = env.step(&Action::Move("Right".into())).unwrap();
         assert!(t.terminated && t.observation.ends_with("Left: move\nRight: cannot push"));
     }
 
@@ -376,7 +376,10 @@ mod tests {
         };
         let mut env = SokobanEnv::new(cfg).unwrap();
         for seed in 0..8 {
-            crate::env::assert_action_words_are_answer_tokens(&env.reset(seed), &DIRECTIONS);
+            crate::env::assert_action_words_are_answer_tokens(
+                &env.reset(seed).unwrap(),
+                &DIRECTIONS,
+            );
         }
         let tok = crate::tokenizer::Tokenizer::builtin();
         for outcome in [
@@ -399,8 +402,8 @@ mod tests {
         let mut other = SokobanEnv::new(SokobanConfig::default()).unwrap();
         let mut distinct = std::collections::BTreeSet::new();
         for seed in 0..20 {
-            let text = env.reset(seed);
-            assert_eq!(text, other.reset(seed));
+            let text = env.reset(seed).unwrap();
+            assert_eq!(text, other.reset(seed).unwrap());
             distinct.insert(text);
             let len = env.solve().unwrap().len();
             assert!((1..=10).contains(&len));
