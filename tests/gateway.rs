@@ -386,20 +386,26 @@ fn a_killed_recording_server_leaves_every_closed_trajectory() {
         vec![0, 1, 2],
         "every closed session, nothing of the open one"
     );
-    // An ordinary step dataset for the other commands.
+    // An ordinary step dataset for the other commands, behaviour cloning included.
+    let data_s = data.to_str().unwrap();
+    let model = dir.path().join("bc");
     for args in [
-        vec!["dataset", "verify"],
-        vec!["replay", "--advantages", "grpo"],
-        vec!["replay", "--stats"],
+        vec!["dataset", "verify", data_s],
+        vec!["replay", "--advantages", "grpo", data_s],
+        vec!["replay", "--stats", data_s],
+        vec!["sft", "--dataset", data_s, "--out", model.to_str().unwrap()]
+            .into_iter()
+            .chain(["--set", "sft.steps=1", "--set", "builtin_size=tiny"])
+            .collect(),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_stepppo"))
             .args(&args)
-            .arg(&data)
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{args:?}: {err}");
     }
+    assert!(model.join("model.safetensors").exists());
 }
 
 /// The Python with the `openai` package: `$STEPPPO_PYTHON`, else `target/examples-venv`.
