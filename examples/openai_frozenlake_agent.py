@@ -11,7 +11,8 @@ recorded into a step dataset.
 
 The text is the one stepppo's own FrozenLake speaks (render `grid_local`, one action per turn,
 each turn a fresh prompt with the current state), so a policy warm-started on stepppo's env reads
-it. Maps: gymnasium's `generate_random_map(4, p=0.8, seed=map)` with `is_slippery=False`.
+it; it comes from the env bridge's FrozenLake adapter (`gym_env_server.FrozenLakeText`, beside this
+file). Maps: gymnasium's `generate_random_map(4, p=0.8, seed=map)` with `is_slippery=False`.
 
     python examples/openai_frozenlake_agent.py --base-url http://127.0.0.1:8000/v1 --maps 400
 """
@@ -25,72 +26,39 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import gymnasium as gym
 import openai
-from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
-ACTIONS = ["Left", "Down", "Right", "Up"]  # gymnasium's action ids 0..3
-OFFSETS = [(0, -1), (1, 0), (0, 1), (-1, 0)]
+from gym_env_server import BadRequest, FrozenLakeText
+
 SYSTEM = "You're a helpful assistant. Always reply <answer>[your answer]</answer> with no extra text."
-INSTRUCTION = (
-    "FrozenLake: walk from P to the goal G without stepping into a hole O.\n"
-    "Symbols: P player, _ ice, O hole, G goal, X player in a hole, √ player on the goal.\n"
-    "Actions: Left, Down, Right, Up."
-)
 MAX_TURNS = 8
 FORMAT_PENALTY = -0.1
-DISTANCE_REWARD = 0.1
 ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.S)
+# The env bridge's FrozenLake adapter: gymnasium's maps, stepppo's `grid_local` text, 0.1 shaping.
+TEXT = FrozenLakeText("FrozenLake-v1", {}, random_maps=True, size=4, p=0.8, distance_reward=0.1)
+INSTRUCTION = f"{TEXT.instruction}\nActions: {', '.join(TEXT.actions)}."
 
 
 class Lake:
-    """gymnasium's FrozenLake with stepppo's text render and reward shaping."""
+    """One episode of gymnasium's FrozenLake, written and shaped as the env bridge writes it."""
 
     def __init__(self, seed):
-        self.desc = generate_random_map(size=4, p=0.8, seed=seed)
-        self.env = gym.make("FrozenLake-v1", desc=self.desc, is_slippery=False)
-        self.pos, _ = self.env.reset(seed=seed)
-        self.size = len(self.desc)
-
-    def cell(self, pos):
-        return self.desc[pos // self.size][pos % self.size]
-
-    def goal(self):
-        return next(i for i in range(self.size**2) if self.cell(i) == "G")
-
-    def distance(self, pos):
-        g = self.goal()
-        return abs(g // self.size - pos // self.size) + abs(g % self.size - pos % self.size)
-
-    def neighbour(self, pos, action):
-        r, c = pos // self.size + OFFSETS[action][0], pos % self.size + OFFSETS[action][1]
-        return r * self.size + c if 0 <= r < self.size and 0 <= c < self.size else pos
+        self.env = TEXT.make(seed)
+        self.obs, _ = self.env.reset(seed=seed)
 
     def render(self):
-        rows = []
-        for r in range(self.size):
-            row = ""
-            for c in range(self.size):
-                cell, here = self.desc[r][c], r * self.size + c == self.pos
-                row += {"H": "X", "G": "√"}.get(cell, "P") if here else {"H": "O", "G": "G"}.get(cell, "_")
-            rows.append(row)
-        lines = []
-        for a, name in enumerate(ACTIONS):
-            nxt = self.neighbour(self.pos, a)
-            what = "wall" if nxt == self.pos else {"H": "hole", "G": "goal"}.get(self.cell(nxt), "ice")
-            lines.append(f"{name}: {what}")
-        g = self.goal()
-        dr, dc = g // self.size - self.pos // self.size, g % self.size - self.pos % self.size
-        lines.append("Goal:")
-        for dist, name in ((dr, "Up" if dr < 0 else "Down"), (dc, "Left" if dc < 0 else "Right")):
-            if dist:
-                lines.append(f"{name} {abs(dist)}")
-        return "\n".join(rows + lines)
+        return TEXT.render(self.env, self.obs)
 
-    def step(self, action):
-        before = self.distance(self.pos)
-        self.pos, reward, terminated, truncated, _ = self.env.step(action)
-        return reward + DISTANCE_REWARD * (before - self.distance(self.pos)), terminated
+    def step(self, name):
+        """(reward, done, success) of the move `name`; None when it names no move."""
+        try:
+            action = TEXT.action(name)
+        except BadRequest:
+            return None
+        before = self.obs
+        self.obs, reward, terminated, truncated, gym_info = self.env.step(action)
+        info, shaped = TEXT.info(self.env, before, self.obs, reward, terminated, gym_info)
+        return shaped, terminated or truncated, info["success"]
 
 
 def user_message(lake, turn):
@@ -118,14 +86,13 @@ def play(client, args, map_seed, member):
             messages=[{"role": "system", "content": SYSTEM},
                       {"role": "user", "content": user_message(lake, turn)}])
         match = ANSWER.search(reply.choices[0].message.content + "</answer>")
-        name = match.group(1).strip().capitalize() if match else None
-        if name not in ACTIONS:
+        moved = lake.step(match.group(1)) if match else None
+        if moved is None:
             rewards.append(FORMAT_PENALTY)
             continue
-        reward, done = lake.step(ACTIONS.index(name))
+        reward, done, success = moved
         rewards.append(reward)
         if done:
-            success = lake.cell(lake.pos) == "G"
             break
     close_session(args.base_url, session, rewards, success)
     return success
