@@ -2,7 +2,10 @@
 
 use candle_core::Device;
 use stepppo::model::{Model, ModelConfig};
-use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig};
+use stepppo::rollout::engine::{
+    CacheMode, Engine, EngineConfig, GenRequest, Generation, GenerationFeed,
+};
+use stepppo::rollout::sampling::SamplingParams;
 use stepppo::rollout::workload::{run_workload, Workload, WorkloadRun};
 use stepppo::tokenizer::Tokenizer;
 
@@ -114,4 +117,83 @@ fn requests_arriving_together_share_an_uncached_head() {
         assert_eq!((g.from_cache, g.prefilled), (60, 2));
     }
     assert_eq!(engine.counters().tokens_prefilled, 66);
+}
+
+/// A feed that adds one request before each of the first forward calls.
+struct Staggered {
+    pending: Vec<GenRequest>,
+    tokens: Vec<Vec<u32>>,
+    done: Vec<Option<Generation>>,
+}
+
+impl GenerationFeed for Staggered {
+    fn more(&mut self) -> Vec<GenRequest> {
+        if self.pending.is_empty() {
+            return Vec::new();
+        }
+        vec![self.pending.remove(0)]
+    }
+
+    fn token(&mut self, request: usize, token: u32, _logprob: f32) {
+        self.tokens[request].push(token);
+    }
+
+    fn done(&mut self, request: usize, generation: Generation) {
+        assert!(
+            self.done[request].is_none(),
+            "request {request} finished twice"
+        );
+        self.done[request] = Some(generation);
+    }
+}
+
+#[test]
+fn requests_joining_a_running_call_generate_what_they_generate_alone() {
+    let tok = Tokenizer::builtin();
+    let cfg = ModelConfig::tiny(tok.vocab_size());
+    let model = Model::new(&cfg, 5, &Device::Cpu).unwrap();
+    let request = |i: u64| GenRequest {
+        tokens: tok.encode(&format!(
+            "Turn {i}: the shared prompt of every request, then {i}"
+        )),
+        traj: i,
+        group: 0,
+        turn: 0,
+        params: SamplingParams::default(),
+        seed: 100 + i,
+        max_new_tokens: 6 + i as usize,
+        stop_token_ids: vec![tok.eos_id()],
+        stop_strings: Vec::new(),
+        grammar: None,
+    };
+    let requests: Vec<GenRequest> = (0..4).map(request).collect();
+    let alone: Vec<Generation> = requests
+        .iter()
+        .map(|r| {
+            let mut engine = Engine::new(&cfg, EngineConfig::default(), &Device::Cpu).unwrap();
+            engine
+                .generate(&model, &tok, std::slice::from_ref(r))
+                .unwrap()
+                .remove(0)
+        })
+        .collect();
+    let mut engine = Engine::new(&cfg, EngineConfig::default(), &Device::Cpu).unwrap();
+    let mut feed = Staggered {
+        pending: requests.clone(),
+        tokens: vec![Vec::new(); 4],
+        done: vec![None; 4],
+    };
+    engine.generate_continuous(&model, &tok, &mut feed).unwrap();
+    for (i, want) in alone.iter().enumerate() {
+        let got = feed.done[i].as_ref().expect("every request finished");
+        assert_eq!(got.tokens, want.tokens, "request {i}");
+        assert_eq!(feed.tokens[i], want.tokens, "request {i}'s streamed tokens");
+        for (a, b) in got.logprobs.iter().zip(&want.logprobs) {
+            assert!((a - b).abs() < 1e-4, "request {i}: {a} vs {b}");
+        }
+    }
+    assert!(
+        engine.counters().tokens_from_cache > 0,
+        "later requests reuse the shared head"
+    );
 }

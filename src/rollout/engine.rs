@@ -192,6 +192,37 @@ pub struct Generation {
     pub from_cache: usize,
 }
 
+/// Where [`Engine::generate_continuous`] gets its requests and hands its results.
+pub trait GenerationFeed {
+    /// Requests to add before the next forward call (none: an empty list).
+    fn more(&mut self) -> Vec<GenRequest>;
+    /// A sampled token of request `request` (its number in the order requests were added).
+    fn token(&mut self, request: usize, token: u32, logprob: f32);
+    /// Request `request` is finished.
+    fn done(&mut self, request: usize, generation: Generation);
+}
+
+/// A fixed batch as a feed: its requests at the first call, the generations kept by request.
+struct Batch<'a> {
+    requests: Option<Vec<GenRequest>>,
+    on_token: &'a mut dyn FnMut(usize, u32, f32),
+    done: Vec<Option<Generation>>,
+}
+
+impl GenerationFeed for Batch<'_> {
+    fn more(&mut self) -> Vec<GenRequest> {
+        self.requests.take().unwrap_or_default()
+    }
+
+    fn token(&mut self, request: usize, token: u32, logprob: f32) {
+        (self.on_token)(request, token, logprob);
+    }
+
+    fn done(&mut self, request: usize, generation: Generation) {
+        self.done[request] = Some(generation);
+    }
+}
+
 /// Prefix-reuse counters, accumulated over calls until [`Engine::take_counters`].
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct CacheCounters {
@@ -276,6 +307,16 @@ struct Seq {
 impl Seq {
     fn generated(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
+    }
+
+    fn generation(&self, finish: FinishReason) -> Generation {
+        Generation {
+            tokens: self.generated().to_vec(),
+            logprobs: self.logprobs.clone(),
+            finish,
+            prefilled: self.prefilled,
+            from_cache: self.from_cache,
+        }
     }
 
     fn in_prefill(&self) -> bool {
@@ -382,43 +423,66 @@ impl Engine {
         requests: &[GenRequest],
         on_token: &mut dyn FnMut(usize, u32, f32),
     ) -> Result<Vec<Generation>> {
-        self.validate(requests)?;
-        let mut seqs: Vec<Seq> = requests
-            .iter()
-            .enumerate()
-            .map(|(i, r)| self.new_seq(i, r))
-            .collect();
-        self.counters.requests += requests.len() as u64;
-        self.counters.prompt_tokens += requests.iter().map(|r| r.tokens.len() as u64).sum::<u64>();
-        let mut reported = vec![0usize; seqs.len()];
-        while seqs.iter().any(|s| !matches!(s.phase, Phase::Done(_))) {
-            self.admit(&mut seqs, requests)?;
-            self.step(model, tokenizer, &mut seqs, requests)?;
-            for (s, done) in seqs.iter().zip(reported.iter_mut()) {
-                let generated = s.generated();
-                for (&token, &logprob) in generated[*done..].iter().zip(&s.logprobs[*done..]) {
-                    on_token(s.req, token, logprob);
-                }
-                *done = generated.len();
-            }
-        }
-        Ok(seqs
+        let mut batch = Batch {
+            requests: Some(requests.to_vec()),
+            on_token,
+            done: vec![None; requests.len()],
+        };
+        self.generate_continuous(model, tokenizer, &mut batch)?;
+        Ok(batch
+            .done
             .into_iter()
-            .map(|s| Generation {
-                tokens: s.tokens[s.prompt_len..].to_vec(),
-                logprobs: s.logprobs,
-                finish: match s.phase {
-                    Phase::Done(f) => f,
-                    _ => unreachable!("generate returns only when every sequence is done"),
-                },
-                prefilled: s.prefilled,
-                from_cache: s.from_cache,
-            })
+            .map(|g| g.expect("every request finishes before the call returns"))
             .collect())
     }
 
-    fn validate(&self, requests: &[GenRequest]) -> Result<()> {
-        for (index, r) in requests.iter().enumerate() {
+    /// Continuous batching: before every forward call the feed may add requests (numbered on
+    /// from the earlier ones, in the order given), which join the running batch at once; tokens
+    /// and finished generations are handed to the feed as they happen. Returns when every
+    /// request is done and the feed has none to add.
+    pub fn generate_continuous(
+        &mut self,
+        model: &Model,
+        tokenizer: &Tokenizer,
+        feed: &mut dyn GenerationFeed,
+    ) -> Result<()> {
+        let mut requests: Vec<GenRequest> = Vec::new();
+        let mut seqs: Vec<Seq> = Vec::new();
+        // Per sequence: tokens handed to the feed, and whether its end was.
+        let mut reported: Vec<(usize, bool)> = Vec::new();
+        loop {
+            let more = feed.more();
+            self.validate(requests.len(), &more)?;
+            for r in more {
+                self.counters.requests += 1;
+                self.counters.prompt_tokens += r.tokens.len() as u64;
+                seqs.push(self.new_seq(requests.len(), &r));
+                reported.push((0, false));
+                requests.push(r);
+            }
+            if seqs.iter().all(|s| matches!(s.phase, Phase::Done(_))) {
+                return Ok(());
+            }
+            self.admit(&mut seqs, &requests)?;
+            self.step(model, tokenizer, &mut seqs, &requests)?;
+            for (s, (sent, ended)) in seqs.iter().zip(reported.iter_mut()) {
+                let generated = s.generated();
+                for (&token, &logprob) in generated[*sent..].iter().zip(&s.logprobs[*sent..]) {
+                    feed.token(s.req, token, logprob);
+                }
+                *sent = generated.len();
+                if let (Phase::Done(finish), false) = (&s.phase, *ended) {
+                    let finish = *finish;
+                    *ended = true;
+                    feed.done(s.req, s.generation(finish));
+                }
+            }
+        }
+    }
+
+    /// Checks `requests`, numbered from `first`.
+    fn validate(&self, first: usize, requests: &[GenRequest]) -> Result<()> {
+        for (index, r) in (first..).zip(requests) {
             let bad = |message: &str| EngineError::BadRequest {
                 index,
                 message: message.to_string(),

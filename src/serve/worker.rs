@@ -1,11 +1,13 @@
 //! The gateway's generation loop, on the thread that owns the policy. HTTP handlers send it
-//! [`Job`]s; it takes every job waiting, renders each completion's prompt (through the session
-//! when it has one), runs all their choices in one radix-engine call (so concurrent requests
-//! share forward calls and every turn reuses its conversation's KV prefix), streams each choice's
-//! text as its tokens are sampled, records the turn in its session, and then answers the session
-//! closes of the same round, whose steps go to the [`Backend`] (a dataset, or the trainer).
-//! Between rounds the backend may update the policy: requests arriving meanwhile wait and are
-//! served by the new weights.
+//! [`Job`]s. A round is one continuous engine call ([`Engine::generate_continuous`]): before
+//! every forward call it takes the completions that arrived, renders each prompt (through the
+//! session when it has one) and adds its choices to the running batch, so concurrent requests
+//! share forward calls as soon as they arrive and every turn reuses its conversation's KV
+//! prefix; each choice's text streams as its tokens are sampled, and a completion is answered
+//! and recorded in its session the moment its last choice ends. Session closes and stats wait
+//! for the end of the call (none joins it once one waits), then go to the [`Backend`] (a
+//! dataset, or the trainer), which may update the policy before the next round: requests
+//! arriving meanwhile wait and are served by the new weights.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -16,7 +18,9 @@ use tokio::sync::{mpsc, oneshot};
 use super::api::{finish_reason_name, ApiError, Completion, PromptTokensDetails, Usage};
 use super::session::{CloseRequest, ClosedTrajectory, Prompt, Sampled, Sessions};
 use crate::model::Model;
-use crate::rollout::engine::{CacheCounters, Engine, FinishReason, GenRequest, Generation};
+use crate::rollout::engine::{
+    CacheCounters, Engine, FinishReason, GenRequest, Generation, GenerationFeed,
+};
 use crate::rollout::sampling::SamplingParams;
 use crate::seed;
 use crate::tokenizer::Tokenizer;
@@ -93,8 +97,9 @@ pub struct WorkerOptions {
     pub seed: u64,
 }
 
-/// Most jobs taken into one round (one engine call); the rest wait for the next.
-const MAX_ROUND_JOBS: usize = 64;
+/// Completions one engine call takes in; later ones wait for the next call, so a call under
+/// steady load still ends and the jobs deferred to its end (closes, stats) are answered.
+const MAX_CALL_COMPLETIONS: usize = 256;
 
 /// Runs the loop until the job channel closes or the backend says stop.
 pub fn run(
@@ -118,9 +123,7 @@ pub fn run(
             }
             Err(RecvTimeoutError::Disconnected) => return Ok(()),
         };
-        let waiting = jobs.try_iter().take(MAX_ROUND_JOBS - 1);
-        let round: Vec<Job> = std::iter::once(first).chain(waiting).collect();
-        worker.run_round(backend, round);
+        worker.run_round(backend, first, jobs);
         worker.expired += worker.sessions.expire(Instant::now());
         if !backend.after_round()? {
             return Ok(());
@@ -141,43 +144,137 @@ struct Running {
     completion: Completion,
     reply: mpsc::UnboundedSender<Reply>,
     prompt: Prompt,
-    first_request: usize,
     max_tokens: usize,
     streams: Vec<ChoiceStream>,
+    generations: Vec<Option<Generation>>,
+}
+
+/// One engine call as the feed of [`Engine::generate_continuous`]: completions join it between
+/// forward calls as they arrive; session closes and stats wait for its end, and once one waits
+/// no new completion joins (the call drains and ends).
+struct Call<'a> {
+    worker: &'a mut Worker,
+    tok: &'a Tokenizer,
+    jobs: &'a Receiver<Job>,
+    first: Option<Job>,
+    version: u64,
+    running: Vec<Option<Running>>,
+    /// Engine request number → (running completion, choice).
+    owner: Vec<(usize, usize)>,
+    deferred: Vec<Job>,
+}
+
+impl GenerationFeed for Call<'_> {
+    fn more(&mut self) -> Vec<GenRequest> {
+        let mut requests = Vec::new();
+        while self.deferred.is_empty() && self.running.len() < MAX_CALL_COMPLETIONS {
+            let Some(job) = self.first.take().or_else(|| self.jobs.try_recv().ok()) else {
+                break;
+            };
+            match job {
+                Job::Complete { completion, reply } => {
+                    self.accept(completion, reply, &mut requests)
+                }
+                other => self.deferred.push(other),
+            }
+        }
+        requests
+    }
+
+    fn token(&mut self, request: usize, token: u32, logprob: f32) {
+        let (r, c) = self.owner[request];
+        let Some(run) = self.running[r].as_mut() else {
+            return;
+        };
+        if let Some(delta) = run.streams[c].push(self.tok, token, logprob) {
+            if run.completion.stream {
+                drop(run.reply.send(delta.into_reply(c, run.completion.logprobs)));
+            }
+        }
+    }
+
+    fn done(&mut self, request: usize, generation: Generation) {
+        let (r, c) = self.owner[request];
+        let Some(run) = self.running[r].as_mut() else {
+            return;
+        };
+        run.generations[c] = Some(generation);
+        if run.generations.iter().all(Option::is_some) {
+            let run = self.running[r].take().expect("checked above");
+            self.worker.finish(self.tok, run, self.version);
+        }
+    }
+}
+
+impl Call<'_> {
+    fn accept(
+        &mut self,
+        completion: Completion,
+        reply: mpsc::UnboundedSender<Reply>,
+        requests: &mut Vec<GenRequest>,
+    ) {
+        match self
+            .worker
+            .accept(self.tok, completion, reply.clone(), requests)
+        {
+            Ok(run) => {
+                let r = self.running.len();
+                self.owner.extend((0..run.completion.n).map(|c| (r, c)));
+                self.running.push(Some(run));
+            }
+            Err(e) => drop(reply.send(Reply::Done(Err(e)))),
+        }
+    }
 }
 
 impl Worker {
-    fn run_round(&mut self, backend: &mut dyn Backend, round: Vec<Job>) {
-        let mut closes = Vec::new();
-        let mut running = Vec::new();
-        let mut requests = Vec::new();
-        for job in round {
-            match job {
-                Job::Complete { completion, reply } => {
-                    match self.accept(backend, completion, &reply, &mut requests) {
-                        Ok(r) => running.push(r),
-                        Err(e) => drop(reply.send(Reply::Done(Err(e)))),
-                    }
+    /// Serves `first` and whatever joins it in one engine call, then the closes and stats that
+    /// waited for its end.
+    fn run_round(&mut self, backend: &mut dyn Backend, first: Job, jobs: &Receiver<Job>) {
+        let version = backend.policy_version();
+        let (engine, model, tok) = backend.parts();
+        let mut call = Call {
+            worker: self,
+            tok,
+            jobs,
+            first: Some(first),
+            version,
+            running: Vec::new(),
+            owner: Vec::new(),
+            deferred: Vec::new(),
+        };
+        let result = engine.generate_continuous(model, tok, &mut call);
+        let Call {
+            running, deferred, ..
+        } = call;
+        let taken = engine.take_counters();
+        if let Err(e) = result {
+            for run in running.into_iter().flatten() {
+                if let Some(id) = &run.completion.session {
+                    self.sessions.release(id);
                 }
-                Job::Close { .. } => closes.push(job),
-                Job::Stats { reply } => drop(reply.send(self.stats(backend))),
+                let err = ApiError::internal(format!("generation failed: {e}"));
+                drop(run.reply.send(Reply::Done(Err(err))));
             }
         }
-        if !running.is_empty() {
-            self.generate(backend, running, &requests);
-        }
-        for job in closes {
-            if let Job::Close {
-                session,
-                request,
-                reply,
-            } = job
-            {
-                let answer = self
-                    .sessions
-                    .close(&session, &request)
-                    .and_then(|t| backend.closed(t));
-                drop(reply.send(answer));
+        self.counters.add(&taken);
+        self.counters.forward_s += taken.forward_s;
+        backend.generated(&taken);
+        for job in deferred {
+            match job {
+                Job::Close {
+                    session,
+                    request,
+                    reply,
+                } => {
+                    let answer = self
+                        .sessions
+                        .close(&session, &request)
+                        .and_then(|t| backend.closed(t));
+                    drop(reply.send(answer));
+                }
+                Job::Stats { reply } => drop(reply.send(self.stats(backend))),
+                Job::Complete { .. } => unreachable!("completions are never deferred"),
             }
         }
     }
@@ -186,12 +283,11 @@ impl Worker {
     /// choice.
     fn accept(
         &mut self,
-        backend: &mut dyn Backend,
+        tok: &Tokenizer,
         completion: Completion,
-        reply: &mpsc::UnboundedSender<Reply>,
+        reply: mpsc::UnboundedSender<Reply>,
         requests: &mut Vec<GenRequest>,
     ) -> Result<Running, ApiError> {
-        let (_, _, tok) = backend.parts();
         let prompt = match &completion.session {
             Some(id) => self.sessions.begin(tok, id, &completion)?,
             None => super::session::fresh_prompt(tok, &completion.messages)?,
@@ -209,7 +305,6 @@ impl Worker {
             self.requests_seen += 1;
             seed::derive(self.opts.seed, &[self.requests_seen])
         });
-        let first_request = requests.len();
         let mut stop_tokens = vec![tok.eos_id()];
         if tok.pad_id() != tok.eos_id() {
             stop_tokens.push(tok.pad_id());
@@ -232,10 +327,10 @@ impl Worker {
             .map(|_| ChoiceStream::new(stop_tokens.clone(), completion.stop.clone()))
             .collect();
         Ok(Running {
+            generations: vec![None; completion.n],
             completion,
-            reply: reply.clone(),
+            reply,
             prompt,
-            first_request,
             max_tokens,
             streams,
         })
@@ -253,53 +348,12 @@ impl Worker {
         }
     }
 
-    fn generate(
-        &mut self,
-        backend: &mut dyn Backend,
-        mut running: Vec<Running>,
-        requests: &[GenRequest],
-    ) {
-        let owner: Vec<(usize, usize)> = running
-            .iter()
-            .enumerate()
-            .flat_map(|(r, run)| (0..run.completion.n).map(move |c| (r, c)))
-            .collect();
-        let version = backend.policy_version();
-        let (engine, model, tok) = backend.parts();
-        let result = engine.generate_streaming(model, tok, requests, &mut |req, token, logprob| {
-            let (r, c) = owner[req];
-            let run = &mut running[r];
-            if let Some(delta) = run.streams[c].push(tok, token, logprob) {
-                if run.completion.stream {
-                    drop(run.reply.send(delta.into_reply(c, run.completion.logprobs)));
-                }
-            }
-        });
-        let taken = engine.take_counters();
-        let generations = match result {
-            Ok(g) => g,
-            Err(e) => {
-                for run in running {
-                    if let Some(id) = &run.completion.session {
-                        self.sessions.release(id);
-                    }
-                    let err = ApiError::internal(format!("generation failed: {e}"));
-                    drop(run.reply.send(Reply::Done(Err(err))));
-                }
-                return;
-            }
-        };
-        for run in running {
-            let gens = &generations[run.first_request..run.first_request + run.completion.n];
-            self.finish(tok, run, gens, version);
-        }
-        self.counters.add(&taken);
-        self.counters.forward_s += taken.forward_s;
-        backend.generated(&taken);
-    }
-
     /// Sends a completion's last deltas and its result, and records its turn in its session.
-    fn finish(&mut self, tok: &Tokenizer, mut run: Running, gens: &[Generation], version: u64) {
+    fn finish(&mut self, tok: &Tokenizer, mut run: Running, version: u64) {
+        let gens: Vec<Generation> = std::mem::take(&mut run.generations)
+            .into_iter()
+            .map(|g| g.expect("finish runs when every choice is done"))
+            .collect();
         let mut choices = Vec::with_capacity(gens.len());
         for (c, gen) in gens.iter().enumerate() {
             let stream = &mut run.streams[c];
