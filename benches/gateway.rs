@@ -5,7 +5,8 @@
 //! `stepppo serve`'s backend with the built-in `small` model on one compute thread. Printed per
 //! level: wall time, requests/s, completion tokens/s, request latency p50/p99, and the prefix hit
 //! ratio (prompt tokens served from the radix cache / prompt tokens), overall and by turn. Then
-//! `run_rollout` over 32 trajectories of the same env with the same engine settings.
+//! `run_rollout` over 32 trajectories of the same env with the same engine settings. Last, the
+//! latency of short requests while another client keeps a long generation running.
 //!
 //! ```text
 //! cargo bench --bench gateway
@@ -145,6 +146,51 @@ fn run_level(url: &str, concurrent: usize) {
     );
 }
 
+/// Latency of short requests (8 tokens) sent one after another while another client keeps a
+/// long generation (256 tokens) running: with continuous batching a short request joins the
+/// running call and returns after its own tokens, not after the long one's.
+fn run_short_beside_long(url: &str) {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(600)))
+        .build()
+        .into();
+    let long_url = format!("{url}/v1/chat/completions");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let long = {
+        let (agent, stop) = (agent.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let body = json!({"model": "builtin", "max_tokens": 256, "seed": 1,
+                              "messages": [{"role": "user", "content": "Tell a long story."}]});
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                agent
+                    .post(&long_url)
+                    .send_json(&body)
+                    .expect("long request");
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let mut latencies = Vec::new();
+    for i in 0..20 {
+        let body = json!({"model": "builtin", "max_tokens": MAX_TOKENS, "seed": i,
+                          "messages": [{"role": "user", "content": format!("Short {i}")}]});
+        let t = Instant::now();
+        agent
+            .post(&format!("{url}/v1/chat/completions"))
+            .send_json(&body)
+            .expect("short request");
+        latencies.push(t.elapsed());
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    long.join().expect("long client");
+    latencies.sort();
+    println!(
+        "\nshort requests ({MAX_TOKENS} tokens) beside a running 256-token generation: p50 {:.1} ms, p99 {:.1} ms",
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99)
+    );
+}
+
 fn run_agent_loop() {
     let device = candle_core::Device::Cpu;
     let (model, tok) = builtin_policy(&device).expect("model");
@@ -202,4 +248,5 @@ fn main() {
         run_level(&url, concurrent);
     }
     run_agent_loop();
+    run_short_beside_long(&url);
 }
