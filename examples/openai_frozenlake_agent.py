@@ -83,6 +83,7 @@ def play(client, args, map_seed, member):
     for turn in range(1, MAX_TURNS + 1):
         reply = client.chat.completions.create(
             model=args.model, max_tokens=8, temperature=1.0, extra_headers=headers,
+            metadata={"env": args.env_tag} if args.env_tag else None,
             messages=[{"role": "system", "content": SYSTEM},
                       {"role": "user", "content": user_message(lake, turn)}])
         match = ANSWER.search(reply.choices[0].message.content + "</answer>")
@@ -106,6 +107,9 @@ def main():
     p.add_argument("--group", type=int, default=4, help="episodes per map (the trainer's group_size)")
     p.add_argument("--parallel", type=int, default=16, help="episodes played at once")
     p.add_argument("--report-every", type=int, default=64, help="print success every N episodes")
+    p.add_argument("--env-tag", default="SimpleFrozenLake",
+                   help="metadata.env of the sessions: the trainer's env tag whose answer grammar the "
+                        "gateway samples under when the run decodes constrained ('' for none)")
     args = p.parse_args()
     client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=600)
     lock, window, done = threading.Lock(), [], 0

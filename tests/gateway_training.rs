@@ -1,7 +1,8 @@
 //! Training from the gateway end to end: `stepppo train` with a `gateway` section serves the
 //! OpenAI-compatible API, a client outside the trainer plays FrozenLake episodes through it over
 //! HTTP (grouped by task id, closed with per-step rewards), and the trainer updates every full
-//! batch of groups, serving the next version's weights from the next request on.
+//! batch of groups, serving the next version's weights from the next request on; sessions that
+//! name the config's env are sampled under its answer grammar (constrained decoding).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -49,7 +50,9 @@ fn play_until_the_gateway_stops(url: &str) -> Vec<u64> {
         let mut rewards = Vec::new();
         let mut success = false;
         loop {
-            let body = json!({"model": "policy", "messages": messages, "max_tokens": 6});
+            // The session plays the config's env: it is sampled under that env's answer grammar.
+            let body = json!({"model": "policy", "messages": messages, "max_tokens": 6,
+                              "metadata": {"env": "SimpleFrozenLake"}});
             let sent = agent
                 .post(&format!("{url}/v1/chat/completions"))
                 .header("x-session-id", &session_id)
@@ -73,6 +76,10 @@ fn play_until_the_gateway_stops(url: &str) -> Vec<u64> {
                 .unwrap()
                 .to_string();
             let outcome = session.act(&text).unwrap();
+            assert!(
+                outcome.info.action_is_valid,
+                "constrained decoding gave {text:?}"
+            );
             rewards.push(outcome.reward);
             success |= outcome.info.success;
             let Some(next) = outcome.next_user_message else {

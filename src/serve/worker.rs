@@ -9,6 +9,8 @@
 //! dataset, or the trainer), which may update the policy before the next round: requests
 //! arriving meanwhile wait and are served by the new weights.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam::channel::{Receiver, RecvTimeoutError};
@@ -16,11 +18,12 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use super::api::{finish_reason_name, ApiError, Completion, PromptTokensDetails, Usage};
-use super::session::{CloseRequest, ClosedTrajectory, Prompt, Sampled, Sessions};
+use super::session::{CloseRequest, ClosedTrajectory, Prompt, Sampled, Sessions, DEFAULT_ENV_TAG};
 use crate::model::Model;
 use crate::rollout::engine::{
     CacheCounters, Engine, FinishReason, GenRequest, Generation, GenerationFeed,
 };
+use crate::rollout::grammar::ResponseGrammar;
 use crate::rollout::sampling::SamplingParams;
 use crate::seed;
 use crate::tokenizer::Tokenizer;
@@ -73,6 +76,11 @@ pub trait Backend {
     fn parts(&mut self) -> (&mut Engine, &Model, &Tokenizer);
     /// Version of the weights generating now.
     fn policy_version(&self) -> u64;
+    /// Answer grammars by env tag: a session whose env tag has one is sampled under it
+    /// (constrained decoding; none by default).
+    fn grammars(&self) -> BTreeMap<String, Arc<ResponseGrammar>> {
+        BTreeMap::new()
+    }
     /// The engine's counters of one generation call (prefix reuse, tokens, forward time).
     fn generated(&mut self, _counters: &CacheCounters) {}
     /// A closed session's steps; returns what the close request answers (ids, counts).
@@ -155,6 +163,7 @@ struct Running {
 struct Call<'a> {
     worker: &'a mut Worker,
     tok: &'a Tokenizer,
+    grammars: &'a BTreeMap<String, Arc<ResponseGrammar>>,
     jobs: &'a Receiver<Job>,
     first: Option<Job>,
     version: u64,
@@ -213,10 +222,12 @@ impl Call<'_> {
         reply: mpsc::UnboundedSender<Reply>,
         requests: &mut Vec<GenRequest>,
     ) {
-        match self
+        let tag = completion.env_tag.as_deref().unwrap_or(DEFAULT_ENV_TAG);
+        let grammar = self.grammars.get(tag).cloned();
+        let accepted = self
             .worker
-            .accept(self.tok, completion, reply.clone(), requests)
-        {
+            .accept(self.tok, completion, grammar, reply.clone(), requests);
+        match accepted {
             Ok(run) => {
                 let r = self.running.len();
                 self.owner.extend((0..run.completion.n).map(|c| (r, c)));
@@ -232,10 +243,12 @@ impl Worker {
     /// waited for its end.
     fn run_round(&mut self, backend: &mut dyn Backend, first: Job, jobs: &Receiver<Job>) {
         let version = backend.policy_version();
+        let grammars = backend.grammars();
         let (engine, model, tok) = backend.parts();
         let mut call = Call {
             worker: self,
             tok,
+            grammars: &grammars,
             jobs,
             first: Some(first),
             version,
@@ -280,11 +293,12 @@ impl Worker {
     }
 
     /// Renders a completion's prompt, checks its length and queues one engine request per
-    /// choice.
+    /// choice (sampled under `grammar` when there is one).
     fn accept(
         &mut self,
         tok: &Tokenizer,
         completion: Completion,
+        grammar: Option<Arc<ResponseGrammar>>,
         reply: mpsc::UnboundedSender<Reply>,
         requests: &mut Vec<GenRequest>,
     ) -> Result<Running, ApiError> {
@@ -320,7 +334,7 @@ impl Worker {
                 max_new_tokens: max_tokens,
                 stop_token_ids: stop_tokens.clone(),
                 stop_strings: completion.stop.clone(),
-                grammar: None,
+                grammar: grammar.clone(),
             });
         }
         let streams = (0..completion.n)

@@ -6,9 +6,12 @@
 //! trajectory `group_id · group_size + member`), the trainer learns from them, and the gateway's
 //! next request is served by the new policy version (the engine's cache was flushed with it).
 //! A session spanning an update holds steps of two versions; the stored behaviour log-probs
-//! are what the update's ratio is taken against, and `gateway/staleness` reports the lag.
+//! are what the update's ratio is taken against, and `gateway/staleness` reports the lag. With
+//! `constrained_decoding: true`, a session whose env tag (`metadata.env`) names a config env is
+//! sampled under that env's answer grammar, the one the update scores its tokens under.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::{json, Value};
@@ -17,6 +20,7 @@ use super::trainer::{Event, Trainer};
 use super::TrainError;
 use crate::model::Model;
 use crate::rollout::engine::{CacheCounters, Engine};
+use crate::rollout::grammar::ResponseGrammar;
 use crate::serve::{ApiError, Backend, ClosedTrajectory};
 use crate::store::StepRecord;
 use crate::tokenizer::Tokenizer;
@@ -33,11 +37,14 @@ pub struct GatewayTrainer<'a> {
     ready: VecDeque<Vec<ClosedTrajectory>>,
     counters: CacheCounters,
     since: Instant,
+    grammars: BTreeMap<String, Arc<ResponseGrammar>>,
 }
 
 impl<'a> GatewayTrainer<'a> {
     pub fn new(trainer: &'a mut Trainer, until: u64, on_event: &'a mut dyn FnMut(Event)) -> Self {
+        let grammars = trainer.answer_grammars();
         Self {
+            grammars,
             trainer,
             on_event,
             until,
@@ -114,6 +121,10 @@ impl Backend for GatewayTrainer<'_> {
 
     fn policy_version(&self) -> u64 {
         self.trainer.state().step
+    }
+
+    fn grammars(&self) -> BTreeMap<String, Arc<ResponseGrammar>> {
+        self.grammars.clone()
     }
 
     fn generated(&mut self, counters: &CacheCounters) {

@@ -13,6 +13,7 @@ use crate::store::StepRecord;
 use crate::tokenizer::Tokenizer;
 use candle_core::{Device, Tensor};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// The update side of constrained decoding: per env tag, the answer grammar the rollout sampled
 /// under, so each response token is scored over the same allowed tokens (a `-1e9` logit bias on
@@ -30,6 +31,15 @@ impl ResponseMasks {
     /// Masks for the env tags in `grammars` over a model vocabulary of `vocab` logits.
     pub fn new(grammars: BTreeMap<String, ResponseGrammar>, vocab: usize) -> Self {
         Self { grammars, vocab }
+    }
+
+    /// The answer grammar of every env tag (empty when constrained decoding is off), for a
+    /// rollout source outside the trainer to sample under.
+    pub fn grammars(&self) -> BTreeMap<String, Arc<ResponseGrammar>> {
+        self.grammars
+            .iter()
+            .map(|(tag, g)| (tag.clone(), Arc::new(g.clone())))
+            .collect()
     }
 
     /// How many leading tokens of `rec`'s response the grammar forced (exactly one token

@@ -46,6 +46,7 @@ use crate::dist::{Collective, Metered, Single};
 use crate::env::AgentKind;
 use crate::model::{Critic, FeatureCritic, Model};
 use crate::rollout::engine::{CacheCounters, Engine};
+use crate::rollout::grammar::ResponseGrammar;
 use crate::seed;
 use crate::store::{DatasetWriter, SegmentEntry, StepRecord, WriterOptions};
 use crate::tokenizer::Tokenizer;
@@ -527,6 +528,12 @@ impl Trainer {
     /// gateway, generates with them between updates).
     pub fn generation_parts(&mut self) -> (&mut Engine, &Model, &Tokenizer) {
         (&mut self.engine, &self.policy, &self.tok)
+    }
+
+    /// The answer grammar of every env tag the update scores under (empty without constrained
+    /// decoding): an outside rollout source samples a tag's responses under the same grammar.
+    pub fn answer_grammars(&self) -> BTreeMap<String, Arc<ResponseGrammar>> {
+        self.masks.grammars()
     }
 
     /// Id of the first group of the next rollout (trajectory ids are `group_id · group_size +
