@@ -8,6 +8,9 @@
 //! chunks and one-token decode steps of all running sequences. Finished sequences commit their
 //! tokens that have K/V to the tree, free duplicate slots and release their locks. Cached prefixes
 //! live in a namespace salted with the policy version; [`Engine::set_policy_version`] also flushes.
+//! [`Engine::generate_continuous`] is the same loop fed by a [`GenerationFeed`]: requests join the
+//! running batch between forward calls and each is handed back the moment it finishes (the
+//! gateway serves with it); `generate` is a fixed batch fed in at once.
 
 use std::sync::Arc;
 use std::time::Instant;
