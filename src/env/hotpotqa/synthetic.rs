@@ -90,7 +90,8 @@ pub fn synthetic_records(count: usize, seed: u64) -> Vec<HotpotRecord> {
     (0..count).map(|i| kb.record(i, seed, &mut rng)).collect()
 }
 
-fn capitalize(word: &str) -> String {
+/// `word` with its first letter upper-cased.
+pub(super) fn capitalize(word: &str) -> String {
     let mut chars = word.chars();
     chars
         .next()

@@ -24,7 +24,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::metric::normalize_answer;
-use super::synthetic::{JOBS, SYLLABLES};
+use super::synthetic::{capitalize, JOBS, SYLLABLES};
 use crate::env::stable_hash;
 use crate::seed::derive;
 
@@ -178,14 +178,6 @@ pub struct World {
     companies: Vec<Company>,
     films: Vec<Film>,
     paragraphs: Vec<Paragraph>,
-}
-
-fn capitalize(word: &str) -> String {
-    let mut chars = word.chars();
-    chars
-        .next()
-        .map(|c| c.to_uppercase().chain(chars).collect())
-        .unwrap_or_default()
 }
 
 /// A capitalized word of two syllables.
