@@ -239,7 +239,8 @@ pub struct SftConfig {
     pub steps: usize,
     /// Episodes of the agent collected as training data.
     pub episodes: usize,
-    /// `random` (learns the answer format, not the task) or `oracle`.
+    /// `random` (learns the answer format, not the task), `oracle`, or `searcher` (search envs:
+    /// the oracle's searches, then a guessed answer among the names read).
     pub agent: String,
     /// Trajectories per gradient step.
     pub batch_size: usize,
@@ -561,6 +562,18 @@ fn greedy() -> GeneratingArgs {
 }
 
 impl Config {
+    /// The words the config's envs write ([`crate::env::builtin_words`]), sorted and without
+    /// repeats: what the built-in tokenizer of a run on this config adds as whole-word tokens.
+    pub fn builtin_words(&self) -> Result<Vec<String>, String> {
+        let mut words = std::collections::BTreeSet::new();
+        for (tag, spec) in &self.custom_envs {
+            let found = crate::env::builtin_words(&spec.env_type, &spec.env_config)
+                .map_err(|e| format!("custom_envs.{tag}: {e}"))?;
+            words.extend(found);
+        }
+        Ok(words.into_iter().collect())
+    }
+
     /// The embedded default (`configs/frozenlake_steppo.yaml`).
     pub fn embedded_default() -> Config {
         Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, EMBEDDED_DEFAULT_NAME, &[])
@@ -873,11 +886,8 @@ impl Config {
             }
             check_positive("sft.learning_rate", self.sft.learning_rate)?;
             self.validate_value_warmup()?;
-            if !matches!(self.sft.agent.as_str(), "random" | "oracle") {
-                return fail(
-                    "sft.agent",
-                    format!("must be `random` or `oracle`, got `{}`", self.sft.agent),
-                );
+            if let Err(reason) = self.sft.agent.parse::<crate::env::AgentKind>() {
+                return fail("sft.agent", reason);
             }
         }
         self.validate_self_imitation()

@@ -138,17 +138,29 @@ impl std::fmt::Debug for Tokenizer {
 impl Tokenizer {
     /// The built-in byte-level tokenizer (deterministic, cheap to build).
     pub fn builtin() -> Self {
-        Self::try_builtin().expect("the built-in word list is valid by construction")
+        Self::builtin_with_words(&[])
     }
 
-    fn try_builtin() -> Result<Self> {
+    /// The built-in tokenizer with whole-word tokens for `words` too (with and without a
+    /// leading space), numbered after the built-in ones, so every built-in id is unchanged: the
+    /// words an env writes (e.g. a generated QA world's names), so that the model copies a name
+    /// as one token instead of spelling it byte by byte. Words must be letter runs.
+    pub fn builtin_with_words(words: &[String]) -> Self {
+        assert!(
+            words.iter().all(|w| w.chars().all(char::is_alphabetic)),
+            "extra built-in words are letter runs"
+        );
+        Self::try_builtin(words).expect("the built-in word list is valid by construction")
+    }
+
+    fn try_builtin(words: &[String]) -> Result<Self> {
         let byte_chars = byte_to_unicode();
         let mut vocab: HashMap<String, u32> = HashMap::new();
         for ch in byte_chars.iter() {
             let id = vocab.len() as u32;
             vocab.insert(ch.to_string(), id);
         }
-        for piece in builtin_pieces() {
+        for piece in builtin_pieces().into_iter().chain(word_pieces(words)) {
             let token: String = piece.bytes().map(|b| byte_chars[b as usize]).collect();
             if !vocab.contains_key(&token) {
                 let id = vocab.len() as u32;
@@ -290,7 +302,15 @@ impl Tokenizer {
 /// Every word of the built-in list with and without a leading space, plus the symbol runs.
 fn builtin_pieces() -> BTreeSet<String> {
     let mut pieces: BTreeSet<String> = BUILTIN_SYMBOL_RUNS.iter().map(|s| s.to_string()).collect();
-    for word in BUILTIN_WORDS.split_whitespace() {
+    pieces.extend(word_pieces(BUILTIN_WORDS.split_whitespace()));
+    pieces
+}
+
+/// Each word with and without a leading space (a one-letter word is a byte token already).
+fn word_pieces<S: AsRef<str>>(words: impl IntoIterator<Item = S>) -> BTreeSet<String> {
+    let mut pieces = BTreeSet::new();
+    for word in words {
+        let word = word.as_ref();
         if word.len() > 1 {
             pieces.insert(word.to_string());
         }
@@ -547,6 +567,23 @@ mod tests {
         for s in SAMPLES {
             assert_eq!(a.encode(s), b.encode(s));
         }
+    }
+
+    #[test]
+    fn extra_words_are_whole_tokens_after_unchanged_builtin_ids() {
+        let base = Tokenizer::builtin();
+        let words: Vec<String> = ["Kalomir", "Zenvor", "the"].map(String::from).to_vec();
+        let tok = Tokenizer::builtin_with_words(&words);
+        // "the" is built in; each new word adds two pieces (bare and after a space).
+        assert_eq!(tok.vocab_size(), base.vocab_size() + 4);
+        for s in SAMPLES {
+            assert_eq!(tok.encode(s), base.encode(s), "{s}");
+        }
+        let ids = tok.encode("Kalomir met Zenvor Kalomir");
+        assert_eq!(ids.len(), 4, "{ids:?}");
+        assert!(ids.iter().all(|&id| id != base.encode("K")[0]));
+        assert_eq!(tok.decode(&ids), "Kalomir met Zenvor Kalomir");
+        assert!(base.encode("Kalomir").len() > 1);
     }
 
     #[test]

@@ -132,7 +132,7 @@ pub fn collect(a: CollectArgs) -> anyhow::Result<()> {
         group_size: a.group_size,
         seed: a.seed,
     };
-    let tokenizer = Tokenizer::builtin();
+    let tokenizer = Tokenizer::builtin_with_words(&env::builtin_words(&cfg.env, &cfg.env_config)?);
     let opts = store::WriterOptions {
         roll_bytes: a.roll_bytes,
         metadata: cfg.metadata(&tokenizer).into_iter().collect(),

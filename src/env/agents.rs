@@ -3,7 +3,9 @@
 //! [`AgentSession::act`] parser as model output. `random` plays a uniform action; `oracle` plays
 //! the env's best action (FrozenLake: BFS on the non-slippery map; Sokoban: the BFS solver;
 //! Bandit: the better arm; QA: search each supporting title in turn, the first entity then the
-//! bridge or second entity, then answer the gold answer). A remote env has no oracle, and no
+//! bridge or second entity, then answer the gold answer); `searcher` (search envs only) plays
+//! the oracle's searches, then answers with a guess among the names it has read: a
+//! demonstration of the turn format and of searching that leaves the answer to be learned. A remote env has no oracle, and no
 //! random agent when it lists no actions: the agent then answers with the env's error.
 
 use std::str::FromStr;
@@ -18,6 +20,18 @@ use super::{Action, AgentSession, EnvError, TurnOutcome};
 pub enum AgentKind {
     Random,
     Oracle,
+    Searcher,
+}
+
+impl AgentKind {
+    /// The name configs and the CLI use.
+    pub fn name(self) -> &'static str {
+        match self {
+            AgentKind::Random => "random",
+            AgentKind::Oracle => "oracle",
+            AgentKind::Searcher => "searcher",
+        }
+    }
 }
 
 impl FromStr for AgentKind {
@@ -27,7 +41,10 @@ impl FromStr for AgentKind {
         match s {
             "random" => Ok(AgentKind::Random),
             "oracle" => Ok(AgentKind::Oracle),
-            other => Err(format!("unknown agent `{other}` (known: random, oracle)")),
+            "searcher" => Ok(AgentKind::Searcher),
+            other => Err(format!(
+                "unknown agent `{other}` (known: random, oracle, searcher)"
+            )),
         }
     }
 }
@@ -52,6 +69,7 @@ impl Agent {
         let action = match self.kind {
             AgentKind::Oracle => session.env().oracle_action()?,
             AgentKind::Random => session.env().random_action(&mut self.rng)?,
+            AgentKind::Searcher => session.env().searcher_action(&mut self.rng)?,
         };
         Ok(response_text(&action, session.protocol().enable_think))
     }

@@ -124,6 +124,15 @@ pub trait Env: Send {
     /// A uniformly random action (what the random agent plays); an error when the env cannot
     /// draw one (a remote env that lists no actions).
     fn random_action(&self, rng: &mut rand_chacha::ChaCha8Rng) -> Result<Action, EnvError>;
+    /// What the searcher agent plays: the oracle's searches, then an answer guessed among what
+    /// the searches returned. Only search envs have one.
+    fn searcher_action(&self, _rng: &mut rand_chacha::ChaCha8Rng) -> Result<Action, EnvError> {
+        Err(EnvError::NoAgent {
+            env: self.tag().to_string(),
+            agent: "searcher",
+            reason: "only search envs (hotpotqa) have one".into(),
+        })
+    }
 }
 
 /// Errors of env construction and data loading.
@@ -221,6 +230,18 @@ pub fn build_env(
         fit_turns_to_action_cap(env_name, env.max_steps(), &mut protocol, turns_given)?;
     }
     Ok((env, protocol))
+}
+
+/// Words the env writes that the built-in tokenizer gives whole-word tokens in a run that plays
+/// it ([`crate::tokenizer::Tokenizer::builtin_with_words`]): a generated QA world's vocabulary
+/// (its names, template words and the instruction's words); none for the other envs.
+pub fn builtin_words(env_name: &str, config: &Value) -> Result<Vec<String>, EnvError> {
+    if env_name != "hotpotqa" {
+        return Ok(Vec::new());
+    }
+    let (_, env_overrides) = split_config(env_name, config)?;
+    let cfg: HotpotQaConfig = merge_config(env_name, HotpotQaConfig::default(), &env_overrides)?;
+    Ok(cfg.builtin_words())
 }
 
 /// For an env whose episodes are generated to be solvable within its action cap (Sokoban: a

@@ -14,7 +14,7 @@
 //! [`RolloutStats::env_errors`] and goes on; when every group fails the first error is returned.
 //! Records reach the sink once the rollout is over, so a dropped group's never do.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -133,6 +133,10 @@ pub struct RolloutStats {
     pub env_s: f64,
     /// The env errors that each dropped a group under `on_error: skip`.
     pub env_errors: Vec<String>,
+    /// Each env metric (`EnvInfo::metrics`, e.g. QA's `em`, `f1`, `searches`) summed over every
+    /// turn of every kept trajectory: divided by `trajectories`, a per-episode mean.
+    #[serde(default)]
+    pub env_metric_sums: BTreeMap<String, f64>,
 }
 
 /// The records of one rollout (trajectory by trajectory, steps in order) and its statistics.
@@ -157,6 +161,8 @@ struct Trajectory {
     context_len: usize,
     observation_text: String,
     records: Vec<StepRecord>,
+    /// The env's metrics of every turn so far, summed by name.
+    metric_sums: BTreeMap<String, f64>,
     done: bool,
 }
 
@@ -229,6 +235,12 @@ pub fn run_rollout(
         }
         env_s += t1.elapsed().as_secs_f64();
     }
+    let mut env_metric_sums = BTreeMap::new();
+    for t in trajs.iter().filter(|t| !dropped.contains(t.group_id)) {
+        for (name, v) in &t.metric_sums {
+            *env_metric_sums.entry(name.clone()).or_insert(0.0) += v;
+        }
+    }
     let (records, trajectories) = dropped.keep_whole_groups(trajs)?;
     for record in &records {
         sink(record).map_err(|message| RolloutError::Sink {
@@ -239,6 +251,7 @@ pub fn run_rollout(
     }
     let mut stats = summarize(&cfg.env_name, &records, trajectories);
     stats.length_cut_responses = length_cut;
+    stats.env_metric_sums = env_metric_sums;
     stats.cache = engine.take_counters();
     stats.wall_s = start.elapsed().as_secs_f64();
     stats.generate_s = generate_s;
@@ -362,6 +375,7 @@ fn start_group(
             context_len: 0,
             observation_text: first,
             records: Vec::new(),
+            metric_sums: BTreeMap::new(),
             done: false,
         });
     }
@@ -409,6 +423,9 @@ fn advance(
         .session
         .act(&response_text)
         .map_err(|source| env_error(cfg, source))?;
+    for (name, v) in &outcome.metrics {
+        *t.metric_sums.entry(name.clone()).or_insert(0.0) += f64::from(*v);
+    }
     let mut info = outcome.info;
     if info.observation_text.is_empty() {
         info.observation_text = std::mem::take(&mut t.observation_text);

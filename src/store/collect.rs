@@ -36,13 +36,14 @@ pub struct CollectConfig {
     pub seed: u64,
 }
 
+/// The key of the manifest's `tokenizer` entry listing the words the built-in tokenizer was
+/// extended with ([`Tokenizer::builtin_with_words`]), so a reader decodes with the same ids.
+pub const EXTRA_WORDS_KEY: &str = "extra_words";
+
 impl CollectConfig {
     /// The run description stored in the manifest's `metadata` map.
     pub fn metadata(&self, tokenizer: &Tokenizer) -> Vec<(String, Value)> {
-        let agent = match self.agent {
-            AgentKind::Random => "random",
-            AgentKind::Oracle => "oracle",
-        };
+        let agent = self.agent.name();
         vec![
             (
                 "collect".into(),
@@ -54,7 +55,10 @@ impl CollectConfig {
             ),
             (
                 "tokenizer".into(),
-                json!({"kind": "builtin", "vocab_size": tokenizer.vocab_size(), "eos_id": tokenizer.eos_id()}),
+                json!({
+                    "kind": "builtin", "vocab_size": tokenizer.vocab_size(), "eos_id": tokenizer.eos_id(),
+                    EXTRA_WORDS_KEY: env::builtin_words(&self.env, &self.env_config).unwrap_or_default(),
+                }),
             ),
         ]
     }

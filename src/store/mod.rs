@@ -54,7 +54,9 @@ mod tokens;
 mod verify;
 
 pub use codec::{StepMeta, StepMetaView, StepView, REFERENCE_BLOCK};
-pub use collect::{agent_episode, collect, CollectConfig, CollectSummary, EpisodeIds};
+pub use collect::{
+    agent_episode, collect, CollectConfig, CollectSummary, EpisodeIds, EXTRA_WORDS_KEY,
+};
 pub use dataset::{
     rewind, Dataset, DatasetPosition, DatasetWriter, Group, RecordLocation, SegmentId, Trajectory,
     WriterOptions, DEFAULT_ROLL_BYTES,

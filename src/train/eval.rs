@@ -156,6 +156,8 @@ pub struct ManagerRollout {
     pub env_s: f64,
     /// The env errors that dropped a group (`on_error: skip`), each naming its tag.
     pub env_errors: Vec<String>,
+    /// `<tag>/<metric>`: each env metric's mean per episode ([`crate::rollout::agent_loop::RolloutStats::env_metric_sums`]).
+    pub env_scores: Scalars,
 }
 
 /// Runs this rank's share ([`super::ranks::group_share`], `rank` of `ranks`) of the groups of
@@ -200,6 +202,11 @@ pub fn run_manager(
             .map_err(|e| name_tag(e, tag))?;
         for r in &mut rollout.records {
             r.env_tag = tag.clone();
+        }
+        let episodes = rollout.stats.trajectories.max(1) as f64;
+        for (name, sum) in &rollout.stats.env_metric_sums {
+            out.env_scores
+                .insert(format!("{tag}/{name}"), sum / episodes);
         }
         out.counters.add(&rollout.stats.cache);
         out.env_s += rollout.stats.env_s;
@@ -251,6 +258,9 @@ pub fn validate(
     )?;
     let mut scalars = Scalars::new();
     let summaries = env_metrics("val", &rollout.records, &mut scalars);
+    for (name, mean) in &rollout.env_scores {
+        scalars.insert(format!("val/{name}"), *mean);
+    }
     scalars.insert("val/env_errors".into(), rollout.env_errors.len() as f64);
     Ok(Validation {
         scalars,

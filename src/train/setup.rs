@@ -38,7 +38,8 @@ pub(crate) fn engine_for(cfg: &Config, policy: &Model) -> Result<Engine, TrainEr
 }
 
 /// The policy a fresh run starts from: the built-in model (`tiny`/`small`, initialised from the
-/// run seed) or an HF checkpoint directory.
+/// run seed, over the built-in tokenizer plus the words the run's envs write) or an HF
+/// checkpoint directory.
 pub(crate) fn fresh_policy(
     cfg: &Config,
     device: &Device,
@@ -49,7 +50,7 @@ pub(crate) fn fresh_policy(
             device,
         )?);
     }
-    let tok = Tokenizer::builtin();
+    let tok = Tokenizer::builtin_with_words(&cfg.builtin_words().map_err(TrainError::Data)?);
     let mc = match cfg.builtin_size {
         BuiltinSize::Tiny => ModelConfig::tiny(tok.vocab_size()),
         BuiltinSize::Small => ModelConfig::small(tok.vocab_size()),

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use crate::algo::AdvantageConfig;
 use crate::config::Config;
-use crate::store::MANIFEST_FILE;
+use crate::store::{Manifest, EXTRA_WORDS_KEY, MANIFEST_FILE};
 use crate::tokenizer::Tokenizer;
 use crate::train::checkpoint;
 
@@ -55,10 +55,11 @@ impl Source {
     }
 
     /// The run's tokenizer: its latest checkpoint's `policy/tokenizer.json` when there is one,
-    /// else the built-in tokenizer (the one `collect` and the built-in model use).
+    /// else the built-in tokenizer with the words the records were tokenised with (a run's
+    /// `config.json` envs, a collected dataset's manifest list).
     pub fn tokenizer(&self) -> Result<Tokenizer, ViewError> {
         if !self.is_run() {
-            return Ok(Tokenizer::builtin());
+            return Ok(Tokenizer::builtin_with_words(&self.collected_words()));
         }
         let latest = checkpoint::latest(&self.root).ok().flatten();
         match latest.map(|ckpt| ckpt.join("policy")) {
@@ -67,18 +68,38 @@ impl Source {
                     path: policy,
                     source,
                 }),
-            _ => Ok(Tokenizer::builtin()),
+            _ => Ok(Tokenizer::builtin_with_words(
+                &self
+                    .config()
+                    .and_then(|cfg| cfg.builtin_words().ok())
+                    .unwrap_or_default(),
+            )),
         }
+    }
+
+    /// The extra built-in words a collected dataset's manifest lists (none when it lists none).
+    fn collected_words(&self) -> Vec<String> {
+        Manifest::read(&self.dataset)
+            .ok()
+            .and_then(|m| m.metadata.get("tokenizer").cloned())
+            .and_then(|t| t.get(EXTRA_WORDS_KEY).cloned())
+            .and_then(|words| serde_json::from_value(words).ok())
+            .unwrap_or_default()
     }
 
     /// The advantage settings the run trained with (its `config.json`), else the defaults.
     pub fn advantage_config(&self) -> AdvantageConfig {
+        self.config()
+            .map_or_else(AdvantageConfig::default, |c| c.advantage_config())
+    }
+
+    /// The run's `config.json`, when it reads.
+    fn config(&self) -> Option<Config> {
         let path = self.root.join("config.json");
-        let config = fs::read_to_string(&path)
+        fs::read_to_string(&path)
             .ok()
             .and_then(|text| serde_json::from_str(&text).ok())
-            .and_then(|value| Config::from_value(value, &path.display().to_string()).ok());
-        config.map_or_else(AdvantageConfig::default, |c| c.advantage_config())
+            .and_then(|value| Config::from_value(value, &path.display().to_string()).ok())
     }
 
     /// Names and sizes of the dataset's segment files, in name order.

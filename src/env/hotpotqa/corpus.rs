@@ -86,6 +86,17 @@ impl Corpus {
             .collect()
     }
 
+    /// (title, text) of the `k` best passages for `query`, best first.
+    pub fn passages(&self, query: &str, k: usize) -> Vec<(&str, &str)> {
+        self.search(query, k)
+            .into_iter()
+            .map(|doc| {
+                let p = &self.passages[doc];
+                (p.title.as_str(), p.text.as_str())
+            })
+            .collect()
+    }
+
     /// The `<information>` block of the `k` best passages for `query`.
     pub fn render(&self, query: &str, k: usize) -> String {
         let docs: String = self

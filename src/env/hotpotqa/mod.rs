@@ -104,6 +104,18 @@ impl Default for HotpotQaConfig {
     }
 }
 
+impl HotpotQaConfig {
+    /// The words a generated world writes ([`world::vocabulary`]); none for a fixture or a
+    /// file, whose text the tokenizer takes as it comes.
+    pub fn builtin_words(&self) -> Vec<String> {
+        if self.data_file.is_none() && self.world == WorldKind::Generated {
+            world::vocabulary()
+        } else {
+            Vec::new()
+        }
+    }
+}
+
 /// Records, the split and the whole-world index: everything an env reads and never changes.
 struct QaData {
     records: Vec<HotpotRecord>,
@@ -296,6 +308,64 @@ impl HotpotQaEnv {
     }
 }
 
+/// First words of a yes/no question.
+const YES_NO_OPENERS: [&str; 7] = ["Is", "Are", "Was", "Were", "Do", "Does", "Did"];
+
+impl HotpotQaEnv {
+    /// The searcher agent's answer (see [`Env::searcher_action`]).
+    fn guess(&self, rng: &mut ChaCha8Rng) -> String {
+        let question = &self.record().question;
+        let (opener, rest) = question.split_once(' ').unwrap_or((question, ""));
+        if YES_NO_OPENERS.contains(&opener) {
+            return ["yes", "no"].choose(rng).expect("non-empty").to_string();
+        }
+        let mut names: std::collections::BTreeSet<String> = names_in(rest).into_iter().collect();
+        for query in &self.queries {
+            for (title, text) in self.corpus().passages(query, self.cfg.topk) {
+                names.insert(title.to_string());
+                names.extend(names_in(text));
+            }
+        }
+        let names: Vec<String> = names.into_iter().collect();
+        names.choose(rng).cloned().unwrap_or_default()
+    }
+}
+
+/// Runs of capitalized words in `text` (a name; punctuation ends a run), e.g. "The Vorgal
+/// Harbor", "Meleko Motors".
+fn names_in(text: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut run: Vec<&str> = Vec::new();
+    for raw in text.split_whitespace() {
+        let word = raw.trim_start_matches(|c: char| !c.is_alphanumeric());
+        let bare = word.trim_end_matches(|c: char| !c.is_alphanumeric());
+        let capitalized = bare.chars().next().is_some_and(char::is_uppercase)
+            && bare.chars().all(char::is_alphabetic);
+        if capitalized && word.len() == raw.len() {
+            run.push(bare);
+        } else if capitalized {
+            // Punctuation before the word starts a new run.
+            flush(&mut run, &mut names);
+            run.push(bare);
+        } else {
+            flush(&mut run, &mut names);
+        }
+        if bare.len() < word.len() {
+            flush(&mut run, &mut names);
+        }
+    }
+    flush(&mut run, &mut names);
+    names
+}
+
+/// Moves a finished run into `names` (a lone sentence-opening "The" is no name).
+fn flush(run: &mut Vec<&str>, names: &mut Vec<String>) {
+    if !run.is_empty() && run[..] != ["The"] {
+        names.push(run.join(" "));
+    }
+    run.clear();
+}
+
 /// Indices of the records in `split`; a record is `val` when its id hash falls below
 /// `val_fraction`.
 fn split_indices(
@@ -347,8 +417,14 @@ impl Env for HotpotQaEnv {
         Ok(self.state_text())
     }
 
+    /// Metrics (summed over an episode's turns by the rollout): `searches` (1 per search),
+    /// `em` and `f1` of the answer, `em_<type>` (the answer's EM under its question type,
+    /// e.g. `em_bridge`) and `question_<type>` (1 at the episode's first action), so that
+    /// `em_bridge / question_bridge` is the EM of bridge questions.
     fn step(&mut self, action: &Action) -> Result<Transition, EnvError> {
         let mut info = EnvInfo::default();
+        let first_action = self.queries.is_empty() && !self.finished;
+        let kind = self.record().kind.clone();
         let (reward, terminated) = match action {
             _ if self.finished => (0.0, true),
             Action::Search(query) => {
@@ -356,6 +432,7 @@ impl Env for HotpotQaEnv {
                 self.queries.push(query.clone());
                 info.action_is_valid = true;
                 info.action_is_effective = true;
+                info.metrics.push(("searches".into(), 1.0));
                 (0.0, false)
             }
             Action::Answer(answer) => {
@@ -368,12 +445,19 @@ impl Env for HotpotQaEnv {
                     success: em == 1.0,
                     action_is_valid: true,
                     action_is_effective: true,
-                    metrics: vec![("em".into(), em), ("f1".into(), f1)],
+                    metrics: vec![
+                        ("em".into(), em),
+                        ("f1".into(), f1),
+                        (format!("em_{kind}"), em),
+                    ],
                 };
                 (em, true)
             }
             Action::Move(_) => (0.0, false),
         };
+        if first_action && !kind.is_empty() {
+            info.metrics.push((format!("question_{kind}"), 1.0));
+        }
         Ok(Transition {
             observation: self.observation.clone(),
             reward,
@@ -421,6 +505,16 @@ impl Env for HotpotQaEnv {
         })
     }
 
+    /// The oracle's searches, then an answer drawn uniformly from what a reader could guess
+    /// without knowing the answer: `yes`/`no` for a question that opens like a yes/no question,
+    /// else the names (capitalized word runs) of the question and of every passage read.
+    fn searcher_action(&self, rng: &mut ChaCha8Rng) -> Result<Action, EnvError> {
+        Ok(match self.oracle_action()? {
+            Action::Answer(_) => Action::Answer(self.guess(rng)),
+            search => search,
+        })
+    }
+
     fn random_action(&self, rng: &mut ChaCha8Rng) -> Result<Action, EnvError> {
         let titles: Vec<&String> = self.record().context.iter().map(|(t, _)| t).collect();
         let title = titles
@@ -438,6 +532,8 @@ impl Env for HotpotQaEnv {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
+
+    use rand::SeedableRng;
 
     use super::*;
 
@@ -463,10 +559,74 @@ mod tests {
         env.reset(2).unwrap();
         let t = env.step(&Action::Answer("zzz".into())).unwrap();
         assert_eq!(t.reward, 0.0);
+        let kind = env.record().kind.clone();
+        let expected: Vec<(String, f32)> = vec![
+            ("em".into(), 0.0),
+            ("f1".into(), 0.0),
+            (format!("em_{kind}"), 0.0),
+            (format!("question_{kind}"), 1.0),
+        ];
+        assert_eq!(t.info.metrics, expected);
+        env.reset(2).unwrap();
+        let t = env.step(&Action::Search("zzz".into())).unwrap();
+        let expected: Vec<(String, f32)> =
+            vec![("searches".into(), 1.0), (format!("question_{kind}"), 1.0)];
+        assert_eq!(t.info.metrics, expected);
+        let t = env.step(&Action::Answer(gold)).unwrap();
+        assert_eq!(t.info.metrics[2], (format!("em_{kind}"), 1.0));
+        assert_eq!(t.info.metrics.len(), 3, "the type is counted once");
+    }
+
+    #[test]
+    fn names_are_capitalized_runs() {
+        let text = "The capital of Ulsol Ora is Kalo Mir. The Vorgal Harbor is a 1990 film \
+                    directed by Melpim Beltha (born 1968), of Galvor Textiles.";
         assert_eq!(
-            t.info.metrics,
-            vec![("em".to_string(), 0.0), ("f1".to_string(), 0.0)]
+            names_in(text),
+            [
+                "Ulsol Ora",
+                "Kalo Mir",
+                "The Vorgal Harbor",
+                "Melpim Beltha",
+                "Galvor Textiles"
+            ]
         );
+    }
+
+    #[test]
+    fn the_searcher_searches_like_the_oracle_and_guesses_a_name_it_read() {
+        let mut env = HotpotQaEnv::new(HotpotQaConfig::default()).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let (mut hits, mut answers) = (0, 0);
+        for seed in 0..200 {
+            env.reset(seed).unwrap();
+            loop {
+                let oracle = env.oracle_action().unwrap();
+                let action = env.searcher_action(&mut rng).unwrap();
+                let Action::Answer(answer) = &action else {
+                    assert_eq!(action, oracle);
+                    env.step(&action).unwrap();
+                    continue;
+                };
+                let question = env.record().question.clone();
+                let read: String = env
+                    .queries
+                    .iter()
+                    .flat_map(|q| env.corpus().passages(q, 3))
+                    .map(|(t, text)| format!("{t} {text}"))
+                    .collect();
+                let yes_no = answer == "yes" || answer == "no";
+                assert!(
+                    yes_no || question.contains(answer.as_str()) || read.contains(answer.as_str())
+                );
+                hits += usize::from(env.step(&action).unwrap().info.success);
+                answers += 1;
+                break;
+            }
+        }
+        assert_eq!(answers, 200);
+        // A guess, not the task: well above nothing (yes/no questions), far below the oracle.
+        assert!((10..=80).contains(&hits), "{hits} of 200");
     }
 
     #[test]

@@ -10,14 +10,17 @@
 //!
 //! Train and val worlds of one seed never share an entity name: every name is assigned to one
 //! side of a seed-dependent partition by a hash of its normalized words (in any order), and a
-//! world only draws names from its own side. The name *parts* (syllables, suffixes, company
-//! kinds, film nouns) come from the same lists for both, so a validation name is a new
-//! combination of familiar pieces. Output is a pure function of (seed, split, size, questions,
+//! world only draws names from its own side. The name *words* (the [`lexicon`] of invented
+//! words, company kinds, film nouns) are shared by both, so a validation name is a new
+//! combination of familiar words. Every word a world writes is in [`vocabulary`], which the
+//! built-in tokenizer turns into whole-word tokens for a run on generated worlds: a name is two
+//! tokens to copy, not ten bytes to spell. Output is a pure function of (seed, split, size, questions,
 //! distractors). The questions are the `questions` submodule's. What this module does not do:
 //! retrieval and scoring (the env), the 80-record fixture ([`super::synthetic`]).
 
 use std::collections::BTreeSet;
 use std::ops::Range;
+use std::sync::OnceLock;
 
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
@@ -32,15 +35,32 @@ use crate::seed::derive;
 pub const MIN_WORLD_SIZE: usize = 40;
 pub const MAX_WORLD_SIZE: usize = 5000;
 
-const COUNTRY_SUFFIXES: [&str; 3] = ["ia", "land", "stan"];
-const CITY_SUFFIXES: [&str; 5] = ["burg", "port", "vale", "mora", "ton"];
-const COMPANY_KINDS: [&str; 8] = [
-    "Labs", "Works", "Dynamics", "Foods", "Motors", "Textiles", "Press", "Systems",
+/// Invented name words: people, cities and countries are two of them, companies and films one
+/// and a kind or noun.
+const LEXICON_SIZE: usize = 192;
+const COMPANY_KINDS: [&str; 12] = [
+    "Labs",
+    "Works",
+    "Dynamics",
+    "Foods",
+    "Motors",
+    "Textiles",
+    "Press",
+    "Systems",
+    "Mills",
+    "Studios",
+    "Partners",
+    "Logistics",
 ];
 const FILM_NOUNS: [&str; 12] = [
     "Harbor", "Orchard", "Signal", "Lantern", "Meridian", "Voyage", "Cipher", "Garden", "Mirror",
     "River", "Winter", "Crown",
 ];
+/// The words of the paragraphs, questions and the env's own text that are not names, years or
+/// jobs (a test checks that every word a world writes is in [`vocabulary`]).
+const TEXT_WORDS: &str = "
+headquarters employed employs earlier came come out shot work Give short back No yet
+";
 /// Seed paths of the name partition and the world (the questions use 3 and 4).
 const NAME_STREAM: u64 = 1;
 const WORLD_STREAM: u64 = 2;
@@ -180,11 +200,46 @@ pub struct World {
     paragraphs: Vec<Paragraph>,
 }
 
-/// A capitalized word of two syllables.
+/// The name words: [`LEXICON_SIZE`] capitalized two-syllable words, the same for every seed
+/// and split (a fixed hash order of all of them, so the list is stable).
+pub fn lexicon() -> &'static [String] {
+    static LEXICON: OnceLock<Vec<String>> = OnceLock::new();
+    LEXICON.get_or_init(|| {
+        let words: BTreeSet<String> = SYLLABLES
+            .iter()
+            .flat_map(|a| {
+                SYLLABLES
+                    .iter()
+                    .map(move |b| capitalize(&format!("{a}{b}")))
+            })
+            .collect();
+        let mut words: Vec<String> = words.into_iter().collect();
+        words.sort_by_key(|w| stable_hash(w.as_bytes()));
+        words.truncate(LEXICON_SIZE);
+        words
+    })
+}
+
+/// Every word a generated world writes in its paragraphs and questions, and the env in its
+/// instruction and observations, except years: the name words, company kinds, film nouns, jobs
+/// and the template words.
+pub fn vocabulary() -> Vec<String> {
+    let fixed = COMPANY_KINDS
+        .iter()
+        .chain(&FILM_NOUNS)
+        .chain(&JOBS)
+        .copied()
+        .chain(TEXT_WORDS.split_whitespace());
+    lexicon()
+        .iter()
+        .cloned()
+        .chain(fixed.map(str::to_string))
+        .collect()
+}
+
+/// A name word.
 fn word(rng: &mut ChaCha8Rng) -> String {
-    let a = SYLLABLES.choose(rng).expect("non-empty");
-    let b = SYLLABLES.choose(rng).expect("non-empty");
-    capitalize(&format!("{a}{b}"))
+    lexicon().choose(rng).expect("non-empty").clone()
 }
 
 /// "a" or "an" before `word`.
@@ -239,13 +294,8 @@ impl Namer {
     }
 }
 
-fn country_name(rng: &mut ChaCha8Rng) -> String {
-    format!("{}{}", word(rng), pick(rng, &COUNTRY_SUFFIXES))
-}
-fn city_name(rng: &mut ChaCha8Rng) -> String {
-    format!("{}{}", word(rng), pick(rng, &CITY_SUFFIXES))
-}
-fn person_name(rng: &mut ChaCha8Rng) -> String {
+/// People, cities and countries: two name words.
+fn two_words(rng: &mut ChaCha8Rng) -> String {
     format!("{} {}", word(rng), word(rng))
 }
 fn company_name(rng: &mut ChaCha8Rng) -> String {
@@ -294,9 +344,9 @@ impl World {
             split,
             used: BTreeSet::new(),
         };
-        let mut names = namer.draw_all(rng, &layout.countries, "country", country_name)?;
-        names.extend(namer.draw_all(rng, &layout.cities, "city", city_name)?);
-        names.extend(namer.draw_all(rng, &layout.people, "person", person_name)?);
+        let mut names = namer.draw_all(rng, &layout.countries, "country", two_words)?;
+        names.extend(namer.draw_all(rng, &layout.cities, "city", two_words)?);
+        names.extend(namer.draw_all(rng, &layout.people, "person", two_words)?);
         names.extend(namer.draw_all(rng, &layout.companies, "company", company_name)?);
         names.extend(namer.draw_all(rng, &layout.films, "film", film_name)?);
         Ok(names)
@@ -568,6 +618,45 @@ mod tests {
                 assert_eq!(own.titles(title, 1), vec![title.as_str()], "{}", r.id);
             }
         }
+    }
+
+    #[test]
+    fn every_word_a_world_writes_is_one_builtin_token() {
+        use crate::env::{Action, Env};
+        let tok = crate::tokenizer::Tokenizer::builtin_with_words(&vocabulary());
+        let mut texts: Vec<String> = Vec::new();
+        for split in [Split::Train, Split::Val] {
+            let world = world(10, split);
+            for (title, sentences) in world.paragraphs() {
+                texts.push(format!("Title: {title} {}", sentences.concat()));
+            }
+            for r in world.records(240, 6).unwrap() {
+                texts.push(format!("{} {}", r.question, r.answer));
+            }
+        }
+        let mut env = super::super::HotpotQaEnv::new(Default::default()).unwrap();
+        texts.push(env.instruction());
+        texts.push(env.state_text());
+        texts.push(env.step(&Action::Answer("x".into())).unwrap().observation);
+        let mut missing = BTreeSet::new();
+        for text in &texts {
+            for word in text
+                .split(|c: char| !c.is_alphabetic())
+                .filter(|w| w.len() > 1)
+            {
+                for piece in [word.to_string(), format!(" {word}")] {
+                    if tok.encode(&piece).len() != 1 {
+                        missing.insert(word.to_string());
+                    }
+                }
+            }
+        }
+        assert!(missing.is_empty(), "not whole tokens: {missing:?}");
+        assert_eq!(lexicon().len(), LEXICON_SIZE);
+        assert_eq!(
+            lexicon().iter().collect::<BTreeSet<_>>().len(),
+            LEXICON_SIZE
+        );
     }
 
     #[test]
