@@ -408,6 +408,12 @@ pub struct Config {
     pub critic: CriticConfig,
     #[serde(default = "concat")]
     pub context: ContextLayout,
+    /// The update forwards each mini-batch as a prefix tree: the sequences of one group share the
+    /// longest common prefix of their tokens (at least the first prompt), forwarded and
+    /// back-propagated once instead of once per sequence (`train::prefix_tree`). Same losses and
+    /// gradients as padded sequences to float rounding; both layouts.
+    #[serde(default = "tree_forward")]
+    pub tree_forward: bool,
     /// Rounds kept in the re-rendered prompt of the `window` layout.
     #[serde(default = "two")]
     pub history_length: usize,
@@ -525,6 +531,9 @@ fn cpu() -> DeviceKind {
 }
 fn concat() -> ContextLayout {
     ContextLayout::Concat
+}
+fn tree_forward() -> bool {
+    false
 }
 fn two() -> usize {
     2
