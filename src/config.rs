@@ -408,10 +408,12 @@ pub struct Config {
     pub critic: CriticConfig,
     #[serde(default = "concat")]
     pub context: ContextLayout,
-    /// The update forwards each mini-batch as a prefix tree: the sequences of one group share the
-    /// longest common prefix of their tokens (at least the first prompt), forwarded and
-    /// back-propagated once instead of once per sequence (`train::prefix_tree`). Same losses and
-    /// gradients as padded sequences to float rounding; both layouts.
+    /// The update forwards each mini-batch as a prefix tree (`train::prefix_tree`): the sequences
+    /// of one group share the longest common prefix of their tokens (at least the first prompt),
+    /// forwarded and back-propagated once instead of once per sequence, and no padding is
+    /// computed. The same losses and gradients as the padded forward to f32 rounding, in both
+    /// layouts. On by default: faster on the embedded default and on the HotpotQA config
+    /// (BENCHMARKS.md, "Group-tree training forward").
     #[serde(default = "tree_forward")]
     pub tree_forward: bool,
     /// Rounds kept in the re-rendered prompt of the `window` layout.
@@ -533,7 +535,7 @@ fn concat() -> ContextLayout {
     ContextLayout::Concat
 }
 fn tree_forward() -> bool {
-    false
+    true
 }
 fn two() -> usize {
     2

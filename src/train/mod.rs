@@ -1,6 +1,6 @@
 //! The training side of stepppo: the loop ([`trainer`]), the PPO update ([`update`]), packing of
 //! step records into training sequences ([`batch`]), their device tensors (`device_batch`),
-//! padded or as a prefix tree (`prefix_tree`), constrained-decoding masks on the update side
+//! padded or as a prefix tree ([`prefix_tree`]), constrained-decoding masks on the update side
 //! ([`masks`]), construction of the device, engine and fresh policy (`setup`), the supervised warm
 //! start ([`sft`]), self-imitation replay ([`self_imitation`]), validation ([`eval`]),
 //! checkpoints, the run directory's consistency across crashes ([`run_dir`]), metric sinks (JSONL
@@ -20,7 +20,7 @@ pub mod gateway;
 pub mod masks;
 pub mod metrics;
 pub mod plot;
-mod prefix_tree;
+pub mod prefix_tree;
 pub mod progress;
 mod ranks;
 pub mod run_dir;

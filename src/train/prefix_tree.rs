@@ -12,9 +12,11 @@ use std::collections::BTreeMap;
 
 /// The packed tokens and segments of a mini-batch, and where each sequence's positions lie.
 #[derive(Debug)]
-pub(super) struct PrefixTree {
-    pub(super) ids: Vec<u32>,
-    pub(super) segments: Vec<Segment>,
+pub struct PrefixTree {
+    /// The packed token ids: each group's root, then its branches.
+    pub ids: Vec<u32>,
+    /// The segments tiling `ids`, for [`crate::model::TreeBatch::new`].
+    pub segments: Vec<Segment>,
     places: Vec<Place>,
     /// The padded length T of the batch's flat indices.
     seq_len: usize,
@@ -41,7 +43,7 @@ impl Place {
 
 impl PrefixTree {
     /// The tree of `p`'s sequences, the `b`-th of group `groups[b]`.
-    pub(super) fn new(p: &PackedBatch, groups: &[u64]) -> Self {
+    pub fn new(p: &PackedBatch, groups: &[u64]) -> Self {
         let mut by_group: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
         for (b, &g) in groups.iter().enumerate() {
             by_group.entry(g).or_default().push(b);
@@ -97,7 +99,7 @@ impl PrefixTree {
     }
 
     /// A flat index into the padded `[B, T]` outputs → the packed position of the same token.
-    pub(super) fn packed(&self, flat: u32) -> u32 {
+    pub fn packed(&self, flat: u32) -> u32 {
         let (b, pos) = (flat as usize / self.seq_len, flat as usize % self.seq_len);
         self.places[b].at(pos) as u32
     }
