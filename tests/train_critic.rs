@@ -124,6 +124,7 @@ fn fit(
             masks: &masks,
             freeze_actor: true,
             dist: &stepppo::dist::Single,
+            tree_forward: false,
         };
         let learner = match critic {
             CriticModel::Separate(c) => CriticLearner::Separate(c, &mut critic_opt),

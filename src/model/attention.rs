@@ -92,8 +92,9 @@ fn attention_bias(mask: &[Vec<u32>], dev: &Device) -> Result<Tensor> {
     Ok(Tensor::from_vec(bias, (b_sz, 1, t_len, t_len), dev)?)
 }
 
-/// Masked softmax attention from matmuls with an additive `bias [B, 1, T, T]`.
-fn matmul_attention(
+/// Masked softmax attention from matmuls with an additive `bias [B, 1, Tq, Tk]` (`q [B, H, Tq, D]`,
+/// `k`, `v [B, KV, Tk, D]`).
+pub(super) fn matmul_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -172,68 +173,31 @@ impl CausalAttention {
         })
     }
 
-    /// Probabilities of query rows `t0..t0 + rows` over keys `0..t0 + rows`, row-major in
-    /// `probs`: scaled scores from one matrix product, then a softmax over the keys each row may
-    /// see (the rest get 0).
-    fn block_probabilities(&self, b: usize, t0: usize, block: Block, probs: &mut [f32]) {
-        let (rows, keys, d) = (block.rows, t0 + block.rows, block.head_dim);
-        matmul(
-            probs,
-            Shape2(rows, keys),
-            d,
-            Operand::rows(&block.q[t0 * d..], d),
-            Operand::transposed(block.k, d),
-            Accumulate::No(self.scale),
-        );
-        let real = &self.real[b];
-        for (r, row) in probs.chunks_exact_mut(keys).enumerate() {
-            let t = t0 + r;
-            let visible = |s: usize| s <= t && (real[s] || s == t);
-            let max = (0..keys)
-                .filter(|&s| visible(s))
-                .map(|s| row[s])
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
-            for (s, p) in row.iter_mut().enumerate() {
-                *p = if visible(s) { (*p - max).exp() } else { 0.0 };
-                sum += *p;
-            }
-            row.iter_mut().for_each(|p| *p /= sum);
+    /// Query head `bh` (sequence `b = bh / heads`) of `q`, with its kv head's `k`, `v`.
+    fn head<'a>(&'a self, dims: Dims, bh: usize, qkv: [&'a [f32]; 3]) -> HeadInputs<'a> {
+        let [q, k, v] = qkv;
+        let head = dims.len * dims.head_dim;
+        let (b, h) = (bh / dims.heads, bh % dims.heads);
+        let kv = (b * dims.kv_heads + h / dims.rep()) * head;
+        HeadInputs {
+            q: &q[bh * head..(bh + 1) * head],
+            k: &k[kv..kv + head],
+            v: &v[kv..kv + head],
+            head_dim: dims.head_dim,
+            seen: Seen {
+                offset: 0,
+                real: Some(&self.real[b]),
+            },
         }
     }
 
     fn forward(&self, dims: Dims, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
-        let Dims {
-            len, head_dim: d, ..
-        } = dims;
-        let head = len * d;
+        let head = dims.len * dims.head_dim;
         let mut out = vec![0.0f32; dims.batch * dims.heads * head];
         out.par_chunks_mut(head)
             .enumerate()
             .for_each(|(bh, out_head)| {
-                let (b, h) = (bh / dims.heads, bh % dims.heads);
-                let kv_at = (b * dims.kv_heads + h / dims.rep()) * head;
-                let v = &v[kv_at..kv_at + head];
-                let mut probs = vec![0.0f32; BLOCK * len];
-                for t0 in (0..len).step_by(BLOCK) {
-                    let block = Block {
-                        q: &q[bh * head..(bh + 1) * head],
-                        k: &k[kv_at..kv_at + head],
-                        rows: BLOCK.min(len - t0),
-                        head_dim: d,
-                    };
-                    let (rows, keys) = (block.rows, t0 + block.rows);
-                    let probs = &mut probs[..rows * keys];
-                    self.block_probabilities(b, t0, block, probs);
-                    matmul(
-                        &mut out_head[t0 * d..],
-                        Shape2(rows, d),
-                        keys,
-                        Operand::rows(probs, keys),
-                        Operand::rows(v, d),
-                        Accumulate::No(1.0),
-                    );
-                }
+                head_forward(self.head(dims, bh, [q, k, v]), self.scale, out_head);
             });
         out
     }
@@ -252,14 +216,11 @@ impl CausalAttention {
             .zip(grad_v.par_chunks_mut(head))
             .enumerate()
             .for_each(|(bg, ((grad_q_group, grad_k), grad_v))| {
-                let kv = bg * head..(bg + 1) * head;
                 let mut scratch = BlockScratch::new(dims.len);
                 for r in 0..rep {
-                    let at = (bg * rep + r) * head..(bg * rep + r + 1) * head;
-                    let head_io = HeadIo {
-                        q: &q[at.clone()],
-                        k: &k[kv.clone()],
-                        v: &v[kv.clone()],
+                    let bh = bg * rep + r;
+                    let at = bh * head..(bh + 1) * head;
+                    let out = HeadOutput {
                         o: &o[at.clone()],
                         grad_o: &grad_o[at],
                     };
@@ -268,82 +229,167 @@ impl CausalAttention {
                         k: grad_k,
                         v: grad_v,
                     };
-                    self.head_backward(bg / dims.kv_heads, dims, head_io, grads, &mut scratch);
+                    let inputs = self.head(dims, bh, [q, k, v]);
+                    head_backward(inputs, out, self.scale, grads, &mut scratch);
                 }
             });
         [grad_q, grad_k, grad_v]
     }
+}
 
-    /// One query head's contribution to the gradients, block of query rows by block.
-    fn head_backward(
-        &self,
-        b: usize,
-        dims: Dims,
-        io: HeadIo,
-        grads: HeadGrads,
-        scratch: &mut BlockScratch,
-    ) {
-        let d = dims.head_dim;
-        for t0 in (0..dims.len).step_by(BLOCK) {
-            let block = Block {
-                q: io.q,
-                k: io.k,
-                rows: BLOCK.min(dims.len - t0),
-                head_dim: d,
-            };
-            let (rows, keys) = (block.rows, t0 + block.rows);
-            let probs = &mut scratch.probs[..rows * keys];
-            let grad_scores = &mut scratch.grad_scores[..rows * keys];
-            self.block_probabilities(b, t0, block, probs);
-            let grad_o = &io.grad_o[t0 * d..];
-            // dV[..keys] += Pᵀ dO
-            matmul(
-                grads.v,
-                Shape2(keys, d),
-                rows,
-                Operand::transposed(probs, keys),
-                Operand::rows(grad_o, d),
-                Accumulate::Yes(1.0),
-            );
-            // dP = dO Vᵀ, then dS = P ∘ (dP − rowsum(dO ∘ O))
-            matmul(
-                grad_scores,
-                Shape2(rows, keys),
-                d,
-                Operand::rows(grad_o, d),
-                Operand::transposed(io.v, d),
-                Accumulate::No(1.0),
-            );
-            for (r, (grad_row, prob_row)) in grad_scores
-                .chunks_exact_mut(keys)
-                .zip(probs.chunks_exact(keys))
-                .enumerate()
-            {
-                let t = (t0 + r) * d..(t0 + r + 1) * d;
-                let delta = dot(&io.grad_o[t.clone()], &io.o[t]);
-                grad_row
-                    .iter_mut()
-                    .zip(prob_row)
-                    .for_each(|(g, p)| *g = p * (*g - delta));
+/// Which keys the query rows of a head see: row `t` sits at key position `offset + t` and sees
+/// the keys `s ≤ offset + t` that are real tokens (every key without `real`), and always itself.
+#[derive(Clone, Copy)]
+pub(super) struct Seen<'a> {
+    pub(super) offset: usize,
+    pub(super) real: Option<&'a [bool]>,
+}
+
+impl Seen<'_> {
+    fn sees(&self, t: usize, s: usize) -> bool {
+        let at = self.offset + t;
+        s <= at && (s == at || self.real.is_none_or(|real| real[s]))
+    }
+}
+
+/// One query head's rows `q [len, D]` and its kv head's keys and values `k`, `v`
+/// `[seen.offset + len, D]`.
+#[derive(Clone, Copy)]
+pub(super) struct HeadInputs<'a> {
+    pub(super) q: &'a [f32],
+    pub(super) k: &'a [f32],
+    pub(super) v: &'a [f32],
+    pub(super) head_dim: usize,
+    pub(super) seen: Seen<'a>,
+}
+
+impl HeadInputs<'_> {
+    fn len(&self) -> usize {
+        self.q.len() / self.head_dim
+    }
+
+    /// Keys scored by the block of query rows ending before row `end` (none past the diagonal).
+    fn keys(&self, end: usize) -> usize {
+        self.seen.offset + end
+    }
+
+    /// Probabilities of query rows `t0..t0 + rows` over keys `0..keys(t0 + rows)`, row-major in
+    /// `probs`: scaled scores from one matrix product, then a softmax over the keys each row sees
+    /// (the rest get 0).
+    fn block_probabilities(&self, t0: usize, rows: usize, scale: f32, probs: &mut [f32]) {
+        let (keys, d) = (self.keys(t0 + rows), self.head_dim);
+        matmul(
+            probs,
+            Shape2(rows, keys),
+            d,
+            Operand::rows(&self.q[t0 * d..], d),
+            Operand::transposed(self.k, d),
+            Accumulate::No(scale),
+        );
+        for (r, row) in probs.chunks_exact_mut(keys).enumerate() {
+            let t = t0 + r;
+            let max = (0..keys)
+                .filter(|&s| self.seen.sees(t, s))
+                .map(|s| row[s])
+                .fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for (s, p) in row.iter_mut().enumerate() {
+                *p = if self.seen.sees(t, s) {
+                    (*p - max).exp()
+                } else {
+                    0.0
+                };
+                sum += *p;
             }
-            // dQ = scale · dS K;  dK[..keys] += scale · dSᵀ Q
-            matmul(
-                &mut grads.q[t0 * d..],
-                Shape2(rows, d),
-                keys,
-                Operand::rows(grad_scores, keys),
-                Operand::rows(io.k, d),
-                Accumulate::No(self.scale),
-            );
-            matmul(
-                grads.k,
-                Shape2(keys, d),
-                rows,
-                Operand::transposed(grad_scores, keys),
-                Operand::rows(&io.q[t0 * d..], d),
-                Accumulate::Yes(self.scale),
-            );
+            row.iter_mut().for_each(|p| *p /= sum);
         }
+    }
+}
+
+/// Attention of one query head into `out [len, D]`, block of query rows by block.
+pub(super) fn head_forward(x: HeadInputs, scale: f32, out: &mut [f32]) {
+    let (len, d) = (x.len(), x.head_dim);
+    let mut probs = vec![0.0f32; BLOCK * x.keys(len)];
+    for t0 in (0..len).step_by(BLOCK) {
+        let rows = BLOCK.min(len - t0);
+        let keys = x.keys(t0 + rows);
+        let probs = &mut probs[..rows * keys];
+        x.block_probabilities(t0, rows, scale, probs);
+        matmul(
+            &mut out[t0 * d..],
+            Shape2(rows, d),
+            keys,
+            Operand::rows(probs, keys),
+            Operand::rows(x.v, d),
+            Accumulate::No(1.0),
+        );
+    }
+}
+
+/// One query head's contribution to the gradients, block of query rows by block: its `q` rows'
+/// are written, its kv head's `k`, `v` added to.
+pub(super) fn head_backward(
+    x: HeadInputs,
+    out: HeadOutput,
+    scale: f32,
+    grads: HeadGrads,
+    scratch: &mut BlockScratch,
+) {
+    let (len, d) = (x.len(), x.head_dim);
+    for t0 in (0..len).step_by(BLOCK) {
+        let rows = BLOCK.min(len - t0);
+        let keys = x.keys(t0 + rows);
+        let probs = &mut scratch.probs[..rows * keys];
+        let grad_scores = &mut scratch.grad_scores[..rows * keys];
+        x.block_probabilities(t0, rows, scale, probs);
+        let grad_o = &out.grad_o[t0 * d..];
+        // dV[..keys] += Pᵀ dO
+        matmul(
+            grads.v,
+            Shape2(keys, d),
+            rows,
+            Operand::transposed(probs, keys),
+            Operand::rows(grad_o, d),
+            Accumulate::Yes(1.0),
+        );
+        // dP = dO Vᵀ, then dS = P ∘ (dP − rowsum(dO ∘ O))
+        matmul(
+            grad_scores,
+            Shape2(rows, keys),
+            d,
+            Operand::rows(grad_o, d),
+            Operand::transposed(x.v, d),
+            Accumulate::No(1.0),
+        );
+        for (r, (grad_row, prob_row)) in grad_scores
+            .chunks_exact_mut(keys)
+            .zip(probs.chunks_exact(keys))
+            .enumerate()
+        {
+            let t = (t0 + r) * d..(t0 + r + 1) * d;
+            let delta = dot(&out.grad_o[t.clone()], &out.o[t]);
+            grad_row
+                .iter_mut()
+                .zip(prob_row)
+                .for_each(|(g, p)| *g = p * (*g - delta));
+        }
+        // dQ = scale · dS K;  dK[..keys] += scale · dSᵀ Q
+        matmul(
+            &mut grads.q[t0 * d..],
+            Shape2(rows, d),
+            keys,
+            Operand::rows(grad_scores, keys),
+            Operand::rows(x.k, d),
+            Accumulate::No(scale),
+        );
+        matmul(
+            grads.k,
+            Shape2(keys, d),
+            rows,
+            Operand::transposed(grad_scores, keys),
+            Operand::rows(&x.q[t0 * d..], d),
+            Accumulate::Yes(scale),
+        );
     }
 }
 
@@ -351,43 +397,32 @@ impl CausalAttention {
 /// the block's last row (all above the causal diagonal) are never computed.
 const BLOCK: usize = 64;
 
-/// One block of query rows of one head, and the keys it scores against.
-#[derive(Clone, Copy)]
-struct Block<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    rows: usize,
-    head_dim: usize,
-}
-
-/// A query head's inputs and output (`[T, D]` each; `k`, `v` are its kv head's).
-struct HeadIo<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
-    o: &'a [f32],
-    grad_o: &'a [f32],
+/// A query head's output and its gradient (`[len, D]` each).
+pub(super) struct HeadOutput<'a> {
+    pub(super) o: &'a [f32],
+    pub(super) grad_o: &'a [f32],
 }
 
 /// Where a query head's gradients go: its own `q` rows, and its kv head's `k`, `v` (shared with
 /// the other query heads of the group, so added to).
-struct HeadGrads<'a> {
-    q: &'a mut [f32],
-    k: &'a mut [f32],
-    v: &'a mut [f32],
+pub(super) struct HeadGrads<'a> {
+    pub(super) q: &'a mut [f32],
+    pub(super) k: &'a mut [f32],
+    pub(super) v: &'a mut [f32],
 }
 
 /// Per-task buffers of one block's probabilities and score gradients.
-struct BlockScratch {
+pub(super) struct BlockScratch {
     probs: Vec<f32>,
     grad_scores: Vec<f32>,
 }
 
 impl BlockScratch {
-    fn new(len: usize) -> Self {
+    /// Buffers for heads of at most `keys` keys.
+    pub(super) fn new(keys: usize) -> Self {
         Self {
-            probs: vec![0.0; BLOCK * len],
-            grad_scores: vec![0.0; BLOCK * len],
+            probs: vec![0.0; BLOCK * keys],
+            grad_scores: vec![0.0; BLOCK * keys],
         }
     }
 }
@@ -485,7 +520,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
+pub(super) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
         (CpuStorage::F32(data), Some((start, end))) => Ok(&data[start..end]),
         _ => candle_core::bail!("causal attention takes contiguous f32 tensors"),

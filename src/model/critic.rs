@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor, Var, D};
 use candle_nn::VarMap;
 
 use super::decoder::{Linear, Trunk};
-use super::{params, ModelConfig, Result};
+use super::{params, ModelConfig, Result, TrainInput};
 
 /// HF name of the value head's weight `[1, hidden]`.
 pub const SCORE_WEIGHT: &str = "score.weight";
@@ -140,6 +140,11 @@ impl Critic {
     pub fn values(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         self.head
             .forward(&self.trunk.forward_train(input_ids, attention_mask)?)
+    }
+
+    /// Values of a training input: `[B, T]` padded, `[1, N]` a tree (differentiable).
+    pub fn values_of(&self, input: &TrainInput) -> Result<Tensor> {
+        self.head.forward(&self.trunk.forward_input(input)?)
     }
 }
 

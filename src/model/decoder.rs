@@ -1,13 +1,15 @@
 //! The decoder trunk of the Qwen2, Qwen3 and Llama families (embedding, blocks, final norm) with
-//! HF parameter names, and its two forward passes over the same weights:
+//! HF parameter names, and its forward passes over the same weights:
 //! - [`Trunk::forward_train`]: padded `[B, T]` batches, causal + padding mask, built only from
 //!   differentiable candle ops (manual RMSNorm, rotate-half RoPE); attention is the fused causal
 //!   op of [`super::attention`] on CPU and matmuls with `ops::softmax` elsewhere;
+//! - [`Trunk::forward_tree`]: the same blocks over a packed [`TreeBatch`], whose branches read
+//!   their shared prefix's K/V (the attention of [`super::tree`]), also differentiable;
 //! - [`Trunk::forward_incremental`]: new tokens of many sequences at once, K/V written to and read
 //!   from a [`KvPool`] by slot; projections and MLP are batched matmuls, attention is the pool's
 //!   CPU kernel. Callers pass detached weights so nothing is recorded for autograd.
 //!
-//! Both passes share [`rms_norm`], [`apply_rope`] and the RoPE tables of [`super::rope`], so they
+//! The passes share [`rms_norm`], [`apply_rope`] and the RoPE tables of [`super::rope`], so they
 //! agree to float rounding. The families differ only in biases and Qwen3's per-head q/k RMSNorm
 //! (see [`ModelConfig`]). Heads (LM head, value head) live in the parent module.
 
@@ -15,7 +17,8 @@ use candle_core::{DType, Device, Tensor, D};
 
 use super::attention::TrainingAttention;
 use super::rope::Rope;
-use super::{ModelConfig, ModelError, Result};
+use super::tree::TreeBatch;
+use super::{ModelConfig, ModelError, Result, TrainInput};
 use crate::kv::{KvPool, SeqSlots};
 
 /// Weights of one decoder block.
@@ -255,12 +258,7 @@ impl Trunk {
             self.cfg.vocab_size,
         )?;
         let mask = attention_mask.to_dtype(DType::U32)?.to_vec2::<u32>()?;
-        let cfg = &self.cfg;
-        let (nh, nkv, hd) = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim(),
-        );
+        let (cfg, hd) = (&self.cfg, self.cfg.head_dim());
         let dev = input_ids.device();
         let positions: Vec<u32> = mask
             .iter()
@@ -268,11 +266,61 @@ impl Trunk {
             .collect();
         let (cos, sin) = rope_tensors(&self.rope, &positions, (b_sz, 1, t_len, hd), dev)?;
         let attention = TrainingAttention::for_device(dev);
-        let mut x = self
+        let x = self
             .embed
             .index_select(&input_ids.flatten_all()?, 0)?
             .reshape((b_sz, t_len, cfg.hidden_size))?;
         let scale = 1.0 / (hd as f64).sqrt();
+        let attend = |q: &Tensor, k: &Tensor, v: &Tensor| attention.forward(q, k, v, &mask, scale);
+        self.blocks_forward(x, (&cos, &sin), attend, keep_streams)
+    }
+
+    /// Final hidden states of a training input: `[B, T, hidden]` padded, `[1, N, hidden]` a tree.
+    pub(crate) fn forward_input(&self, input: &TrainInput) -> Result<Tensor> {
+        match input {
+            TrainInput::Padded(b) => self.forward_train(&b.input_ids, &b.attention_mask),
+            TrainInput::Tree(tree) => self.forward_tree(tree),
+        }
+    }
+
+    /// Final hidden states `[1, N, hidden]` of the packed tokens of `tree`: each branch segment
+    /// attends to its root's K/V and continues its positions (differentiable, like
+    /// [`Trunk::forward_train`], whose hidden states it reproduces at every sequence position).
+    pub(crate) fn forward_tree(&self, tree: &TreeBatch) -> Result<Tensor> {
+        check_ids(&tree.ids().to_vec1::<u32>()?, self.cfg.vocab_size)?;
+        let (n, hd) = (tree.len(), self.cfg.head_dim());
+        let dev = tree.ids().device();
+        let (cos, sin) = rope_tensors(&self.rope, &tree.positions(), (1, 1, n, hd), dev)?;
+        let attention = TrainingAttention::for_device(dev);
+        let x = self
+            .embed
+            .index_select(tree.ids(), 0)?
+            .reshape((1, n, self.cfg.hidden_size))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let attend = |q: &Tensor, k: &Tensor, v: &Tensor| {
+            let [q, k, v] = [q, k, v].map(|x| x.squeeze(0));
+            Ok(attention.tree(&q?, &k?, &v?, tree, scale)?.unsqueeze(0)?)
+        };
+        Ok(self.blocks_forward(x, (&cos, &sin), attend, false)?.0)
+    }
+
+    /// The blocks and the final norm over embeddings `x [B, T, hidden]`, with RoPE tables `cos`,
+    /// `sin` `[B, 1, T, head_dim]` and attention `attend(q, k, v)` over `[B, heads, T, head_dim]`;
+    /// with `keep_streams`, also the residual stream before the first block and after each block.
+    fn blocks_forward(
+        &self,
+        mut x: Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+        keep_streams: bool,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let (b_sz, t_len, _) = x.dims3()?;
+        let cfg = &self.cfg;
+        let (nh, nkv, hd) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim(),
+        );
         let mut streams = Vec::new();
         for b in &self.blocks {
             if keep_streams {
@@ -287,11 +335,10 @@ impl Trunk {
                     .contiguous()?)
             };
             let (q, k) = self.qk_norm(b, heads(&b.q, nh)?, heads(&b.k, nkv)?)?;
-            let q = apply_rope(&q, &cos, &sin)?;
-            let k = apply_rope(&k, &cos, &sin)?;
+            let q = apply_rope(&q, cos, sin)?;
+            let k = apply_rope(&k, cos, sin)?;
             let v = heads(&b.v, nkv)?;
-            let o = attention
-                .forward(&q, &k, &v, &mask, scale)?
+            let o = attend(&q, &k, &v)?
                 .transpose(1, 2)?
                 .reshape((b_sz, t_len, nh * hd))?;
             x = (x + b.o.forward(&o)?)?;

@@ -4,7 +4,8 @@
 //! parameters as named `Var`s in a `VarMap` (HF names, so checkpoints load by name and the
 //! trainer's optimiser steps them). It has the two forward paths of the design: the incremental
 //! one over a [`KvPool`] (no autograd graph) and the padded training one (differentiable ops only),
-//! plus token log-probs/entropy. [`Critic`] is a model of the same family with a value head;
+//! plus token log-probs/entropy; the training path also takes a packed [`TreeBatch`] whose
+//! sequences share prefixes ([`tree`]). [`Critic`] is a model of the same family with a value head;
 //! a shared-trunk value head on the policy is the option. Checkpoint files are [`checkpoint`]'s.
 
 pub mod attention;
@@ -15,6 +16,7 @@ pub mod decoder;
 pub mod generate;
 pub mod params;
 pub mod rope;
+pub mod tree;
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::VarMap;
@@ -24,6 +26,7 @@ pub use config::ModelConfig;
 pub use critic::{Critic, FeatureCritic, ValueHead};
 use decoder::{Linear, Trunk};
 pub use generate::{generate, Generation};
+pub use tree::{Segment, TreeBatch};
 
 /// Errors of the model module; file errors name the file and tensor.
 #[derive(Debug, thiserror::Error)]
@@ -109,6 +112,13 @@ impl PaddedBatch {
             attention_mask: Tensor::from_vec(mask, (seqs.len(), t_len), device)?,
         })
     }
+}
+
+/// The tokens of a training forward: right-padded sequences, or a packed [`TreeBatch`] whose
+/// sequences share their prefixes (each shared prefix forwarded once).
+pub enum TrainInput {
+    Padded(PaddedBatch),
+    Tree(TreeBatch),
 }
 
 /// Dtype of the incremental (rollout) path: f32 on the CPU, bf16 on an accelerator.
@@ -246,6 +256,12 @@ impl Model {
     /// Final hidden states `[B, T, hidden]` of a padded batch (differentiable).
     pub fn hidden_train(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         self.trunk.forward_train(input_ids, attention_mask)
+    }
+
+    /// Final hidden states of `input` (differentiable): `[B, T, hidden]` padded, `[1, N, hidden]`
+    /// a tree; the heads read either alike.
+    pub fn hidden(&self, input: &TrainInput) -> Result<Tensor> {
+        self.trunk.forward_input(input)
     }
 
     /// The features a [`FeatureCritic`] reads, `[B, T, F]`, detached, each part scaled to unit

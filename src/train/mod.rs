@@ -1,15 +1,15 @@
 //! The training side of stepppo: the loop ([`trainer`]), the PPO update ([`update`]), packing of
-//! step records into training sequences ([`batch`]), their padded device tensors
-//! (`device_batch`), constrained-decoding masks on the update side ([`masks`]), construction of
-//! the device, engine and fresh policy (`setup`), the supervised warm start ([`sft`]),
-//! self-imitation replay ([`self_imitation`]), validation ([`eval`]), checkpoints, the run
-//! directory's consistency across crashes ([`run_dir`]), metric sinks (JSONL and TensorBoard),
-//! learning-curve plots, collapse warnings and the progress bar.
+//! step records into training sequences ([`batch`]), their device tensors (`device_batch`),
+//! padded or as a prefix tree ([`prefix_tree`]), constrained-decoding masks on the update side
+//! ([`masks`]), construction of the device, engine and fresh policy (`setup`), the supervised warm
+//! start ([`sft`]), self-imitation replay ([`self_imitation`]), validation ([`eval`]),
+//! checkpoints, the run directory's consistency across crashes ([`run_dir`]), metric sinks (JSONL
+//! and TensorBoard), learning-curve plots, collapse warnings and the progress bar.
 //!
 //! Dependencies point down: `trainer` uses the others and nothing uses it; below it `update` →
-//! `self_imitation` → `sft` → `setup`, those three share `device_batch` → `masks` → `batch`,
-//! `eval` uses `setup`, `run_dir` uses `checkpoint`, `metrics` and `plot`, and every module may
-//! use [`TrainError`], which wraps only the leaves' errors.
+//! `self_imitation` → `sft` → `setup`, those three share `device_batch` → `masks`, `prefix_tree`
+//! → `batch`, `eval` uses `setup`, `run_dir` uses `checkpoint`, `metrics` and `plot`, and every
+//! module may use [`TrainError`], which wraps only the leaves' errors.
 
 pub mod batch;
 pub mod checkpoint;
@@ -20,6 +20,7 @@ pub mod gateway;
 pub mod masks;
 pub mod metrics;
 pub mod plot;
+pub mod prefix_tree;
 pub mod progress;
 mod ranks;
 pub mod run_dir;

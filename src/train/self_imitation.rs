@@ -168,8 +168,11 @@ impl Replay<'_> {
             }));
         }
         let packed = pack(self.records, &sequences)?;
-        let batch =
-            DeviceBatch::constrained(&packed, pad_id, policy.device(), self.records, masks)?;
+        let batch = DeviceBatch::new(&packed, pad_id, policy.device())?.constrained(
+            &packed,
+            self.records,
+            masks,
+        )?;
         Ok(Some(ReplayDraw {
             coef: self.coef,
             part: Some((packed, batch)),
@@ -202,7 +205,7 @@ impl ReplayDraw {
         let Some((packed, batch)) = &self.part else {
             return Ok(None);
         };
-        let hidden = policy.hidden_train(&batch.ids, &batch.mask)?;
+        let hidden = policy.hidden(&batch.input)?;
         let nll = super::sft::cross_entropy(policy, packed, batch, &hidden)?;
         let value = f64::from(nll.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?);
         Ok(Some((nll.affine(self.coef, 0.0)?, value)))

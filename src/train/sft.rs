@@ -206,7 +206,7 @@ pub fn behaviour_clone(
             .collect();
         let packed = pack(records, &chosen)?;
         let batch = DeviceBatch::new(&packed, pad_id, policy.device())?;
-        let hidden = policy.hidden_train(&batch.ids, &batch.mask)?;
+        let hidden = policy.hidden(&batch.input)?;
         let ce = cross_entropy(policy, &packed, &batch, &hidden)?;
         let mut loss = ce.clone();
         if settings.observation_loss_coef > 0.0 {
@@ -284,7 +284,7 @@ impl<'a> CriticWarmup<'a> {
     ) -> Result<Option<Tensor>, TrainError> {
         let values = match &self.separate {
             None => policy.head_values(hidden)?,
-            Some((critic, _, _)) => critic.values(&batch.ids, &batch.mask)?,
+            Some((critic, _, _)) => critic.values_of(&batch.input)?,
         };
         let vf = value_loss(packed, batch, &values, &self.returns)?;
         let value = vf.to_scalar::<f32>()? as f64;
@@ -566,7 +566,7 @@ mod tests {
             };
             behaviour_clone(&policy, 0, &records, settings, None).unwrap();
             let batch = DeviceBatch::new(&packed, 0, policy.device()).unwrap();
-            let hidden = policy.hidden_train(&batch.ids, &batch.mask).unwrap();
+            let hidden = policy.hidden(&batch.input).unwrap();
             let ce = observation_cross_entropy(&policy, &packed, &hidden).unwrap();
             ce.to_scalar::<f32>().unwrap()
         };

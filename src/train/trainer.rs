@@ -879,6 +879,7 @@ impl Trainer {
             masks: &self.masks,
             freeze_actor: update_index < self.cfg.critic.warmup_steps,
             dist: self.dist.as_ref(),
+            tree_forward: self.cfg.tree_forward,
         };
         let shared_head = self.cfg.critic.mode == CriticMode::Shared;
         let mut learners = Learners {

@@ -1,14 +1,15 @@
 //! The PPO update of one rollout batch: `ppo_epochs` passes over shuffled mini-batches of
 //! sequences (whole trajectories in the `concat` layout, single steps in `window`). Each
-//! mini-batch runs one policy forward per sequence, gathers every step row's response-token
-//! log-probs and entropies, and applies the algo policy loss (per step row aggregation); the
-//! separate critic runs one forward too and is trained at each step's start position
-//! (`step_gae`) or at every response token (`token_gae`); a shared-trunk value head adds its loss
-//! to the actor's; a feature critic is fitted after the actor's epochs, on the updated policy's
-//! features of the batch ([`fit_feature_critic`]); with self-imitation on, each actor mini-batch
-//! also adds the negative log-likelihood of a draw from the replay buffer
-//! ([`super::self_imitation`]). A non-finite loss or gradient skips that update (counted and
-//! reported); the run goes on.
+//! mini-batch runs one policy forward over its sequences, padded or, with `tree_forward`, as a
+//! prefix tree in which each group's common prefix is forwarded once ([`super::prefix_tree`]),
+//! gathers every step row's response-token log-probs and entropies, and applies the algo policy
+//! loss (per step row aggregation); the separate critic runs one forward too (in the same layout)
+//! and is trained at each step's start position (`step_gae`) or at every response token
+//! (`token_gae`); a shared-trunk value head adds its loss to the actor's; a feature critic is
+//! fitted after the actor's epochs, on the updated policy's features of the batch
+//! ([`fit_feature_critic`], padded); with self-imitation on, each actor mini-batch also adds the
+//! negative log-likelihood of a draw from the replay buffer ([`super::self_imitation`], padded).
+//! A non-finite loss or gradient skips that update (counted and reported); the run goes on.
 
 use super::batch::{pack, PackedBatch};
 use super::device_batch::DeviceBatch;
@@ -73,6 +74,10 @@ pub struct UpdateSettings<'a> {
     pub freeze_actor: bool,
     /// The data-parallel world: this rank's part of each mini-batch, and the gradient sum.
     pub dist: &'a dyn Collective,
+    /// Forward each mini-batch as a prefix tree: the sequences of a group share their common
+    /// prefix, forwarded once ([`super::prefix_tree`]); the same losses and gradients as padded
+    /// sequences, to float rounding.
+    pub tree_forward: bool,
 }
 
 /// The critic model a run trains beside its policy (a shared value head lives in the policy).
@@ -247,9 +252,12 @@ pub fn ppo_update(
             }
             let values = match (&learners.critic, part) {
                 (Some(CriticLearner::Separate(critic, _)), Some((_, batch))) => {
-                    Some(critic.values(&batch.ids, &batch.mask)?)
+                    Some(critic.values_of(&batch.input)?)
                 }
-                (_, Some((_, batch))) => Some(learners.policy.values(&batch.ids, &batch.mask)?),
+                (_, Some((_, batch))) => {
+                    let policy = learners.policy;
+                    Some(policy.head_values(&policy.hidden(&batch.input)?)?)
+                }
                 (_, None) => None,
             };
             if let Some(critic) = learners.critic.as_mut() {
@@ -306,7 +314,8 @@ fn feature_rows(
         false,
         policy.device(),
         |p, batch| {
-            let features = policy.value_features(&batch.ids, &batch.mask)?;
+            let padded = batch.padded()?;
+            let features = policy.value_features(&padded.input_ids, &padded.attention_mask)?;
             let (at, per_row) = match target {
                 CriticTarget::StepStart => (batch.rows_at_step_starts(&features)?, 1),
                 CriticTarget::AllResponseTokens => {
@@ -479,13 +488,13 @@ fn local_batch(
     if packed.rows == 0 {
         return Ok(None);
     }
-    let batch = DeviceBatch::constrained(
-        &packed,
-        settings.pad_id,
-        policy.device(),
-        inputs.records,
-        settings.masks,
-    )?;
+    let batch = if settings.tree_forward {
+        let groups: Vec<u64> = seqs.iter().map(|s| inputs.records[s[0]].group_id).collect();
+        DeviceBatch::tree(&packed, &groups, policy.device())?
+    } else {
+        DeviceBatch::new(&packed, settings.pad_id, policy.device())?
+    };
+    let batch = batch.constrained(&packed, inputs.records, settings.masks)?;
     Ok(Some((packed, batch)))
 }
 
@@ -667,9 +676,8 @@ fn actor_loss(
         let (lp, ent, v) = shared_forward(learners.policy, batch, settings.temperature)?;
         (lp, ent, Some(v))
     } else {
-        let (lp, ent) = learners.policy.logprobs_entropy_at(
-            &batch.ids,
-            &batch.mask,
+        let (lp, ent) = learners.policy.head_logprobs_entropy(
+            &learners.policy.hidden(&batch.input)?,
             &batch.token_index,
             &batch.token_targets,
             settings.temperature,
@@ -740,7 +748,7 @@ fn shared_forward(
     batch: &DeviceBatch,
     temperature: f32,
 ) -> Result<(Tensor, Tensor, Tensor), TrainError> {
-    let hidden = policy.hidden_train(&batch.ids, &batch.mask)?;
+    let hidden = policy.hidden(&batch.input)?;
     let (logp, entropy) = policy.head_logprobs_entropy(
         &hidden,
         &batch.token_index,
@@ -889,9 +897,8 @@ pub fn response_logprobs(
         true,
         model.device(),
         |p, batch| {
-            let (logp, _) = model.logprobs_entropy_at(
-                &batch.ids,
-                &batch.mask,
+            let (logp, _) = model.head_logprobs_entropy(
+                &model.hidden(&batch.input)?,
                 &batch.token_index,
                 &batch.token_targets,
                 temperature,
@@ -939,7 +946,7 @@ fn for_each_chunk(
         if p.rows > 0 {
             visit(
                 &p,
-                &DeviceBatch::constrained(&p, pad_id, device, records, bias_masks)?,
+                &DeviceBatch::new(&p, pad_id, device)?.constrained(&p, records, bias_masks)?,
             )?;
         }
     }
@@ -969,7 +976,8 @@ pub fn critic_values(
         false,
         device,
         |p, batch| {
-            let values = values_of(&batch.ids, &batch.mask)?.detach();
+            let padded = batch.padded()?;
+            let values = values_of(&padded.input_ids, &padded.attention_mask)?.detach();
             match target {
                 CriticTarget::StepStart => {
                     let v = batch
@@ -997,7 +1005,7 @@ pub fn critic_values(
 mod tests {
     use super::*;
     use crate::algo::OptimizerConfig;
-    use crate::model::ModelConfig;
+    use crate::model::{ModelConfig, TrainInput};
     use crate::train::batch::pad;
 
     fn record(adv_len: usize) -> StepRecord {
@@ -1015,10 +1023,11 @@ mod tests {
         let p = pack(std::slice::from_ref(rec), &[vec![0]]).unwrap();
         let batch = DeviceBatch::new(&p, 0, &Device::Cpu).unwrap();
         let (targets, _) = pad(&p.targets, p.seq_len, 0);
-        let targets = Tensor::from_vec(targets, batch.ids.dims(), &Device::Cpu).unwrap();
+        let padded = batch.padded().unwrap();
+        let targets = Tensor::from_vec(targets, padded.input_ids.dims(), &Device::Cpu).unwrap();
         // The full-vocabulary path at every position, independent of the update's gathered head.
         let (lp, _) = policy
-            .token_logprobs_entropy(&batch.ids, &batch.mask, &targets, 1.0)
+            .token_logprobs_entropy(&padded.input_ids, &padded.attention_mask, &targets, 1.0)
             .unwrap();
         batch
             .at_tokens(&lp, &p)
@@ -1106,6 +1115,7 @@ mod tests {
             masks: &ResponseMasks::default(),
             freeze_actor: false,
             dist: &crate::dist::Single,
+            tree_forward: false,
         };
         let mut learners = Learners {
             policy: &policy,
@@ -1169,5 +1179,264 @@ mod tests {
         assert_eq!(out["actor/skipped_updates"], 1.0);
         assert_eq!(out["actor/updates"], 0.0);
         assert_eq!(before, after);
+    }
+
+    /// Token `i` of a stream named by `salt` (ids 2..62 of the tiny model's 64).
+    fn token(salt: u64, i: usize) -> u32 {
+        ((salt.wrapping_mul(2654435761) >> 7).wrapping_add(i as u64 * 37 + salt * 11) % 60) as u32
+            + 2
+    }
+
+    /// `groups` groups of `branches` two-step trajectories each: the group's 30-token prompt, a
+    /// step-0 response (the same in every branch of a group with `same_first_step`, else one of
+    /// each branch's own), a 4-token observation, and a step-1 response of each branch's own.
+    fn group_records(groups: u64, branches: u64, same_first_step: bool) -> Vec<StepRecord> {
+        let mut records = Vec::new();
+        for g in 0..groups {
+            for b in 0..branches {
+                let traj = g * branches + b;
+                let (first, first_len) = if same_first_step {
+                    (100 + g, 6)
+                } else {
+                    (200 + traj, 6 + b as usize % 2)
+                };
+                let steps = [
+                    (
+                        (0..30).map(|i| token(g, i)).collect::<Vec<_>>(),
+                        first_len,
+                        first,
+                    ),
+                    (vec![3, 4, 5, 6], 4 + b as usize, 300 + traj),
+                ];
+                let mut context = 0;
+                for (step, (obs, len, salt)) in steps.into_iter().enumerate() {
+                    let response: Vec<u32> = (0..len).map(|i| token(salt, i)).collect();
+                    let n = obs.len() + response.len();
+                    records.push(StepRecord {
+                        traj_id: traj,
+                        group_id: g,
+                        step_index: step as u32,
+                        context_len: context,
+                        obs_ids: obs,
+                        response_logprobs: vec![-4.0; response.len()],
+                        response_ids: response,
+                        ..Default::default()
+                    });
+                    context += n as u32;
+                }
+            }
+        }
+        records
+    }
+
+    /// Per record: the value `f(record, token)` at each response token.
+    fn per_token(records: &[StepRecord], f: impl Fn(usize, usize) -> f32) -> Vec<Vec<f32>> {
+        records
+            .iter()
+            .enumerate()
+            .map(|(r, rec)| (0..rec.response_ids.len()).map(|j| f(r, j)).collect())
+            .collect()
+    }
+
+    fn tree_inputs<'a>(records: &'a [StepRecord], sequences: Vec<Vec<usize>>) -> UpdateInputs<'a> {
+        let n = records.len();
+        UpdateInputs {
+            records,
+            sequences,
+            actor_keep: vec![true; n],
+            critic_keep: vec![true; n],
+            advantages: per_token(records, |r, j| ((r * 7 + j) as f32 * 0.37).sin()),
+            returns: per_token(records, |r, _| (r as f32 * 0.3).cos()),
+            old_values: per_token(records, |r, _| (r as f32 * 0.5).sin() * 0.1),
+            critic_target: Some(CriticTarget::StepStart),
+            ref_logprobs: None,
+            replay: None,
+        }
+    }
+
+    /// The actor loss plus the shared head's value loss of one mini-batch of every sequence of
+    /// `inputs`, forwarded padded or as a tree; with the gradient of every parameter by name.
+    fn actor_and_head(
+        inputs: &UpdateInputs,
+        policy: &Model,
+        tree_forward: bool,
+    ) -> (f32, Vec<(String, Tensor)>) {
+        let loss = LossConfig {
+            entropy_loss_coef: 0.01,
+            ..LossConfig::default()
+        };
+        let settings = settings_for(&loss, tree_forward);
+        let mut head_opt = AdamW::new(policy.named_vars(), &OptimizerConfig::default()).unwrap();
+        let mut actor_opt = AdamW::new(policy.named_vars(), &OptimizerConfig::default()).unwrap();
+        let learners = Learners {
+            policy,
+            actor_opt: &mut actor_opt,
+            critic: Some(CriticLearner::SharedHead(&mut head_opt)),
+        };
+        let (p, batch) = local_batch(inputs, &settings, policy, &inputs.sequences)
+            .unwrap()
+            .unwrap();
+        assert_eq!(matches!(batch.input, TrainInput::Tree(_)), tree_forward);
+        let mut means = Means::default();
+        let (pg, values) =
+            actor_loss(inputs, &settings, &learners, &p, &batch, &mut means).unwrap();
+        let (vf, _) =
+            critic_loss(inputs, &settings, &values.unwrap(), &p, &batch, &mut means).unwrap();
+        let total = (pg + vf).unwrap();
+        let grads = total.backward().unwrap();
+        let named = policy
+            .named_vars()
+            .into_iter()
+            .map(|(name, var)| {
+                let g = grads
+                    .get(var.as_tensor())
+                    .expect("every parameter has a gradient");
+                (name, g.clone())
+            })
+            .collect();
+        (total.to_scalar::<f32>().unwrap(), named)
+    }
+
+    fn settings_for(loss: &LossConfig, tree_forward: bool) -> UpdateSettings<'_> {
+        UpdateSettings {
+            loss,
+            epochs: 1,
+            critic_epochs: 1,
+            mini_batch: 64,
+            actor_lr: 1e-3,
+            critic_lr: 1e-3,
+            max_grad_norm: 1.0,
+            temperature: 1.0,
+            pad_id: 0,
+            shuffle_seed: 1,
+            masks: &EMPTY_MASKS,
+            freeze_actor: false,
+            dist: &crate::dist::Single,
+            tree_forward,
+        }
+    }
+
+    static EMPTY_MASKS: std::sync::LazyLock<ResponseMasks> =
+        std::sync::LazyLock::new(ResponseMasks::default);
+
+    /// `max |a − b| ≤ 1e-5 · max |b|`, per tensor.
+    fn assert_close(name: &str, a: &Tensor, b: &Tensor) {
+        let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (a, b) = (host(a), host(b));
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(scale > 0.0, "{name}: a zero gradient tests nothing");
+        assert!(
+            diff <= 1e-5 * scale,
+            "{name}: max |Δ| {diff} against max {scale}"
+        );
+    }
+
+    /// The tree forward's loss and every gradient against the padded forward's, on `records`
+    /// in one mini-batch of `sequences`.
+    fn assert_tree_matches_padded(records: &[StepRecord], sequences: Vec<Vec<usize>>) {
+        let mut policy = Model::new(&ModelConfig::tiny(64), 5, &Device::Cpu).unwrap();
+        policy.attach_value_head(6).unwrap();
+        let inputs = tree_inputs(records, sequences);
+        let (padded_loss, padded) = actor_and_head(&inputs, &policy, false);
+        let (tree_loss, tree) = actor_and_head(&inputs, &policy, true);
+        assert!(
+            (tree_loss - padded_loss).abs() <= 1e-5 * padded_loss.abs(),
+            "loss {tree_loss} vs {padded_loss}"
+        );
+        assert_eq!(tree.len(), padded.len());
+        for ((name, t), (_, p)) in tree.iter().zip(&padded) {
+            assert_close(name, t, p);
+        }
+    }
+
+    /// The packed tokens of the tree of every sequence of `records` (concat layout).
+    fn packed_tokens(records: &[StepRecord]) -> (usize, usize) {
+        let sequences = crate::train::batch::trajectories(records);
+        let p = pack(records, &sequences).unwrap();
+        let groups: Vec<u64> = sequences.iter().map(|s| records[s[0]].group_id).collect();
+        let tree = crate::train::prefix_tree::PrefixTree::new(&p, &groups);
+        (p.inputs.iter().map(Vec::len).sum(), tree.ids.len())
+    }
+
+    #[test]
+    fn tree_forward_matches_padded_loss_and_every_gradient() {
+        // Two groups of three trajectories: each shares its prompt, then diverges at step 0.
+        let records = group_records(2, 3, false);
+        let (total, packed) = packed_tokens(&records);
+        // The last prompt token (which scores the first response token) is shared: 29 of 30
+        // prompt tokens are saved per extra branch.
+        assert_eq!(total - packed, 2 * 2 * 30, "{total} → {packed}");
+        assert_tree_matches_padded(&records, crate::train::batch::trajectories(&records));
+    }
+
+    #[test]
+    fn tree_forward_is_exact_when_the_whole_first_step_and_its_scores_are_shared() {
+        // Every branch of a group sampled the same step-0 response: the groups share the prompt,
+        // the response and the step-1 observation, so all of step 0's scored positions (and the
+        // step-start values of both steps) lie in the shared prefix and count once per branch.
+        let records = group_records(2, 3, true);
+        let (total, packed) = packed_tokens(&records);
+        let shared_per_branch = 30 + 6 + 4;
+        assert!(
+            total - packed >= 2 * 2 * shared_per_branch,
+            "{total} → {packed}"
+        );
+        assert_tree_matches_padded(&records, crate::train::batch::trajectories(&records));
+    }
+
+    #[test]
+    fn tree_forward_is_exact_on_window_steps_and_singletons() {
+        // Window layout: every step its own sequence (step 1 re-rendered from scratch), and a
+        // third group with a single trajectory, which shares nothing.
+        let mut records = group_records(3, 3, false);
+        records.retain(|r| r.group_id < 2 || r.traj_id == 6);
+        for r in records.iter_mut().filter(|r| r.step_index == 1) {
+            r.obs_ids = [vec![token(r.group_id, 0)], r.obs_ids.clone()].concat();
+            r.context_len = 0;
+        }
+        let sequences = (0..records.len()).map(|i| vec![i]).collect();
+        assert_tree_matches_padded(&records, sequences);
+    }
+
+    #[test]
+    fn a_separate_critic_reads_the_same_values_from_the_tree() {
+        let records = group_records(2, 3, true);
+        let inputs = tree_inputs(&records, crate::train::batch::trajectories(&records));
+        let critic = Critic::new(&ModelConfig::tiny(64), 9, &Device::Cpu).unwrap();
+        let policy = Model::new(&ModelConfig::tiny(64), 5, &Device::Cpu).unwrap();
+        let loss = LossConfig::default();
+        let run = |tree| {
+            let settings = settings_for(&loss, tree);
+            let (p, batch) = local_batch(&inputs, &settings, &policy, &inputs.sequences)
+                .unwrap()
+                .unwrap();
+            let values = critic.values_of(&batch.input).unwrap();
+            let at_starts = batch.at_step_starts(&values, &p).unwrap();
+            let (vf, _) = critic_loss(
+                &inputs,
+                &settings,
+                &values,
+                &p,
+                &batch,
+                &mut Means::default(),
+            )
+            .unwrap();
+            let grads = vf.backward().unwrap();
+            let named: Vec<Tensor> = critic
+                .named_vars()
+                .iter()
+                .map(|(_, v)| grads.get(v.as_tensor()).unwrap().clone())
+                .collect();
+            (at_starts, named)
+        };
+        let ((padded_values, padded), (tree_values, tree)) = (run(false), run(true));
+        assert_close("step-start values", &tree_values, &padded_values);
+        for ((name, _), (t, p)) in critic.named_vars().iter().zip(tree.iter().zip(&padded)) {
+            assert_close(name, t, p);
+        }
     }
 }
