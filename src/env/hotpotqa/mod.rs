@@ -85,6 +85,12 @@ pub struct HotpotQaConfig {
     pub corpus: CorpusKind,
     /// Passages returned per search.
     pub topk: usize,
+    /// A generated world of its own for every episode (`world: generated` only): the reset
+    /// seed draws a world of `world_size` entities whose names come from the split's side of
+    /// `world_seed`'s name partition, and one of its questions (one per template). No name
+    /// keeps its facts from one episode to the next, so answers can only be read, never
+    /// remembered, even on the training split.
+    pub episode_worlds: bool,
 }
 
 impl Default for HotpotQaConfig {
@@ -100,6 +106,7 @@ impl Default for HotpotQaConfig {
             val_fraction: 0.2,
             corpus: CorpusKind::Distractor,
             topk: 3,
+            episode_worlds: false,
         }
     }
 }
@@ -202,22 +209,28 @@ fn loaded(records: Vec<HotpotRecord>, cfg: &HotpotQaConfig) -> Result<Source, En
     })
 }
 
+/// Seed path of the worlds made per episode (`episode_worlds`).
+const EPISODE_WORLD_STREAM: u64 = 0xE915;
+
+/// The side of a generated world named by `split`.
+fn split_of(split: &str) -> Result<Split, EnvError> {
+    match split {
+        "train" => Ok(Split::Train),
+        "val" => Ok(Split::Val),
+        other => Err(bad_value(
+            "hotpotqa",
+            "split",
+            format!(
+                "`{other}` is not one of train, val (a generated world is either the train \
+                 or the val world; `all` needs world: fixture or a data_file)"
+            ),
+        )),
+    }
+}
+
 /// The split's generated world and its questions, all in the split.
 fn generated(cfg: &HotpotQaConfig) -> Result<Source, EnvError> {
-    let split = match cfg.split.as_str() {
-        "train" => Split::Train,
-        "val" => Split::Val,
-        other => {
-            return Err(bad_value(
-                "hotpotqa",
-                "split",
-                format!(
-                    "`{other}` is not one of train, val (a generated world is either the train \
-                     or the val world; `all` needs world: fixture or a data_file)"
-                ),
-            ))
-        }
-    };
+    let split = split_of(&cfg.split)?;
     if cfg.world_questions == 0 {
         return Err(bad_value(
             "hotpotqa",
@@ -243,6 +256,8 @@ pub struct HotpotQaEnv {
     data: Arc<QaData>,
     /// Index into `data.records` of the episode's record.
     current: usize,
+    /// The episode's record when it comes from a world of its own (`episode_worlds`).
+    episode_record: Option<HotpotRecord>,
     /// The episode record's own context (`corpus: distractor`).
     episode_corpus: Option<Corpus>,
     /// Queries searched this episode.
@@ -259,10 +274,19 @@ impl HotpotQaEnv {
         if !(0.0..=1.0).contains(&cfg.val_fraction) {
             return Err(bad_value("hotpotqa", "val_fraction", "must be in [0, 1]"));
         }
+        if cfg.episode_worlds && (cfg.data_file.is_some() || cfg.world != WorldKind::Generated) {
+            return Err(bad_value(
+                "hotpotqa",
+                "episode_worlds",
+                "needs world: generated and no data_file (a fixture or a file is one set of \
+                 records)",
+            ));
+        }
         let data = QaData::get(&cfg)?;
         let mut env = HotpotQaEnv {
             cfg,
             current: data.split[0],
+            episode_record: None,
             data,
             episode_corpus: None,
             queries: Vec::new(),
@@ -275,7 +299,9 @@ impl HotpotQaEnv {
 
     /// The record of the current episode.
     pub fn record(&self) -> &HotpotRecord {
-        &self.data.records[self.current]
+        self.episode_record
+            .as_ref()
+            .unwrap_or(&self.data.records[self.current])
     }
 
     /// Number of records in this env's split.
@@ -290,11 +316,28 @@ impl HotpotQaEnv {
 
     /// The corpus searches run over in the current episode.
     fn corpus(&self) -> &Corpus {
-        self.data
-            .world
+        self.episode_corpus
             .as_ref()
-            .or(self.episode_corpus.as_ref())
-            .expect("a distractor corpus is built at every reset")
+            .or(self.data.world.as_ref())
+            .expect("a reset builds the episode's corpus unless the world's is shared")
+    }
+
+    /// The record and corpus of a world made for the episode of reset seed `seed`.
+    fn episode_world(&self, seed: u64) -> Result<(HotpotRecord, Corpus), EnvError> {
+        let split = split_of(&self.cfg.split)?;
+        let world_seed = crate::seed::derive(self.cfg.world_seed, &[EPISODE_WORLD_STREAM, seed]);
+        let world = World::generate_in(self.cfg.world_seed, world_seed, split, self.cfg.world_size)
+            .map_err(|reason| bad_value("hotpotqa", "world_size", reason))?;
+        let records = world
+            .records(world::TEMPLATE_COUNT, self.cfg.distractors)
+            .map_err(|reason| bad_value("hotpotqa", "world_size", reason))?;
+        let pick = crate::seed::derive(seed, &[1]) % records.len() as u64;
+        let record = records[pick as usize].clone();
+        let corpus = match self.cfg.corpus {
+            CorpusKind::Distractor => Corpus::new(&record.context),
+            CorpusKind::World => Corpus::new(world.paragraphs()),
+        };
+        Ok((record, corpus))
     }
 
     /// Titles of the top-k passages for `query` in the current episode, best first.
@@ -406,10 +449,17 @@ impl Env for HotpotQaEnv {
     }
 
     fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
-        let pick = crate::seed::derive(seed, &[1]) % self.data.split.len() as u64;
-        self.current = self.data.split[pick as usize];
-        if self.data.world.is_none() {
-            self.episode_corpus = Some(Corpus::new(&self.record().context));
+        if self.cfg.episode_worlds {
+            let (record, corpus) = self.episode_world(seed)?;
+            self.episode_record = Some(record);
+            self.episode_corpus = Some(corpus);
+        } else {
+            let pick = crate::seed::derive(seed, &[1]) % self.data.split.len() as u64;
+            self.current = self.data.split[pick as usize];
+            self.episode_corpus = match self.data.world {
+                Some(_) => None,
+                None => Some(Corpus::new(&self.record().context)),
+            };
         }
         self.observation = "No search results yet.".to_string();
         self.queries.clear();
@@ -627,6 +677,54 @@ mod tests {
         assert_eq!(answers, 200);
         // A guess, not the task: well above nothing (yes/no questions), far below the oracle.
         assert!((10..=80).contains(&hits), "{hits} of 200");
+    }
+
+    #[test]
+    fn episode_worlds_are_new_per_seed_disjoint_across_splits_and_solvable() {
+        let cfg = |split: &str| HotpotQaConfig {
+            episode_worlds: true,
+            world_size: 60,
+            split: split.into(),
+            ..HotpotQaConfig::default()
+        };
+        let mut titles = [BTreeSet::new(), BTreeSet::new()];
+        for (side, split) in ["train", "val"].into_iter().enumerate() {
+            let mut env = HotpotQaEnv::new(cfg(split)).unwrap();
+            let mut again = HotpotQaEnv::new(cfg(split)).unwrap();
+            let mut questions = BTreeSet::new();
+            for seed in 0..60 {
+                env.reset(seed).unwrap();
+                again.reset(seed).unwrap();
+                assert_eq!(env.record(), again.record(), "seed {seed}");
+                questions.insert(env.record().question.clone());
+                titles[side].extend(env.record().context.iter().map(|(t, _)| t.clone()));
+                loop {
+                    let t = env.step(&env.oracle_action().unwrap()).unwrap();
+                    if t.terminated {
+                        assert!(t.info.success, "{split} seed {seed}");
+                        break;
+                    }
+                }
+            }
+            assert!(questions.len() >= 58, "a new question per episode");
+        }
+        let shared: Vec<_> = titles[0].intersection(&titles[1]).collect();
+        assert!(shared.is_empty(), "{shared:?}");
+        // The same name means different things in different episodes: no fact to remember.
+        let people = |env: &mut HotpotQaEnv, seed| {
+            env.reset(seed).unwrap();
+            env.record().context.clone()
+        };
+        let mut env = HotpotQaEnv::new(cfg("train")).unwrap();
+        assert_ne!(people(&mut env, 1), people(&mut env, 2));
+        let err = HotpotQaEnv::new(HotpotQaConfig {
+            world: WorldKind::Fixture,
+            ..cfg("train")
+        })
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(err.contains("`episode_worlds`"), "{err}");
     }
 
     #[test]

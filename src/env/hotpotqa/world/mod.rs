@@ -107,6 +107,7 @@ pub fn name_side(seed: u64, name: &str) -> Split {
 pub type Paragraph = (String, Vec<String>);
 
 mod questions;
+pub use questions::TEMPLATE_COUNT;
 
 /// Entities of each kind, as index ranges of [`World::paragraphs`].
 #[derive(Clone, Debug)]
@@ -189,6 +190,7 @@ mod sent {
 /// One generated world. Entity ids index `names` and `paragraphs`; relations hold ids local
 /// to their kind (city 3 is entity `layout.cities.start + 3`).
 pub struct World {
+    /// Seed of the world's content (names drawn, relations, questions).
     seed: u64,
     split: Split,
     layout: Layout,
@@ -306,8 +308,21 @@ fn film_name(rng: &mut ChaCha8Rng) -> String {
 }
 
 impl World {
-    /// The world of `split` under `seed` with `size` entities.
+    /// The world of `split` under `seed` with `size` entities (names from the side of the
+    /// partition of `seed`).
     pub fn generate(seed: u64, split: Split, size: usize) -> Result<World, String> {
+        Self::generate_in(seed, seed, split, size)
+    }
+
+    /// A world whose content comes from `seed` and whose names come from `split`'s side of
+    /// the partition of `partition_seed`: the worlds of any seeds under one partition seed
+    /// share no name across the two splits (a world per episode, e.g.).
+    pub fn generate_in(
+        partition_seed: u64,
+        seed: u64,
+        split: Split,
+        size: usize,
+    ) -> Result<World, String> {
         if !(MIN_WORLD_SIZE..=MAX_WORLD_SIZE).contains(&size) {
             return Err(format!(
                 "must be in {MIN_WORLD_SIZE}..={MAX_WORLD_SIZE}, got {size}"
@@ -315,7 +330,7 @@ impl World {
         }
         let layout = Layout::for_size(size);
         let mut rng = ChaCha8Rng::seed_from_u64(derive(seed, &[WORLD_STREAM, split.tag()]));
-        let names = Self::names(&layout, seed, split, &mut rng)?;
+        let names = Self::names(&layout, partition_seed, split, &mut rng)?;
         let mut world = World {
             seed,
             split,

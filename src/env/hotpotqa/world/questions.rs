@@ -29,8 +29,11 @@ struct Question {
 
 type Template = fn(&World, &mut ChaCha8Rng) -> Option<Question>;
 
+/// Number of question templates: `records(TEMPLATE_COUNT, …)` asks one question of each.
+pub const TEMPLATE_COUNT: usize = 12;
+
 /// Bridge and comparison templates alternate, so the two types are balanced.
-const TEMPLATES: [(&str, Template); 12] = [
+const TEMPLATES: [(&str, Template); TEMPLATE_COUNT] = [
     ("founder_birth_city", World::founder_birth_city),
     ("born_first", World::born_first),
     ("director_employer", World::director_employer),
