@@ -409,12 +409,14 @@ pub struct Config {
     pub critic: CriticConfig,
     #[serde(default = "concat")]
     pub context: ContextLayout,
-    /// The update forwards each mini-batch as a prefix tree (`train::prefix_tree`): the sequences
-    /// of one group share the longest common prefix of their tokens (at least the first prompt),
-    /// forwarded and back-propagated once instead of once per sequence, and no padding is
-    /// computed. The same losses and gradients as the padded forward to f32 rounding, in both
-    /// layouts. On by default: faster on the embedded default and on the HotpotQA config
-    /// (BENCHMARKS.md, "Group-tree training forward").
+    /// Every training-path forward runs on a prefix tree (`train::prefix_tree`): the update's
+    /// mini-batches, the rollout-time critic values and reference log-probs, the feature-critic
+    /// fit, the self-imitation replay and the warm start (`sft`). The sequences of one group share
+    /// the longest common prefix of their tokens (at least the first prompt), forwarded and
+    /// back-propagated once instead of once per sequence, and no padding is computed. The same
+    /// losses, gradients and values as the padded forward to f32 rounding, in both layouts. On by
+    /// default: faster on the embedded default and on the HotpotQA config (BENCHMARKS.md,
+    /// "Group-tree training forward").
     #[serde(default = "tree_forward")]
     pub tree_forward: bool,
     /// Rounds kept in the re-rendered prompt of the `window` layout.

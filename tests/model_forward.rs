@@ -6,7 +6,9 @@ use candle_core::{Device, Tensor, D};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
-use stepppo::model::{generate, Critic, LogitsWanted, Model, ModelConfig, PaddedBatch, SeqChunk};
+use stepppo::model::{
+    generate, Critic, LogitsWanted, Model, ModelConfig, PaddedBatch, SeqChunk, TrainInput,
+};
 use stepppo::rollout::sampling::SamplingParams;
 
 fn tiny(tied: bool) -> Model {
@@ -287,9 +289,7 @@ fn critic_and_shared_head_values_have_gradients_everywhere() {
     }
     let mut policy = tiny(true);
     policy.attach_value_head(5).unwrap();
-    let v = policy
-        .values(&batch.input_ids, &batch.attention_mask)
-        .unwrap();
+    let v = policy.values(&TrainInput::Padded(batch)).unwrap();
     let grads = v.sum_all().unwrap().backward().unwrap();
     let head = policy
         .named_vars()

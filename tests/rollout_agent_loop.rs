@@ -10,6 +10,7 @@ use stepppo::tokenizer::{ChatTemplate, Tokenizer};
 use stepppo::train::batch::trajectories;
 use stepppo::train::masks::ResponseMasks;
 use stepppo::train::update::response_logprobs;
+use stepppo::train::BatchLayout;
 
 struct Setup {
     tok: Tokenizer,
@@ -194,14 +195,17 @@ fn constrained_decoding_answers_with_an_action_and_the_update_scores_it_alike() 
     let vocab = s.model.config().vocab_size;
     let masks = ResponseMasks::new([(tag, grammar)].into(), vocab);
     let seqs = trajectories(&out.records);
-    let pad = s.tok.pad_id();
-    let scored = response_logprobs(&s.model, &out.records, &seqs, 4, pad, 1.0, &masks).unwrap();
+    let layout = BatchLayout {
+        pad_id: s.tok.pad_id(),
+        tree: true,
+    };
+    let scored =
+        response_logprobs(&s.model, &out.records, &seqs, (4, layout), 1.0, &masks).unwrap();
     let free = response_logprobs(
         &s.model,
         &out.records,
         &seqs,
-        4,
-        pad,
+        (4, layout),
         1.0,
         &ResponseMasks::default(),
     )

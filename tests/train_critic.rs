@@ -15,6 +15,7 @@ use stepppo::train::masks::ResponseMasks;
 use stepppo::train::update::{
     critic_values, ppo_update, CriticLearner, CriticModel, Learners, UpdateInputs, UpdateSettings,
 };
+use stepppo::train::BatchLayout;
 
 const VOCAB: usize = 64;
 
@@ -38,6 +39,12 @@ fn records() -> Vec<StepRecord> {
         .collect()
 }
 
+/// The layout of every pass: the default, a prefix tree per group.
+const TREE: BatchLayout = BatchLayout {
+    pad_id: 0,
+    tree: true,
+};
+
 fn explained(
     critic: &CriticModel,
     policy: &Model,
@@ -45,12 +52,11 @@ fn explained(
     sequences: &[Vec<usize>],
 ) -> f64 {
     let values = critic_values(
-        &|ids, mask| critic.values(policy, ids, mask),
+        &|input| critic.values(policy, input),
         records,
         sequences,
         CriticTarget::StepStart,
-        16,
-        0,
+        (16, TREE),
         &ResponseMasks::default(),
         &Device::Cpu,
     )
@@ -88,12 +94,11 @@ fn fit(
     let policy_before = policy.named_vars()[0].1.as_tensor().to_vec1_flat();
     for round in 0..rounds {
         let old_values = critic_values(
-            &|ids, mask| critic.values(policy, ids, mask),
+            &|input| critic.values(policy, input),
             &records,
             &sequences,
             CriticTarget::StepStart,
-            16,
-            0,
+            (16, TREE),
             &masks,
             &device,
         )
@@ -124,7 +129,7 @@ fn fit(
             masks: &masks,
             freeze_actor: true,
             dist: &stepppo::dist::Single,
-            tree_forward: false,
+            tree_forward: TREE.tree,
         };
         let learner = match critic {
             CriticModel::Separate(c) => CriticLearner::Separate(c, &mut critic_opt),

@@ -271,14 +271,10 @@ impl FeatureCritic {
         Ok(self.fc2.forward(&h)?.squeeze(D::Minus1)?)
     }
 
-    /// Values `[B, T]` of `policy` at every position of a padded batch.
-    pub fn values(
-        &self,
-        policy: &super::Model,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
-    ) -> Result<Tensor> {
-        self.forward(&policy.value_features(input_ids, attention_mask)?)
+    /// Values of `policy`'s features at every position of `input`: `[B, T]` padded, `[1, N]` a
+    /// tree.
+    pub fn values(&self, policy: &super::Model, input: &TrainInput) -> Result<Tensor> {
+        self.forward(&policy.value_features(input)?)
     }
 }
 

@@ -3,7 +3,7 @@
 //! - [`Trunk::forward_train`]: padded `[B, T]` batches, causal + padding mask, built only from
 //!   differentiable candle ops (manual RMSNorm, rotate-half RoPE); attention is the fused causal
 //!   op of [`super::attention`] on CPU and matmuls with `ops::softmax` elsewhere;
-//! - [`Trunk::forward_tree`]: the same blocks over a packed [`TreeBatch`], whose branches read
+//! - [`Trunk::forward_input`] of a packed [`TreeBatch`]: the same blocks, whose branches read
 //!   their shared prefix's K/V (the attention of [`super::tree`]), also differentiable;
 //! - [`Trunk::forward_incremental`]: new tokens of many sequences at once, K/V written to and read
 //!   from a [`KvPool`] by slot; projections and MLP are batched matmuls, attention is the pool's
@@ -277,16 +277,33 @@ impl Trunk {
 
     /// Final hidden states of a training input: `[B, T, hidden]` padded, `[1, N, hidden]` a tree.
     pub(crate) fn forward_input(&self, input: &TrainInput) -> Result<Tensor> {
+        Ok(self.forward_input_streams(input, false)?.0)
+    }
+
+    /// [`Trunk::forward_input`] that, with `keep_streams`, also returns the residual streams (as
+    /// [`Trunk::forward_train_streams`] does), in the input's layout.
+    pub(crate) fn forward_input_streams(
+        &self,
+        input: &TrainInput,
+        keep_streams: bool,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
         match input {
-            TrainInput::Padded(b) => self.forward_train(&b.input_ids, &b.attention_mask),
-            TrainInput::Tree(tree) => self.forward_tree(tree),
+            TrainInput::Padded(b) => {
+                self.forward_train_streams(&b.input_ids, &b.attention_mask, keep_streams)
+            }
+            TrainInput::Tree(tree) => self.forward_tree_streams(tree, keep_streams),
         }
     }
 
     /// Final hidden states `[1, N, hidden]` of the packed tokens of `tree`: each branch segment
     /// attends to its root's K/V and continues its positions (differentiable, like
-    /// [`Trunk::forward_train`], whose hidden states it reproduces at every sequence position).
-    pub(crate) fn forward_tree(&self, tree: &TreeBatch) -> Result<Tensor> {
+    /// [`Trunk::forward_train`], whose hidden states it reproduces at every sequence position);
+    /// with `keep_streams`, also the residual streams `[1, N, hidden]`.
+    fn forward_tree_streams(
+        &self,
+        tree: &TreeBatch,
+        keep_streams: bool,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
         check_ids(&tree.ids().to_vec1::<u32>()?, self.cfg.vocab_size)?;
         let (n, hd) = (tree.len(), self.cfg.head_dim());
         let dev = tree.ids().device();
@@ -301,7 +318,7 @@ impl Trunk {
             let [q, k, v] = [q, k, v].map(|x| x.squeeze(0));
             Ok(attention.tree(&q?, &k?, &v?, tree, scale)?.unsqueeze(0)?)
         };
-        Ok(self.blocks_forward(x, (&cos, &sin), attend, false)?.0)
+        self.blocks_forward(x, (&cos, &sin), attend, keep_streams)
     }
 
     /// The blocks and the final norm over embeddings `x [B, T, hidden]`, with RoPE tables `cos`,

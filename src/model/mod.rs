@@ -264,20 +264,21 @@ impl Model {
         self.trunk.forward_input(input)
     }
 
-    /// The features a [`FeatureCritic`] reads, `[B, T, F]`, detached, each part scaled to unit
-    /// RMS per position (no weights) and set side by side: the residual stream after each of the
-    /// last [`critic::FEATURE_BLOCKS`] blocks at the position, and the mean over the positions up
-    /// to it of the embeddings and of the last block's stream (what the sequence so far holds,
-    /// which the position's own stream, dominated by its token, carries only faintly). `F` is
-    /// [`Model::value_feature_width`].
-    pub fn value_features(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
-        let (_, streams) = self
-            .trunk
-            .forward_train_streams(input_ids, attention_mask, true)?;
+    /// The features a [`FeatureCritic`] reads, `[B, T, F]` padded or `[1, N, F]` a tree,
+    /// detached, each part scaled to unit RMS per position (no weights) and set side by side: the
+    /// residual stream after each of the last [`critic::FEATURE_BLOCKS`] blocks at the position,
+    /// and the mean over the positions of its sequence up to it of the embeddings and of the last
+    /// block's stream (what the sequence so far holds, which the position's own stream, dominated
+    /// by its token, carries only faintly). `F` is [`Model::value_feature_width`].
+    pub fn value_features(&self, input: &TrainInput) -> Result<Tensor> {
+        let (_, streams) = self.trunk.forward_input_streams(input, true)?;
         let blocks = &streams[streams.len() - self.feature_blocks()..];
         let pooled = [&streams[0], &streams[streams.len() - 1]]
             .into_iter()
-            .map(prefix_mean)
+            .map(|x| match input {
+                TrainInput::Padded(_) => prefix_mean(x),
+                TrainInput::Tree(tree) => tree_prefix_mean(x, tree),
+            })
             .collect::<Result<Vec<_>>>()?;
         let unit: Vec<Tensor> = blocks
             .iter()
@@ -381,9 +382,10 @@ impl Model {
         Ok(())
     }
 
-    /// Values `[B, T]` of the shared-trunk head on the final hidden states.
-    pub fn values(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
-        self.head_values(&self.hidden_train(input_ids, attention_mask)?)
+    /// Values of the shared-trunk head on the final hidden states of `input`: `[B, T]` padded,
+    /// `[1, N]` a tree.
+    pub fn values(&self, input: &TrainInput) -> Result<Tensor> {
+        self.head_values(&self.hidden(input)?)
     }
 
     /// Values `[B, T]` of the shared-trunk head on `hidden` (from [`Model::hidden_train`]), so
@@ -404,6 +406,35 @@ fn prefix_mean(x: &Tensor) -> Result<Tensor> {
     let counts: Vec<f32> = (1..=t_len).map(|n| 1.0 / n as f32).collect();
     let inv = Tensor::from_vec(counts, (1, t_len, 1), x.device())?;
     Ok(x.detach().cumsum(1)?.broadcast_mul(&inv)?)
+}
+
+/// [`prefix_mean`] of the packed tokens `x` `[1, N, H]` of `tree`: a branch token's mean runs
+/// over its root's tokens too.
+fn tree_prefix_mean(x: &Tensor, tree: &TreeBatch) -> Result<Tensor> {
+    let x = x.detach().squeeze(0)?;
+    let segments = tree.segments();
+    let sums = segments
+        .iter()
+        .map(|s| Ok(x.narrow(0, s.start, s.len)?.cumsum(0)?))
+        .collect::<Result<Vec<_>>>()?;
+    let parts = segments
+        .iter()
+        .zip(&sums)
+        .map(|(s, sum)| match s.root {
+            Some(r) => {
+                let root_total = sums[r].narrow(0, segments[r].len - 1, 1)?;
+                Ok(sum.broadcast_add(&root_total)?)
+            }
+            None => Ok(sum.clone()),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let inv: Vec<f32> = tree
+        .positions()
+        .iter()
+        .map(|&p| 1.0 / (p + 1) as f32)
+        .collect();
+    let inv = Tensor::from_vec(inv, (tree.len(), 1), x.device())?;
+    Ok(Tensor::cat(&parts, 0)?.broadcast_mul(&inv)?.unsqueeze(0)?)
 }
 
 /// Sampling temperatures divide logits: they must be finite and positive.

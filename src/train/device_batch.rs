@@ -1,10 +1,12 @@
 //! The model inputs of a packed mini-batch on the device: [`DeviceBatch`] pads a
-//! [`PackedBatch`](super::batch::PackedBatch)'s sequences (or lays them out as a prefix tree,
-//! [`super::prefix_tree`], its gather indices moved onto the packed positions), uploads its gather
-//! indices and target tokens, adds the constrained-decoding bias of [`ResponseMasks`] when asked,
-//! and gathers per-position outputs back to step rows, whatever the layout. Shared by the PPO
-//! update, the warm start and the self-imitation replay; the index arithmetic is
-//! [`super::batch`]'s, the losses are theirs.
+//! [`PackedBatch`](super::batch::PackedBatch)'s sequences or, in the tree [`BatchLayout`]
+//! (`tree_forward`), lays them out as a prefix tree ([`super::prefix_tree`]) with its gather
+//! indices moved onto the packed positions; it uploads its gather indices and target tokens, adds
+//! the constrained-decoding bias of [`ResponseMasks`] when asked, and gathers per-position outputs
+//! back to step rows, whatever the layout. Shared by every training-path pass: the PPO update,
+//! the rollout-time critic values and reference log-probs, the feature-critic fit, the warm start
+//! and the self-imitation replay; the index arithmetic is [`super::batch`]'s, the losses are
+//! theirs.
 
 use super::batch::{pad, PackedBatch};
 use super::masks::ResponseMasks;
@@ -14,10 +16,21 @@ use crate::model::{PaddedBatch, TrainInput, TreeBatch};
 use crate::store::StepRecord;
 use candle_core::{Device, Tensor, D};
 
-/// The model inputs of a packed mini-batch on the device (the update's and the warm start's).
+/// How a pass lays out its sequences: right-padded with `pad_id`, or with `tree` (the config's
+/// `tree_forward`) as a prefix tree, the sequences of a group sharing their common prefix and the
+/// rest packed without padding. Both give the same outputs, to float rounding.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchLayout {
+    pub pad_id: u32,
+    pub tree: bool,
+}
+
+/// The model inputs of a packed mini-batch on the device.
 pub(super) struct DeviceBatch {
     /// The tokens the model reads; the indices below address its outputs' positions.
     pub(super) input: TrainInput,
+    /// Where a tree input holds each position of the padded `[B, T]` layout; `None` when padded.
+    tree: Option<PrefixTree>,
     pub(super) token_index: Tensor,
     /// The target token at each `token_index` position.
     pub(super) token_targets: Tensor,
@@ -27,6 +40,21 @@ pub(super) struct DeviceBatch {
 }
 
 impl DeviceBatch {
+    /// `p`, packed from `sequences` of `records`, in `layout`; a sequence's group (the prefix it
+    /// may share) is its first record's `group_id`.
+    pub(super) fn laid_out(
+        p: &PackedBatch,
+        (records, sequences): (&[StepRecord], &[Vec<usize>]),
+        layout: BatchLayout,
+        device: &Device,
+    ) -> Result<Self, TrainError> {
+        if !layout.tree {
+            return Self::new(p, layout.pad_id, device);
+        }
+        let groups: Vec<u64> = sequences.iter().map(|s| records[s[0]].group_id).collect();
+        Self::tree(p, &groups, device)
+    }
+
     /// The sequences of `p` right-padded with `pad_id`.
     pub(super) fn new(p: &PackedBatch, pad_id: u32, device: &Device) -> Result<Self, TrainError> {
         let (b, t) = (p.inputs.len(), p.seq_len);
@@ -35,27 +63,24 @@ impl DeviceBatch {
             input_ids: Tensor::from_vec(ids, (b, t), device)?,
             attention_mask: Tensor::from_vec(mask, (b, t), device)?,
         });
-        Self::with_indices(p, input, &p.token_index, &p.value_index, device)
+        Self::with_indices(p, (input, None), &p.token_index, &p.value_index, device)
     }
 
     /// The sequences of `p`, the `b`-th of group `groups[b]`, as a prefix tree: each group's
     /// common prefix packed once.
-    pub(super) fn tree(
-        p: &PackedBatch,
-        groups: &[u64],
-        device: &Device,
-    ) -> Result<Self, TrainError> {
+    fn tree(p: &PackedBatch, groups: &[u64], device: &Device) -> Result<Self, TrainError> {
         let tree = PrefixTree::new(p, groups);
         let moved = |index: &[u32]| -> Vec<u32> { index.iter().map(|&i| tree.packed(i)).collect() };
         let (token_index, value_index) = (moved(&p.token_index), moved(&p.value_index));
-        let input = TrainInput::Tree(TreeBatch::new(&tree.ids, tree.segments, device)?);
-        Self::with_indices(p, input, &token_index, &value_index, device)
+        let input = TrainInput::Tree(TreeBatch::new(&tree.ids, tree.segments.clone(), device)?);
+        Self::with_indices(p, (input, Some(tree)), &token_index, &value_index, device)
     }
 
-    /// `input` with the gather indices into its outputs and `p`'s target tokens.
+    /// `input` (and its tree, if any) with the gather indices into its outputs and `p`'s target
+    /// tokens.
     fn with_indices(
         p: &PackedBatch,
-        input: TrainInput,
+        (input, tree): (TrainInput, Option<PrefixTree>),
         token_index: &[u32],
         value_index: &[u32],
         device: &Device,
@@ -73,6 +98,7 @@ impl DeviceBatch {
             .collect();
         Ok(DeviceBatch {
             input,
+            tree,
             token_targets: Tensor::new(token_targets.as_slice(), device)?,
             token_index: Tensor::new(token_index, device)?,
             value_index: Tensor::new(value_index, device)?,
@@ -94,13 +120,12 @@ impl DeviceBatch {
         })
     }
 
-    /// The padded ids and mask, for passes that read padded sequences only.
-    pub(super) fn padded(&self) -> Result<&PaddedBatch, TrainError> {
-        match &self.input {
-            TrainInput::Padded(b) => Ok(b),
-            TrainInput::Tree(_) => Err(TrainError::Data(
-                "this pass reads padded sequences, not a prefix tree".into(),
-            )),
+    /// Flat indices into the padded `[B, T]` layout of the batch → the positions of the same
+    /// tokens in this batch's outputs.
+    pub(super) fn positions(&self, flat: &[u32]) -> Vec<u32> {
+        match &self.tree {
+            Some(tree) => flat.iter().map(|&i| tree.packed(i)).collect(),
+            None => flat.to_vec(),
         }
     }
 

@@ -13,6 +13,8 @@
 
 pub mod batch;
 pub mod checkpoint;
+#[cfg(test)]
+mod close;
 pub mod collapse;
 mod device_batch;
 pub mod eval;
@@ -30,6 +32,7 @@ pub mod sft;
 pub mod trainer;
 pub mod update;
 
+pub use device_batch::BatchLayout;
 pub use trainer::{TrainState, Trainer};
 
 /// Errors of the training side; each names the file, key, record or step involved.

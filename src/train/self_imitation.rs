@@ -12,7 +12,7 @@
 //! (`ckpt-N/self_imitation/`), so `--resume` continues with the same buffer.
 
 use super::batch::{pack, PackedBatch};
-use super::device_batch::DeviceBatch;
+use super::device_batch::{BatchLayout, DeviceBatch};
 use super::masks::ResponseMasks;
 use super::TrainError;
 use crate::dist::Collective;
@@ -141,11 +141,12 @@ pub struct Replay<'a> {
 impl Replay<'_> {
     /// This rank's part of the replay of mini-batch `draw`: `batch_size` buffer steps drawn with
     /// replacement (`seed`, `draw` pick them, the same on every rank), dealt round-robin over the
-    /// ranks, packed for `policy`. `None` when the buffer is empty.
+    /// ranks, packed for `policy` in `layout` (a step drawn twice, or steps of one group, share
+    /// their common prefix in a tree). `None` when the buffer is empty.
     pub fn draw(
         &self,
         policy: &Model,
-        pad_id: u32,
+        layout: BatchLayout,
         masks: &ResponseMasks,
         draw: &[u64],
         dist: &dyn Collective,
@@ -168,11 +169,9 @@ impl Replay<'_> {
             }));
         }
         let packed = pack(self.records, &sequences)?;
-        let batch = DeviceBatch::new(&packed, pad_id, policy.device())?.constrained(
-            &packed,
-            self.records,
-            masks,
-        )?;
+        let batch =
+            DeviceBatch::laid_out(&packed, (self.records, &sequences), layout, policy.device())?
+                .constrained(&packed, self.records, masks)?;
         Ok(Some(ReplayDraw {
             coef: self.coef,
             part: Some((packed, batch)),
@@ -211,9 +210,14 @@ impl ReplayDraw {
         Ok(Some((nll.affine(self.coef, 0.0)?, value)))
     }
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dist::Single;
+    use crate::model::ModelConfig;
+    use crate::train::close::{assert_same_step, gradients};
+    use candle_core::Device;
 
     fn step(group_id: u64, state_hash: u64, action: u32) -> StepRecord {
         StepRecord {
@@ -292,5 +296,37 @@ mod tests {
             .to_string();
         assert!(err.contains("self-imitation buffer"), "{err}");
         assert!(err.contains(&segment.display().to_string()), "{err}");
+    }
+
+    #[test]
+    fn a_replay_draw_in_the_tree_layout_gives_the_padded_loss_and_gradients() {
+        // Four window-layout steps, two per group sharing its 10-token prompt, drawn eight times
+        // with replacement: steps drawn twice, and group partners, share their prefix in a tree.
+        let buffer: Vec<StepRecord> = (0..4u32)
+            .map(|i| StepRecord {
+                group_id: u64::from(i / 2),
+                obs_ids: (0..10).map(|t| 2 + (i / 2 * 11 + t * 3) % 28).collect(),
+                response_ids: vec![4 + i, 9, 20 + i],
+                response_logprobs: vec![0.0; 3],
+                ..StepRecord::default()
+            })
+            .collect();
+        let policy = Model::new(&ModelConfig::tiny(32), 1, &Device::Cpu).unwrap();
+        let replay = Replay {
+            records: &buffer,
+            coef: 0.5,
+            batch_size: 8,
+            seed: 3,
+        };
+        let run = |tree| {
+            let layout = BatchLayout { pad_id: 0, tree };
+            let masks = ResponseMasks::default();
+            let draw = replay.draw(&policy, layout, &masks, &[0, 1], &Single);
+            let (loss, _) = draw.unwrap().unwrap().loss(&policy).unwrap().unwrap();
+            let value = loss.to_scalar::<f32>().unwrap();
+            (value, gradients(&loss, policy.named_vars()))
+        };
+        let ((tree_loss, tree), (padded_loss, padded)) = (run(true), run(false));
+        assert_same_step((tree_loss, &tree), (padded_loss, &padded));
     }
 }

@@ -5,13 +5,15 @@
 //! [`AgentSession`](crate::env::AgentSession) protocol and the same token-space chat template as
 //! the rollout engine (system + user turn, response ids, `<|im_end|>` + after-response + next user
 //! turn) and returns concat-layout [`StepRecord`]s. [`behaviour_clone`] trains the policy on any
-//! such records (e.g. `stepppo collect` datasets). Warm-starting on the *random* agent teaches the
-//! answer format, not the task: the policy's success starts near the random agent's. An env that
-//! fails while a transcript is played (a remote server) ends the warm start with its error under
-//! `on_error: fail`; under `skip` that episode is left out and counted.
+//! such records (e.g. `stepppo collect` datasets), each mini-batch forwarded in the run's
+//! [`BatchLayout`] (with `tree_forward`, packed without padding, the transcripts of one group
+//! sharing their prompt). Warm-starting on the *random* agent teaches the answer format, not the
+//! task: the policy's success starts near the random agent's. An env that fails while a
+//! transcript is played (a remote server) ends the warm start with its error under `on_error:
+//! fail`; under `skip` that episode is left out and counted.
 
 use super::batch::{pack, step_returns, trajectories, PackedBatch};
-use super::device_batch::DeviceBatch;
+use super::device_batch::{BatchLayout, DeviceBatch};
 use super::setup::{device_of, fresh_policy};
 use super::TrainError;
 use crate::algo::{AdamW, OptimizerConfig};
@@ -139,17 +141,25 @@ pub struct CloneSettings {
     pub observation_loss_coef: f64,
     /// Seeds the shuffling of the sequences.
     pub seed: u64,
+    /// How each mini-batch is forwarded.
+    pub layout: BatchLayout,
 }
 
 impl CloneSettings {
-    /// The cloning settings of an `sft` config section; `seed` orders the mini-batches.
-    pub fn from_config(sft: &SftConfig, seed: u64) -> Self {
+    /// The cloning settings of `cfg`'s `sft` section, forwarded as `tree_forward` says (padding
+    /// with `pad_id`); `seed` orders the mini-batches.
+    pub fn from_config(cfg: &Config, pad_id: u32, seed: u64) -> Self {
+        let sft: &SftConfig = &cfg.sft;
         CloneSettings {
             steps: sft.steps,
             batch_size: sft.batch_size,
             lr: sft.learning_rate,
             observation_loss_coef: sft.observation_loss_coef,
             seed,
+            layout: BatchLayout {
+                pad_id,
+                tree: cfg.tree_forward,
+            },
         }
     }
 }
@@ -173,7 +183,6 @@ pub struct ValueWarmup<'a> {
 /// over shuffled mini-batches, plus the value regression of `value` when given.
 pub fn behaviour_clone(
     policy: &Model,
-    pad_id: u32,
     records: &[StepRecord],
     settings: CloneSettings,
     value: Option<ValueWarmup>,
@@ -204,20 +213,13 @@ pub fn behaviour_clone(
             .drain(..settings.batch_size.min(order.len()))
             .map(|s| sequences[s].clone())
             .collect();
-        let packed = pack(records, &chosen)?;
-        let batch = DeviceBatch::new(&packed, pad_id, policy.device())?;
-        let hidden = policy.hidden(&batch.input)?;
-        let ce = cross_entropy(policy, &packed, &batch, &hidden)?;
-        let mut loss = ce.clone();
-        if settings.observation_loss_coef > 0.0 {
-            let obs = observation_cross_entropy(policy, &packed, &hidden)?;
-            loss = (loss + obs.affine(settings.observation_loss_coef, 0.0)?)?;
-        }
-        if let Some(critic) = critic.as_mut() {
-            if let Some(shared) = critic.step(&packed, &batch, policy, &hidden, &mut skipped)? {
-                loss = (loss + shared)?;
-            }
-        }
+        let (loss, ce) = clone_loss(
+            policy,
+            (records, &chosen),
+            &settings,
+            critic.as_mut(),
+            &mut skipped,
+        )?;
         let value = loss.to_scalar::<f32>()? as f64;
         if !value.is_finite() {
             skipped += 1;
@@ -238,6 +240,34 @@ pub fn behaviour_clone(
         seconds: start.elapsed().as_secs_f64(),
         env_errors: Vec::new(),
     })
+}
+
+/// The loss of one warm-start update on the sequences `chosen` of `records`, and its response
+/// cross-entropy alone: the cross-entropy, the weighted observation term, and a shared value
+/// head's weighted value loss (a separate critic of `critic` is stepped here instead).
+fn clone_loss(
+    policy: &Model,
+    (records, chosen): (&[StepRecord], &[Vec<usize>]),
+    settings: &CloneSettings,
+    critic: Option<&mut CriticWarmup>,
+    skipped: &mut usize,
+) -> Result<(Tensor, Tensor), TrainError> {
+    let packed = pack(records, chosen)?;
+    let batch =
+        DeviceBatch::laid_out(&packed, (records, chosen), settings.layout, policy.device())?;
+    let hidden = policy.hidden(&batch.input)?;
+    let ce = cross_entropy(policy, &packed, &batch, &hidden)?;
+    let mut loss = ce.clone();
+    if settings.observation_loss_coef > 0.0 {
+        let obs = observation_cross_entropy(policy, &packed, &batch, &hidden)?;
+        loss = (loss + obs.affine(settings.observation_loss_coef, 0.0)?)?;
+    }
+    if let Some(critic) = critic {
+        if let Some(shared) = critic.step(&packed, &batch, policy, &hidden, skipped)? {
+            loss = (loss + shared)?;
+        }
+    }
+    Ok((loss, ce))
 }
 
 /// The running state of a critic warm-up.
@@ -345,15 +375,16 @@ pub(super) fn cross_entropy(
 }
 
 /// Mean negative log-likelihood of every observation token of `packed`, from the policy trunk's
-/// output `hidden`.
+/// output `hidden` over `batch`.
 fn observation_cross_entropy(
     policy: &Model,
     packed: &PackedBatch,
+    batch: &DeviceBatch,
     hidden: &Tensor,
 ) -> Result<Tensor, TrainError> {
     let (positions, targets) = observation_targets(packed);
     let device = policy.device();
-    let positions = Tensor::new(positions.as_slice(), device)?;
+    let positions = Tensor::new(batch.positions(&positions).as_slice(), device)?;
     let targets = Tensor::new(targets.as_slice(), device)?;
     let (picked, _) = policy.head_logprobs_entropy(hidden, &positions, &targets, 1.0, None)?;
     Ok(picked.mean_all()?.neg()?)
@@ -415,9 +446,8 @@ pub fn clone_into(
     let (policy, tok) = fresh_policy(cfg, &device)?;
     let report = behaviour_clone(
         &policy,
-        tok.pad_id(),
         records,
-        CloneSettings::from_config(&cfg.sft, cfg.seed),
+        CloneSettings::from_config(cfg, tok.pad_id(), cfg.seed),
         None,
     )?;
     policy.save(out, Some(&tok))?;
@@ -427,8 +457,14 @@ pub fn clone_into(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ModelConfig;
+    use crate::model::{ModelConfig, TrainInput};
+    use crate::train::close::{assert_same_step, gradients};
     use candle_core::Device;
+
+    const PADDED: BatchLayout = BatchLayout {
+        pad_id: 0,
+        tree: false,
+    };
 
     /// Single-step trajectories whose return is 1 after one observation token and 0 after
     /// another: the warm-up must learn to tell them apart.
@@ -480,6 +516,7 @@ mod tests {
             lr: 1e-2,
             observation_loss_coef: 0.0,
             seed: 3,
+            layout: PADDED,
         };
         let value = ValueWarmup {
             gamma: 1.0,
@@ -487,7 +524,7 @@ mod tests {
             separate,
         };
         let records = two_kinds_of_steps();
-        let report = behaviour_clone(policy, 0, &records, settings, Some(value)).unwrap();
+        let report = behaviour_clone(policy, &records, settings, Some(value)).unwrap();
         let (first, last) = report.value_loss.unwrap();
         assert!(
             last < 0.05 && last < first / 3.0,
@@ -563,11 +600,12 @@ mod tests {
                 lr: 1e-2,
                 observation_loss_coef: coef,
                 seed: 3,
+                layout: PADDED,
             };
-            behaviour_clone(&policy, 0, &records, settings, None).unwrap();
+            behaviour_clone(&policy, &records, settings, None).unwrap();
             let batch = DeviceBatch::new(&packed, 0, policy.device()).unwrap();
             let hidden = policy.hidden(&batch.input).unwrap();
-            let ce = observation_cross_entropy(&policy, &packed, &hidden).unwrap();
+            let ce = observation_cross_entropy(&policy, &packed, &batch, &hidden).unwrap();
             ce.to_scalar::<f32>().unwrap()
         };
         let (without, with) = (loss_after(0.0), loss_after(1.0));
@@ -576,5 +614,89 @@ mod tests {
             with < 1.0 && with < without / 2.0,
             "observation CE {without} → {with}"
         );
+    }
+
+    /// Two groups of three two-step trajectories (concat layout), each group's sharing its
+    /// 12-token prompt, and a trajectory alone in its group.
+    fn grouped_transcripts() -> Vec<StepRecord> {
+        (0..7u64)
+            .flat_map(|traj_id| {
+                let (group, k) = (traj_id / 3, traj_id as u32);
+                let first = StepRecord {
+                    traj_id,
+                    group_id: group,
+                    obs_ids: (0..12)
+                        .map(|i| 2 + (group as u32 * 7 + i * 5) % 28)
+                        .collect(),
+                    response_ids: vec![3 + k % 4, 9 + k],
+                    response_logprobs: vec![0.0; 2],
+                    ..StepRecord::default()
+                };
+                let second = StepRecord {
+                    step_index: 1,
+                    context_len: 14,
+                    obs_ids: vec![20 + k % 3, 5],
+                    response_ids: vec![8, 2 + k, 4],
+                    response_logprobs: vec![0.0; 3],
+                    reward: (k % 2) as f32,
+                    terminated: true,
+                    ..first.clone()
+                };
+                [first, second]
+            })
+            .collect()
+    }
+
+    fn layout(tree: bool) -> BatchLayout {
+        BatchLayout { pad_id: 0, tree }
+    }
+
+    #[test]
+    fn the_tree_layout_gives_the_padded_warm_start_loss_and_gradients() {
+        let records = grouped_transcripts();
+        let chosen = clone_sequences(&records);
+        let mut policy = Model::new(&ModelConfig::tiny(32), 1, &Device::Cpu).unwrap();
+        policy.attach_value_head(2).unwrap();
+        // Responses, observations and the shared head's values all in one loss.
+        let run = |tree| {
+            let settings = CloneSettings {
+                steps: 1,
+                batch_size: chosen.len(),
+                lr: 1e-2,
+                observation_loss_coef: 0.5,
+                seed: 3,
+                layout: layout(tree),
+            };
+            let value = ValueWarmup {
+                gamma: 0.9,
+                coef: 1.0,
+                separate: None,
+            };
+            let mut critic = CriticWarmup::new(value, &records).unwrap();
+            let sequences = (records.as_slice(), chosen.as_slice());
+            let (loss, _) =
+                clone_loss(&policy, sequences, &settings, Some(&mut critic), &mut 0).unwrap();
+            let value = loss.to_scalar::<f32>().unwrap();
+            (value, gradients(&loss, policy.named_vars()))
+        };
+        let ((tree_loss, tree), (padded_loss, padded)) = (run(true), run(false));
+        assert_same_step((tree_loss, &tree), (padded_loss, &padded));
+
+        // A separate critic's value loss.
+        let critic = Critic::new(&ModelConfig::tiny(32), 4, &Device::Cpu).unwrap();
+        let returns = step_returns(&records, 0.9);
+        let run = |tree| {
+            let packed = pack(&records, &chosen).unwrap();
+            let batch =
+                DeviceBatch::laid_out(&packed, (&records, &chosen), layout(tree), &Device::Cpu)
+                    .unwrap();
+            assert_eq!(matches!(batch.input, TrainInput::Tree(_)), tree);
+            let values = critic.values_of(&batch.input).unwrap();
+            let loss = value_loss(&packed, &batch, &values, &returns).unwrap();
+            let value = loss.to_scalar::<f32>().unwrap();
+            (value, gradients(&loss, critic.named_vars()))
+        };
+        let ((tree_loss, tree), (padded_loss, padded)) = (run(true), run(false));
+        assert_same_step((tree_loss, &tree), (padded_loss, &padded));
     }
 }

@@ -22,6 +22,7 @@
 use super::batch::{step_returns, trajectories};
 use super::checkpoint::{self, CheckpointWriter};
 use super::collapse::CollapseDetector;
+use super::device_batch::BatchLayout;
 use super::eval::{self, TagSummary, Validation, VAL_SEED_OFFSET};
 use super::masks::{response_masks, ResponseMasks};
 use super::metrics::{MetricsSink, Scalars};
@@ -716,31 +717,37 @@ impl Trainer {
         sequences: &[Vec<usize>],
         target: CriticTarget,
     ) -> Result<Vec<Vec<f32>>, TrainError> {
-        let pad = self.tok.pad_id();
         let device = self.policy.device().clone();
         let dist = self.dist.as_ref();
+        let chunks = (VALUE_CHUNK, self.layout());
         ranks::per_record_rows(records.len(), sequences, dist, |mine| match &self.critic {
             Some(c) => update::critic_values(
-                &|ids, mask| c.values(&self.policy, ids, mask),
+                &|input| c.values(&self.policy, input),
                 records,
                 mine,
                 target,
-                VALUE_CHUNK,
-                pad,
+                chunks,
                 &self.masks,
                 &device,
             ),
             None => update::critic_values(
-                &|ids, mask| Ok(self.policy.values(ids, mask)?),
+                &|input| Ok(self.policy.values(input)?),
                 records,
                 mine,
                 target,
-                VALUE_CHUNK,
-                pad,
+                chunks,
                 &self.masks,
                 &device,
             ),
         })
+    }
+
+    /// The layout of every training-path forward (`tree_forward`).
+    fn layout(&self) -> BatchLayout {
+        BatchLayout {
+            pad_id: self.tok.pad_id(),
+            tree: self.cfg.tree_forward,
+        }
     }
 
     /// The reference policy's log-prob of every response token; `None` without a reference.
@@ -758,8 +765,7 @@ impl Trainer {
                 reference,
                 records,
                 mine,
-                VALUE_CHUNK,
-                self.tok.pad_id(),
+                (VALUE_CHUNK, self.layout()),
                 self.update_temperature(),
                 &self.masks,
             )
@@ -1203,9 +1209,8 @@ fn warm_start(
     });
     let report = sft::behaviour_clone(
         policy,
-        tok.pad_id(),
         &transcripts.records,
-        CloneSettings::from_config(&cfg.sft, base),
+        CloneSettings::from_config(cfg, tok.pad_id(), base),
         value,
     )?;
     Ok(SftReport {

@@ -7,12 +7,14 @@
 //! and is trained at each step's start position (`step_gae`) or at every response token
 //! (`token_gae`); a shared-trunk value head adds its loss to the actor's; a feature critic is
 //! fitted after the actor's epochs, on the updated policy's features of the batch
-//! ([`fit_feature_critic`], padded); with self-imitation on, each actor mini-batch also adds the
-//! negative log-likelihood of a draw from the replay buffer ([`super::self_imitation`], padded).
-//! A non-finite loss or gradient skips that update (counted and reported); the run goes on.
+//! ([`fit_feature_critic`]); with self-imitation on, each actor mini-batch also adds the negative
+//! log-likelihood of a draw from the replay buffer ([`super::self_imitation`]). Those passes, and
+//! the rollout-time [`critic_values`] and [`response_logprobs`], run in the same layout as the
+//! mini-batches ([`BatchLayout`]). A non-finite loss or gradient skips that update (counted and
+//! reported); the run goes on.
 
 use super::batch::{pack, PackedBatch};
-use super::device_batch::DeviceBatch;
+use super::device_batch::{BatchLayout, DeviceBatch};
 use super::masks::ResponseMasks;
 use super::metrics::Scalars;
 use super::self_imitation::Replay;
@@ -20,7 +22,7 @@ use super::{ranks, TrainError};
 use crate::algo::loss::{agg_normaliser, explained_variance};
 use crate::algo::{policy_loss, value_loss, AdamW, CriticTarget, LossConfig};
 use crate::dist::{Collective, Single};
-use crate::model::{Critic, FeatureCritic, Model};
+use crate::model::{Critic, FeatureCritic, Model, TrainInput};
 use crate::seed;
 use crate::store::StepRecord;
 use candle_core::{Device, Tensor};
@@ -80,6 +82,16 @@ pub struct UpdateSettings<'a> {
     pub tree_forward: bool,
 }
 
+impl UpdateSettings<'_> {
+    /// The layout of the update's forward passes.
+    pub fn layout(&self) -> BatchLayout {
+        BatchLayout {
+            pad_id: self.pad_id,
+            tree: self.tree_forward,
+        }
+    }
+}
+
 /// The critic model a run trains beside its policy (a shared value head lives in the policy).
 pub enum CriticModel {
     /// A model of the policy's family with a value head (boxed: a trunk is large).
@@ -89,16 +101,12 @@ pub enum CriticModel {
 }
 
 impl CriticModel {
-    /// Values `[B, T]` of a padded batch (`policy` supplies a feature critic's features).
-    pub fn values(
-        &self,
-        policy: &Model,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
-    ) -> Result<Tensor, TrainError> {
+    /// Values at every position of `input`, `[B, T]` padded or `[1, N]` a tree (`policy`
+    /// supplies a feature critic's features).
+    pub fn values(&self, policy: &Model, input: &TrainInput) -> Result<Tensor, TrainError> {
         Ok(match self {
-            CriticModel::Separate(c) => c.values(input_ids, attention_mask)?,
-            CriticModel::Features(c) => c.values(policy, input_ids, attention_mask)?,
+            CriticModel::Separate(c) => c.values_of(input)?,
+            CriticModel::Features(c) => c.values(policy, input)?,
         })
     }
 
@@ -289,7 +297,8 @@ pub fn ppo_update(
 }
 
 /// Rows a feature critic is fitted on: the policy's features at each critic target position of
-/// the records that train the critic, with their targets and rollout-time values.
+/// the records that train the critic, with their targets and rollout-time values; in record
+/// order, whatever the chunks and layout of the pass that read them.
 struct FeatureRows {
     /// `[n, F]`.
     features: Tensor,
@@ -305,17 +314,16 @@ fn feature_rows(
     target: CriticTarget,
 ) -> Result<FeatureRows, TrainError> {
     let (mut parts, mut returns, mut old_values) = (Vec::new(), Vec::new(), Vec::new());
+    let mut owners = Vec::new();
     for_each_chunk(
         inputs.records,
         &inputs.sequences,
-        FEATURE_CHUNK,
-        settings.pad_id,
+        (FEATURE_CHUNK, settings.layout()),
         settings.masks,
         false,
         policy.device(),
         |p, batch| {
-            let padded = batch.padded()?;
-            let features = policy.value_features(&padded.input_ids, &padded.attention_mask)?;
+            let features = policy.value_features(&batch.input)?;
             let (at, per_row) = match target {
                 CriticTarget::StepStart => (batch.rows_at_step_starts(&features)?, 1),
                 CriticTarget::AllResponseTokens => {
@@ -335,6 +343,7 @@ fn feature_rows(
                     picked.push((row * per_row + j) as u32);
                     returns.push(inputs.returns[r][j]);
                     old_values.push(inputs.old_values[r][j]);
+                    owners.push(r);
                 }
             }
             let picked = Tensor::new(picked.as_slice(), at.device())?;
@@ -342,10 +351,15 @@ fn feature_rows(
             Ok(())
         },
     )?;
+    // Record order: a record's rows are contiguous in one chunk, so a stable sort keeps them.
+    let mut order: Vec<u32> = (0..owners.len() as u32).collect();
+    order.sort_by_key(|&i| owners[i as usize]);
+    let permute = |xs: Vec<f32>| order.iter().map(|&i| xs[i as usize]).collect();
+    let order_tensor = Tensor::new(order.as_slice(), policy.device())?;
     Ok(FeatureRows {
-        features: Tensor::cat(&parts, 0)?,
-        returns,
-        old_values,
+        features: Tensor::cat(&parts, 0)?.index_select(&order_tensor, 0)?,
+        returns: permute(returns),
+        old_values: permute(old_values),
     })
 }
 
@@ -488,13 +502,13 @@ fn local_batch(
     if packed.rows == 0 {
         return Ok(None);
     }
-    let batch = if settings.tree_forward {
-        let groups: Vec<u64> = seqs.iter().map(|s| inputs.records[s[0]].group_id).collect();
-        DeviceBatch::tree(&packed, &groups, policy.device())?
-    } else {
-        DeviceBatch::new(&packed, settings.pad_id, policy.device())?
-    };
-    let batch = batch.constrained(&packed, inputs.records, settings.masks)?;
+    let batch = DeviceBatch::laid_out(
+        &packed,
+        (inputs.records, seqs),
+        settings.layout(),
+        policy.device(),
+    )?
+    .constrained(&packed, inputs.records, settings.masks)?;
     Ok(Some((packed, batch)))
 }
 
@@ -595,7 +609,7 @@ fn actor_step(
     let replay = match &inputs.replay {
         Some(replay) => replay.draw(
             learners.policy,
-            settings.pad_id,
+            settings.layout(),
             settings.masks,
             &draw,
             dist,
@@ -877,13 +891,12 @@ fn step_critic(
 }
 
 /// Log-probs of every record's response tokens under `model` (no gradient), one forward per
-/// chunk of similar-length sequences: the reference policy's side of a KL penalty.
+/// chunk of `chunk` sequences in `layout`: the reference policy's side of a KL penalty.
 pub fn response_logprobs(
     model: &Model,
     records: &[StepRecord],
     sequences: &[Vec<usize>],
-    chunk: usize,
-    pad_id: u32,
+    (chunk, layout): (usize, BatchLayout),
     temperature: f32,
     masks: &ResponseMasks,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
@@ -891,8 +904,7 @@ pub fn response_logprobs(
     for_each_chunk(
         records,
         sequences,
-        chunk,
-        pad_id,
+        (chunk, layout),
         masks,
         true,
         model.device(),
@@ -917,15 +929,15 @@ pub fn response_logprobs(
     Ok(out)
 }
 
-/// Packs `sequences` in chunks of `chunk` similar-length sequences (little padding per forward)
-/// and hands each chunk, on `device`, to `visit`: values read past `masks`' forced prefixes, and
-/// with `logit_bias` the constrained-decoding bias of `masks` (needed to score tokens, not values).
-#[allow(clippy::too_many_arguments)]
+/// Packs `sequences` in chunks of `chunk` sequences, laid out in `layout`, and hands each chunk,
+/// on `device`, to `visit`: values read past `masks`' forced prefixes, and with `logit_bias` the
+/// constrained-decoding bias of `masks` (needed to score tokens, not values). A chunk gathers
+/// similar-length sequences when padded (little padding per forward), a group's sequences when
+/// laid out as a tree (their prefix forwarded once).
 fn for_each_chunk(
     records: &[StepRecord],
     sequences: &[Vec<usize>],
-    chunk: usize,
-    pad_id: u32,
+    (chunk, layout): (usize, BatchLayout),
     masks: &ResponseMasks,
     logit_bias: bool,
     device: &Device,
@@ -935,34 +947,35 @@ fn for_each_chunk(
     let unconstrained = ResponseMasks::default();
     let bias_masks = if logit_bias { masks } else { &unconstrained };
     let mut sorted = sequences.to_vec();
-    sorted.sort_by_key(|seq| {
-        seq.iter()
-            .map(|&r| records[r].obs_ids.len() + records[r].response_ids.len())
-            .sum::<usize>()
-    });
+    if layout.tree {
+        sorted.sort_by_key(|seq| records[seq[0]].group_id);
+    } else {
+        sorted.sort_by_key(|seq| {
+            seq.iter()
+                .map(|&r| records[r].obs_ids.len() + records[r].response_ids.len())
+                .sum::<usize>()
+        });
+    }
     for seqs in sorted.chunks(chunk.max(1)) {
         let mut p = pack(records, seqs)?;
         p.read_values_after_forced(records, |r| masks.forced_prefix(r));
         if p.rows > 0 {
-            visit(
-                &p,
-                &DeviceBatch::new(&p, pad_id, device)?.constrained(&p, records, bias_masks)?,
-            )?;
+            let batch = DeviceBatch::laid_out(&p, (records, seqs), layout, device)?;
+            visit(&p, &batch.constrained(&p, records, bias_masks)?)?;
         }
     }
     Ok(())
 }
 
 /// Critic values of every record at rollout time, no update: per record, one value at the step
-/// start (`StepStart`) or one per response token (`AllResponseTokens`).
-#[allow(clippy::too_many_arguments)]
+/// start (`StepStart`) or one per response token (`AllResponseTokens`), `values_of` run on chunks
+/// of `chunk` sequences in `layout`.
 pub fn critic_values(
-    values_of: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor, TrainError>,
+    values_of: &dyn Fn(&TrainInput) -> Result<Tensor, TrainError>,
     records: &[StepRecord],
     sequences: &[Vec<usize>],
     target: CriticTarget,
-    chunk: usize,
-    pad_id: u32,
+    (chunk, layout): (usize, BatchLayout),
     masks: &ResponseMasks,
     device: &Device,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
@@ -970,14 +983,12 @@ pub fn critic_values(
     for_each_chunk(
         records,
         sequences,
-        chunk,
-        pad_id,
+        (chunk, layout),
         masks,
         false,
         device,
         |p, batch| {
-            let padded = batch.padded()?;
-            let values = values_of(&padded.input_ids, &padded.attention_mask)?.detach();
+            let values = values_of(&batch.input)?.detach();
             match target {
                 CriticTarget::StepStart => {
                     let v = batch
@@ -1005,8 +1016,9 @@ pub fn critic_values(
 mod tests {
     use super::*;
     use crate::algo::OptimizerConfig;
-    use crate::model::{ModelConfig, TrainInput};
-    use crate::train::batch::pad;
+    use crate::model::ModelConfig;
+    use crate::train::batch::{pad, trajectories};
+    use crate::train::close::{assert_close, assert_rows_close};
 
     fn record(adv_len: usize) -> StepRecord {
         StepRecord {
@@ -1022,12 +1034,12 @@ mod tests {
     fn token_logprobs(policy: &Model, rec: &StepRecord) -> Vec<f32> {
         let p = pack(std::slice::from_ref(rec), &[vec![0]]).unwrap();
         let batch = DeviceBatch::new(&p, 0, &Device::Cpu).unwrap();
+        let tensor = |x: Vec<u32>| Tensor::from_vec(x, (1, p.seq_len), &Device::Cpu).unwrap();
+        let (ids, mask) = pad(&p.inputs, p.seq_len, 0);
         let (targets, _) = pad(&p.targets, p.seq_len, 0);
-        let padded = batch.padded().unwrap();
-        let targets = Tensor::from_vec(targets, padded.input_ids.dims(), &Device::Cpu).unwrap();
         // The full-vocabulary path at every position, independent of the update's gathered head.
         let (lp, _) = policy
-            .token_logprobs_entropy(&padded.input_ids, &padded.attention_mask, &targets, 1.0)
+            .token_logprobs_entropy(&tensor(ids), &tensor(mask), &tensor(targets), 1.0)
             .unwrap();
         batch
             .at_tokens(&lp, &p)
@@ -1319,22 +1331,6 @@ mod tests {
     static EMPTY_MASKS: std::sync::LazyLock<ResponseMasks> =
         std::sync::LazyLock::new(ResponseMasks::default);
 
-    /// `max |a − b| ≤ 1e-5 · max |b|`, per tensor.
-    fn assert_close(name: &str, a: &Tensor, b: &Tensor) {
-        let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let (a, b) = (host(a), host(b));
-        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let diff = a
-            .iter()
-            .zip(&b)
-            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-        assert!(scale > 0.0, "{name}: a zero gradient tests nothing");
-        assert!(
-            diff <= 1e-5 * scale,
-            "{name}: max |Δ| {diff} against max {scale}"
-        );
-    }
-
     /// The tree forward's loss and every gradient against the padded forward's, on `records`
     /// in one mini-batch of `sequences`.
     fn assert_tree_matches_padded(records: &[StepRecord], sequences: Vec<Vec<usize>>) {
@@ -1355,7 +1351,7 @@ mod tests {
 
     /// The packed tokens of the tree of every sequence of `records` (concat layout).
     fn packed_tokens(records: &[StepRecord]) -> (usize, usize) {
-        let sequences = crate::train::batch::trajectories(records);
+        let sequences = trajectories(records);
         let p = pack(records, &sequences).unwrap();
         let groups: Vec<u64> = sequences.iter().map(|s| records[s[0]].group_id).collect();
         let tree = crate::train::prefix_tree::PrefixTree::new(&p, &groups);
@@ -1370,7 +1366,7 @@ mod tests {
         // The last prompt token (which scores the first response token) is shared: 29 of 30
         // prompt tokens are saved per extra branch.
         assert_eq!(total - packed, 2 * 2 * 30, "{total} → {packed}");
-        assert_tree_matches_padded(&records, crate::train::batch::trajectories(&records));
+        assert_tree_matches_padded(&records, trajectories(&records));
     }
 
     #[test]
@@ -1385,7 +1381,7 @@ mod tests {
             total - packed >= 2 * 2 * shared_per_branch,
             "{total} → {packed}"
         );
-        assert_tree_matches_padded(&records, crate::train::batch::trajectories(&records));
+        assert_tree_matches_padded(&records, trajectories(&records));
     }
 
     #[test]
@@ -1405,7 +1401,7 @@ mod tests {
     #[test]
     fn a_separate_critic_reads_the_same_values_from_the_tree() {
         let records = group_records(2, 3, true);
-        let inputs = tree_inputs(&records, crate::train::batch::trajectories(&records));
+        let inputs = tree_inputs(&records, trajectories(&records));
         let critic = Critic::new(&ModelConfig::tiny(64), 9, &Device::Cpu).unwrap();
         let policy = Model::new(&ModelConfig::tiny(64), 5, &Device::Cpu).unwrap();
         let loss = LossConfig::default();
@@ -1437,6 +1433,79 @@ mod tests {
         assert_close("step-start values", &tree_values, &padded_values);
         for ((name, _), (t, p)) in critic.named_vars().iter().zip(tree.iter().zip(&padded)) {
             assert_close(name, t, p);
+        }
+    }
+
+    /// Two groups of three trajectories each sharing its prompt, and a trajectory alone in its
+    /// group (concat layout).
+    fn groups_and_a_singleton() -> Vec<StepRecord> {
+        let mut records = group_records(3, 3, false);
+        records.retain(|r| r.group_id < 2 || r.traj_id == 6);
+        records
+    }
+
+    #[test]
+    fn rollout_values_and_reference_logprobs_are_the_same_in_the_tree_layout() {
+        let records = groups_and_a_singleton();
+        let sequences = trajectories(&records);
+        let cfg = ModelConfig::tiny(64);
+        let mut policy = Model::new(&cfg, 5, &Device::Cpu).unwrap();
+        policy.attach_value_head(6).unwrap();
+        let critic = CriticModel::Separate(Box::new(Critic::new(&cfg, 9, &Device::Cpu).unwrap()));
+        let features = CriticModel::Features(FeatureCritic::new(&policy, 4).unwrap());
+        // Chunks of 4 sequences: a group is split over two chunks.
+        let chunks = |tree| (4, BatchLayout { pad_id: 0, tree });
+        let masks = ResponseMasks::default();
+        let by_separate = |x: &TrainInput| critic.values(&policy, x);
+        let by_features = |x: &TrainInput| features.values(&policy, x);
+        let by_head = |x: &TrainInput| Ok(policy.values(x)?);
+        type ValuesOf<'a> = &'a dyn Fn(&TrainInput) -> Result<Tensor, TrainError>;
+        let critics: [(&str, ValuesOf); 3] = [
+            ("separate critic", &by_separate),
+            ("feature critic", &by_features),
+            ("shared head", &by_head),
+        ];
+        for target in [CriticTarget::StepStart, CriticTarget::AllResponseTokens] {
+            for (name, values_of) in critics {
+                let run = |tree| {
+                    let (seqs, device) = (&sequences, &Device::Cpu);
+                    critic_values(
+                        values_of,
+                        &records,
+                        seqs,
+                        target,
+                        chunks(tree),
+                        &masks,
+                        device,
+                    )
+                    .unwrap()
+                };
+                assert_rows_close(&format!("{name}, {target:?}"), &run(true), &run(false));
+            }
+        }
+        let run = |tree| {
+            response_logprobs(&policy, &records, &sequences, chunks(tree), 1.0, &masks).unwrap()
+        };
+        assert_rows_close("reference log-probs", &run(true), &run(false));
+    }
+
+    #[test]
+    fn the_feature_critic_fit_reads_the_same_rows_from_the_tree() {
+        let records = groups_and_a_singleton();
+        let mut inputs = tree_inputs(&records, trajectories(&records));
+        let policy = Model::new(&ModelConfig::tiny(64), 5, &Device::Cpu).unwrap();
+        let loss = LossConfig::default();
+        for target in [CriticTarget::StepStart, CriticTarget::AllResponseTokens] {
+            inputs.critic_target = Some(target);
+            let rows = |tree| feature_rows(&inputs, &settings_for(&loss, tree), &policy, target);
+            let (tree, padded) = (rows(true).unwrap(), rows(false).unwrap());
+            assert_eq!(tree.returns, padded.returns, "{target:?}");
+            assert_eq!(tree.old_values, padded.old_values, "{target:?}");
+            assert_close(
+                &format!("features, {target:?}"),
+                &tree.features,
+                &padded.features,
+            );
         }
     }
 }
