@@ -467,7 +467,8 @@ impl Env for HotpotQaEnv {
         Ok(self.state_text())
     }
 
-    /// Metrics (summed over an episode's turns by the rollout): `searches` (1 per search),
+    /// Metrics (summed over an episode's turns by the rollout): `searches` (1 per search, 0 with
+    /// the answer),
     /// `em` and `f1` of the answer, `em_<type>` (the answer's EM under its question type,
     /// e.g. `em_bridge`) and `question_<type>` (1 at the episode's first action), so that
     /// `em_bridge / question_bridge` is the EM of bridge questions.
@@ -499,6 +500,8 @@ impl Env for HotpotQaEnv {
                         ("em".into(), em),
                         ("f1".into(), f1),
                         (format!("em_{kind}"), em),
+                        // Logged as 0 when no episode searched, rather than left out.
+                        ("searches".into(), 0.0),
                     ],
                 };
                 (em, true)
@@ -614,6 +617,7 @@ mod tests {
             ("em".into(), 0.0),
             ("f1".into(), 0.0),
             (format!("em_{kind}"), 0.0),
+            ("searches".into(), 0.0),
             (format!("question_{kind}"), 1.0),
         ];
         assert_eq!(t.info.metrics, expected);
@@ -624,7 +628,7 @@ mod tests {
         assert_eq!(t.info.metrics, expected);
         let t = env.step(&Action::Answer(gold)).unwrap();
         assert_eq!(t.info.metrics[2], (format!("em_{kind}"), 1.0));
-        assert_eq!(t.info.metrics.len(), 3, "the type is counted once");
+        assert_eq!(t.info.metrics.len(), 4, "the type is counted once");
     }
 
     #[test]
