@@ -155,16 +155,7 @@ fn prepare(w: &Workload, arm: &str, dev: &Device) -> (Vec<Prepared>, usize) {
 
 fn prepare_batch(p: &PackedBatch, groups: &[u64], arm: &str, dev: &Device) -> Prepared {
     let t = p.seq_len;
-    let targets: Vec<u32> = p
-        .token_index
-        .iter()
-        .map(|&i| {
-            p.targets[i as usize / t]
-                .get(i as usize % t)
-                .copied()
-                .unwrap_or(0)
-        })
-        .collect();
+    let targets = p.token_targets();
     let (input, positions, computed) = match arm {
         "padded" => {
             let (ids, mask) = pad(&p.inputs, t, 0);

@@ -73,7 +73,7 @@ fn fused_attention(
         scale,
     };
     Ok(q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?)
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, Fused(op))?)
 }
 
 /// Additive attention bias `[B, 1, T, T]`: 0 where query t may see key s, −∞ elsewhere.
@@ -142,7 +142,10 @@ impl Dims {
     }
 }
 
-impl CausalAttention {
+impl FusedKernel for CausalAttention {
+    type Dims = Dims;
+    const NAME: &'static str = "causal-attention";
+
     fn dims(&self, q: &Layout, k: &Layout, v: &Layout) -> candle_core::Result<Dims> {
         let (batch, heads, len, head_dim) = q.shape().dims4()?;
         let kv = k.shape().dims4()?;
@@ -171,24 +174,6 @@ impl CausalAttention {
             len,
             head_dim,
         })
-    }
-
-    /// Query head `bh` (sequence `b = bh / heads`) of `q`, with its kv head's `k`, `v`.
-    fn head<'a>(&'a self, dims: Dims, bh: usize, qkv: [&'a [f32]; 3]) -> HeadInputs<'a> {
-        let [q, k, v] = qkv;
-        let head = dims.len * dims.head_dim;
-        let (b, h) = (bh / dims.heads, bh % dims.heads);
-        let kv = (b * dims.kv_heads + h / dims.rep()) * head;
-        HeadInputs {
-            q: &q[bh * head..(bh + 1) * head],
-            k: &k[kv..kv + head],
-            v: &v[kv..kv + head],
-            head_dim: dims.head_dim,
-            seen: Seen {
-                offset: 0,
-                real: Some(&self.real[b]),
-            },
-        }
     }
 
     fn forward(&self, dims: Dims, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
@@ -234,6 +219,26 @@ impl CausalAttention {
                 }
             });
         [grad_q, grad_k, grad_v]
+    }
+}
+
+impl CausalAttention {
+    /// Query head `bh` (sequence `b = bh / heads`) of `q`, with its kv head's `k`, `v`.
+    fn head<'a>(&'a self, dims: Dims, bh: usize, qkv: [&'a [f32]; 3]) -> HeadInputs<'a> {
+        let [q, k, v] = qkv;
+        let head = dims.len * dims.head_dim;
+        let (b, h) = (bh / dims.heads, bh % dims.heads);
+        let kv = (b * dims.kv_heads + h / dims.rep()) * head;
+        HeadInputs {
+            q: &q[bh * head..(bh + 1) * head],
+            k: &k[kv..kv + head],
+            v: &v[kv..kv + head],
+            head_dim: dims.head_dim,
+            seen: Seen {
+                offset: 0,
+                real: Some(&self.real[b]),
+            },
+        }
     }
 }
 
@@ -527,9 +532,25 @@ pub(super) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Resul
     }
 }
 
-impl CustomOp3 for CausalAttention {
+/// A fused attention kernel over contiguous f32 CPU buffers (q, k, v), with its hand-written
+/// backward: what [`Fused`] turns into a candle op with a gradient.
+pub(super) trait FusedKernel: Send + Sync {
+    /// The shapes the kernel reads from its inputs' layouts.
+    type Dims: Copy;
+    /// The op's name in candle's graph.
+    const NAME: &'static str;
+    fn dims(&self, q: &Layout, k: &Layout, v: &Layout) -> candle_core::Result<Self::Dims>;
+    fn forward(&self, dims: Self::Dims, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32>;
+    /// Gradients of q, k and v from `[q, k, v, out, grad_out]`.
+    fn backward(&self, dims: Self::Dims, inputs: [&[f32]; 5]) -> [Vec<f32>; 3];
+}
+
+/// A [`FusedKernel`] as a candle op: `q.apply_op3(k, v, Fused(kernel))`.
+pub(super) struct Fused<K>(pub K);
+
+impl<K: FusedKernel> CustomOp3 for Fused<K> {
     fn name(&self) -> &'static str {
-        "causal-attention"
+        K::NAME
     }
 
     fn cpu_fwd(
@@ -541,8 +562,8 @@ impl CustomOp3 for CausalAttention {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let dims = self.dims(l1, l2, l3)?;
-        let out = self.forward(
+        let dims = self.0.dims(l1, l2, l3)?;
+        let out = self.0.forward(
             dims,
             f32_slice(s1, l1)?,
             f32_slice(s2, l2)?,
@@ -559,10 +580,10 @@ impl CustomOp3 for CausalAttention {
         out: &Tensor,
         grad_out: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dims = self.dims(q.layout(), k.layout(), v.layout())?;
+        let dims = self.0.dims(q.layout(), k.layout(), v.layout())?;
         let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
         let (qv, kv, vv, ov, gv) = (flat(q)?, flat(k)?, flat(v)?, flat(out)?, flat(grad_out)?);
-        let [gq, gk, gv] = self.backward(dims, [&qv, &kv, &vv, &ov, &gv]);
+        let [gq, gk, gv] = self.0.backward(dims, [&qv, &kv, &vv, &ov, &gv]);
         let dev = q.device();
         Ok((
             Some(Tensor::from_vec(gq, q.shape(), dev)?),

@@ -12,12 +12,12 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
+use candle_core::{Device, Layout, Tensor};
 use rayon::prelude::*;
 
 use super::attention::{
-    f32_slice, head_backward, head_forward, matmul_attention, BlockScratch, HeadGrads, HeadInputs,
-    HeadOutput, Seen, TrainingAttention,
+    head_backward, head_forward, matmul_attention, BlockScratch, Fused, FusedKernel, HeadGrads,
+    HeadInputs, HeadOutput, Seen, TrainingAttention,
 };
 use super::{ModelError, Result};
 
@@ -118,7 +118,7 @@ impl TrainingAttention {
                     scale: scale as f32,
                 };
                 Ok(q.contiguous()?
-                    .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?)
+                    .apply_op3(&k.contiguous()?, &v.contiguous()?, Fused(op))?)
             }
             Self::Matmul => matmul_tree_attention(q, k, v, tree, scale),
         }
@@ -210,7 +210,10 @@ struct TaskGrads {
     v: Vec<f32>,
 }
 
-impl TreeAttention {
+impl FusedKernel for TreeAttention {
+    type Dims = TreeDims;
+    const NAME: &'static str = "tree-attention";
+
     fn dims(&self, q: &Layout, k: &Layout, v: &Layout) -> candle_core::Result<TreeDims> {
         let (heads, tokens, head_dim) = q.shape().dims3()?;
         let kv = k.shape().dims3()?;
@@ -237,6 +240,69 @@ impl TreeAttention {
         })
     }
 
+    fn forward(&self, dims: TreeDims, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+        let tasks = self.tasks(dims);
+        let rep = dims.rep();
+        let parts: Vec<Vec<f32>> = tasks
+            .par_iter()
+            .map(|&(g, s)| {
+                let seg = &self.segments[s];
+                let (keys, offset) = self.context(dims, g, seg, k);
+                let (values, _) = self.context(dims, g, seg, v);
+                let rows = seg.len * dims.head_dim;
+                let mut out = vec![0.0f32; rep * rows];
+                for (r, out) in out.chunks_exact_mut(rows).enumerate() {
+                    let x = self.head(dims, (g * rep + r, seg), q, (&keys, &values, offset));
+                    head_forward(x, self.scale, out);
+                }
+                out
+            })
+            .collect();
+        let mut out = vec![0.0f32; q.len()];
+        for (&(g, s), part) in tasks.iter().zip(parts) {
+            let seg = &self.segments[s];
+            for (r, rows) in part.chunks_exact(seg.len * dims.head_dim).enumerate() {
+                out[dims.rows(g * rep + r, seg)].copy_from_slice(rows);
+            }
+        }
+        out
+    }
+
+    /// Gradients of q, k, v given the output `o` and its gradient `grad_o`: each task's, then its
+    /// key and value gradients added to its root's rows and its own, task by task in order.
+    fn backward(&self, dims: TreeDims, inputs: [&[f32]; 5]) -> [Vec<f32>; 3] {
+        let tasks = self.tasks(dims);
+        let parts: Vec<TaskGrads> = tasks
+            .par_iter()
+            .map(|&task| self.task_backward(dims, task, inputs))
+            .collect();
+        let mut grad_q = vec![0.0f32; inputs[0].len()];
+        let mut grad_k = vec![0.0f32; inputs[1].len()];
+        let mut grad_v = vec![0.0f32; inputs[2].len()];
+        let d = dims.head_dim;
+        for (&(g, s), part) in tasks.iter().zip(parts) {
+            let seg = &self.segments[s];
+            for (r, rows) in part.q.chunks_exact(seg.len * d).enumerate() {
+                grad_q[dims.rows(g * dims.rep() + r, seg)].copy_from_slice(rows);
+            }
+            let mut spans = vec![seg];
+            if let Some(r) = seg.root {
+                spans.insert(0, &self.segments[r]);
+            }
+            let mut from = 0;
+            for span in spans {
+                let to = dims.rows(g, span);
+                let n = to.len();
+                add(&mut grad_k[to.clone()], &part.k[from..from + n]);
+                add(&mut grad_v[to], &part.v[from..from + n]);
+                from += n;
+            }
+        }
+        [grad_q, grad_k, grad_v]
+    }
+}
+
+impl TreeAttention {
     /// Every (kv head, segment) pair: the op's units of parallel work.
     fn tasks(&self, dims: TreeDims) -> Vec<(usize, usize)> {
         (0..dims.kv_heads)
@@ -277,34 +343,6 @@ impl TreeAttention {
         }
     }
 
-    fn forward(&self, dims: TreeDims, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
-        let tasks = self.tasks(dims);
-        let rep = dims.rep();
-        let parts: Vec<Vec<f32>> = tasks
-            .par_iter()
-            .map(|&(g, s)| {
-                let seg = &self.segments[s];
-                let (keys, offset) = self.context(dims, g, seg, k);
-                let (values, _) = self.context(dims, g, seg, v);
-                let rows = seg.len * dims.head_dim;
-                let mut out = vec![0.0f32; rep * rows];
-                for (r, out) in out.chunks_exact_mut(rows).enumerate() {
-                    let x = self.head(dims, (g * rep + r, seg), q, (&keys, &values, offset));
-                    head_forward(x, self.scale, out);
-                }
-                out
-            })
-            .collect();
-        let mut out = vec![0.0f32; q.len()];
-        for (&(g, s), part) in tasks.iter().zip(parts) {
-            let seg = &self.segments[s];
-            for (r, rows) in part.chunks_exact(seg.len * dims.head_dim).enumerate() {
-                out[dims.rows(g * rep + r, seg)].copy_from_slice(rows);
-            }
-        }
-        out
-    }
-
     /// The gradients of kv head `g`'s query heads on segment `s`.
     fn task_backward(
         &self,
@@ -339,88 +377,10 @@ impl TreeAttention {
         }
         grads
     }
-
-    /// Gradients of q, k, v given the output `o` and its gradient `grad_o`: each task's, then its
-    /// key and value gradients added to its root's rows and its own, task by task in order.
-    fn backward(&self, dims: TreeDims, inputs: [&[f32]; 5]) -> [Vec<f32>; 3] {
-        let tasks = self.tasks(dims);
-        let parts: Vec<TaskGrads> = tasks
-            .par_iter()
-            .map(|&task| self.task_backward(dims, task, inputs))
-            .collect();
-        let mut grad_q = vec![0.0f32; inputs[0].len()];
-        let mut grad_k = vec![0.0f32; inputs[1].len()];
-        let mut grad_v = vec![0.0f32; inputs[2].len()];
-        let d = dims.head_dim;
-        for (&(g, s), part) in tasks.iter().zip(parts) {
-            let seg = &self.segments[s];
-            for (r, rows) in part.q.chunks_exact(seg.len * d).enumerate() {
-                grad_q[dims.rows(g * dims.rep() + r, seg)].copy_from_slice(rows);
-            }
-            let mut spans = vec![seg];
-            if let Some(r) = seg.root {
-                spans.insert(0, &self.segments[r]);
-            }
-            let mut from = 0;
-            for span in spans {
-                let to = dims.rows(g, span);
-                let n = to.len();
-                add(&mut grad_k[to.clone()], &part.k[from..from + n]);
-                add(&mut grad_v[to], &part.v[from..from + n]);
-                from += n;
-            }
-        }
-        [grad_q, grad_k, grad_v]
-    }
 }
 
 fn add(dst: &mut [f32], src: &[f32]) {
     dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
-}
-
-impl CustomOp3 for TreeAttention {
-    fn name(&self) -> &'static str {
-        "tree-attention"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let dims = self.dims(l1, l2, l3)?;
-        let out = self.forward(
-            dims,
-            f32_slice(s1, l1)?,
-            f32_slice(s2, l2)?,
-            f32_slice(s3, l3)?,
-        );
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        grad_out: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dims = self.dims(q.layout(), k.layout(), v.layout())?;
-        let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
-        let (qv, kv, vv, ov, gv) = (flat(q)?, flat(k)?, flat(v)?, flat(out)?, flat(grad_out)?);
-        let [gq, gk, gv] = self.backward(dims, [&qv, &kv, &vv, &ov, &gv]);
-        let dev = q.device();
-        Ok((
-            Some(Tensor::from_vec(gq, q.shape(), dev)?),
-            Some(Tensor::from_vec(gk, k.shape(), dev)?),
-            Some(Tensor::from_vec(gv, v.shape(), dev)?),
-        ))
-    }
 }
 
 #[cfg(test)]

@@ -50,6 +50,20 @@ pub struct PackedBatch {
 }
 
 impl PackedBatch {
+    /// The target token at each scored position of `token_index` (0 at a padded one).
+    pub fn token_targets(&self) -> Vec<u32> {
+        let t = self.seq_len;
+        self.token_index
+            .iter()
+            .map(|&i| {
+                self.targets[i as usize / t]
+                    .get(i as usize % t)
+                    .copied()
+                    .unwrap_or(0)
+            })
+            .collect()
+    }
+
     /// Moves each row's value position past the first `forced(record)` tokens of its response
     /// (at most to the position that predicts its last token): with constrained decoding the
     /// tags before the model's first free choice are forced, so the position before them predicts

@@ -85,17 +85,7 @@ impl DeviceBatch {
         value_index: &[u32],
         device: &Device,
     ) -> Result<Self, TrainError> {
-        let t = p.seq_len;
-        let token_targets: Vec<u32> = p
-            .token_index
-            .iter()
-            .map(|&i| {
-                p.targets[i as usize / t]
-                    .get(i as usize % t)
-                    .copied()
-                    .unwrap_or(0)
-            })
-            .collect();
+        let token_targets = p.token_targets();
         Ok(DeviceBatch {
             input,
             tree,
