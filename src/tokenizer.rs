@@ -142,9 +142,11 @@ impl Tokenizer {
     }
 
     /// The built-in tokenizer with whole-word tokens for `words` too (with and without a
-    /// leading space), numbered after the built-in ones, so every built-in id is unchanged: the
-    /// words an env writes (e.g. a generated QA world's names), so that the model copies a name
-    /// as one token instead of spelling it byte by byte. Words must be letter runs.
+    /// leading space): the words an env writes (e.g. a generated QA world's names), so that the
+    /// model copies a name as one token instead of spelling it byte by byte. The new words are
+    /// numbered after the built-in bytes and words, whose ids do not move; the special tokens
+    /// (`<|im_start|>`, `<answer>`, …) come after them, so their ids grow by the number of new
+    /// pieces. Words must be letter runs.
     pub fn builtin_with_words(words: &[String]) -> Self {
         assert!(
             words.iter().all(|w| w.chars().all(char::is_alphabetic)),
@@ -570,19 +572,26 @@ mod tests {
     }
 
     #[test]
-    fn extra_words_are_whole_tokens_after_unchanged_builtin_ids() {
+    fn extra_words_are_whole_tokens_and_builtin_word_ids_stay() {
         let base = Tokenizer::builtin();
         let words: Vec<String> = ["Kalomir", "Zenvor", "the"].map(String::from).to_vec();
         let tok = Tokenizer::builtin_with_words(&words);
         // "the" is built in; each new word adds two pieces (bare and after a space).
         assert_eq!(tok.vocab_size(), base.vocab_size() + 4);
+        let special = |id: u32| id >= (base.vocab_size() - SPECIAL_TOKENS.len()) as u32;
         for s in SAMPLES {
-            assert_eq!(tok.encode(s), base.encode(s), "{s}");
+            let (ours, built_in) = (tok.encode(s), base.encode(s));
+            assert_eq!(ours.len(), built_in.len(), "{s}");
+            for (a, b) in ours.into_iter().zip(built_in) {
+                // Byte and word ids stay; the special tokens move up by the 4 new pieces.
+                assert_eq!(a, if special(b) { b + 4 } else { b }, "{s}");
+            }
+            assert_eq!(tok.decode(&tok.encode(s)), s);
         }
-        let ids = tok.encode("Kalomir met Zenvor Kalomir");
+        let ids = tok.encode("Kalomir the Zenvor Kalomir");
         assert_eq!(ids.len(), 4, "{ids:?}");
         assert!(ids.iter().all(|&id| id != base.encode("K")[0]));
-        assert_eq!(tok.decode(&ids), "Kalomir met Zenvor Kalomir");
+        assert_eq!(tok.decode(&ids), "Kalomir the Zenvor Kalomir");
         assert!(base.encode("Kalomir").len() > 1);
     }
 
