@@ -594,13 +594,15 @@ impl<K: FusedKernel> CustomOp3 for Fused<K> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use candle_core::{Device, Var};
 
     use super::*;
 
-    fn random(shape: (usize, usize, usize, usize), seed: u64) -> Var {
-        let n = shape.0 * shape.1 * shape.2 * shape.3;
+    /// A tensor of the given shape filled from a seeded LCG in [-1, 1).
+    pub(in crate::model) fn random(shape: impl Into<candle_core::Shape>, seed: u64) -> Var {
+        let shape = shape.into();
+        let n = shape.elem_count();
         let mut state = seed;
         let data: Vec<f32> = (0..n)
             .map(|_| {
@@ -613,7 +615,8 @@ mod tests {
         Var::from_vec(data, shape, &Device::Cpu).unwrap()
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    /// The largest absolute elementwise difference.
+    pub(in crate::model) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         host(a)
             .iter()

@@ -387,30 +387,8 @@ fn add(dst: &mut [f32], src: &[f32]) {
 mod tests {
     use candle_core::Var;
 
+    use super::super::attention::tests::{max_diff, random};
     use super::*;
-
-    fn random(shape: (usize, usize, usize), seed: u64) -> Var {
-        let n = shape.0 * shape.1 * shape.2;
-        let mut state = seed;
-        let data: Vec<f32> = (0..n)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-            })
-            .collect();
-        Var::from_vec(data, shape, &Device::Cpu).unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        host(a)
-            .iter()
-            .zip(host(b))
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
-    }
 
     /// A root of 70 tokens (two blocks of query rows) with branches of 5 and 66 tokens, then a
     /// sequence of its own of 3 tokens.
