@@ -197,3 +197,68 @@ fn requests_joining_a_running_call_generate_what_they_generate_alone() {
         "later requests reuse the shared head"
     );
 }
+
+/// A rollout thread takes new weights between batches: after `set_policy_version` nothing cached
+/// under the old version is served, and what the new weights generate is what a fresh engine
+/// generates with them. A snapshot of the weights does not move when the model it was taken
+/// from trains.
+#[test]
+fn a_new_policy_version_is_never_served_the_old_versions_kv() {
+    use stepppo::rollout::engine::GenRequest;
+    use stepppo::rollout::sampling::SamplingParams;
+    let tok = Tokenizer::builtin();
+    let cfg = ModelConfig::tiny(tok.vocab_size());
+    let old = Model::new(&cfg, 11, &Device::Cpu).unwrap();
+    let new = Model::new(&cfg, 12, &Device::Cpu).unwrap();
+    let request = GenRequest {
+        tokens: (0..40).map(|i| 100 + i).collect(),
+        traj: 0,
+        group: 0,
+        turn: 0,
+        params: SamplingParams::default(),
+        seed: 3,
+        max_new_tokens: 4,
+        stop_token_ids: Vec::new(),
+        stop_strings: Vec::new(),
+        grammar: None,
+    };
+    let engine_of = || Engine::new(&cfg, EngineConfig::default(), &Device::Cpu).unwrap();
+    let mut engine = engine_of();
+    engine
+        .generate(&old, &tok, std::slice::from_ref(&request))
+        .unwrap();
+    let again = engine
+        .generate(&old, &tok, std::slice::from_ref(&request))
+        .unwrap();
+    assert!(
+        again[0].from_cache > 0,
+        "the same version reuses its prefix"
+    );
+    engine.set_policy_version(1).unwrap();
+    let switched = engine
+        .generate(&new, &tok, std::slice::from_ref(&request))
+        .unwrap();
+    assert_eq!(switched[0].from_cache, 0);
+    let fresh = engine_of().generate(&new, &tok, &[request]).unwrap();
+    assert_eq!(switched[0].tokens, fresh[0].tokens);
+    assert_eq!(switched[0].logprobs, fresh[0].logprobs);
+
+    let snapshot = new.snapshot().unwrap();
+    let before: Vec<f32> = snapshot.named_vars()[0]
+        .1
+        .as_tensor()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let (name, var) = &new.named_vars()[0];
+    var.set(&var.as_tensor().affine(2.0, 1.0).unwrap()).unwrap();
+    let after: Vec<f32> = snapshot.named_vars()[0]
+        .1
+        .as_tensor()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(before, after, "{name} moved in the snapshot");
+}

@@ -114,6 +114,7 @@ fn fit(
             critic_target: Some(CriticTarget::StepStart),
             ref_logprobs: None,
             replay: None,
+            proximal_logprobs: None,
         };
         let settings = UpdateSettings {
             loss: &loss,

@@ -1,8 +1,9 @@
 //! The learning algorithm: credit assignment on step records ([`advantage`]), reward
 //! normalisation and whitening ([`normalize`]), StarPO-S filtering and the zero-signal detector
 //! ([`filter`]), PPO/GSPO actor and critic losses on candle tensors ([`loss`]), and AdamW with
-//! checkpointable state, gradient clipping and the learning-rate schedule ([`optim`]), and how well
-//! a critic's values explain a batch's returns ([`value_fit`]).
+//! checkpointable state, gradient clipping and the learning-rate schedule ([`optim`]), how well
+//! a critic's values explain a batch's returns ([`value_fit`]), and decoupled PPO's correction of
+//! an update on responses of an older policy version ([`decoupled`]).
 //! It does not run models or read datasets: the trainer gathers log-probs and values and
 //! passes records in.
 //!
@@ -18,6 +19,7 @@
 
 pub mod advantage;
 pub mod config;
+pub mod decoupled;
 pub mod filter;
 pub mod loss;
 pub mod normalize;
@@ -31,6 +33,7 @@ pub use advantage::{
 pub use config::{
     AdvantageConfig, AlgoConfig, CriticTarget, Estimator, FilterConfig, LossConfig, OptimizerConfig,
 };
+pub use decoupled::ProximalCorrection;
 pub use filter::{uncertainty_filter, zero_signal, FilterOutcome, ZeroSignal};
 pub use loss::{kl_reward_penalty, policy_loss, value_loss, PolicyMetrics, ValueMetrics};
 pub use optim::{clip_grad_norm, AdamW, LrSchedule, StepReport};

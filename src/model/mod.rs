@@ -190,6 +190,16 @@ impl Model {
         Ok(())
     }
 
+    /// A copy of the model as it is now, in storage of its own: training this model never moves
+    /// the copy (a rollout thread generates with it while the trainer updates).
+    pub fn snapshot(&self) -> Result<Self> {
+        let varmap = VarMap::new();
+        for (name, var) in self.named_vars() {
+            params::insert(&varmap, &name, &var.as_tensor().copy()?)?;
+        }
+        Self::from_varmap(&self.cfg, varmap, &self.device)
+    }
+
     /// HF names and shapes of every parameter (the trunk and, when untied, `lm_head.weight`).
     pub fn param_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
         let mut specs = decoder::trunk_param_shapes(cfg);

@@ -1,4 +1,5 @@
-//! The training side of stepppo: the loop ([`trainer`]), the PPO update ([`update`]), packing of
+//! The training side of stepppo: the loop ([`trainer`]), generation ahead of it in a thread of
+//! its own ([`async_rollout`]), the PPO update ([`update`]), packing of
 //! step records into training sequences ([`batch`]), their device tensors (`device_batch`),
 //! padded or as a prefix tree ([`prefix_tree`]), constrained-decoding masks on the update side
 //! ([`masks`]), construction of the device, engine and fresh policy (`setup`), the supervised warm
@@ -6,11 +7,13 @@
 //! checkpoints, the run directory's consistency across crashes ([`run_dir`]), metric sinks (JSONL
 //! and TensorBoard), learning-curve plots, collapse warnings and the progress bar.
 //!
-//! Dependencies point down: `trainer` uses the others and nothing uses it; below it `update` →
+//! Dependencies point down: `trainer` uses the others and nothing uses it; below it
+//! `async_rollout` → `eval`, and `update` →
 //! `self_imitation` → `sft` → `setup`, those three share `device_batch` → `masks`, `prefix_tree`
 //! → `batch`, `eval` uses `setup`, `run_dir` uses `checkpoint`, `metrics` and `plot`, and every
 //! module may use [`TrainError`], which wraps only the leaves' errors.
 
+pub mod async_rollout;
 pub mod batch;
 pub mod checkpoint;
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! The synchronous training loop of a run directory.
+//! The training loop of a run directory.
 //!
 //! One step: rollout with the current policy version through the radix-cached engine (per-group
 //! env seeds from a counter kept in the state) → every step record appended to
@@ -12,13 +12,17 @@
 //! `init_kl_coef · KL` against it, and/or the actor loss gains `kl_loss_coef · KL`. With
 //! `self_imitation.coef > 0` each rollout's better choices enter a replay buffer
 //! ([`super::self_imitation`]) before the update replays them; the buffer goes into every
-//! checkpoint. Every RNG is derived from `seed` and those counters.
+//! checkpoint. Every RNG is derived from `seed` and those counters. With `async_rollout` the
+//! rollout runs ahead of the step in a thread of its own ([`super::async_rollout`]) and the
+//! update corrects for the lag with decoupled PPO (`algo::decoupled`); its pending batches go
+//! into every checkpoint.
 //!
 //! An env that fails (a remote env's server) ends the run with its error under `on_error: fail`,
 //! before anything of that rollout is stored: the records of the steps before it stay in the
 //! dataset. Under `skip` the failed groups are dropped, counted in `rollout/env_errors` (and
 //! `val/env_errors`) and reported as warnings.
 
+use super::async_rollout::{self, RolloutWorker};
 use super::batch::{step_returns, trajectories};
 use super::checkpoint::{self, CheckpointWriter};
 use super::collapse::CollapseDetector;
@@ -39,7 +43,7 @@ use crate::algo::loss::explained_variance;
 use crate::algo::value_fit::tabular_ceiling;
 use crate::algo::{
     compute_advantages, kl_reward_penalty, uncertainty_filter, AdamW, AdvantageInputs,
-    CriticTarget, LrSchedule,
+    CriticTarget, LrSchedule, ProximalCorrection,
 };
 use crate::config::{Config, CriticMode};
 use crate::crash;
@@ -128,6 +132,8 @@ pub struct Trainer {
     /// Warnings found while opening the run or during a step or validation, reported with the
     /// next event.
     pending_warnings: Vec<String>,
+    /// The rollout thread of `async_rollout` (`None`: rollouts run in the step, synchronously).
+    rollout_worker: Option<RolloutWorker>,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -211,7 +217,7 @@ impl Trainer {
             std::fs::write(&path, text).map_err(io_err(&path))?;
         }
         let dataset = rank_writer(&cfg, run_dir, dist.as_ref(), DatasetWriter::create)?;
-        Self::assemble(
+        let mut trainer = Self::assemble(
             cfg,
             run_dir,
             tok,
@@ -220,7 +226,9 @@ impl Trainer {
             (dataset, dist),
             TrainState::default(),
             warm_start,
-        )
+        )?;
+        trainer.start_async(Vec::new())?;
+        Ok(trainer)
     }
 
     /// Continues the run in `run_dir` from its latest complete checkpoint. `cfg` must be the
@@ -298,6 +306,13 @@ impl Trainer {
             let capacity = trainer.cfg.self_imitation.buffer_size;
             trainer.replay_buffer = Some(ReplayBuffer::load(&saved_buffer, capacity)?);
         }
+        let pending = ckpt.join(async_rollout::PENDING_DIR);
+        let restored = if trainer.cfg.async_rollout.is_async() && pending.exists() {
+            async_rollout::load_pending(&pending)?
+        } else {
+            Vec::new()
+        };
+        trainer.start_async(restored)?;
         Ok(trainer)
     }
 
@@ -341,7 +356,42 @@ impl Trainer {
             masks,
             replay_buffer,
             pending_warnings: Vec::new(),
+            rollout_worker: None,
         })
+    }
+
+    /// Starts the rollout thread of `async_rollout` (nothing when it is off) with the batches
+    /// `restored` from a checkpoint, and hands it the jobs the current version can serve.
+    fn start_async(
+        &mut self,
+        restored: Vec<async_rollout::RolloutBatch>,
+    ) -> Result<(), TrainError> {
+        if !self.cfg.async_rollout.is_async() {
+            return Ok(());
+        }
+        let worker = RolloutWorker::start(
+            &self.cfg,
+            &self.policy,
+            &self.tok,
+            self.state.step,
+            restored,
+        )?;
+        self.rollout_worker = Some(worker);
+        self.hand_out_rollouts()
+    }
+
+    /// Hands the rollout thread every job the current policy version serves (async only).
+    fn hand_out_rollouts(&mut self) -> Result<(), TrainError> {
+        let groups = self.cfg.train_env_manager.num_env_groups as u64;
+        match self.rollout_worker.as_mut() {
+            Some(worker) => worker.hand_out(
+                &self.policy,
+                self.state.step,
+                self.state.next_group_id,
+                groups,
+            ),
+            None => Ok(()),
+        }
     }
 
     pub fn config(&self) -> &Config {
@@ -499,6 +549,9 @@ impl Trainer {
 
     /// One training step; returns its metrics.
     pub fn train_step(&mut self) -> Result<Scalars, TrainError> {
+        if self.rollout_worker.is_some() {
+            return self.train_step_async();
+        }
         let t_step = Instant::now();
         // Validation may have filled the cache under this version: start every rollout from the
         // same (empty) cache so a resumed run samples exactly what the original did.
@@ -522,6 +575,29 @@ impl Trainer {
         let mut scalars = self.learn(rollout.records, rollout.counters, t_step, t_rollout)?;
         scalars.insert("rollout/env_errors".into(), env_errors as f64);
         scalars.insert("time/rollout_env".into(), rollout.env_s);
+        Ok(scalars)
+    }
+
+    /// One training step on the batch the rollout thread generated for it (`async_rollout`).
+    fn train_step_async(&mut self) -> Result<Scalars, TrainError> {
+        let t_step = Instant::now();
+        let worker = self.rollout_worker.as_mut().expect("async");
+        let received = worker.take(self.state.step)?;
+        let batch = received.batch;
+        let what = format!("step {}", self.state.step + 1);
+        self.warn_env_errors(&what, &batch.rollout.env_errors);
+        let env_errors = batch.rollout.env_errors.len();
+        let rollout = batch.rollout;
+        let mut scalars =
+            self.learn(rollout.records, rollout.counters, t_step, batch.generate_s)?;
+        scalars.insert("rollout/env_errors".into(), env_errors as f64);
+        scalars.insert("time/rollout_env".into(), rollout.env_s);
+        scalars.insert("time/trainer_wait".into(), received.trainer_wait_s);
+        scalars.insert("time/rollout_wait".into(), batch.wait_s);
+        let (rollout_busy, trainer_busy) =
+            self.rollout_worker.as_ref().expect("async").busy_shares();
+        scalars.insert("async/rollout_busy".into(), rollout_busy);
+        scalars.insert("async/trainer_busy".into(), trainer_busy);
         Ok(scalars)
     }
 
@@ -561,6 +637,7 @@ impl Trainer {
         let counters = ranks::sum_counters(counters, self.dist.as_ref())?;
         self.state.next_group_id += self.cfg.train_env_manager.num_env_groups as u64;
         eval::env_metrics("env", &records, &mut scalars);
+        staleness_metrics(&records, self.state.step, &mut scalars);
         rollout_metrics(
             &records,
             &counters,
@@ -587,6 +664,11 @@ impl Trainer {
             &mut scalars,
         )?;
         self.admit_to_replay(&records, &mut scalars);
+        let (actor_advantages, proximal_logprobs) =
+            match self.proximal_correction(&records, &sequences, &mut scalars)? {
+                Some(c) => (c.weighted_advantages(&advantages.0), Some(c.logprobs)),
+                None => (advantages.0, None),
+            };
         let time_adv = t_adv.elapsed().as_secs_f64();
 
         let t_update = Instant::now();
@@ -602,7 +684,7 @@ impl Trainer {
             sequences,
             actor_keep: filter.keep,
             critic_keep,
-            advantages: advantages.0,
+            advantages: actor_advantages,
             returns: advantages.1,
             old_values,
             critic_target: target,
@@ -613,6 +695,7 @@ impl Trainer {
                 batch_size: self.cfg.self_imitation.batch_size,
                 seed: seed::derive(self.cfg.seed, &[SEED_REPLAY, self.state.step]),
             }),
+            proximal_logprobs,
         };
         let update_scalars = self.update(&inputs);
         drop(inputs);
@@ -625,6 +708,7 @@ impl Trainer {
         self.state.step += 1;
         self.policy.refresh_rollout_weights()?;
         self.engine.set_policy_version(self.state.step)?;
+        self.hand_out_rollouts()?;
         let time_step = t_step.elapsed().as_secs_f64();
         let tokens: usize = records
             .iter()
@@ -740,6 +824,45 @@ impl Trainer {
                 &device,
             ),
         })
+    }
+
+    /// Decoupled PPO's correction of a batch with responses of older policy versions
+    /// (`async_rollout`): the current policy's log-probs (the proximal policy's) and the
+    /// truncated behaviour weights; `None` when every response is the current version's.
+    fn proximal_correction(
+        &self,
+        records: &[StepRecord],
+        sequences: &[Vec<usize>],
+        scalars: &mut Scalars,
+    ) -> Result<Option<ProximalCorrection>, TrainError> {
+        let fresh = records.iter().all(|r| r.policy_version == self.state.step);
+        if !self.cfg.async_rollout.is_async() || fresh {
+            return Ok(None);
+        }
+        let t = Instant::now();
+        let proximal =
+            ranks::per_record_rows(records.len(), sequences, self.dist.as_ref(), |mine| {
+                update::response_logprobs(
+                    &self.policy,
+                    records,
+                    mine,
+                    (VALUE_CHUNK, self.layout()),
+                    self.update_temperature(),
+                    &self.masks,
+                )
+            })?;
+        let behaviour: Vec<Vec<f32>> = records
+            .iter()
+            .map(|r| r.response_logprobs.clone())
+            .collect();
+        let cap = self.cfg.async_rollout.behaviour_weight_cap;
+        let correction = ProximalCorrection::new(proximal, &behaviour, cap);
+        let stats = correction.stats(cap);
+        scalars.insert("actor/behaviour_weight_mean".into(), stats.mean);
+        scalars.insert("actor/behaviour_weight_max".into(), stats.max);
+        scalars.insert("actor/behaviour_weight_truncated".into(), stats.truncated);
+        scalars.insert("time/proximal".into(), t.elapsed().as_secs_f64());
+        Ok(Some(correction))
     }
 
     /// The layout of every training-path forward (`tree_forward`).
@@ -943,6 +1066,9 @@ impl Trainer {
         if let Some(buffer) = &self.replay_buffer {
             buffer.save(&tmp.join(self_imitation::CHECKPOINT_DIR))?;
         }
+        if let Some(worker) = self.rollout_worker.as_mut() {
+            async_rollout::save_pending(&tmp.join(async_rollout::PENDING_DIR), worker.pending()?)?;
+        }
         writer.json("state", &self.state)?;
         writer.json("config", &self.cfg)?;
         writer.json(run_dir::POSITION_FILE, &position)?;
@@ -982,6 +1108,13 @@ fn rank_writer(
 /// Refuses what several ranks cannot compute as one process would: a loss normalised by the
 /// mask width of each rank's part.
 fn check_world(cfg: &Config, ranks: usize) -> Result<(), TrainError> {
+    if ranks > 1 && cfg.async_rollout.is_async() {
+        return Err(TrainError::Data(format!(
+            "async_rollout.staleness: {} runs generation in a thread of one process; set it to \
+             0 to train on {ranks} ranks",
+            cfg.async_rollout.staleness
+        )));
+    }
     let sum_norm = cfg.loss_agg_mode == LossAggMode::SeqMeanTokenSumNorm;
     if ranks > 1 && sum_norm {
         return Err(TrainError::Data(format!(
@@ -1087,6 +1220,24 @@ fn critic_metric_name(name: &str) -> String {
 }
 
 /// Rollout-side metrics: in-group reward std, prefix reuse, response lengths.
+/// `rollout/staleness_mean` and `_max`: how many policy versions the batch's responses lag
+/// `version`, the version that trains on them (0 in a synchronous run).
+fn staleness_metrics(records: &[StepRecord], version: u64, out: &mut Scalars) {
+    if records.is_empty() {
+        return;
+    }
+    let lags: Vec<f64> = records
+        .iter()
+        .map(|r| version.saturating_sub(r.policy_version) as f64)
+        .collect();
+    let mean = lags.iter().sum::<f64>() / lags.len() as f64;
+    out.insert("rollout/staleness_mean".into(), mean);
+    out.insert(
+        "rollout/staleness_max".into(),
+        lags.iter().copied().fold(0.0, f64::max),
+    );
+}
+
 fn rollout_metrics(
     records: &[StepRecord],
     counters: &crate::rollout::engine::CacheCounters,

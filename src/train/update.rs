@@ -52,6 +52,10 @@ pub struct UpdateInputs<'a> {
     pub ref_logprobs: Option<Vec<Vec<f32>>>,
     /// Self-imitation replay added to every actor mini-batch; `None` when it is off.
     pub replay: Option<Replay<'a>>,
+    /// Decoupled PPO on responses of an older policy version: the ratio is taken against these
+    /// proximal log-probs and `advantages` already carry the behaviour weights. `None`: the
+    /// ratio is against the records' own (behaviour) log-probs.
+    pub proximal_logprobs: Option<Vec<Vec<f32>>>,
 }
 
 /// Optimizer-side settings of the update.
@@ -702,10 +706,12 @@ fn actor_loss(
     let logp = logp.reshape((p.rows, p.max_response_len))?;
     let entropy = entropy.reshape((p.rows, p.max_response_len))?;
     let rec = |r: usize| &inputs.records[r];
+    let old_of = |r: usize| match &inputs.proximal_logprobs {
+        Some(proximal) => proximal[r].clone(),
+        None => rec(r).response_logprobs.clone(),
+    };
     let old = rows_tensor(
-        p.record_of_row
-            .iter()
-            .map(|&r| rec(r).response_logprobs.clone()),
+        p.record_of_row.iter().map(|&r| old_of(r)),
         p.rows,
         p.max_response_len,
         &device,
@@ -1106,6 +1112,7 @@ mod tests {
                     .map(|l| l + shift)
                     .collect()]
             }),
+            proximal_logprobs: None,
             replay: (!replayed.is_empty()).then_some(Replay {
                 records: replayed,
                 coef: 1.0,
@@ -1263,6 +1270,7 @@ mod tests {
             critic_target: Some(CriticTarget::StepStart),
             ref_logprobs: None,
             replay: None,
+            proximal_logprobs: None,
         }
     }
 

@@ -1,0 +1,129 @@
+//! Asynchronous rollout (`async_rollout.staleness` k): the batch of step s comes from policy
+//! version max(s − k, 0) whatever the timing, the update logs the lag and the decoupled-PPO
+//! weights, and a run checkpointed with batches in flight resumes to exactly the run that never
+//! stopped (tiny model, few short episodes).
+
+use std::path::Path;
+use stepppo::config::{Config, EMBEDDED_DEFAULT_YAML};
+use stepppo::store::Dataset;
+use stepppo::train::metrics::read_jsonl;
+use stepppo::train::Trainer;
+
+/// Groups per rollout batch in [`config`].
+const GROUPS: u64 = 2;
+
+fn config(staleness: usize) -> Config {
+    let sets: Vec<String> = [
+        "builtin_size=tiny",
+        "adv_estimator=step_gae",
+        "critic.mode=shared",
+        "max_steps=4",
+        "eval_steps=2",
+        "save_steps=0",
+        "sft.steps=3",
+        "sft.episodes=4",
+        "sft.batch_size=2",
+        "rollout_batch_size=4",
+        "ppo_mini_batch_size=2",
+        "train_env_manager.num_env_groups=2",
+        "train_env_manager.group_size=2",
+        "train_env_manager.num_groups_partition=[2]",
+        "val_batch_size=2",
+        "val_env_manager.num_env_groups=2",
+        "val_env_manager.num_groups_partition=[2]",
+        "generating_args.max_new_tokens=6",
+        "val_generating_args.max_new_tokens=6",
+        "custom_envs.SimpleFrozenLake.env_config.max_turns=2",
+        "cache.kv_slots=8192",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([format!("async_rollout.staleness={staleness}")])
+    .collect();
+    Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, "test", &sets).unwrap()
+}
+
+fn weights(t: &Trainer) -> Vec<(String, Vec<f32>)> {
+    t.policy_weights()
+        .into_iter()
+        .map(|(n, w)| (n, w.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+/// (group id, policy version) of every stored record, in store order.
+fn stored_versions(run: &Path) -> Vec<(u64, u64)> {
+    let dataset = Dataset::open(&run.join("dataset")).unwrap();
+    dataset
+        .records()
+        .map(|v| {
+            let r = v.to_record().unwrap();
+            (r.group_id, r.policy_version)
+        })
+        .collect()
+}
+
+#[test]
+fn each_batch_comes_from_the_version_k_steps_back_and_the_lag_is_logged() {
+    for k in [1u64, 2] {
+        let root = tempfile::tempdir().unwrap();
+        let mut t = Trainer::create(config(k as usize), root.path()).unwrap();
+        t.run(4, &mut |_| {}).unwrap();
+        let stored = stored_versions(root.path());
+        assert!(!stored.is_empty());
+        for (group, version) in stored {
+            let step = group / GROUPS;
+            assert_eq!(version, step.saturating_sub(k), "k {k}, group {group}");
+        }
+        let rows = read_jsonl(&root.path().join("metrics.jsonl")).unwrap();
+        let steps: Vec<_> = rows
+            .iter()
+            .filter(|(_, s)| s.contains_key("time/update"))
+            .collect();
+        assert_eq!(steps.len(), 4);
+        for (step, s) in steps {
+            let lag = (step - 1).min(k) as f64;
+            assert_eq!(s["rollout/staleness_max"], lag, "k {k} step {step}");
+            assert!(s["async/rollout_busy"] > 0.0 && s["async/trainer_busy"] > 0.0);
+            assert!(s.contains_key("time/trainer_wait") && s.contains_key("time/rollout_wait"));
+            // Decoupled PPO weighs the lagging steps' tokens; fresh batches need no weights.
+            assert_eq!(s.contains_key("actor/behaviour_weight_mean"), lag > 0.0);
+        }
+    }
+}
+
+#[test]
+fn an_async_run_checkpointed_with_batches_in_flight_resumes_exactly() {
+    for k in [1usize, 2] {
+        let root = tempfile::tempdir().unwrap();
+        let (a, b) = (root.path().join("a"), root.path().join("b"));
+        let mut straight = Trainer::create(config(k), &a).unwrap();
+        straight.run(4, &mut |_| {}).unwrap();
+        let expected = weights(&straight);
+
+        let mut first = Trainer::create(config(k), &b).unwrap();
+        first.run(2, &mut |_| {}).unwrap();
+        drop(first);
+        let pending = b.join("ckpt-2").join("pending_rollouts");
+        assert!(pending.join("batches.json").exists(), "k {k}");
+
+        let mut resumed = Trainer::resume(config(k), &b).unwrap();
+        resumed.run(4, &mut |_| {}).unwrap();
+        assert_eq!(resumed.state(), straight.state(), "k {k}");
+        assert_eq!(weights(&resumed), expected, "k {k}");
+        assert_eq!(stored_versions(&b), stored_versions(&a), "k {k}");
+    }
+}
+
+#[test]
+fn a_checkpoint_without_its_pending_batches_is_refused_by_name() {
+    let root = tempfile::tempdir().unwrap();
+    let mut first = Trainer::create(config(1), root.path()).unwrap();
+    first.run(2, &mut |_| {}).unwrap();
+    drop(first);
+    std::fs::remove_dir_all(root.path().join("ckpt-2").join("pending_rollouts")).unwrap();
+    let err = Trainer::resume(config(1), root.path())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("pending_rollouts"), "{err}");
+}
