@@ -3,8 +3,10 @@
 //! weights, and a run checkpointed with batches in flight resumes to exactly the run that never
 //! stopped (tiny model, few short episodes).
 
+mod common;
+
 use std::path::Path;
-use stepppo::config::{Config, EMBEDDED_DEFAULT_YAML};
+use stepppo::config::Config;
 use stepppo::store::Dataset;
 use stepppo::train::metrics::read_jsonl;
 use stepppo::train::Trainer;
@@ -13,34 +15,8 @@ use stepppo::train::Trainer;
 const GROUPS: u64 = 2;
 
 fn config(staleness: usize) -> Config {
-    let sets: Vec<String> = [
-        "builtin_size=tiny",
-        "adv_estimator=step_gae",
-        "critic.mode=shared",
-        "max_steps=4",
-        "eval_steps=2",
-        "save_steps=0",
-        "sft.steps=3",
-        "sft.episodes=4",
-        "sft.batch_size=2",
-        "rollout_batch_size=4",
-        "ppo_mini_batch_size=2",
-        "train_env_manager.num_env_groups=2",
-        "train_env_manager.group_size=2",
-        "train_env_manager.num_groups_partition=[2]",
-        "val_batch_size=2",
-        "val_env_manager.num_env_groups=2",
-        "val_env_manager.num_groups_partition=[2]",
-        "generating_args.max_new_tokens=6",
-        "val_generating_args.max_new_tokens=6",
-        "custom_envs.SimpleFrozenLake.env_config.max_turns=2",
-        "cache.kv_slots=8192",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([format!("async_rollout.staleness={staleness}")])
-    .collect();
-    Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, "test", &sets).unwrap()
+    let staleness = format!("async_rollout.staleness={staleness}");
+    common::tiny_config(&["critic.mode=shared", &staleness])
 }
 
 fn weights(t: &Trainer) -> Vec<(String, Vec<f32>)> {

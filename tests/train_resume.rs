@@ -2,7 +2,9 @@
 //! short episodes): 4 steps in one go and 2 steps + resume + 2 steps end with identical weights,
 //! and a crashed `.tmp` checkpoint directory is ignored on resume.
 
-use stepppo::config::{Config, EMBEDDED_DEFAULT_YAML};
+mod common;
+
+use stepppo::config::Config;
 use stepppo::train::{checkpoint, Trainer};
 
 /// StepPO with the shared-trunk critic: the most state a checkpoint has to carry.
@@ -13,33 +15,7 @@ fn tiny_config() -> Config {
 }
 
 fn tiny_config_with(critic: &[&str]) -> Config {
-    let sets: Vec<String> = [
-        "builtin_size=tiny",
-        "adv_estimator=step_gae",
-        "max_steps=4",
-        "eval_steps=2",
-        "save_steps=0",
-        "sft.steps=3",
-        "sft.episodes=4",
-        "sft.batch_size=2",
-        "rollout_batch_size=4",
-        "ppo_mini_batch_size=2",
-        "train_env_manager.num_env_groups=2",
-        "train_env_manager.group_size=2",
-        "train_env_manager.num_groups_partition=[2]",
-        "val_batch_size=2",
-        "val_env_manager.num_env_groups=2",
-        "val_env_manager.num_groups_partition=[2]",
-        "generating_args.max_new_tokens=6",
-        "val_generating_args.max_new_tokens=6",
-        "custom_envs.SimpleFrozenLake.env_config.max_turns=2",
-        "cache.kv_slots=8192",
-    ]
-    .iter()
-    .chain(critic)
-    .map(|s| s.to_string())
-    .collect();
-    Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, "test", &sets).unwrap()
+    common::tiny_config(critic)
 }
 
 fn weights(t: &Trainer) -> Vec<(String, Vec<f32>)> {

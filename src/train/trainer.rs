@@ -840,17 +840,7 @@ impl Trainer {
             return Ok(None);
         }
         let t = Instant::now();
-        let proximal =
-            ranks::per_record_rows(records.len(), sequences, self.dist.as_ref(), |mine| {
-                update::response_logprobs(
-                    &self.policy,
-                    records,
-                    mine,
-                    (VALUE_CHUNK, self.layout()),
-                    self.update_temperature(),
-                    &self.masks,
-                )
-            })?;
+        let proximal = self.logprobs_under(&self.policy, records, sequences)?;
         let behaviour: Vec<Vec<f32>> = records
             .iter()
             .map(|r| r.response_logprobs.clone())
@@ -882,18 +872,27 @@ impl Trainer {
         let Some(reference) = &self.reference else {
             return Ok(None);
         };
-        let dist = self.dist.as_ref();
-        let rows = ranks::per_record_rows(records.len(), sequences, dist, |mine| {
+        Ok(Some(self.logprobs_under(reference, records, sequences)?))
+    }
+
+    /// `model`'s log-prob of every response token, as the update scores them (each rank
+    /// computes its share of the sequences).
+    fn logprobs_under(
+        &self,
+        model: &Model,
+        records: &[StepRecord],
+        sequences: &[Vec<usize>],
+    ) -> Result<Vec<Vec<f32>>, TrainError> {
+        ranks::per_record_rows(records.len(), sequences, self.dist.as_ref(), |mine| {
             update::response_logprobs(
-                reference,
+                model,
                 records,
                 mine,
                 (VALUE_CHUNK, self.layout()),
                 self.update_temperature(),
                 &self.masks,
             )
-        })?;
-        Ok(Some(rows))
+        })
     }
 
     /// The KL-in-reward penalty of every response token, `init_kl_coef · KL(π_rollout ‖ π_ref)`
