@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Synchronous vs asynchronous rollout (async_rollout.staleness k = 0, 1, 2) side by side: one
-# training run per k and seed, one at a time (an async run computes on two threads, the trainer's
+# Synchronous vs asynchronous rollout (async_rollout.staleness k = 0, 1, 2; ARMS picks others)
+# side by side: one training run per arm and seed, one at a time (an async run computes on two threads, the trainer's
 # and the rollout thread's, one compute thread each), then a table of wall time per step, the
 # time each side spends, the overlap reached against its ideal, and validation success at equal
 # steps.
@@ -25,14 +25,19 @@ cfg=()
 [ "$config" = default ] || cfg=(--config "$config")
 mkdir -p "$out"
 
+# An arm is a staleness k, with a `b` for `proximal: behaviour` (e.g. ARMS="0 1 1b 2").
+arms=(${ARMS:-0 1 2})
 for seed in "${seeds[@]}"; do
-  for k in 0 1 2; do
-    run="$out/k$k-s$seed"
+  for arm in "${arms[@]}"; do
+    run="$out/k$arm-s$seed"
     [ -f "$run/ckpt-$steps/state.json" ] && continue
     rm -rf "$run"
+    proximal=recompute
+    [[ $arm == *b ]] && proximal=behaviour
     RAYON_NUM_THREADS=1 "$bin" train "${cfg[@]}" --out "$run" --set seed="$seed" \
       --set max_steps="$steps" --set eval_steps="$eval_steps" --set save_steps=0 \
-      --set cpu_threads=1 --set async_rollout.staleness="$k" > "$run.log" 2>&1
+      --set cpu_threads=1 --set async_rollout.staleness="${arm%b}" \
+      --set async_rollout.proximal="$proximal" > "$run.log" 2>&1
   done
 done
 

@@ -1,4 +1,5 @@
-"""Summarises the runs of scripts/async_bench.sh: OUT/k{0,1,2}-s{seed}/metrics.jsonl.
+"""Summarises the runs of scripts/async_bench.sh: OUT/k{arm}-s{seed}/metrics.jsonl, arms 0, 1, 2
+and, where they were run, 1b and 2b (`proximal: behaviour`).
 
 Per staleness k and seed: mean seconds per step (after step 1), the rollout's and the update's
 seconds, the trainer's wait for a batch, the busy shares of both sides, the speed-up over the
@@ -47,7 +48,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|")
     for seed in seeds:
         base = summary(f"{out}/k0-s{seed}")
-        for k in (0, 1, 2):
+        for k in ("0", "1", "1b", "2", "2b"):
             try:
                 s = summary(f"{out}/k{k}-s{seed}")
             except FileNotFoundError:

@@ -304,12 +304,17 @@ impl Default for SelfImitationConfig {
 /// as deterministic as a synchronous one. The update corrects for the lag with decoupled PPO
 /// (AReaL): the proximal policy is the policy as the update starts, the clipped ratio is taken
 /// against it, and each token's loss is weighted by π_prox / π_behav (from the stored behaviour
-/// log-probs), truncated at `behaviour_weight_cap`. 0 = synchronous (the default).
+/// log-probs), truncated at `behaviour_weight_cap`; that costs one forward pass over the batch
+/// per step. `proximal: behaviour` skips it: the ratio is clipped around the behaviour policy
+/// itself (off-policy PPO without a correction, as one-step-off-policy pipelines run it). 0 =
+/// synchronous (the default).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AsyncRolloutConfig {
     /// Policy versions by which generation runs ahead of the trainer; 0 = synchronous.
     pub staleness: usize,
+    /// The policy the clipped ratio is taken against.
+    pub proximal: ProximalPolicy,
     /// Upper bound of the per-token weight π_prox / π_behav (≥ 1).
     pub behaviour_weight_cap: f64,
 }
@@ -318,9 +323,21 @@ impl Default for AsyncRolloutConfig {
     fn default() -> Self {
         AsyncRolloutConfig {
             staleness: 0,
+            proximal: ProximalPolicy::Recompute,
             behaviour_weight_cap: 2.0,
         }
     }
+}
+
+/// `async_rollout.proximal`: the anchor of the clipped ratio on responses of older versions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProximalPolicy {
+    /// Decoupled PPO: the policy as the update starts, recomputed, with truncated behaviour
+    /// weights.
+    Recompute,
+    /// The behaviour policy's stored log-probs: no extra pass, no correction of the lag.
+    Behaviour,
 }
 
 impl AsyncRolloutConfig {

@@ -103,3 +103,29 @@ fn a_checkpoint_without_its_pending_batches_is_refused_by_name() {
         .to_string();
     assert!(err.contains("pending_rollouts"), "{err}");
 }
+
+/// `proximal: behaviour` clips around the stored behaviour log-probs: no extra pass and no
+/// weights, and so another update than decoupled PPO's on the same lagging batches.
+#[test]
+fn the_behaviour_policy_as_the_anchor_skips_the_correction() {
+    let root = tempfile::tempdir().unwrap();
+    let run = |name: &str, cfg: Config| {
+        let dir = root.path().join(name);
+        let mut t = Trainer::create(cfg, &dir).unwrap();
+        t.run(4, &mut |_| {}).unwrap();
+        (weights(&t), read_jsonl(&dir.join("metrics.jsonl")).unwrap())
+    };
+    let mut behaviour = config(1);
+    behaviour.async_rollout.proximal = stepppo::config::ProximalPolicy::Behaviour;
+    let (decoupled_weights, _) = run("decoupled", config(1));
+    let (behaviour_weights, rows) = run("behaviour", behaviour);
+    assert_ne!(decoupled_weights, behaviour_weights);
+    for (step, s) in rows.iter().filter(|(_, s)| s.contains_key("time/update")) {
+        assert!(
+            !s.contains_key("actor/behaviour_weight_mean"),
+            "step {step}"
+        );
+        assert!(!s.contains_key("time/proximal"), "step {step}");
+        assert_eq!(s["rollout/staleness_max"], (step - 1).min(1) as f64);
+    }
+}

@@ -45,7 +45,7 @@ use crate::algo::{
     compute_advantages, kl_reward_penalty, uncertainty_filter, AdamW, AdvantageInputs,
     CriticTarget, LrSchedule, ProximalCorrection,
 };
-use crate::config::{Config, CriticMode};
+use crate::config::{Config, CriticMode, ProximalPolicy};
 use crate::crash;
 use crate::dist::{Collective, Metered, Single};
 use crate::env::AgentKind;
@@ -828,7 +828,8 @@ impl Trainer {
 
     /// Decoupled PPO's correction of a batch with responses of older policy versions
     /// (`async_rollout`): the current policy's log-probs (the proximal policy's) and the
-    /// truncated behaviour weights; `None` when every response is the current version's.
+    /// truncated behaviour weights; `None` when every response is the current version's or
+    /// the ratio is to be taken against the behaviour policy (`proximal: behaviour`).
     fn proximal_correction(
         &self,
         records: &[StepRecord],
@@ -836,7 +837,8 @@ impl Trainer {
         scalars: &mut Scalars,
     ) -> Result<Option<ProximalCorrection>, TrainError> {
         let fresh = records.iter().all(|r| r.policy_version == self.state.step);
-        if !self.cfg.async_rollout.is_async() || fresh {
+        let decoupled = self.cfg.async_rollout.proximal == ProximalPolicy::Recompute;
+        if !(self.cfg.async_rollout.is_async() && decoupled) || fresh {
             return Ok(None);
         }
         let t = Instant::now();
