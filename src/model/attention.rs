@@ -434,18 +434,18 @@ impl BlockScratch {
 
 /// Rows × columns of a matrix product's result.
 #[derive(Clone, Copy)]
-struct Shape2(usize, usize);
+pub(super) struct Shape2(pub(super) usize, pub(super) usize);
 
 /// A row-major matrix read as itself or transposed; `width` is its row length in memory.
 #[derive(Clone, Copy)]
-struct Operand<'a> {
+pub(super) struct Operand<'a> {
     data: &'a [f32],
     row_stride: usize,
     col_stride: usize,
 }
 
 impl<'a> Operand<'a> {
-    fn rows(data: &'a [f32], width: usize) -> Self {
+    pub(super) fn rows(data: &'a [f32], width: usize) -> Self {
         Self {
             data,
             row_stride: width,
@@ -453,7 +453,7 @@ impl<'a> Operand<'a> {
         }
     }
 
-    fn transposed(data: &'a [f32], width: usize) -> Self {
+    pub(super) fn transposed(data: &'a [f32], width: usize) -> Self {
         Self {
             data,
             row_stride: 1,
@@ -472,7 +472,7 @@ impl<'a> Operand<'a> {
 
 /// Whether a product overwrites its destination or is added to it, and its scale.
 #[derive(Clone, Copy)]
-enum Accumulate {
+pub(super) enum Accumulate {
     No(f32),
     Yes(f32),
 }
@@ -481,11 +481,30 @@ enum Accumulate {
 /// single-threaded (the callers run one per rayon task).
 fn matmul(
     dst: &mut [f32],
-    Shape2(m, n): Shape2,
+    shape: Shape2,
     inner: usize,
     lhs: Operand,
     rhs: Operand,
     accumulate: Accumulate,
+) {
+    matmul_on(
+        dst,
+        shape,
+        inner,
+        [lhs, rhs],
+        accumulate,
+        gemm::Parallelism::None,
+    );
+}
+
+/// [`matmul`] with the given parallelism.
+pub(super) fn matmul_on(
+    dst: &mut [f32],
+    Shape2(m, n): Shape2,
+    inner: usize,
+    [lhs, rhs]: [Operand; 2],
+    accumulate: Accumulate,
+    parallelism: gemm::Parallelism,
 ) {
     lhs.check(m, inner);
     rhs.check(inner, n);
@@ -516,7 +535,7 @@ fn matmul(
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            parallelism,
         );
     }
 }

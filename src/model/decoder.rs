@@ -46,7 +46,16 @@ pub(crate) struct Linear {
 }
 
 impl Linear {
+    /// The layer with the ops of the tensor's device (fused on the CPU).
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, TrainingOps::for_device(x.device()))
+    }
+
+    /// The layer with `ops`: one fused op where it applies, candle's matmul and add otherwise.
+    pub(crate) fn forward_with(&self, x: &Tensor, ops: TrainingOps) -> Result<Tensor> {
+        if ops == TrainingOps::Fused && fused::applies(x) {
+            return fused::linear(x, &self.weight, self.bias.as_ref());
+        }
         let dims = x.dims().to_vec();
         let rows: usize = dims[..dims.len() - 1].iter().product();
         let y = x
@@ -240,13 +249,16 @@ impl Trunk {
 
     fn mlp(&self, b: &Block, x: &Tensor) -> Result<Tensor> {
         let h = self.norm(x, &b.post_norm)?;
-        let (gate, up) = (b.gate.forward(&h)?, b.up.forward(&h)?);
+        let (gate, up) = (
+            b.gate.forward_with(&h, self.ops)?,
+            b.up.forward_with(&h, self.ops)?,
+        );
         let act = if self.fused(&gate) {
             fused::swiglu(&gate, &up)?
         } else {
             (candle_nn::ops::silu(&gate)? * up)?
         };
-        Ok((x + b.down.forward(&act)?)?)
+        Ok((x + b.down.forward_with(&act, self.ops)?)?)
     }
 
     /// Query or key heads `[B, n, T, D]` of the projection `lin` of `h` `[B, T, hidden]`: per-head
@@ -261,7 +273,7 @@ impl Trunk {
     ) -> Result<Tensor> {
         let (b_sz, t_len, _) = h.dims3()?;
         let x = lin
-            .forward(h)?
+            .forward_with(h, self.ops)?
             .reshape((b_sz, t_len, n, self.cfg.head_dim()))?;
         let x = match norm {
             Some(w) => self.norm(&x, w)?,
@@ -401,14 +413,14 @@ impl Trunk {
             let q = self.rope_heads(&b.q, &h, q_norm, nh, (cos, sin))?;
             let k = self.rope_heads(&b.k, &h, k_norm, nkv, (cos, sin))?;
             let v =
-                b.v.forward(&h)?
+                b.v.forward_with(&h, self.ops)?
                     .reshape((b_sz, t_len, nkv, hd))?
                     .transpose(1, 2)?
                     .contiguous()?;
             let o = attend(&q, &k, &v)?
                 .transpose(1, 2)?
                 .reshape((b_sz, t_len, nh * hd))?;
-            x = (x + b.o.forward(&o)?)?;
+            x = (x + b.o.forward_with(&o, self.ops)?)?;
             x = self.mlp(b, &x)?;
         }
         if keep_streams {
@@ -451,17 +463,17 @@ impl Trunk {
             let h = self.norm(&x, &b.input_norm)?;
             let (q, k) = self.qk_norm(
                 b,
-                b.q.forward(&h)?.reshape((n, nh, hd))?,
-                b.k.forward(&h)?.reshape((n, nkv, hd))?,
+                b.q.forward_with(&h, self.ops)?.reshape((n, nh, hd))?,
+                b.k.forward_with(&h, self.ops)?.reshape((n, nkv, hd))?,
             )?;
             let q = apply_rope(&q, &cos, &sin)?;
             let k = apply_rope(&k, &cos, &sin)?;
-            let v = b.v.forward(&h)?.reshape((n, nkv, hd))?;
+            let v = b.v.forward_with(&h, self.ops)?.reshape((n, nkv, hd))?;
             pool.write_rows(layer, &plan, &k, &v)?;
             let o = pool
                 .attend_rows(layer, &q, &plan, nh, scale)?
                 .reshape((n, nh * hd))?;
-            x = (x + b.o.forward(&o)?)?;
+            x = (x + b.o.forward_with(&o, self.ops)?)?;
             x = self.mlp(b, &x)?;
         }
         self.norm(&x, &self.norm)

@@ -318,7 +318,7 @@ impl Model {
             weight: self.lm_head.clone(),
             bias: None,
         }
-        .forward(&hidden)
+        .forward_with(&hidden, self.trunk.ops)
     }
 
     /// Per position: log-prob of `targets[b, t]` and entropy, both `[B, T]`, under the logits
@@ -381,7 +381,7 @@ impl Model {
             weight: self.lm_head.clone(),
             bias: None,
         };
-        let logits = head.forward(&picked)?;
+        let logits = head.forward_with(&picked, self.trunk.ops)?;
         if self.trunk.ops == TrainingOps::Fused && fused::applies(&logits) {
             let bias = logit_bias.map(|b| b.to_dtype(logits.dtype())).transpose()?;
             return fused::logprobs_entropy(&logits, targets, temperature, bias.as_ref());

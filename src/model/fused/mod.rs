@@ -1,6 +1,8 @@
 //! Fused CPU ops of the training forward, each one candle op over contiguous f32 buffers with a
 //! hand-written backward, where candle's composed ops materialise and re-read a tensor per
 //! elementwise step (and keep each for the backward):
+//! - [`linear`]: `x Wᵀ + b`, whose backward is three products instead of a graph of reshapes,
+//!   transposes and broadcasts each with its own zeroed gradient buffer;
 //! - [`logprobs_entropy`]: the targets' log-probs and the entropies of a `[N, vocab]` logit
 //!   matrix (temperature and logit bias folded in), without materialising the log-softmax;
 //! - [`rms_norm`]: RMSNorm over the last dimension;
@@ -11,8 +13,9 @@
 //! Each has a composed-op reference elsewhere in [`super`] (the path on other devices and
 //! dtypes), and [`applies`] says when the fused op runs. Work is split over rows with rayon in
 //! fixed-size chunks and reductions run in chunk order, so results do not depend on the thread
-//! count. Not here: attention ([`super::attention`]) and the matrix products (candle's).
+//! count. Not here: attention ([`super::attention`]).
 
+mod linear;
 mod logprobs;
 mod norm;
 mod rope;
@@ -20,6 +23,7 @@ mod swiglu;
 
 use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
 
+pub(crate) use linear::linear;
 pub(crate) use logprobs::logprobs_entropy;
 pub(crate) use norm::rms_norm;
 pub(crate) use rope::rope_heads;

@@ -245,3 +245,22 @@ fn the_fused_training_path_has_the_composed_paths_loss_and_gradients() {
         }
     }
 }
+
+#[test]
+fn linear_matches_the_composed_ops_and_finite_differences() {
+    let (x, w, b) = (random((3, 7, 10), 1), random((6, 10), 2), random(6, 3));
+    let layer = |bias: Option<&Tensor>| crate::model::decoder::Linear {
+        weight: w.as_tensor().clone(),
+        bias: bias.cloned(),
+    };
+    for bias in [None, Some(b.as_tensor())] {
+        let fused = linear(&x, &w, bias).unwrap();
+        let reference = layer(bias).forward_with(&x, TrainingOps::Composed).unwrap();
+        let mut inputs = vec![&x, &w];
+        inputs.extend(bias.map(|_| &b));
+        assert_same(&inputs, &fused, &reference, 1e-5);
+    }
+    let (x, w, b) = (random((2, 3), 4), random((4, 3), 5), random(4, 6));
+    let f = || weighted_sum(&linear(&x, &w, Some(&b)).unwrap(), 7);
+    check_finite_differences(&[&x, &w, &b], &f, 1e-2, 1e-2);
+}
