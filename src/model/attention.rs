@@ -19,6 +19,7 @@
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
+use super::fused::exp_in_place;
 use super::Result;
 
 /// Which implementation computes the training forward's attention.
@@ -297,15 +298,14 @@ impl HeadInputs<'_> {
                 .filter(|&s| self.seen.sees(t, s))
                 .map(|s| row[s])
                 .fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
+            row.iter_mut().for_each(|p| *p -= max);
+            exp_in_place(row);
             for (s, p) in row.iter_mut().enumerate() {
-                *p = if self.seen.sees(t, s) {
-                    (*p - max).exp()
-                } else {
-                    0.0
-                };
-                sum += *p;
+                if !self.seen.sees(t, s) {
+                    *p = 0.0;
+                }
             }
+            let sum: f32 = row.iter().sum();
             row.iter_mut().for_each(|p| *p /= sum);
         }
     }

@@ -7,7 +7,7 @@
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{f32_data, from_host, u32_data, with_host, ROWS_PER_TASK};
+use super::{exp_in_place, f32_data, from_host, u32_data, with_host, ROWS_PER_TASK};
 use crate::model::Result;
 
 const NAME: &str = "logprobs-entropy";
@@ -34,49 +34,55 @@ struct LogprobsEntropy {
     bias: Option<Tensor>,
 }
 
-/// One row's scaled logits and the statistics of their softmax.
-struct Row<'a> {
-    logits: &'a [f32],
-    bias: Option<&'a [f32]>,
-    inv_temp: f32,
-    max: f32,
+/// The softmax statistics of one row of scaled logits `z`.
+struct Row {
     /// `ln Σ e^(z − max)`.
     log_sum: f32,
+    sum: f32,
     entropy: f32,
 }
 
-impl<'a> Row<'a> {
-    fn new(logits: &'a [f32], bias: Option<&'a [f32]>, inv_temp: f32) -> Self {
-        let mut row = Self {
-            logits,
-            bias,
-            inv_temp,
-            max: f32::NEG_INFINITY,
-            log_sum: 0.0,
-            entropy: 0.0,
-        };
-        row.max = (0..logits.len())
-            .map(|j| row.z(j))
-            .fold(f32::NEG_INFINITY, f32::max);
-        let (mut sum, mut weighted) = (0.0f32, 0.0f32);
-        for j in 0..logits.len() {
-            let shifted = row.z(j) - row.max;
-            let e = shifted.exp();
-            sum += e;
-            weighted += e * shifted;
+impl Row {
+    /// Writes `z − max` into `shifted` and `e^(z − max)` into `e` (each the row's length).
+    fn new(
+        logits: &[f32],
+        bias: Option<&[f32]>,
+        inv_temp: f32,
+        (shifted, e): (&mut [f32], &mut [f32]),
+    ) -> Self {
+        match bias {
+            Some(b) => {
+                for ((s, &l), &b) in shifted.iter_mut().zip(logits).zip(b) {
+                    *s = l * inv_temp + b;
+                }
+            }
+            None => {
+                for (s, &l) in shifted.iter_mut().zip(logits) {
+                    *s = l * inv_temp;
+                }
+            }
         }
-        row.log_sum = sum.ln();
-        row.entropy = row.log_sum - weighted / sum;
-        row
+        let max = shifted.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        shifted.iter_mut().for_each(|s| *s -= max);
+        e.copy_from_slice(shifted);
+        exp_in_place(e);
+        let (mut sum, mut weighted) = (0.0f32, 0.0f32);
+        for (&e, &s) in e.iter().zip(shifted.iter()) {
+            sum += e;
+            weighted += e * s;
+        }
+        let log_sum = sum.ln();
+        Self {
+            log_sum,
+            sum,
+            entropy: log_sum - weighted / sum,
+        }
     }
+}
 
-    fn z(&self, j: usize) -> f32 {
-        self.logits[j] * self.inv_temp + self.bias.map_or(0.0, |b| b[j])
-    }
-
-    fn log_prob(&self, j: usize) -> f32 {
-        self.z(j) - self.max - self.log_sum
-    }
+/// Per-task buffers of one row's shifted logits and their exponentials.
+fn scratch(v: usize) -> (Vec<f32>, Vec<f32>) {
+    (vec![0.0; v], vec![0.0; v])
 }
 
 impl LogprobsEntropy {
@@ -134,14 +140,16 @@ impl CustomOp2 for LogprobsEntropy {
                 .zip(ent.par_chunks_mut(ROWS_PER_TASK))
                 .enumerate()
                 .for_each(|(c, (lp, ent))| {
+                    let (mut shifted, mut e) = scratch(v);
                     for (i, (lp, ent)) in lp.iter_mut().zip(ent).enumerate() {
                         let r = c * ROWS_PER_TASK + i;
                         let row = Row::new(
                             &logits[r * v..(r + 1) * v],
                             bias.map(|b| &b[r * v..(r + 1) * v]),
                             self.inv_temp,
+                            (&mut shifted, &mut e),
                         );
-                        *lp = row.log_prob(targets[r] as usize);
+                        *lp = shifted[targets[r] as usize] - row.log_sum;
                         *ent = row.entropy;
                     }
                 });
@@ -178,20 +186,24 @@ impl LogprobsEntropy {
         let n = targets.len();
         let v = logits.len() / n.max(1);
         let mut out = vec![0.0f32; logits.len()];
-        out.par_chunks_mut(v).enumerate().for_each(|(r, out)| {
-            let row = Row::new(
-                &logits[r * v..(r + 1) * v],
-                bias.map(|b| &b[r * v..(r + 1) * v]),
-                self.inv_temp,
-            );
-            let (g_lp, g_h) = (grad[r], grad[n + r]);
-            for (j, o) in out.iter_mut().enumerate() {
-                let log_p = row.log_prob(j);
-                let p = log_p.exp();
-                *o = -p * (g_lp + g_h * (log_p + row.entropy)) * self.inv_temp;
-            }
-            out[targets[r] as usize] += g_lp * self.inv_temp;
-        });
+        out.par_chunks_mut(v).enumerate().for_each_init(
+            || scratch(v),
+            |(shifted, e), (r, out)| {
+                let row = Row::new(
+                    &logits[r * v..(r + 1) * v],
+                    bias.map(|b| &b[r * v..(r + 1) * v]),
+                    self.inv_temp,
+                    (shifted, e),
+                );
+                let (g_lp, g_h) = (grad[r], grad[n + r]);
+                // p_j = e_j / Σ, log p_j = shifted_j − ln Σ
+                let (p_scale, offset) = (self.inv_temp / row.sum, row.entropy - row.log_sum);
+                for ((o, &e), &s) in out.iter_mut().zip(e.iter()).zip(shifted.iter()) {
+                    *o = -e * p_scale * (g_lp + g_h * (s + offset));
+                }
+                out[targets[r] as usize] += g_lp * self.inv_temp;
+            },
+        );
         out
     }
 }

@@ -15,6 +15,7 @@
 //! fixed-size chunks and reductions run in chunk order, so results do not depend on the thread
 //! count. Not here: attention ([`super::attention`]).
 
+mod exp;
 mod linear;
 mod logprobs;
 mod norm;
@@ -23,6 +24,7 @@ mod swiglu;
 
 use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
 
+pub(crate) use exp::{exp, exp_in_place};
 pub(crate) use linear::linear;
 pub(crate) use logprobs::logprobs_entropy;
 pub(crate) use norm::rms_norm;

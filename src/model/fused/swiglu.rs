@@ -4,7 +4,7 @@
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{f32_data, from_host, with_host};
+use super::{exp, f32_data, from_host, with_host};
 use crate::model::Result;
 
 const NAME: &str = "swiglu";
@@ -20,7 +20,7 @@ pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 struct Swiglu;
 
 fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    1.0 / (1.0 + exp(-x))
 }
 
 fn check(g: &Layout, u: &Layout) -> candle_core::Result<()> {
