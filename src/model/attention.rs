@@ -19,7 +19,7 @@
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::fused::exp_in_place;
+use super::fused::{exp_in_place, max_of, sum_of};
 use super::Result;
 
 /// Which implementation computes the training forward's attention.
@@ -251,13 +251,6 @@ pub(super) struct Seen<'a> {
     pub(super) real: Option<&'a [bool]>,
 }
 
-impl Seen<'_> {
-    fn sees(&self, t: usize, s: usize) -> bool {
-        let at = self.offset + t;
-        s <= at && (s == at || self.real.is_none_or(|real| real[s]))
-    }
-}
-
 /// One query head's rows `q [len, D]` and its kv head's keys and values `k`, `v`
 /// `[seen.offset + len, D]`.
 #[derive(Clone, Copy)]
@@ -293,20 +286,22 @@ impl HeadInputs<'_> {
             Accumulate::No(scale),
         );
         for (r, row) in probs.chunks_exact_mut(keys).enumerate() {
-            let t = t0 + r;
-            let max = (0..keys)
-                .filter(|&s| self.seen.sees(t, s))
-                .map(|s| row[s])
-                .fold(f32::NEG_INFINITY, f32::max);
-            row.iter_mut().for_each(|p| *p -= max);
-            exp_in_place(row);
-            for (s, p) in row.iter_mut().enumerate() {
-                if !self.seen.sees(t, s) {
-                    *p = 0.0;
+            // Row t sees the keys up to its own position, less padding before it.
+            let at = self.seen.offset + t0 + r;
+            let (live, above) = row.split_at_mut(at + 1);
+            above.fill(0.0);
+            if let Some(real) = self.seen.real {
+                for (p, &real) in live[..at].iter_mut().zip(real) {
+                    if !real {
+                        *p = f32::NEG_INFINITY;
+                    }
                 }
             }
-            let sum: f32 = row.iter().sum();
-            row.iter_mut().for_each(|p| *p /= sum);
+            let max = max_of(live);
+            live.iter_mut().for_each(|p| *p -= max);
+            exp_in_place(live);
+            let sum = sum_of(live);
+            live.iter_mut().for_each(|p| *p /= sum);
         }
     }
 }

@@ -24,7 +24,7 @@ mod swiglu;
 
 use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
 
-pub(crate) use exp::{exp, exp_in_place};
+pub(crate) use exp::{exp, exp_in_place, max_of, sum_of};
 pub(crate) use linear::linear;
 pub(crate) use logprobs::logprobs_entropy;
 pub(crate) use norm::rms_norm;
