@@ -11,7 +11,8 @@
 //! `scripts/torch_update_step.py` (transformers `Qwen2ForCausalLM`, SDPA attention,
 //! `torch.set_num_threads`) for PyTorch, found through `STEPPPO_TORCH_PYTHON` or `python3`; the
 //! PyTorch side is skipped with a message where torch or transformers is missing. Both sides
-//! report the first step's loss, which must agree, and the median of the timed steps.
+//! report the first step's loss, which must agree, and the median of the timed steps. stepppo's
+//! side runs with the `stepppo` binary's allocator setting (freed memory kept in the heap).
 //!
 //! `cargo bench --bench training [-- FILTER]` (FILTER picks shapes by name);
 //! `STEPPPO_BENCH_RUNS` sets the timed steps per case (default 5, after one warm-up step);
@@ -287,8 +288,21 @@ fn run_child(mut cmd: Command, threads: usize) -> Report {
     }
 }
 
+/// The allocator setting of the `stepppo` binary (its `main`): every allocation from glibc's heap,
+/// freed memory kept for reuse, so the timed steps run as they do in training.
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` only changes allocator tunables; it is called before any other thread
+    // exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_MAX, 0);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
+    }
+}
+
 fn main() {
     if let Ok(dir) = std::env::var(CASE_VAR) {
+        keep_freed_memory();
         let report = time_stepppo(Path::new(&dir));
         println!("RESULT {}", serde_json::to_string(&report).unwrap());
         return;
