@@ -1,8 +1,10 @@
 //! The decoder trunk of the Qwen2, Qwen3 and Llama families (embedding, blocks, final norm) with
 //! HF parameter names, and its forward passes over the same weights:
-//! - [`Trunk::forward_train`]: padded `[B, T]` batches, causal + padding mask, built only from
-//!   differentiable candle ops (manual RMSNorm, rotate-half RoPE); attention is the fused causal
-//!   op of [`super::attention`] on CPU and matmuls with `ops::softmax` elsewhere;
+//! - [`Trunk::forward_train`]: padded `[B, T]` batches, causal + padding mask, differentiable: on
+//!   the CPU the linear layers, norms, RoPE and SwiGLU gate are the fused ops of [`super::fused`]
+//!   ([`TrainingOps::Fused`]), elsewhere candle's composed ops (manual RMSNorm, rotate-half RoPE);
+//!   attention is the fused causal op of [`super::attention`] on CPU and matmuls with
+//!   `ops::softmax` elsewhere;
 //! - [`Trunk::forward_input`] of a packed [`TreeBatch`]: the same blocks, whose branches read
 //!   their shared prefix's K/V (the attention of [`super::tree`]), also differentiable;
 //! - [`Trunk::forward_incremental`]: new tokens of many sequences at once, K/V written to and read
