@@ -73,13 +73,12 @@ fn forward(
     y
 }
 
-/// `[∂x, ∂W, ∂b]` from the output gradient `g [rows, out]`.
+/// `∂x`, `∂W` and, `with_bias`, `∂b` from the output gradient `g [rows, out]`.
 fn backward(
-    x: &[f32],
-    w: &[f32],
-    g: &[f32],
+    [x, w, g]: [&[f32]; 3],
     (rows, inner, out): (usize, usize, usize),
-) -> [Vec<f32>; 3] {
+    with_bias: bool,
+) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
     let mut dx = vec![0.0f32; rows * inner];
     let operands = [Operand::rows(g, out), Operand::rows(w, inner)];
     matmul_on(
@@ -100,11 +99,14 @@ fn backward(
         Accumulate::No(1.0),
         parallelism(),
     );
-    let mut db = vec![0.0f32; out];
-    for row in g.chunks_exact(out) {
-        db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
-    }
-    [dx, dw, db]
+    let db = with_bias.then(|| {
+        let mut db = vec![0.0f32; out];
+        for row in g.chunks_exact(out) {
+            db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+        }
+        db
+    });
+    (dx, dw, db)
 }
 
 impl CustomOp2 for Linear {
@@ -131,7 +133,7 @@ impl CustomOp2 for Linear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let [dx, dw, _] = grads(x, w, grad)?;
+        let (dx, dw, _) = grads(x, w, grad, None)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -164,23 +166,27 @@ impl CustomOp3 for Linear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let [dx, dw, db] = grads(x, w, grad)?;
-        Ok((Some(dx), Some(dw), Some(db.reshape(b.shape())?)))
+        let (dx, dw, db) = grads(x, w, grad, Some(b))?;
+        Ok((Some(dx), Some(dw), db))
     }
 }
 
-/// `[∂x, ∂W, ∂b]` as tensors of the inputs' shapes (`∂b` flat).
-fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> candle_core::Result<[Tensor; 3]> {
+/// `∂x`, `∂W` and, given the bias, `∂b` as tensors of the inputs' shapes.
+fn grads(
+    x: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    bias: Option<&Tensor>,
+) -> candle_core::Result<(Tensor, Tensor, Option<Tensor>)> {
     let (d, _) = dims(x.shape(), w.shape(), None)?;
-    let [dx, dw, db] = with_host(x, NAME, |xs| {
+    let (dx, dw, db) = with_host(x, NAME, |xs| {
         with_host(w, NAME, |ws| {
-            with_host(grad, NAME, |g| Ok(backward(xs, ws, g, d)))
+            with_host(grad, NAME, |g| Ok(backward([xs, ws, g], d, bias.is_some())))
         })
     })?;
-    let out = db.len();
-    Ok([
-        from_host(dx, x.shape())?,
-        from_host(dw, w.shape())?,
-        from_host(db, &Shape::from(out))?,
-    ])
+    let db = match (db, bias) {
+        (Some(db), Some(b)) => Some(from_host(db, b.shape())?),
+        _ => None,
+    };
+    Ok((from_host(dx, x.shape())?, from_host(dw, w.shape())?, db))
 }
