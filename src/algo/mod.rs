@@ -24,6 +24,7 @@ pub mod filter;
 pub mod loss;
 pub mod normalize;
 pub mod optim;
+mod optim_kernels;
 pub mod value_fit;
 
 pub use advantage::{

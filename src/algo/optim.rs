@@ -10,6 +10,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
 use super::config::{OptimizerConfig, Schedule};
+use super::optim_kernels as in_place;
 use super::AlgoError;
 
 /// Name of the step counter in a saved optimizer state.
@@ -109,6 +110,18 @@ impl AdamW {
         lr: f64,
         max_grad_norm: Option<f64>,
     ) -> Result<StepReport, AlgoError> {
+        self.step_with(grads, lr, max_grad_norm, true)
+    }
+
+    /// [`AdamW::step`]; with `in_place`, f32 CPU parameters and moments are updated in place by
+    /// [`in_place`]'s kernels, the others with tensor ops.
+    fn step_with(
+        &mut self,
+        grads: &GradStore,
+        lr: f64,
+        max_grad_norm: Option<f64>,
+        in_place: bool,
+    ) -> Result<StepReport, AlgoError> {
         let grad_norm = global_grad_norm(self.params.iter().map(|(_, v)| v), grads)?;
         if !grad_norm.is_finite() {
             return Ok(StepReport {
@@ -126,8 +139,21 @@ impl AdamW {
         let (b1, b2) = self.betas;
         let t = self.step as i32;
         let (bc1, bc2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+        let coefs = in_place::Coefs {
+            betas: (b1 as f32, b2 as f32),
+            bias_corrections: (bc1 as f32, bc2 as f32),
+            eps: self.eps as f32,
+            lr: lr as f32,
+            decay: (1.0 - lr * self.weight_decay) as f32,
+            clip_scale: clip_scale as f32,
+        };
         for (i, (_, var)) in self.params.iter().enumerate() {
             let Some(g) = grads.get(var) else { continue };
+            if in_place && in_place::applies(var, g) {
+                let moments = (&self.exp_avg[i], &self.exp_avg_sq[i]);
+                in_place::step(var, g, moments, &coefs)?;
+                continue;
+            }
             let g = g.affine(clip_scale, 0.0)?;
             let m = ((&self.exp_avg[i] * b1)? + (&g * (1.0 - b1))?)?;
             let v = ((&self.exp_avg_sq[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
@@ -252,18 +278,24 @@ pub fn global_grad_norm<'a>(
     grads: &GradStore,
 ) -> Result<f64, AlgoError> {
     let mut total: Option<Tensor> = None;
+    let mut host = 0.0f64;
     for var in vars {
         let Some(g) = grads.get(var) else { continue };
+        if let Some(sq) = in_place::sum_of_squares(g)? {
+            host += sq;
+            continue;
+        }
         let sq = g.to_dtype(DType::F64)?.sqr()?.sum_all()?;
         total = Some(match total {
             Some(t) => (t + sq)?,
             None => sq,
         });
     }
-    Ok(match total {
-        Some(t) => t.to_scalar::<f64>()?.sqrt(),
+    let device_sum = match total {
+        Some(t) => t.to_scalar::<f64>()?,
         None => 0.0,
-    })
+    };
+    Ok((host + device_sum).sqrt())
 }
 
 /// Scales the gradients of `vars` in place by max/(norm + 1e-6) when their global norm
@@ -470,5 +502,53 @@ mod tests {
             ..s
         };
         assert_eq!(c.lr_at(100), 1.0);
+    }
+
+    /// Parameters after three clipped steps of f32 weights, in place or with tensor ops.
+    fn three_steps(in_place: bool) -> Vec<Vec<f32>> {
+        let init = |n: usize, salt: f32| -> Vec<f32> {
+            (0..n).map(|i| ((i as f32 + salt) * 0.37).sin()).collect()
+        };
+        let vars: Vec<Var> = [(40_000, 1.0), (7, 2.0)]
+            .iter()
+            .map(|&(n, salt)| Var::from_vec(init(n, salt), n, &Device::Cpu).unwrap())
+            .collect();
+        let named = vec![("a".into(), vars[0].clone()), ("b".into(), vars[1].clone())];
+        let mut opt = AdamW::new(named, &cfg()).unwrap();
+        for step in 0..3 {
+            let coeffs: Vec<Tensor> = vars
+                .iter()
+                .map(|v| {
+                    let c = init(v.elem_count(), 10.0 + step as f32);
+                    Tensor::new(c, &Device::Cpu).unwrap()
+                })
+                .collect();
+            let loss = vars
+                .iter()
+                .zip(&coeffs)
+                .map(|(v, c)| (v.as_tensor() * c).unwrap().sum_all().unwrap())
+                .reduce(|a, b| (a + b).unwrap())
+                .unwrap();
+            let grads = loss.backward().unwrap();
+            let report = opt.step_with(&grads, 0.01, Some(5.0), in_place).unwrap();
+            assert!(report.clip_scale < 1.0, "the test clips");
+        }
+        assert_ne!(vars[1].as_tensor().to_vec1::<f32>().unwrap(), init(7, 2.0));
+        vars.iter()
+            .map(|v| v.as_tensor().to_vec1::<f32>().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn the_in_place_update_matches_the_tensor_ops() {
+        let (fast, reference) = (three_steps(true), three_steps(false));
+        for (a, b) in fast.iter().zip(&reference) {
+            let diff = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max);
+            assert!(diff < 1e-6, "{diff}");
+        }
     }
 }

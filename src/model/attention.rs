@@ -19,6 +19,7 @@
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
+use super::fused::{exp_in_place, max_of, sum_of};
 use super::Result;
 
 /// Which implementation computes the training forward's attention.
@@ -250,13 +251,6 @@ pub(super) struct Seen<'a> {
     pub(super) real: Option<&'a [bool]>,
 }
 
-impl Seen<'_> {
-    fn sees(&self, t: usize, s: usize) -> bool {
-        let at = self.offset + t;
-        s <= at && (s == at || self.real.is_none_or(|real| real[s]))
-    }
-}
-
 /// One query head's rows `q [len, D]` and its kv head's keys and values `k`, `v`
 /// `[seen.offset + len, D]`.
 #[derive(Clone, Copy)]
@@ -292,21 +286,22 @@ impl HeadInputs<'_> {
             Accumulate::No(scale),
         );
         for (r, row) in probs.chunks_exact_mut(keys).enumerate() {
-            let t = t0 + r;
-            let max = (0..keys)
-                .filter(|&s| self.seen.sees(t, s))
-                .map(|s| row[s])
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
-            for (s, p) in row.iter_mut().enumerate() {
-                *p = if self.seen.sees(t, s) {
-                    (*p - max).exp()
-                } else {
-                    0.0
-                };
-                sum += *p;
+            // Row t sees the keys up to its own position, less padding before it.
+            let at = self.seen.offset + t0 + r;
+            let (live, above) = row.split_at_mut(at + 1);
+            above.fill(0.0);
+            if let Some(real) = self.seen.real {
+                for (p, &real) in live[..at].iter_mut().zip(real) {
+                    if !real {
+                        *p = f32::NEG_INFINITY;
+                    }
+                }
             }
-            row.iter_mut().for_each(|p| *p /= sum);
+            let max = max_of(live);
+            live.iter_mut().for_each(|p| *p -= max);
+            exp_in_place(live);
+            let sum = sum_of(live);
+            live.iter_mut().for_each(|p| *p /= sum);
         }
     }
 }
@@ -434,18 +429,18 @@ impl BlockScratch {
 
 /// Rows × columns of a matrix product's result.
 #[derive(Clone, Copy)]
-struct Shape2(usize, usize);
+pub(super) struct Shape2(pub(super) usize, pub(super) usize);
 
 /// A row-major matrix read as itself or transposed; `width` is its row length in memory.
 #[derive(Clone, Copy)]
-struct Operand<'a> {
+pub(super) struct Operand<'a> {
     data: &'a [f32],
     row_stride: usize,
     col_stride: usize,
 }
 
 impl<'a> Operand<'a> {
-    fn rows(data: &'a [f32], width: usize) -> Self {
+    pub(super) fn rows(data: &'a [f32], width: usize) -> Self {
         Self {
             data,
             row_stride: width,
@@ -453,7 +448,7 @@ impl<'a> Operand<'a> {
         }
     }
 
-    fn transposed(data: &'a [f32], width: usize) -> Self {
+    pub(super) fn transposed(data: &'a [f32], width: usize) -> Self {
         Self {
             data,
             row_stride: 1,
@@ -472,7 +467,7 @@ impl<'a> Operand<'a> {
 
 /// Whether a product overwrites its destination or is added to it, and its scale.
 #[derive(Clone, Copy)]
-enum Accumulate {
+pub(super) enum Accumulate {
     No(f32),
     Yes(f32),
 }
@@ -481,11 +476,30 @@ enum Accumulate {
 /// single-threaded (the callers run one per rayon task).
 fn matmul(
     dst: &mut [f32],
-    Shape2(m, n): Shape2,
+    shape: Shape2,
     inner: usize,
     lhs: Operand,
     rhs: Operand,
     accumulate: Accumulate,
+) {
+    matmul_on(
+        dst,
+        shape,
+        inner,
+        [lhs, rhs],
+        accumulate,
+        gemm::Parallelism::None,
+    );
+}
+
+/// [`matmul`] with the given parallelism.
+pub(super) fn matmul_on(
+    dst: &mut [f32],
+    Shape2(m, n): Shape2,
+    inner: usize,
+    [lhs, rhs]: [Operand; 2],
+    accumulate: Accumulate,
+    parallelism: gemm::Parallelism,
 ) {
     lhs.check(m, inner);
     rhs.check(inner, n);
@@ -516,7 +530,7 @@ fn matmul(
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            parallelism,
         );
     }
 }

@@ -1,8 +1,10 @@
 //! The decoder trunk of the Qwen2, Qwen3 and Llama families (embedding, blocks, final norm) with
 //! HF parameter names, and its forward passes over the same weights:
-//! - [`Trunk::forward_train`]: padded `[B, T]` batches, causal + padding mask, built only from
-//!   differentiable candle ops (manual RMSNorm, rotate-half RoPE); attention is the fused causal
-//!   op of [`super::attention`] on CPU and matmuls with `ops::softmax` elsewhere;
+//! - [`Trunk::forward_train`]: padded `[B, T]` batches, causal + padding mask, differentiable: on
+//!   the CPU the linear layers, norms, RoPE and SwiGLU gate are the fused ops of [`super::fused`]
+//!   ([`TrainingOps::Fused`]), elsewhere candle's composed ops (manual RMSNorm, rotate-half RoPE);
+//!   attention is the fused causal op of [`super::attention`] on CPU and matmuls with
+//!   `ops::softmax` elsewhere;
 //! - [`Trunk::forward_input`] of a packed [`TreeBatch`]: the same blocks, whose branches read
 //!   their shared prefix's K/V (the attention of [`super::tree`]), also differentiable;
 //! - [`Trunk::forward_incremental`]: new tokens of many sequences at once, K/V written to and read
@@ -16,6 +18,7 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use super::attention::TrainingAttention;
+use super::fused::{self, TrainingOps};
 use super::rope::Rope;
 use super::tree::TreeBatch;
 use super::{ModelConfig, ModelError, Result, TrainInput};
@@ -45,7 +48,16 @@ pub(crate) struct Linear {
 }
 
 impl Linear {
+    /// The layer with the ops of the tensor's device (fused on the CPU).
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, TrainingOps::for_device(x.device()))
+    }
+
+    /// The layer with `ops`: one fused op where it applies, candle's matmul and add otherwise.
+    pub(crate) fn forward_with(&self, x: &Tensor, ops: TrainingOps) -> Result<Tensor> {
+        if ops == TrainingOps::Fused && fused::applies(x) {
+            return fused::linear(x, &self.weight, self.bias.as_ref());
+        }
         let dims = x.dims().to_vec();
         let rows: usize = dims[..dims.len() - 1].iter().product();
         let y = x
@@ -76,6 +88,8 @@ impl Linear {
 #[derive(Clone)]
 pub(crate) struct Trunk {
     cfg: ModelConfig,
+    /// Fused CPU ops or candle's composed ops for the norms, MLP gate and RoPE.
+    pub(crate) ops: TrainingOps,
     rope: Rope,
     pub(crate) embed: Tensor,
     blocks: Vec<Block>,
@@ -160,10 +174,12 @@ impl Trunk {
             path: "<config>".into(),
             message,
         })?;
+        let embed = get("model.embed_tokens.weight")?;
         Ok(Self {
             cfg: cfg.clone(),
+            ops: TrainingOps::for_device(embed.device()),
             rope,
-            embed: get("model.embed_tokens.weight")?,
+            embed,
             blocks,
             norm: get("model.norm.weight")?,
         })
@@ -199,6 +215,7 @@ impl Trunk {
             .collect::<Result<_>>()?;
         Ok(Self {
             cfg: self.cfg.clone(),
+            ops: self.ops,
             rope: self.rope.clone(),
             embed: t(&self.embed)?,
             blocks,
@@ -213,15 +230,62 @@ impl Trunk {
     /// Qwen3's per-head RMSNorm of q and k (heads in the last dimension); identity elsewhere.
     fn qk_norm(&self, b: &Block, q: Tensor, k: Tensor) -> Result<(Tensor, Tensor)> {
         match &b.qk_norm {
-            Some((qw, kw)) => Ok((rms_norm(&q, qw, self.eps())?, rms_norm(&k, kw, self.eps())?)),
+            Some((qw, kw)) => Ok((self.norm(&q, qw)?, self.norm(&k, kw)?)),
             None => Ok((q, k)),
         }
     }
 
+    /// RMSNorm of `x` with `weight`: the fused op where it applies.
+    fn norm(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+        if self.fused(x) {
+            fused::rms_norm(x, weight, self.eps())
+        } else {
+            rms_norm(x, weight, self.eps())
+        }
+    }
+
+    /// Whether the fused CPU ops run on `x`.
+    fn fused(&self, x: &Tensor) -> bool {
+        self.ops == TrainingOps::Fused && fused::applies(x)
+    }
+
     fn mlp(&self, b: &Block, x: &Tensor) -> Result<Tensor> {
-        let h = rms_norm(x, &b.post_norm, self.eps())?;
-        let act = (candle_nn::ops::silu(&b.gate.forward(&h)?)? * b.up.forward(&h)?)?;
-        Ok((x + b.down.forward(&act)?)?)
+        let h = self.norm(x, &b.post_norm)?;
+        let (gate, up) = (
+            b.gate.forward_with(&h, self.ops)?,
+            b.up.forward_with(&h, self.ops)?,
+        );
+        let act = if self.fused(&gate) {
+            fused::swiglu(&gate, &up)?
+        } else {
+            (candle_nn::ops::silu(&gate)? * up)?
+        };
+        Ok((x + b.down.forward_with(&act, self.ops)?)?)
+    }
+
+    /// Query or key heads `[B, n, T, D]` of the projection `lin` of `h` `[B, T, hidden]`: per-head
+    /// norm (Qwen3) and RoPE with `cos`, `sin` `[B, 1, T, D]`.
+    fn rope_heads(
+        &self,
+        lin: &Linear,
+        h: &Tensor,
+        norm: Option<&Tensor>,
+        n: usize,
+        (cos, sin): (&Tensor, &Tensor),
+    ) -> Result<Tensor> {
+        let (b_sz, t_len, _) = h.dims3()?;
+        let x = lin
+            .forward_with(h, self.ops)?
+            .reshape((b_sz, t_len, n, self.cfg.head_dim()))?;
+        let x = match norm {
+            Some(w) => self.norm(&x, w)?,
+            None => x,
+        };
+        if self.fused(&x) {
+            fused::rope_heads(&x, cos, sin)
+        } else {
+            apply_rope(&x.transpose(1, 2)?.contiguous()?, cos, sin)
+        }
     }
 
     /// Final hidden states `[B, T, hidden]` of a padded batch `input_ids [B, T]` (u32) with
@@ -343,28 +407,28 @@ impl Trunk {
             if keep_streams {
                 streams.push(x.clone());
             }
-            let h = rms_norm(&x, &b.input_norm, self.eps())?;
-            let heads = |lin: &Linear, n: usize| -> Result<Tensor> {
-                Ok(lin
-                    .forward(&h)?
-                    .reshape((b_sz, t_len, n, hd))?
-                    .transpose(1, 2)?
-                    .contiguous()?)
+            let h = self.norm(&x, &b.input_norm)?;
+            let (q_norm, k_norm) = match &b.qk_norm {
+                Some((q, k)) => (Some(q), Some(k)),
+                None => (None, None),
             };
-            let (q, k) = self.qk_norm(b, heads(&b.q, nh)?, heads(&b.k, nkv)?)?;
-            let q = apply_rope(&q, cos, sin)?;
-            let k = apply_rope(&k, cos, sin)?;
-            let v = heads(&b.v, nkv)?;
+            let q = self.rope_heads(&b.q, &h, q_norm, nh, (cos, sin))?;
+            let k = self.rope_heads(&b.k, &h, k_norm, nkv, (cos, sin))?;
+            let v =
+                b.v.forward_with(&h, self.ops)?
+                    .reshape((b_sz, t_len, nkv, hd))?
+                    .transpose(1, 2)?
+                    .contiguous()?;
             let o = attend(&q, &k, &v)?
                 .transpose(1, 2)?
                 .reshape((b_sz, t_len, nh * hd))?;
-            x = (x + b.o.forward(&o)?)?;
+            x = (x + b.o.forward_with(&o, self.ops)?)?;
             x = self.mlp(b, &x)?;
         }
         if keep_streams {
             streams.push(x.clone());
         }
-        Ok((rms_norm(&x, &self.norm, self.eps())?, streams))
+        Ok((self.norm(&x, &self.norm)?, streams))
     }
 
     /// Final hidden states `[n, hidden]` of the new tokens of `seqs` (in batch order), whose ids are
@@ -398,23 +462,23 @@ impl Trunk {
         );
         let mut x = self.embed.index_select(&Tensor::new(ids, dev)?, 0)?;
         for (layer, b) in self.blocks.iter().enumerate() {
-            let h = rms_norm(&x, &b.input_norm, self.eps())?;
+            let h = self.norm(&x, &b.input_norm)?;
             let (q, k) = self.qk_norm(
                 b,
-                b.q.forward(&h)?.reshape((n, nh, hd))?,
-                b.k.forward(&h)?.reshape((n, nkv, hd))?,
+                b.q.forward_with(&h, self.ops)?.reshape((n, nh, hd))?,
+                b.k.forward_with(&h, self.ops)?.reshape((n, nkv, hd))?,
             )?;
             let q = apply_rope(&q, &cos, &sin)?;
             let k = apply_rope(&k, &cos, &sin)?;
-            let v = b.v.forward(&h)?.reshape((n, nkv, hd))?;
+            let v = b.v.forward_with(&h, self.ops)?.reshape((n, nkv, hd))?;
             pool.write_rows(layer, &plan, &k, &v)?;
             let o = pool
                 .attend_rows(layer, &q, &plan, nh, scale)?
                 .reshape((n, nh * hd))?;
-            x = (x + b.o.forward(&o)?)?;
+            x = (x + b.o.forward_with(&o, self.ops)?)?;
             x = self.mlp(b, &x)?;
         }
-        rms_norm(&x, &self.norm, self.eps())
+        self.norm(&x, &self.norm)
     }
 }
 
@@ -423,7 +487,8 @@ pub(crate) fn rollout_tensor(x: &Tensor, dtype: DType) -> Result<Tensor> {
     Ok(x.detach().to_dtype(dtype)?)
 }
 
-/// `x / sqrt(mean(x²) + eps) * w` over the last dimension, from differentiable ops.
+/// `x / sqrt(mean(x²) + eps) * w` over the last dimension, from differentiable ops (the
+/// reference of [`fused::rms_norm`]).
 pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
     Ok(x.broadcast_div(&rms)?.broadcast_mul(weight)?)

@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod critic;
 pub mod decoder;
+mod fused;
 pub mod generate;
 pub mod params;
 pub mod rope;
@@ -25,6 +26,7 @@ use crate::kv::{KvError, KvPool, SeqSlots};
 pub use config::ModelConfig;
 pub use critic::{Critic, FeatureCritic, ValueHead};
 use decoder::{Linear, Trunk};
+pub use fused::TrainingOps;
 pub use generate::{generate, Generation};
 pub use tree::{Segment, TreeBatch};
 
@@ -216,6 +218,13 @@ impl Model {
         &self.cfg
     }
 
+    /// Chooses the training forward's ops (fused on the CPU by default); both compute the same
+    /// function, to f32 rounding.
+    pub fn set_training_ops(&mut self, ops: TrainingOps) {
+        self.trunk.ops = ops;
+        self.frozen_trunk.ops = ops;
+    }
+
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -319,7 +328,7 @@ impl Model {
             weight: self.lm_head.clone(),
             bias: None,
         }
-        .forward(&hidden)
+        .forward_with(&hidden, self.trunk.ops)
     }
 
     /// Per position: log-prob of `targets[b, t]` and entropy, both `[B, T]`, under the logits
@@ -331,9 +340,20 @@ impl Model {
         targets: &Tensor,
         temperature: f32,
     ) -> Result<(Tensor, Tensor)> {
-        check_temperature(temperature)?;
-        let logits = (self.forward_train(input_ids, attention_mask)? / f64::from(temperature))?;
-        logprobs_entropy(&logits, targets)
+        let (b_sz, t_len) = input_ids.dims2()?;
+        let positions = Tensor::arange(0, (b_sz * t_len) as u32, &self.device)?;
+        let hidden = self.hidden_train(input_ids, attention_mask)?;
+        let (logp, entropy) = self.head_logprobs_entropy(
+            &hidden,
+            &positions,
+            &targets.flatten_all()?,
+            temperature,
+            None,
+        )?;
+        Ok((
+            logp.reshape((b_sz, t_len))?,
+            entropy.reshape((b_sz, t_len))?,
+        ))
     }
 
     /// Log-prob of `targets[n]` and entropy at each of `positions` (flat indices into the padded
@@ -371,7 +391,12 @@ impl Model {
             weight: self.lm_head.clone(),
             bias: None,
         };
-        let mut logits = (head.forward(&picked)? / f64::from(temperature))?;
+        let logits = head.forward_with(&picked, self.trunk.ops)?;
+        if self.trunk.ops == TrainingOps::Fused && fused::applies(&logits) {
+            let bias = logit_bias.map(|b| b.to_dtype(logits.dtype())).transpose()?;
+            return fused::logprobs_entropy(&logits, targets, temperature, bias.as_ref());
+        }
+        let mut logits = (logits / f64::from(temperature))?;
         if let Some(bias) = logit_bias {
             logits = logits.broadcast_add(&bias.to_dtype(logits.dtype())?)?;
         }

@@ -1,0 +1,383 @@
+//! The actor update step of stepppo next to the same step in PyTorch, on the same weights and
+//! inputs: forward, log-probs and entropies at the response positions (the LM head on those
+//! positions only), the PPO loss (token ratio, clip 0.2 / 0.28, `seq-mean-token-mean`, entropy
+//! coefficient 0.001), backward, gradient clipping at 1.0 and an AdamW step.
+//!
+//! Shapes: the built-in `small` model at 8 × 128 and 16 × 640 tokens, and a 90M-parameter Qwen2
+//! (hidden 896, 6 layers, 14 / 2 heads, MLP 4,864, the built-in vocabulary) at 4 × 256; each at 1
+//! and 2 threads. The second half of every sequence is its response. For each shape the bench
+//! writes the model as an HF directory and the inputs as JSON, then runs one child process per
+//! (shape, threads, side) so each gets its own thread pool: this binary for stepppo, and
+//! `scripts/torch_update_step.py` (transformers `Qwen2ForCausalLM`, SDPA attention,
+//! `torch.set_num_threads`) for PyTorch, found through `STEPPPO_TORCH_PYTHON` or `python3`; the
+//! PyTorch side is skipped with a message where torch or transformers is missing. Both sides
+//! report the first step's loss, which must agree, and the median of the timed steps. stepppo's
+//! side runs with the `stepppo` binary's allocator setting (freed memory kept in the heap).
+//!
+//! `cargo bench --bench training [-- FILTER]` (FILTER picks shapes by name);
+//! `STEPPPO_BENCH_RUNS` sets the timed steps per case (default 5, after one warm-up step);
+//! `STEPPPO_BENCH_DIR` keeps the cases' directories there (for a profiler: run this binary with
+//! `STEPPPO_TRAINING_CASE=DIR/SHAPE`) instead of a temporary directory. `speed` is stepppo's
+//! tokens/s over PyTorch's.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+use stepppo::algo::config::{LossConfig, OptimizerConfig};
+use stepppo::algo::{policy_loss, AdamW};
+use stepppo::model::{Model, ModelConfig, PaddedBatch};
+use stepppo::tokenizer::Tokenizer;
+
+/// Set in a child process: the model directory whose case it times (stepppo's side).
+const CASE_VAR: &str = "STEPPPO_TRAINING_CASE";
+const RUNS_VAR: &str = "STEPPPO_BENCH_RUNS";
+const DIR_VAR: &str = "STEPPPO_BENCH_DIR";
+const PYTHON_VAR: &str = "STEPPPO_TORCH_PYTHON";
+const SCRIPT: &str = "scripts/torch_update_step.py";
+const THREADS: [usize; 2] = [1, 2];
+const ENTROPY_COEF: f32 = 0.001;
+const LR: f64 = 1e-5;
+
+/// One benchmark shape: a model and the batch it is trained on.
+struct Shape {
+    name: &'static str,
+    cfg: ModelConfig,
+    batch: usize,
+    len: usize,
+}
+
+fn shapes() -> Vec<Shape> {
+    let vocab = Tokenizer::builtin().vocab_size();
+    let mut qwen_90m = ModelConfig::small(vocab);
+    qwen_90m.hidden_size = 896;
+    qwen_90m.num_hidden_layers = 6;
+    qwen_90m.num_attention_heads = 14;
+    qwen_90m.num_key_value_heads = 2;
+    qwen_90m.intermediate_size = 4864;
+    vec![
+        Shape {
+            name: "small_8x128",
+            cfg: ModelConfig::small(vocab),
+            batch: 8,
+            len: 128,
+        },
+        Shape {
+            name: "small_16x640",
+            cfg: ModelConfig::small(vocab),
+            batch: 16,
+            len: 640,
+        },
+        Shape {
+            name: "qwen2_90m_4x256",
+            cfg: qwen_90m,
+            batch: 4,
+            len: 256,
+        },
+    ]
+}
+
+/// What both sides read: token ids, the response positions (flat into `[B, T]`) and their
+/// targets, old log-probs and advantages `[B, R]`, and the optimiser's settings.
+#[derive(Serialize, Deserialize)]
+struct Inputs {
+    input_ids: Vec<Vec<u32>>,
+    positions: Vec<u32>,
+    targets: Vec<u32>,
+    old_logprobs: Vec<Vec<f32>>,
+    advantages: Vec<Vec<f32>>,
+    clip_low: f32,
+    clip_high: f32,
+    entropy_coef: f32,
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    weight_decay: f64,
+    max_grad_norm: f64,
+    runs: usize,
+}
+
+/// A child's report: the first step's loss and the timed steps' median.
+#[derive(Serialize, Deserialize)]
+struct Report {
+    first_loss: f64,
+    median_ms: f64,
+}
+
+/// A reproducible value in [0, 1) from two integers.
+fn hash01(a: usize, b: usize) -> f32 {
+    let mut x = (a as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (b as u64 + 0x632B_E59B);
+    x ^= x >> 29;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 32;
+    (x >> 40) as f32 / (1u64 << 24) as f32
+}
+
+fn inputs(shape: &Shape, runs: usize) -> Inputs {
+    let (b_sz, len, vocab) = (shape.batch, shape.len, shape.cfg.vocab_size);
+    let input_ids: Vec<Vec<u32>> = (0..b_sz)
+        .map(|b| {
+            (0..len)
+                .map(|t| (hash01(b, t) * vocab as f32) as u32 % vocab as u32)
+                .collect()
+        })
+        .collect();
+    let response = len / 2;
+    let start = len - response - 1;
+    let mut positions = Vec::new();
+    let mut targets = Vec::new();
+    for (b, row) in input_ids.iter().enumerate() {
+        for t in start..start + response {
+            positions.push((b * len + t) as u32);
+            targets.push(row[t + 1]);
+        }
+    }
+    let uniform = -(vocab as f32).ln();
+    let old_logprobs = (0..b_sz)
+        .map(|b| {
+            (0..response)
+                .map(|r| uniform + 0.6 * (hash01(b + 1000, r) - 0.5))
+                .collect()
+        })
+        .collect();
+    let advantages = (0..b_sz)
+        .map(|b| vec![2.0 * hash01(b, 7777) - 1.0; response])
+        .collect();
+    let loss = loss_config();
+    let opt = OptimizerConfig::default();
+    Inputs {
+        input_ids,
+        positions,
+        targets,
+        old_logprobs,
+        advantages,
+        clip_low: loss.clip_low(),
+        clip_high: loss.clip_high(),
+        entropy_coef: loss.entropy_loss_coef,
+        lr: LR,
+        betas: opt.betas,
+        eps: opt.eps,
+        weight_decay: opt.weight_decay,
+        max_grad_norm: opt.max_grad_norm.expect("the default clips"),
+        runs,
+    }
+}
+
+fn loss_config() -> LossConfig {
+    LossConfig {
+        pg_clip_high: Some(0.28),
+        entropy_loss_coef: ENTROPY_COEF,
+        ..LossConfig::default()
+    }
+}
+
+/// The tensors of one update on the device.
+struct StepTensors {
+    batch: PaddedBatch,
+    positions: Tensor,
+    targets: Tensor,
+    old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+}
+
+impl StepTensors {
+    fn new(x: &Inputs, dev: &Device) -> Self {
+        let rows = |v: &[Vec<f32>]| {
+            let (r, c) = (v.len(), v[0].len());
+            Tensor::from_vec(v.concat(), (r, c), dev).unwrap()
+        };
+        let old = rows(&x.old_logprobs);
+        Self {
+            batch: PaddedBatch::right_padded(&x.input_ids, 0, dev).unwrap(),
+            positions: Tensor::new(x.positions.as_slice(), dev).unwrap(),
+            targets: Tensor::new(x.targets.as_slice(), dev).unwrap(),
+            adv: rows(&x.advantages),
+            mask: old.ones_like().unwrap(),
+            old,
+        }
+    }
+}
+
+/// One actor update; returns its loss.
+fn update_step(model: &Model, opt: &mut AdamW, x: &StepTensors, max_norm: f64) -> f64 {
+    let (logp, entropy) = model
+        .logprobs_entropy_at(
+            &x.batch.input_ids,
+            &x.batch.attention_mask,
+            &x.positions,
+            &x.targets,
+            1.0,
+            None,
+        )
+        .unwrap();
+    let shape = x.old.shape();
+    let (logp, entropy) = (
+        logp.reshape(shape).unwrap(),
+        entropy.reshape(shape).unwrap(),
+    );
+    let cfg = loss_config();
+    let (loss, _) = policy_loss(&logp, &x.old, &x.adv, &x.mask, None, &entropy, &cfg).unwrap();
+    let grads = loss.backward().unwrap();
+    opt.step(&grads, LR, Some(max_norm)).unwrap();
+    loss.to_dtype(DType::F64).unwrap().to_scalar().unwrap()
+}
+
+/// The child's work: load the case's model and inputs, time `runs` steps after one warm-up.
+fn time_stepppo(dir: &Path) -> Report {
+    let dev = Device::Cpu;
+    let x: Inputs =
+        serde_json::from_slice(&std::fs::read(dir.join("inputs.json")).unwrap()).unwrap();
+    let model = Model::load(dir, &dev).unwrap();
+    let mut opt = AdamW::new(model.named_vars(), &OptimizerConfig::default()).unwrap();
+    let tensors = StepTensors::new(&x, &dev);
+    let first_loss = update_step(&model, &mut opt, &tensors, x.max_grad_norm);
+    let mut ms: Vec<f64> = (0..x.runs)
+        .map(|_| {
+            let start = Instant::now();
+            update_step(&model, &mut opt, &tensors, x.max_grad_norm);
+            start.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    Report {
+        first_loss,
+        median_ms: median(&mut ms),
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The Python interpreter to use, if it imports torch and transformers (else why not).
+fn torch_python() -> Result<String, String> {
+    let python = std::env::var(PYTHON_VAR).unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&python)
+        .args(["-c", "import torch, transformers"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if ok {
+        Ok(python)
+    } else {
+        Err(format!(
+            "`{python}` cannot import torch and transformers (set {PYTHON_VAR} to a Python that can)"
+        ))
+    }
+}
+
+/// Runs one side of a case in a child process with `threads` threads and parses its report.
+fn run_child(mut cmd: Command, threads: usize) -> Report {
+    let out = cmd
+        .env("RAYON_NUM_THREADS", threads.to_string())
+        .env("OMP_NUM_THREADS", threads.to_string())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().find_map(|l| l.strip_prefix("RESULT "));
+    match line {
+        Some(json) if out.status.success() => serde_json::from_str(json).unwrap(),
+        _ => panic!(
+            "child failed ({}):\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
+/// The allocator setting of the `stepppo` binary (its `main`): every allocation from glibc's heap,
+/// freed memory kept for reuse, so the timed steps run as they do in training.
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` only changes allocator tunables; it is called before any other thread
+    // exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_MAX, 0);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
+    }
+}
+
+fn main() {
+    if let Ok(dir) = std::env::var(CASE_VAR) {
+        keep_freed_memory();
+        let report = time_stepppo(Path::new(&dir));
+        println!("RESULT {}", serde_json::to_string(&report).unwrap());
+        return;
+    }
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let runs = std::env::var(RUNS_VAR)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5);
+    let python = torch_python();
+    if let Err(why) = &python {
+        println!("PyTorch side skipped: {why}");
+    }
+    let temp = tempfile::tempdir().unwrap();
+    let root = std::env::var(DIR_VAR).map_or(temp.path().to_path_buf(), PathBuf::from);
+    println!(
+        "{:<18} {:>3} {:>12} {:>12} {:>12} {:>12} {:>7} {:>11} {:>11}",
+        "shape",
+        "thr",
+        "stepppo ms",
+        "stepppo tok/s",
+        "torch ms",
+        "torch tok/s",
+        "speed",
+        "loss",
+        "torch loss"
+    );
+    for shape in shapes() {
+        if !filter.is_empty() && !filter.iter().any(|f| shape.name.contains(f.as_str())) {
+            continue;
+        }
+        let dir = prepare(&shape, runs, &root);
+        for threads in THREADS {
+            bench_case(&shape, &dir, threads, python.as_ref().ok());
+        }
+    }
+}
+
+/// Writes the shape's model directory and inputs; returns the directory.
+fn prepare(shape: &Shape, runs: usize, root: &Path) -> PathBuf {
+    let dir = root.join(shape.name);
+    let model = Model::new(&shape.cfg, 0, &Device::Cpu).unwrap();
+    model.save(&dir, None).unwrap();
+    let x = inputs(shape, runs);
+    std::fs::write(dir.join("inputs.json"), serde_json::to_vec(&x).unwrap()).unwrap();
+    dir
+}
+
+fn bench_case(shape: &Shape, dir: &Path, threads: usize, python: Option<&String>) {
+    let mut ours = Command::new(std::env::current_exe().unwrap());
+    ours.env(CASE_VAR, dir);
+    let ours = run_child(ours, threads);
+    let theirs = python.map(|py| {
+        let mut cmd = Command::new(py);
+        cmd.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join(SCRIPT))
+            .arg(dir)
+            .arg(threads.to_string());
+        run_child(cmd, threads)
+    });
+    let tokens = (shape.batch * shape.len) as f64;
+    let rate = |ms: f64| tokens / (ms / 1e3);
+    let fmt = |v: Option<f64>, digits: usize| v.map_or("-".into(), |v| format!("{v:.digits$}"));
+    println!(
+        "{:<18} {:>3} {:>12.1} {:>12.0} {:>12} {:>12} {:>7} {:>11.6} {:>11}",
+        shape.name,
+        threads,
+        ours.median_ms,
+        rate(ours.median_ms),
+        fmt(theirs.as_ref().map(|t| t.median_ms), 1),
+        fmt(theirs.as_ref().map(|t| rate(t.median_ms)), 0),
+        fmt(theirs.as_ref().map(|t| t.median_ms / ours.median_ms), 2),
+        ours.first_loss,
+        fmt(theirs.as_ref().map(|t| t.first_loss), 6),
+    );
+}
