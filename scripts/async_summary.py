@@ -21,6 +21,8 @@ def summary(run):
     metrics = rows(run)
     # Step 1 warms caches and allocators up (and an async run's first batch is not overlapped).
     steps = [r for r in metrics if "time/step" in r][1:]
+    if not steps:
+        raise FileNotFoundError(f"{run}: no step finished yet")
     mean = lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps)
     val = {}
     for r in metrics:
