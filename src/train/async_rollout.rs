@@ -18,6 +18,7 @@
 //! a resumed run consumes them before anything new ([`load_pending`]).
 
 use super::eval::{self, ManagerRollout};
+use super::metrics::Scalars;
 use super::setup::engine_for;
 use super::TrainError;
 use crate::config::Config;
@@ -71,13 +72,12 @@ pub struct RolloutWorker {
     next_job: u64,
     /// The step of the next batch to come from the thread.
     next_received: u64,
-    /// The weights of the version jobs are handed out with, shared by the jobs that need them.
-    current: Option<(u64, Arc<Model>)>,
     started: Instant,
     busy: BusyTime,
 }
 
-/// Seconds each side has been busy since the worker started.
+/// Since the worker started: seconds the rollout thread generated, and seconds the trainer waited
+/// for a batch.
 #[derive(Default)]
 struct BusyTime {
     rollout_s: f64,
@@ -146,7 +146,6 @@ impl RolloutWorker {
             ready: restored.into(),
             next_job,
             next_received: next_job,
-            current: None,
             started: Instant::now(),
             busy: BusyTime::default(),
         })
@@ -162,6 +161,8 @@ impl RolloutWorker {
         next_group_id: u64,
         groups: u64,
     ) -> Result<(), TrainError> {
+        // One copy of the weights for every job this version serves.
+        let mut weights: Option<Arc<Model>> = None;
         while self.next_job.saturating_sub(self.staleness) <= version {
             let needed = self.next_job.saturating_sub(self.staleness);
             if needed < version {
@@ -171,13 +172,9 @@ impl RolloutWorker {
                     self.next_job
                 )));
             }
-            let weights = match &self.current {
-                Some((v, w)) if *v == version => Arc::clone(w),
-                _ => {
-                    let w = Arc::new(policy.snapshot()?);
-                    self.current = Some((version, Arc::clone(&w)));
-                    w
-                }
+            let weights = match &weights {
+                Some(w) => Arc::clone(w),
+                None => weights.insert(Arc::new(policy.snapshot()?)).clone(),
             };
             let job = Job {
                 step: self.next_job,
@@ -292,11 +289,9 @@ struct PendingMeta {
     counters: CacheCounters,
     env_s: f64,
     env_errors: Vec<String>,
-    env_scores: BTreeMapScalars,
+    env_scores: Scalars,
     generate_s: f64,
 }
-
-type BTreeMapScalars = std::collections::BTreeMap<String, f64>;
 
 /// Writes `batches` into `dir` (a store dataset of their records and their metadata).
 pub fn save_pending<'a>(
@@ -316,7 +311,7 @@ pub fn save_pending<'a>(
             counters: b.rollout.counters.clone(),
             env_s: b.rollout.env_s,
             env_errors: b.rollout.env_errors.clone(),
-            env_scores: b.rollout.env_scores.clone().into_iter().collect(),
+            env_scores: b.rollout.env_scores.clone(),
             generate_s: b.generate_s,
         });
     }
@@ -363,7 +358,7 @@ pub fn load_pending(dir: &Path) -> Result<Vec<RolloutBatch>, TrainError> {
                 counters: m.counters,
                 env_s: m.env_s,
                 env_errors: m.env_errors,
-                env_scores: m.env_scores.into_iter().collect(),
+                env_scores: m.env_scores,
             },
             generate_s: m.generate_s,
             wait_s: 0.0,
