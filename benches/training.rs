@@ -14,6 +14,13 @@
 //! report the first step's loss, which must agree, and the median of the timed steps. stepppo's
 //! side runs with the `stepppo` binary's allocator setting (freed memory kept in the heap).
 //!
+//! Next to the two, the step's limit on this machine: its matrix products' FLOPs (forward, and
+//! twice that backward; the attention's causal half; the LM head at the response positions)
+//! divided by the fastest rate either library reaches on the shape's largest product (`[tokens,
+//! hidden] × [hidden, intermediate]`, measured in each child at its thread count). No step can
+//! be faster than that, whatever its non-product work costs; `limit speed` is PyTorch's time over
+//! it, the most any update could gain on PyTorch here.
+//!
 //! `cargo bench --bench training [-- FILTER]` (FILTER picks shapes by name);
 //! `STEPPPO_BENCH_RUNS` sets the timed steps per case (default 5, after one warm-up step);
 //! `STEPPPO_BENCH_DIR` keeps the cases' directories there (for a profiler: run this binary with
@@ -97,13 +104,61 @@ struct Inputs {
     weight_decay: f64,
     max_grad_norm: f64,
     runs: usize,
+    /// `(m, k, n)` of the product whose rate each child measures.
+    probe: (usize, usize, usize),
 }
 
-/// A child's report: the first step's loss and the timed steps' median.
+/// A child's report: the first step's loss, the timed steps' median and the best rate of the
+/// probe product.
 #[derive(Serialize, Deserialize)]
 struct Report {
     first_loss: f64,
     median_ms: f64,
+    product_gflops: f64,
+}
+
+/// How often each child times the probe product; the best rate counts.
+const PROBE_RUNS: usize = 5;
+
+impl Shape {
+    /// FLOPs of the matrix products of one update step: the forward's (every projection at
+    /// every token, the attention's scores and mixing over the causal half, the LM head at the
+    /// response positions) and twice as many backward (the input's and the weight's gradient).
+    fn product_flops(&self) -> f64 {
+        let c = &self.cfg;
+        let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim());
+        let (heads, kv) = (c.num_attention_heads, c.num_key_value_heads);
+        let tokens = (self.batch * self.len) as f64;
+        let weights_per_layer = h * heads * d * 2 + h * kv * d * 2 + 3 * h * i;
+        let projections = 2.0 * tokens * (c.num_hidden_layers * weights_per_layer) as f64;
+        let causal_pairs = (self.len * (self.len + 1) / 2 * self.batch) as f64;
+        let attention = 2.0 * 2.0 * causal_pairs * (heads * d * c.num_hidden_layers) as f64;
+        let head = 2.0 * (self.batch * (self.len / 2)) as f64 * (h * c.vocab_size) as f64;
+        3.0 * (projections + attention + head)
+    }
+
+    /// The probe product: the largest of the step, `[tokens, hidden] × [hidden, intermediate]`.
+    fn probe(&self) -> (usize, usize, usize) {
+        (
+            self.batch * self.len,
+            self.cfg.hidden_size,
+            self.cfg.intermediate_size,
+        )
+    }
+}
+
+/// The best GFLOP/s of `PROBE_RUNS` products `[m, k] × [k, n]` in candle.
+fn probe_gflops((m, k, n): (usize, usize, usize), dev: &Device) -> f64 {
+    let a = Tensor::rand(-1f32, 1f32, (m, k), dev).unwrap();
+    let b = Tensor::rand(-1f32, 1f32, (k, n), dev).unwrap();
+    let _ = a.matmul(&b).unwrap();
+    (0..PROBE_RUNS)
+        .map(|_| {
+            let start = Instant::now();
+            let _ = a.matmul(&b).unwrap();
+            2.0 * (m * k * n) as f64 / start.elapsed().as_secs_f64() / 1e9
+        })
+        .fold(0.0, f64::max)
 }
 
 /// A reproducible value in [0, 1) from two integers.
@@ -162,6 +217,7 @@ fn inputs(shape: &Shape, runs: usize) -> Inputs {
         weight_decay: opt.weight_decay,
         max_grad_norm: opt.max_grad_norm.expect("the default clips"),
         runs,
+        probe: shape.probe(),
     }
 }
 
@@ -244,6 +300,7 @@ fn time_stepppo(dir: &Path) -> Report {
     Report {
         first_loss,
         median_ms: median(&mut ms),
+        product_gflops: probe_gflops(x.probe, &dev),
     }
 }
 
@@ -266,6 +323,17 @@ fn torch_python() -> Result<String, String> {
         Err(format!(
             "`{python}` cannot import torch and transformers (set {PYTHON_VAR} to a Python that can)"
         ))
+    }
+}
+
+/// The PyTorch script: under the crate's source directory, or (for a bench binary copied to
+/// another machine) under the working directory.
+fn script_path() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join(SCRIPT);
+    if built.exists() {
+        built
+    } else {
+        PathBuf::from(SCRIPT)
     }
 }
 
@@ -322,7 +390,7 @@ fn main() {
     let temp = tempfile::tempdir().unwrap();
     let root = std::env::var(DIR_VAR).map_or(temp.path().to_path_buf(), PathBuf::from);
     println!(
-        "{:<18} {:>3} {:>12} {:>12} {:>12} {:>12} {:>7} {:>11} {:>11}",
+        "{:<18} {:>3} {:>12} {:>12} {:>12} {:>12} {:>7} {:>10} {:>7} {:>11} {:>11}",
         "shape",
         "thr",
         "stepppo ms",
@@ -330,6 +398,8 @@ fn main() {
         "torch ms",
         "torch tok/s",
         "speed",
+        "limit ms",
+        "limit",
         "loss",
         "torch loss"
     );
@@ -360,16 +430,18 @@ fn bench_case(shape: &Shape, dir: &Path, threads: usize, python: Option<&String>
     let ours = run_child(ours, threads);
     let theirs = python.map(|py| {
         let mut cmd = Command::new(py);
-        cmd.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join(SCRIPT))
-            .arg(dir)
-            .arg(threads.to_string());
+        cmd.arg(script_path()).arg(dir).arg(threads.to_string());
         run_child(cmd, threads)
     });
     let tokens = (shape.batch * shape.len) as f64;
     let rate = |ms: f64| tokens / (ms / 1e3);
     let fmt = |v: Option<f64>, digits: usize| v.map_or("-".into(), |v| format!("{v:.digits$}"));
+    let best_gflops = theirs.as_ref().map_or(ours.product_gflops, |t| {
+        t.product_gflops.max(ours.product_gflops)
+    });
+    let limit_ms = shape.product_flops() / (best_gflops * 1e9) * 1e3;
     println!(
-        "{:<18} {:>3} {:>12.1} {:>12.0} {:>12} {:>12} {:>7} {:>11.6} {:>11}",
+        "{:<18} {:>3} {:>12.1} {:>12.0} {:>12} {:>12} {:>7} {:>10.1} {:>7} {:>11.6} {:>11}",
         shape.name,
         threads,
         ours.median_ms,
@@ -377,7 +449,18 @@ fn bench_case(shape: &Shape, dir: &Path, threads: usize, python: Option<&String>
         fmt(theirs.as_ref().map(|t| t.median_ms), 1),
         fmt(theirs.as_ref().map(|t| rate(t.median_ms)), 0),
         fmt(theirs.as_ref().map(|t| t.median_ms / ours.median_ms), 2),
+        limit_ms,
+        fmt(theirs.as_ref().map(|t| t.median_ms / limit_ms), 2),
         ours.first_loss,
         fmt(theirs.as_ref().map(|t| t.first_loss), 6),
+    );
+    println!(
+        "{:<18} {:>3} products at {:.1} GFLOP/s (stepppo) / {} GFLOP/s (PyTorch) on {:?}; {:.1} GFLOP per step",
+        "",
+        "",
+        ours.product_gflops,
+        fmt(theirs.as_ref().map(|t| t.product_gflops), 1),
+        shape.probe(),
+        shape.product_flops() / 1e9,
     );
 }

@@ -9,7 +9,8 @@ times the step stepppo's bench times: trunk forward, the LM head at the response
 log-softmax, the targets' log-probs and the entropies, the PPO loss (token ratio, asymmetric
 clip, the mean over each row's tokens then over rows, minus the entropy coefficient times the
 same mean of the entropies), backward, gradient clipping and `torch.optim.AdamW`. One warm-up
-step, then `runs` timed steps; prints `RESULT {"first_loss": ..., "median_ms": ...}`.
+step, then `runs` timed steps, then the best rate of the bench's probe product; prints
+`RESULT {"first_loss": ..., "median_ms": ..., "product_gflops": ...}`.
 """
 
 import json
@@ -52,7 +53,24 @@ def main():
         start = time.perf_counter()
         step(model, opt, tensors, x)
         times.append((time.perf_counter() - start) * 1e3)
-    print("RESULT " + json.dumps({"first_loss": first_loss, "median_ms": statistics.median(times)}))
+    report = {
+        "first_loss": first_loss,
+        "median_ms": statistics.median(times),
+        "product_gflops": probe_gflops(*x["probe"]),
+    }
+    print("RESULT " + json.dumps(report))
+
+
+def probe_gflops(m, k, n, runs=5):
+    """The best GFLOP/s of `runs` products [m, k] x [k, n] (the bench's limit probe)."""
+    a, b = torch.rand(m, k) * 2 - 1, torch.rand(k, n) * 2 - 1
+    a @ b
+    best = 0.0
+    for _ in range(runs):
+        start = time.perf_counter()
+        a @ b
+        best = max(best, 2 * m * k * n / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 def step(model, opt, t, x):
