@@ -253,6 +253,31 @@ pub struct SftConfig {
     /// received: the model learns to read and predict the env's text, not which action is better);
     /// 0 trains on the responses only.
     pub observation_loss_coef: f64,
+    /// Copy pre-training before the cloning (`train::copy_pretrain`), at `learning_rate`.
+    pub copy: CopyPretrainConfig,
+}
+
+/// `sft.copy`: next-token training on random tokens in which earlier spans recur, which teaches
+/// the model to copy from its context before it clones any agent.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CopyPretrainConfig {
+    /// Gradient steps; 0 (the default) skips it.
+    pub steps: usize,
+    /// Sequences per step.
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    pub length: usize,
+}
+
+impl Default for CopyPretrainConfig {
+    fn default() -> Self {
+        CopyPretrainConfig {
+            steps: 0,
+            batch_size: 16,
+            length: 64,
+        }
+    }
 }
 
 impl Default for SftConfig {
@@ -265,6 +290,7 @@ impl Default for SftConfig {
             learning_rate: 1e-3,
             value_loss_coef: 0.0,
             observation_loss_coef: 0.0,
+            copy: CopyPretrainConfig::default(),
         }
     }
 }
@@ -955,6 +981,15 @@ impl Config {
             if let Err(reason) = self.sft.agent.parse::<crate::env::AgentKind>() {
                 return fail("sft.agent", reason);
             }
+        }
+        if self.sft.copy.steps > 0 {
+            if self.sft.copy.batch_size == 0 || self.sft.copy.length < 4 {
+                return fail(
+                    "sft.copy",
+                    "sft.copy needs batch_size >= 1 and length >= 4 when steps > 0".into(),
+                );
+            }
+            check_positive("sft.learning_rate", self.sft.learning_rate)?;
         }
         self.validate_self_imitation()?;
         self.validate_async_rollout()

@@ -299,6 +299,14 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+
+    /// Every id that is not an added (special) token, ascending: the tokens text is made of.
+    pub fn ordinary_ids(&self) -> Vec<u32> {
+        let added = self.inner.get_added_tokens_decoder();
+        (0..self.vocab_size() as u32)
+            .filter(|id| !added.contains_key(id))
+            .collect()
+    }
 }
 
 /// Every word of the built-in list with and without a leading space, plus the symbol runs.

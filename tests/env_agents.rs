@@ -90,7 +90,7 @@ fn bandit_oracle_picks_the_better_arm_and_random_is_a_coin_flip() {
 /// The text between `<search>` and `</search>` of a response.
 fn searched(response: &str) -> Option<&str> {
     let rest = response.split_once("<search>")?.1;
-    Some(rest.split_once("</search>")?.0)
+    Some(rest.split_once("</search>")?.0.trim())
 }
 
 /// Plays the oracle for `episodes` seeds: each episode searches the two supporting titles (each
@@ -157,5 +157,43 @@ fn thinking_agents_pass_the_think_format() {
         );
         assert!(episode.turns[0].response.starts_with("<think>"));
         assert!(session.env().tag() == name);
+    }
+}
+
+/// `ids` holds `part` as a contiguous run.
+fn contains_run(ids: &[u32], part: &[u32]) -> bool {
+    ids.windows(part.len()).any(|w| w == part)
+}
+
+#[test]
+fn the_oracle_copies_each_name_as_the_tokens_it_was_read_as() {
+    // A search query or answer that copies a name must be the same tokens as the name where the
+    // model reads it (question, passages), or a model cannot learn to copy a name it never wrote.
+    for split in ["train", "val"] {
+        let config = json!({"split": split, "episode_worlds": true, "world_size": 60});
+        let tok = stepppo::tokenizer::Tokenizer::builtin_with_words(
+            &stepppo::env::builtin_words("hotpotqa", &config).unwrap(),
+        );
+        let mut session = build_session("hotpotqa", &config).unwrap();
+        for seed in 0..50 {
+            let mut agent = Agent::new(AgentKind::Oracle, seed);
+            let episode = play_episode(&mut session, seed, &mut |s| agent.respond(s)).unwrap();
+            let mut read = Vec::new();
+            for turn in &episode.turns {
+                read.extend(tok.encode(&turn.user_message));
+                let response = &turn.response;
+                let open = response.find('>').expect("a tag") + 1;
+                let close = response.rfind("</").expect("a closing tag");
+                if ["yes", "no"].contains(&response[open..close].trim()) {
+                    continue;
+                }
+                let copied = tok.encode(&response[open..close]);
+                assert!(
+                    contains_run(&read, &copied),
+                    "{split} seed {seed}: {:?} is not read as {copied:?}",
+                    &response[open..close]
+                );
+            }
+        }
     }
 }

@@ -243,17 +243,27 @@ fn report_run(trainer: &mut Trainer, max_steps: u64, run_dir: &Path) -> anyhow::
     let progress = Progress::new(max_steps, trainer.state().step);
     let mut last_val: Option<f64> = None;
     let mut on_event = |event: Event| match event {
-        Event::WarmStart(r) => progress.println(format!(
-            "warm start: {} steps on {} trajectories in {:.1}s, loss {:.3} → {:.3}{}",
-            r.steps,
-            r.trajectories,
-            r.seconds,
-            r.first_loss,
-            r.final_loss,
-            r.value_loss.map_or(String::new(), |(first, last)| format!(
-                ", value loss {first:.4} → {last:.4}"
-            ))
-        )),
+        Event::WarmStart(r) => {
+            if let Some(c) = &r.copy {
+                progress.println(format!(
+                    "copy pre-training: {} steps in {:.1}s, loss {:.3} → {:.3}, held-out copy probability {:.3}",
+                    c.steps, c.seconds, c.first_loss, c.final_loss, c.held_out_copy_probability
+                ));
+            }
+            if r.steps > 0 {
+                progress.println(format!(
+                    "warm start: {} steps on {} trajectories in {:.1}s, loss {:.3} → {:.3}{}",
+                    r.steps,
+                    r.trajectories,
+                    r.seconds,
+                    r.first_loss,
+                    r.final_loss,
+                    r.value_loss.map_or(String::new(), |(first, last)| format!(
+                        ", value loss {first:.4} → {last:.4}"
+                    ))
+                ));
+            }
+        }
         Event::Step { step, scalars } => {
             let mean_of = |suffix: &str| {
                 let xs: Vec<f64> = scalars

@@ -75,7 +75,9 @@ impl Agent {
     }
 }
 
-/// The tagged text that expresses `action`.
+/// The tagged text that expresses `action`. A search query or a QA answer starts with a space
+/// after its tag: the words it copies from the question and the passages carry their leading
+/// space there, so a copied word is the same token as the one it copies (the env trims it).
 pub fn response_text(action: &Action, enable_think: bool) -> String {
     let think = if enable_think {
         "<think>Choose the next action.</think>"
@@ -83,8 +85,9 @@ pub fn response_text(action: &Action, enable_think: bool) -> String {
         ""
     };
     match action {
-        Action::Move(text) | Action::Answer(text) => format!("{think}<answer>{text}</answer>"),
-        Action::Search(query) => format!("{think}<search>{query}</search>"),
+        Action::Move(text) => format!("{think}<answer>{text}</answer>"),
+        Action::Answer(text) => format!("{think}<answer> {text}</answer>"),
+        Action::Search(query) => format!("{think}<search> {query}</search>"),
     }
 }
 

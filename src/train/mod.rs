@@ -19,6 +19,7 @@ pub mod checkpoint;
 #[cfg(test)]
 mod close;
 pub mod collapse;
+pub mod copy_pretrain;
 mod device_batch;
 pub mod eval;
 pub mod gateway;

@@ -13,6 +13,7 @@
 //! fail`; under `skip` that episode is left out and counted.
 
 use super::batch::{pack, step_returns, trajectories, PackedBatch};
+use super::copy_pretrain::CopyReport;
 use super::device_batch::{BatchLayout, DeviceBatch};
 use super::setup::{device_of, fresh_policy};
 use super::TrainError;
@@ -44,6 +45,8 @@ pub struct SftReport {
     pub seconds: f64,
     /// The env errors that left a transcript out (`on_error: skip`).
     pub env_errors: Vec<String>,
+    /// The copy pre-training that ran first, if any.
+    pub copy: Option<CopyReport>,
 }
 
 /// Episodes played by a model-free agent.
@@ -239,6 +242,7 @@ pub fn behaviour_clone(
         skipped,
         seconds: start.elapsed().as_secs_f64(),
         env_errors: Vec::new(),
+        copy: None,
     })
 }
 
@@ -333,7 +337,7 @@ impl<'a> CriticWarmup<'a> {
 }
 
 /// Means of the first and the last few (up to 10) of `xs`.
-fn first_and_final(xs: &[f64]) -> (f64, f64) {
+pub(super) fn first_and_final(xs: &[f64]) -> (f64, f64) {
     let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
     let k = (xs.len() / 2).clamp(1, 10).min(xs.len());
     (mean(&xs[..k]), mean(&xs[xs.len() - k..]))

@@ -26,6 +26,7 @@ use super::async_rollout::{self, RolloutWorker};
 use super::batch::{step_returns, trajectories};
 use super::checkpoint::{self, CheckpointWriter};
 use super::collapse::CollapseDetector;
+use super::copy_pretrain::copy_pretrain;
 use super::device_batch::BatchLayout;
 use super::eval::{self, TagSummary, Validation, VAL_SEED_OFFSET};
 use super::masks::{response_masks, ResponseMasks};
@@ -184,7 +185,7 @@ impl Trainer {
         if lead {
             std::fs::create_dir_all(run_dir).map_err(io_err(run_dir))?;
         }
-        let warm_start = if cfg.sft.steps > 0 && lead {
+        let warm_start = if (cfg.sft.steps > 0 || cfg.sft.copy.steps > 0) && lead {
             let separate = match &critic {
                 Some(CriticModel::Separate(c)) => Some(c.as_ref()),
                 _ => None,
@@ -1353,6 +1354,15 @@ fn warm_start(
         .parse()
         .map_err(|e: String| TrainError::Data(format!("sft.agent: {e}")))?;
     let base = seed::derive(cfg.seed.wrapping_add(VAL_SEED_OFFSET * 2), &[SEED_SFT]);
+    let copy = (cfg.sft.copy.steps > 0)
+        .then(|| copy_pretrain(policy, tok, &cfg.sft.copy, cfg.sft.learning_rate, base))
+        .transpose()?;
+    if cfg.sft.steps == 0 {
+        return Ok(SftReport {
+            copy,
+            ..SftReport::default()
+        });
+    }
     let transcripts = sft::agent_transcripts(cfg, tok, kind, cfg.sft.episodes, base)?;
     let value = (cfg.sft.value_loss_coef > 0.0).then(|| sft::ValueWarmup {
         gamma: f64::from(cfg.gamma),
@@ -1367,6 +1377,7 @@ fn warm_start(
     )?;
     Ok(SftReport {
         env_errors: transcripts.env_errors,
+        copy,
         ..report
     })
 }
