@@ -109,6 +109,55 @@ fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
     assert!(run.join("learning_curves.svg").is_file());
 }
 
+/// `configs/hotpotqa_steppo.yaml` end to end at toy size: copy pre-training, the oracle warm start,
+/// one StepPO step with its separate critic, and validation's search-QA metrics.
+#[test]
+fn the_search_qa_config_trains_one_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/hotpotqa_steppo.yaml");
+    let args = vec!["train", "--config", config, "--out", run.to_str().unwrap()];
+    let out = stepppo_ok(&with_sets(
+        args,
+        &[
+            "builtin_size=tiny",
+            "max_steps=1",
+            "eval_steps=1",
+            "save_steps=0",
+            "sft.copy.steps=3",
+            "sft.copy.batch_size=2",
+            "sft.copy.length=8",
+            "sft.steps=2",
+            "sft.episodes=2",
+            "sft.batch_size=2",
+            "rollout_batch_size=2",
+            "ppo_mini_batch_size=2",
+            "train_env_manager.num_env_groups=1",
+            "train_env_manager.group_size=2",
+            "train_env_manager.num_groups_partition=[1]",
+            "val_batch_size=2",
+            "val_env_manager.num_env_groups=2",
+            "val_env_manager.num_groups_partition=[2]",
+            "generating_args.max_new_tokens=8",
+            "val_generating_args.max_new_tokens=8",
+        ],
+    ));
+    let printed = [out.stdout, out.stderr].concat();
+    let printed = String::from_utf8_lossy(&printed);
+    assert!(printed.contains("copy pre-training: 3 steps"), "{printed}");
+    assert!(printed.contains("warm start: 2 steps"), "{printed}");
+    let rows = read_jsonl(&run.join("metrics.jsonl")).unwrap();
+    let has = |name: &str| rows.iter().any(|(s, m)| *s == 1 && m.contains_key(name));
+    for name in [
+        "val/HotpotQAVal/success",
+        "val/HotpotQAVal/action_is_valid",
+        "critic/vf_explained_var",
+        "rollout/prefix_hit_ratio",
+    ] {
+        assert!(has(name), "metrics.jsonl lacks {name}");
+    }
+}
+
 /// The default has no critic; StepPO with the shared-trunk critic logs the critic's metrics.
 #[test]
 fn step_gae_with_a_critic_logs_the_critic_metrics() {
