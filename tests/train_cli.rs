@@ -4,7 +4,8 @@
 use std::process::Command;
 use stepppo::train::metrics::{read_events, read_jsonl};
 
-const TINY: &[&str] = &[
+/// Any config at toy size: the tiny model, one step, two-episode batches.
+const TINY_RUN: &[&str] = &[
     "builtin_size=tiny",
     "max_steps=1",
     "eval_steps=1",
@@ -19,11 +20,18 @@ const TINY: &[&str] = &[
     "val_batch_size=2",
     "val_env_manager.num_env_groups=2",
     "val_env_manager.num_groups_partition=[2]",
-    "generating_args.max_new_tokens=6",
-    "val_generating_args.max_new_tokens=6",
-    "custom_envs.SimpleFrozenLake.env_config.max_turns=1",
-    "cache.kv_slots=4096",
 ];
+
+/// The embedded default at toy size.
+fn tiny() -> Vec<&'static str> {
+    let default_only = [
+        "generating_args.max_new_tokens=6",
+        "val_generating_args.max_new_tokens=6",
+        "custom_envs.SimpleFrozenLake.env_config.max_turns=1",
+        "cache.kv_slots=4096",
+    ];
+    [TINY_RUN, &default_only].concat()
+}
 
 fn stepppo(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_stepppo"))
@@ -56,7 +64,7 @@ fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let run_s = run.to_str().unwrap();
-    stepppo_ok(&with_sets(vec!["train", "--out", run_s], TINY));
+    stepppo_ok(&with_sets(vec!["train", "--out", run_s], &tiny()));
 
     let rows = read_jsonl(&run.join("metrics.jsonl")).unwrap();
     let step1: Vec<_> = rows.iter().filter(|(s, _)| *s == 1).collect();
@@ -117,31 +125,15 @@ fn the_search_qa_config_trains_one_step() {
     let run = dir.path().join("run");
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/hotpotqa_steppo.yaml");
     let args = vec!["train", "--config", config, "--out", run.to_str().unwrap()];
-    let out = stepppo_ok(&with_sets(
-        args,
-        &[
-            "builtin_size=tiny",
-            "max_steps=1",
-            "eval_steps=1",
-            "save_steps=0",
-            "sft.copy.steps=3",
-            "sft.copy.batch_size=2",
-            "sft.copy.length=8",
-            "sft.steps=2",
-            "sft.episodes=2",
-            "sft.batch_size=2",
-            "rollout_batch_size=2",
-            "ppo_mini_batch_size=2",
-            "train_env_manager.num_env_groups=1",
-            "train_env_manager.group_size=2",
-            "train_env_manager.num_groups_partition=[1]",
-            "val_batch_size=2",
-            "val_env_manager.num_env_groups=2",
-            "val_env_manager.num_groups_partition=[2]",
-            "generating_args.max_new_tokens=8",
-            "val_generating_args.max_new_tokens=8",
-        ],
-    ));
+    let qa_only = [
+        "save_steps=0",
+        "sft.copy.steps=3",
+        "sft.copy.batch_size=2",
+        "sft.copy.length=8",
+        "generating_args.max_new_tokens=8",
+        "val_generating_args.max_new_tokens=8",
+    ];
+    let out = stepppo_ok(&with_sets(args, &[TINY_RUN, &qa_only].concat()));
     let printed = [out.stdout, out.stderr].concat();
     let printed = String::from_utf8_lossy(&printed);
     assert!(printed.contains("copy pre-training: 3 steps"), "{printed}");
@@ -163,7 +155,11 @@ fn the_search_qa_config_trains_one_step() {
 fn step_gae_with_a_critic_logs_the_critic_metrics() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let sets = [TINY, &["adv_estimator=step_gae", "critic.mode=shared"]].concat();
+    let sets = [
+        &tiny()[..],
+        &["adv_estimator=step_gae", "critic.mode=shared"],
+    ]
+    .concat();
     stepppo_ok(&with_sets(
         vec!["train", "--out", run.to_str().unwrap()],
         &sets,
@@ -292,7 +288,7 @@ fn a_config_that_fails_leaves_no_run_directory_behind() {
     let run = dir.path().join("run");
     let missing = dir.path().join("no-such-model");
     let pretrain = format!("pretrain={}", missing.display());
-    let args = with_sets(vec!["train", "--out", run.to_str().unwrap()], TINY);
+    let args = with_sets(vec!["train", "--out", run.to_str().unwrap()], &tiny());
     let out = stepppo(&with_sets(args, &[pretrain.as_str()]));
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
@@ -310,7 +306,7 @@ fn ranks_launched_without_the_mpi_feature_are_refused_by_name() {
     let out = Command::new(env!("CARGO_BIN_EXE_stepppo"))
         .args(with_sets(
             vec!["train", "--out", run.to_str().unwrap()],
-            TINY,
+            &tiny(),
         ))
         .env("OMPI_COMM_WORLD_SIZE", "2")
         .output()
