@@ -3,11 +3,12 @@
 //! recur at random places, and the model is trained on next-token cross-entropy at the recurring
 //! tokens after each span's first: each is predictable only by finding the earlier occurrence of
 //! the token before it and copying the token after that (an induction circuit). The spans' sources
-//! and offsets vary, so no fixed position can stand in for the lookup. Tasks whose every action copies a name from the context (search QA: the entity of
-//! the question, the bridge entity of a passage, the answer) need that circuit before cloning or
-//! RL can teach which name to copy; it is the part of language-model pre-training a model trained
-//! from scratch here lacks. The sequences are drawn from the tokenizer's vocabulary alone: no
-//! fact of any env is taught.
+//! and offsets vary, so no fixed position can stand in for the lookup; the first third of the steps
+//! trains on a run and its repeat instead, which a fixed offset solves. Tasks whose every action
+//! copies a name from the context (search QA: the entity of the question, the bridge entity of a
+//! passage, the answer) need that circuit before cloning or RL can teach which name to copy; it is
+//! the part of language-model pre-training a model trained from scratch here lacks. The sequences
+//! are drawn from the tokenizer's vocabulary alone: no fact of any env is taught.
 
 use super::TrainError;
 use crate::algo::{AdamW, OptimizerConfig};
@@ -50,7 +51,11 @@ fn repeat_sequence(vocabulary: &[u32], len: usize, rng: &mut ChaCha8Rng) -> (Vec
 
 /// One sequence of `len` tokens and the indices of its copyable tokens: every recurring span's
 /// tokens after its first.
-fn copy_sequence(vocabulary: &[u32], len: usize, rng: &mut ChaCha8Rng) -> (Vec<u32>, Vec<usize>) {
+fn recurring_spans_sequence(
+    vocabulary: &[u32],
+    len: usize,
+    rng: &mut ChaCha8Rng,
+) -> (Vec<u32>, Vec<usize>) {
     let mut ids: Vec<u32> = Vec::with_capacity(len);
     let mut copied = Vec::new();
     while ids.len() < len {
@@ -106,7 +111,7 @@ impl CopyBatch {
         for b in 0..batch {
             let (sequence, copied) = match kind {
                 SequenceKind::Repeat => repeat_sequence(vocabulary, len, rng),
-                SequenceKind::RecurringSpans => copy_sequence(vocabulary, len, rng),
+                SequenceKind::RecurringSpans => recurring_spans_sequence(vocabulary, len, rng),
             };
             for t in copied {
                 positions.push((b * len + t - 1) as u32);
@@ -233,7 +238,7 @@ mod tests {
     fn recurring_spans_are_copies_of_earlier_tokens_and_only_they_are_targets() {
         let vocabulary: Vec<u32> = (100..1100).collect();
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let (ids, copied) = copy_sequence(&vocabulary, 64, &mut rng);
+        let (ids, copied) = recurring_spans_sequence(&vocabulary, 64, &mut rng);
         assert_eq!(ids.len(), 64);
         assert!(copied.len() > 10, "{copied:?}");
         for &t in &copied {
