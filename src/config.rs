@@ -268,6 +268,12 @@ pub struct CopyPretrainConfig {
     pub batch_size: usize,
     /// Tokens per sequence.
     pub length: usize,
+    /// When set, training goes on past `steps`, in rounds of recurring-span steps, until the
+    /// held-out copy probability reaches this value or `max_steps` steps have run: the copying
+    /// circuit forms abruptly, at a step that varies with the seed.
+    pub until_probability: Option<f64>,
+    /// The most steps `until_probability` may run to (at least `steps`).
+    pub max_steps: usize,
 }
 
 impl Default for CopyPretrainConfig {
@@ -276,6 +282,8 @@ impl Default for CopyPretrainConfig {
             steps: 0,
             batch_size: 16,
             length: 64,
+            until_probability: None,
+            max_steps: 0,
         }
     }
 }
@@ -991,8 +999,36 @@ impl Config {
             }
             check_positive("sft.learning_rate", self.sft.learning_rate)?;
         }
+        self.validate_copy_target()?;
         self.validate_self_imitation()?;
         self.validate_async_rollout()
+    }
+
+    /// `sft.copy.until_probability`: a probability in (0, 1], over a copy pre-training that runs,
+    /// with room above `steps`; `max_steps` means nothing without it.
+    fn validate_copy_target(&self) -> Result<(), (String, String)> {
+        let fail = |key: &str, msg: String| Err((key.to_string(), msg));
+        let copy = &self.sft.copy;
+        match copy.until_probability {
+            None if copy.max_steps > 0 => fail(
+                "sft.copy.max_steps",
+                "sft.copy.max_steps caps sft.copy.until_probability, which is not set".into(),
+            ),
+            None => Ok(()),
+            Some(p) if !(p > 0.0 && p <= 1.0) => fail(
+                "sft.copy.until_probability",
+                format!("must lie in (0, 1], got {p}"),
+            ),
+            Some(_) if copy.steps == 0 || copy.max_steps <= copy.steps => fail(
+                "sft.copy.max_steps",
+                format!(
+                    "sft.copy.until_probability needs sft.copy.steps >= 1 and max_steps above \
+                     steps (steps {}, max_steps {})",
+                    copy.steps, copy.max_steps
+                ),
+            ),
+            Some(_) => Ok(()),
+        }
     }
 
     /// `async_rollout`: a cap of at least 1; no outside rollout source (the gateway's agents
@@ -1617,5 +1653,31 @@ mod tests {
     fn malformed_yaml_names_the_file() {
         let e = err_text(Config::from_yaml_str("a: [1,", "bad.yaml", &[]));
         assert!(e.starts_with("bad.yaml"), "{e}");
+    }
+
+    #[test]
+    fn a_copy_target_needs_a_probability_a_copy_run_and_room_above_its_steps() {
+        let copy = ["sft.copy.steps=100", "sft.copy.length=32"];
+        let set = |extra: &[&str]| with(&[&copy[..], extra].concat());
+        assert!(set(&["sft.copy.until_probability=0.8", "sft.copy.max_steps=200"]).is_ok());
+        for (bad, key) in [
+            (&["sft.copy.max_steps=200"][..], "sft.copy.max_steps"),
+            (
+                &["sft.copy.until_probability=1.5", "sft.copy.max_steps=200"][..],
+                "sft.copy.until_probability",
+            ),
+            (
+                &["sft.copy.until_probability=0.8", "sft.copy.max_steps=100"][..],
+                "sft.copy.max_steps",
+            ),
+        ] {
+            let e = err_text(set(bad));
+            assert!(e.contains(key), "{bad:?}: {e}");
+        }
+        let no_copy = err_text(with(&[
+            "sft.copy.until_probability=0.8",
+            "sft.copy.max_steps=200",
+        ]));
+        assert!(no_copy.contains("sft.copy.steps >= 1"), "{no_copy}");
     }
 }

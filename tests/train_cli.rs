@@ -148,6 +148,30 @@ fn the_search_qa_config_trains_one_step() {
     ] {
         assert!(has(name), "metrics.jsonl lacks {name}");
     }
+
+    // A second run from the saved warm start, with the warm start off, takes the very same first
+    // step: every figure but the clocks is equal.
+    let warm_start = run.join("warm_start");
+    let pretrain = format!("pretrain={}", warm_start.display());
+    let again = dir.path().join("again");
+    let args = vec![
+        "train",
+        "--config",
+        config,
+        "--out",
+        again.to_str().unwrap(),
+    ];
+    let off = [&pretrain, "sft.steps=0", "sft.copy.steps=0"];
+    stepppo_ok(&with_sets(args, &[TINY_RUN, &qa_only, &off].concat()));
+    let figures = |dir: &std::path::Path| -> Vec<(String, f64)> {
+        let rows = read_jsonl(&dir.join("metrics.jsonl")).unwrap();
+        let (_, step1) = rows.into_iter().find(|(s, _)| *s == 1).unwrap();
+        step1
+            .into_iter()
+            .filter(|(k, _)| !k.starts_with("time/") && !k.starts_with("throughput/"))
+            .collect()
+    };
+    assert_eq!(figures(&again), figures(&run));
 }
 
 /// The default has no critic; StepPO with the shared-trunk critic logs the critic's metrics.

@@ -245,9 +245,23 @@ fn report_run(trainer: &mut Trainer, max_steps: u64, run_dir: &Path) -> anyhow::
     let mut on_event = |event: Event| match event {
         Event::WarmStart(r) => {
             if let Some(c) = &r.copy {
+                let checks: Vec<String> = c
+                    .checks
+                    .iter()
+                    .map(|(steps, p)| format!("{p:.3} at {steps}"))
+                    .collect();
                 progress.println(format!(
-                    "copy pre-training: {} steps in {:.1}s, loss {:.3} → {:.3}, held-out copy probability {:.3}",
-                    c.steps, c.seconds, c.first_loss, c.final_loss, c.held_out_copy_probability
+                    "copy pre-training: {} steps in {:.1}s, loss {:.3} → {:.3}, held-out copy probability {:.3}{}",
+                    c.steps,
+                    c.seconds,
+                    c.first_loss,
+                    c.final_loss,
+                    c.held_out_copy_probability,
+                    if checks.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (checks: {})", checks.join(", "))
+                    }
                 ));
             }
             if r.steps > 0 {

@@ -27,6 +27,9 @@ const HELD_OUT_SEQUENCES: usize = 32;
 const SPAN: std::ops::RangeInclusive<usize> = 2..=8;
 /// Chance that a span recurs at a position (about half of each sequence is recurring spans).
 const RECUR_PROBABILITY: f64 = 0.2;
+/// Steps between two checks of the held-out copy probability past `steps`, under
+/// `until_probability`.
+const ROUND_STEPS: usize = 500;
 
 /// Which copy sequences a step trains on: first a run and its repeat (copying at one fixed
 /// offset, learnt within a few hundred steps: the circuit that writes an attended token out),
@@ -85,6 +88,9 @@ pub struct CopyReport {
     /// Mean probability the model gives the right token over the repeats of held-out sequences
     /// (1/vocabulary before any training, 1 for a perfect copier).
     pub held_out_copy_probability: f64,
+    /// Under `until_probability`: (steps run, held-out copy probability) at each check, the
+    /// first after `steps`.
+    pub checks: Vec<(usize, f64)>,
     pub seconds: f64,
 }
 
@@ -171,41 +177,96 @@ fn train_on(
     seed: u64,
 ) -> Result<CopyReport, TrainError> {
     let start = std::time::Instant::now();
-    let shape = (cfg.batch_size, cfg.length);
-    let opt_cfg = OptimizerConfig {
-        lr,
-        weight_decay: 0.0,
-        ..OptimizerConfig::default()
-    };
-    let mut opt = AdamW::new(policy.named_vars(), &opt_cfg)?;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(seed, &[0xC0B1]));
-    let mut losses = Vec::with_capacity(cfg.steps);
+    let mut run = CopyRun::new(policy, vocabulary, cfg, lr, seed)?;
     for step in 0..cfg.steps {
-        let kind = if step < cfg.steps / 3 {
+        run.step(if step < cfg.steps / 3 {
             SequenceKind::Repeat
         } else {
             SequenceKind::RecurringSpans
-        };
-        let batch = CopyBatch::draw(vocabulary, shape, kind, &mut rng, policy.device())?;
-        let loss = batch.logprobs(policy)?.mean_all()?.neg()?;
-        opt.step(&loss.backward()?, lr, Some(1.0))?;
-        losses.push(f64::from(loss.to_scalar::<f32>()?));
+        })?;
     }
-    let probability = held_out_probability(
-        policy,
-        vocabulary,
-        shape.1,
-        SequenceKind::RecurringSpans,
-        seed,
-    )?;
-    let (first_loss, final_loss) = super::sft::first_and_final(&losses);
+    let held_out = |run: &CopyRun| {
+        held_out_probability(
+            policy,
+            vocabulary,
+            cfg.length,
+            SequenceKind::RecurringSpans,
+            seed,
+        )
+        .map(|p| (run.losses.len(), p))
+    };
+    let mut checks = vec![held_out(&run)?];
+    if let Some(target) = cfg.until_probability {
+        while checks
+            .last()
+            .is_some_and(|&(steps, p)| p < target && steps < cfg.max_steps)
+        {
+            for _ in 0..ROUND_STEPS.min(cfg.max_steps - run.losses.len()) {
+                run.step(SequenceKind::RecurringSpans)?;
+            }
+            checks.push(held_out(&run)?);
+        }
+    }
+    let (first_loss, final_loss) = super::sft::first_and_final(&run.losses);
+    let (steps, probability) = *checks.last().expect("one check at least");
     Ok(CopyReport {
-        steps: cfg.steps,
+        steps,
         first_loss,
         final_loss,
         held_out_copy_probability: probability,
+        checks: if cfg.until_probability.is_some() {
+            checks
+        } else {
+            Vec::new()
+        },
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// The optimizer, the sequence stream and the losses of one copy pre-training.
+struct CopyRun<'a> {
+    policy: &'a Model,
+    vocabulary: &'a [u32],
+    shape: (usize, usize),
+    lr: f64,
+    opt: AdamW,
+    rng: ChaCha8Rng,
+    losses: Vec<f64>,
+}
+
+impl<'a> CopyRun<'a> {
+    fn new(
+        policy: &'a Model,
+        vocabulary: &'a [u32],
+        cfg: &CopyPretrainConfig,
+        lr: f64,
+        seed: u64,
+    ) -> Result<Self, TrainError> {
+        let opt_cfg = OptimizerConfig {
+            lr,
+            weight_decay: 0.0,
+            ..OptimizerConfig::default()
+        };
+        Ok(CopyRun {
+            policy,
+            vocabulary,
+            shape: (cfg.batch_size, cfg.length),
+            lr,
+            opt: AdamW::new(policy.named_vars(), &opt_cfg)?,
+            rng: ChaCha8Rng::seed_from_u64(seed::derive(seed, &[0xC0B1])),
+            losses: Vec::with_capacity(cfg.steps.max(cfg.max_steps)),
+        })
+    }
+
+    /// One AdamW step on a fresh batch of `kind` sequences.
+    fn step(&mut self, kind: SequenceKind) -> Result<(), TrainError> {
+        let device = self.policy.device();
+        let batch = CopyBatch::draw(self.vocabulary, self.shape, kind, &mut self.rng, device)?;
+        let loss = batch.logprobs(self.policy)?.mean_all()?.neg()?;
+        self.opt.step(&loss.backward()?, self.lr, Some(1.0))?;
+        self.losses.push(f64::from(loss.to_scalar::<f32>()?));
+        Ok(())
+    }
 }
 
 /// Mean probability `policy` gives the copyable tokens of [`HELD_OUT_SEQUENCES`] sequences of
@@ -276,6 +337,7 @@ mod tests {
             steps: 600,
             batch_size: 16,
             length: 16,
+            ..CopyPretrainConfig::default()
         };
         let report = train_on(&policy, &vocabulary, &copy, 3e-3, 7).unwrap();
         assert_eq!(report.steps, 600);
@@ -287,5 +349,37 @@ mod tests {
             before < chance && after > 2.0 * chance,
             "{before} → {after}"
         );
+    }
+
+    #[test]
+    fn a_copy_target_trains_in_rounds_until_it_is_met_or_the_cap_is_reached() {
+        let vocabulary: Vec<u32> = (10..26).collect();
+        let cfg = ModelConfig::tiny(Tokenizer::builtin().vocab_size());
+        let run = |until: Option<f64>, max_steps: usize| {
+            let policy = Model::new(&cfg, 3, &Device::Cpu).unwrap();
+            let copy = CopyPretrainConfig {
+                steps: 20,
+                batch_size: 4,
+                length: 16,
+                until_probability: until,
+                max_steps,
+            };
+            train_on(&policy, &vocabulary, &copy, 3e-3, 7).unwrap()
+        };
+        let plain = run(None, 0);
+        assert_eq!((plain.steps, plain.checks.len()), (20, 0));
+        // Met at once: nothing past `steps`, the very model of the plain run.
+        let met = run(Some(1e-9), 600);
+        assert_eq!(met.checks, vec![(20, plain.held_out_copy_probability)]);
+        assert_eq!(
+            met.held_out_copy_probability,
+            plain.held_out_copy_probability
+        );
+        // Out of reach: one full round, then the rest of the cap.
+        let capped = run(Some(1.0), 20 + ROUND_STEPS + 30);
+        let steps: Vec<usize> = capped.checks.iter().map(|c| c.0).collect();
+        assert_eq!(steps, vec![20, 20 + ROUND_STEPS, 20 + ROUND_STEPS + 30]);
+        assert_eq!(capped.steps, 20 + ROUND_STEPS + 30);
+        assert_eq!(capped.held_out_copy_probability, capped.checks[2].1);
     }
 }

@@ -18,6 +18,11 @@ pub const POSITION_FILE: &str = "run_position";
 pub const DATASET_DIR: &str = "dataset";
 /// The config a run was created with, under the run directory.
 pub const CONFIG_FILE: &str = "config.json";
+/// The frozen reference policy (HF layout), for a run that keeps one.
+pub const REFERENCE_DIR: &str = "reference";
+/// The policy as the warm start left it (HF layout), for a run that had one: another run with
+/// `pretrain` set to it and the warm start off starts its RL from the very same weights.
+pub const WARM_START_DIR: &str = "warm_start";
 
 /// Where the run's append-only files stood when a checkpoint was taken.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -62,7 +67,8 @@ const RUN_ENTRIES: &[&str] = &[
     DATASET_DIR,
     "metrics.jsonl",
     "tb",
-    "reference",
+    REFERENCE_DIR,
+    WARM_START_DIR,
     checkpoint::LATEST,
 ];
 

@@ -81,8 +81,6 @@ const SEED_SHUFFLE: u64 = 4;
 const SEED_REPLAY: u64 = 5;
 /// Sequences per forward when reading critic values or reference log-probs.
 const VALUE_CHUNK: usize = 16;
-/// Where a run keeps its frozen reference policy (HF layout), when it has one.
-const REFERENCE_DIR: &str = "reference";
 
 /// What the loop reports to its caller (progress bar, log lines).
 pub enum Event<'a> {
@@ -190,7 +188,9 @@ impl Trainer {
                 Some(CriticModel::Separate(c)) => Some(c.as_ref()),
                 _ => None,
             };
-            Some(warm_start(&cfg, &policy, separate, &tok)?)
+            let report = warm_start(&cfg, &policy, separate, &tok)?;
+            policy.save(&run_dir.join(run_dir::WARM_START_DIR), Some(&tok))?;
+            Some(report)
         } else {
             None
         };
@@ -204,7 +204,7 @@ impl Trainer {
         }
         let reference = if cfg.keeps_reference() {
             if lead {
-                policy.save(&run_dir.join(REFERENCE_DIR), Some(&tok))?;
+                policy.save(&run_dir.join(run_dir::REFERENCE_DIR), Some(&tok))?;
             }
             dist.barrier()?;
             Some(load_reference(run_dir, &device)?)
@@ -1302,7 +1302,7 @@ fn rollout_metrics(
 
 /// The run's reference policy, written when the run was created.
 fn load_reference(run_dir: &Path, device: &Device) -> Result<Model, TrainError> {
-    let dir = run_dir.join(REFERENCE_DIR);
+    let dir = run_dir.join(run_dir::REFERENCE_DIR);
     let (reference, _) = crate::model::checkpoint::load_policy(&dir.display().to_string(), device)?;
     Ok(reference)
 }
