@@ -468,9 +468,9 @@ impl Env for HotpotQaEnv {
     }
 
     /// Metrics (summed over an episode's turns by the rollout): `searches` (1 per search, 0 with
-    /// the answer),
-    /// `em` and `f1` of the answer, `em_<type>` (the answer's EM under its question type,
-    /// e.g. `em_bridge`) and `question_<type>` (1 at the episode's first action), so that
+    /// the answer), `em` and `f1` of the answer (0 at a first action that searches, so an episode
+    /// that never answers counts 0), `em_<type>` (the answer's EM under its question type, e.g.
+    /// `em_bridge`) and `question_<type>` (1 at the episode's first action), so that
     /// `em_bridge / question_bridge` is the EM of bridge questions.
     fn step(&mut self, action: &Action) -> Result<Transition, EnvError> {
         let mut info = EnvInfo::default();
@@ -508,6 +508,15 @@ impl Env for HotpotQaEnv {
             }
             Action::Move(_) => (0.0, false),
         };
+        if first_action && !matches!(action, Action::Answer(_)) {
+            // An episode scores 0 until it answers, so EM and F1 are logged (as 0) even when no
+            // episode of a batch answered, rather than left out.
+            info.metrics
+                .extend([("em".into(), 0.0), ("f1".into(), 0.0)]);
+            if !kind.is_empty() {
+                info.metrics.push((format!("em_{kind}"), 0.0));
+            }
+        }
         if first_action && !kind.is_empty() {
             info.metrics.push((format!("question_{kind}"), 1.0));
         }
@@ -623,9 +632,14 @@ mod tests {
         assert_eq!(t.info.metrics, expected);
         env.reset(2).unwrap();
         let t = env.step(&Action::Search("zzz".into())).unwrap();
-        let expected: Vec<(String, f32)> =
-            vec![("searches".into(), 1.0), (format!("question_{kind}"), 1.0)];
-        assert_eq!(t.info.metrics, expected);
+        let expected: Vec<(String, f32)> = vec![
+            ("searches".into(), 1.0),
+            ("em".into(), 0.0),
+            ("f1".into(), 0.0),
+            (format!("em_{kind}"), 0.0),
+            (format!("question_{kind}"), 1.0),
+        ];
+        assert_eq!(t.info.metrics, expected, "an unanswered episode scores 0");
         let t = env.step(&Action::Answer(gold)).unwrap();
         assert_eq!(t.info.metrics[2], (format!("em_{kind}"), 1.0));
         assert_eq!(t.info.metrics.len(), 4, "the type is counted once");
