@@ -4,7 +4,7 @@ the arm's runs (seeds) at every validation step, the mean over training (each ru
 its validation steps after the first, then mean ± std over runs) and each run's last value.
 
 Usage:
-  scripts/learning_table.py --metric val/HotpotQAVal/em \
+  scripts/learning_table.py --metric val/HotpotQAVal/success \
       --arm step_gae=RUN42,RUN43,RUN44 --arm grpo=RUN42,RUN43,RUN44 [--also val/HotpotQAVal/f1]
 
 Each RUN is a run directory (its metrics.jsonl is read). A run that lacks the metric at a step the
@@ -73,7 +73,8 @@ def main():
         for s in steps:
             m, sd = mean_std([c[s] for c in curves[label]])
             cells.append(f"{m:.3f} ± {sd:.3f}")
-        m, sd = mean_std([sum(c[s] for s in steps[1:]) / len(steps[1:]) for c in curves[label]])
+        later = steps[1:] or steps
+        m, sd = mean_std([sum(c[s] for s in later) / len(later) for c in curves[label]])
         cells.append(f"{m:.3f} ± {sd:.3f}")
         cells.append(" / ".join(f"{c[steps[-1]]:.3f}" for c in curves[label]))
         for extra in args.also:

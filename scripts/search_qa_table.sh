@@ -6,7 +6,8 @@
 # (max_steps, rollout batch, validation episodes). The seeds run side by side, one compute thread
 # each; then the table of validation EM (mean ± std over seeds at every validation step) is printed.
 #
-# Usage: scripts/search_qa_table.sh OUT_DIR [SEED ...]   (default seeds 42 43 44)
+# Usage: scripts/search_qa_table.sh OUT_DIR [SEED ...]   (default seeds 42 43 44; OUT_DIR must not
+# hold these runs yet)
 # Extra overrides for every run: SEARCH_QA_SETS="max_steps=30 eval_steps=5".
 set -euo pipefail
 out=${1:?usage: scripts/search_qa_table.sh OUT_DIR [SEED ...]}
@@ -37,19 +38,25 @@ one_seed() { # seed
   run gigpo "$seed" "${from[@]}" --set adv_estimator=gigpo --set critic.mode=none
 }
 
-# Two seeds at a time (one per core).
+# Two seeds at a time (one per core); a failed seed is reported once every seed has stopped.
 pids=()
+failed=0
 for seed in "${seeds[@]}"; do
   one_seed "$seed" &
   pids+=($!)
-  if [ ${#pids[@]} -eq 2 ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+  if [ ${#pids[@]} -eq 2 ]; then
+    wait "${pids[0]}" || failed=1
+    pids=("${pids[@]:1}")
+  fi
 done
-for p in "${pids[@]}"; do wait "$p"; done
+for p in "${pids[@]}"; do wait "$p" || failed=1; done
+[ "$failed" -eq 0 ] || { echo "some runs failed; no table" >&2; exit 1; }
 
 arms=()
 for arm in step_gae token_gae grpo gigpo; do
-  runs=$(printf "$out/$arm-%s," "${seeds[@]}")
-  arms+=(--arm "$arm=${runs%,}")
+  runs=("${seeds[@]/#/$out/$arm-}")
+  list=$(IFS=,; echo "${runs[*]}")
+  arms+=(--arm "$arm=$list")
 done
 # Success is EM on this task (an episode succeeds when its answer matches exactly).
 python3 "$root/scripts/learning_table.py" --metric val/HotpotQAVal/success \

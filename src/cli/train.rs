@@ -150,11 +150,31 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
         Trainer::resume_rank(cfg, &run_dir, dist)?
     } else {
         if a.overwrite {
+            check_pretrain_survives_overwrite(&cfg, &run_dir)?;
             run_dir::prepare_fresh(&run_dir, true)?;
         }
         Trainer::create_rank(cfg, &run_dir, dist)?
     };
     report_run(&mut trainer, max_steps, &run_dir)
+}
+
+/// `--overwrite` clears the run directory's own entries before the policy is loaded, so a
+/// `pretrain` inside it (such as its `warm_start/`) would be gone by then: refused.
+fn check_pretrain_survives_overwrite(cfg: &Config, run_dir: &Path) -> anyhow::Result<()> {
+    let (Ok(model), Ok(dir)) = (
+        Path::new(&cfg.pretrain).canonicalize(),
+        run_dir.canonicalize(),
+    ) else {
+        return Ok(());
+    };
+    anyhow::ensure!(
+        !model.starts_with(&dir),
+        "pretrain `{}` lies inside the run directory {} that --overwrite would clear first; \
+         copy it elsewhere, or write the new run to another --out",
+        cfg.pretrain,
+        run_dir.display()
+    );
+    Ok(())
 }
 
 /// The run's config and directory: given (`--config`, `--set`, `--out`) or, for `--resume`, the

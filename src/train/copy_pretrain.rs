@@ -8,7 +8,9 @@
 //! copies a name from the context (search QA: the entity of the question, the bridge entity of a
 //! passage, the answer) need that circuit before cloning or RL can teach which name to copy; it is
 //! the part of language-model pre-training a model trained from scratch here lacks. The sequences
-//! are drawn from the tokenizer's vocabulary alone: no fact of any env is taught.
+//! are drawn from the tokenizer's vocabulary alone: no fact of any env is taught. The circuit forms
+//! abruptly, at a step that varies with the seed; with a target (`until_probability`) the
+//! training goes on past its steps, in rounds, until the held-out copy probability reaches it.
 
 use super::TrainError;
 use crate::algo::{AdamW, OptimizerConfig};
@@ -89,7 +91,8 @@ pub struct CopyReport {
     /// (1/vocabulary before any training, 1 for a perfect copier).
     pub held_out_copy_probability: f64,
     /// Under `until_probability`: (steps run, held-out copy probability) at each check, the
-    /// first after `steps`.
+    /// first after `steps`. The same held-out sequences decide when to stop and give the
+    /// reported probability, which is therefore a little optimistic.
     pub checks: Vec<(usize, f64)>,
     pub seconds: f64,
 }
@@ -254,7 +257,7 @@ impl<'a> CopyRun<'a> {
             lr,
             opt: AdamW::new(policy.named_vars(), &opt_cfg)?,
             rng: ChaCha8Rng::seed_from_u64(seed::derive(seed, &[0xC0B1])),
-            losses: Vec::with_capacity(cfg.steps.max(cfg.max_steps)),
+            losses: Vec::with_capacity(cfg.steps),
         })
     }
 

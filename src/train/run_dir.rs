@@ -21,7 +21,9 @@ pub const CONFIG_FILE: &str = "config.json";
 /// The frozen reference policy (HF layout), for a run that keeps one.
 pub const REFERENCE_DIR: &str = "reference";
 /// The policy as the warm start left it (HF layout), for a run that had one: another run with
-/// `pretrain` set to it and the warm start off starts its RL from the very same weights.
+/// `pretrain` set to it and the warm start off starts its RL from the very same policy (and
+/// critic, where the critic is copied from the policy as RL starts; a critic pre-trained apart,
+/// `critic.pretrain`, is not saved here).
 pub const WARM_START_DIR: &str = "warm_start";
 
 /// Where the run's append-only files stood when a checkpoint was taken.
