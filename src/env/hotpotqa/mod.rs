@@ -468,10 +468,10 @@ impl Env for HotpotQaEnv {
     }
 
     /// Metrics (summed over an episode's turns by the rollout): `searches` (1 per search, 0 with
-    /// the answer), `em` and `f1` of the answer (also 0 at a first action that searches, so the keys
-    /// exist even when no episode of a batch answered), `em_<type>` (the answer's EM under its question type, e.g.
-    /// `em_bridge`) and `question_<type>` (1 at the episode's first action), so that
-    /// `em_bridge / question_bridge` is the EM of bridge questions.
+    /// the answer), `em` and `f1` of the answer (also 0 at a first action that searches, so the
+    /// keys exist even when no episode of a batch answered), `em_<type>` (the answer's EM under
+    /// its question type, e.g. `em_bridge`) and `question_<type>` (1 at the episode's first
+    /// action), so that `em_bridge / question_bridge` is the EM of bridge questions.
     fn step(&mut self, action: &Action) -> Result<Transition, EnvError> {
         let mut info = EnvInfo::default();
         let first_action = self.queries.is_empty() && !self.finished;
