@@ -69,6 +69,7 @@ fn records() -> Vec<StepRecord> {
                 truncated: outcome.truncated,
                 state_hash,
                 info: outcome.info,
+                critic_state: Vec::new(),
             });
             if outcome.next_user_message.is_none() {
                 break;

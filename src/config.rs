@@ -107,6 +107,10 @@ pub enum CriticMode {
     /// A value MLP on the policy's detached hidden states (the last four blocks' residual
     /// streams at the value position), fitted after each update on the updated policy's features.
     Features,
+    /// An asymmetric critic: a value MLP on the env's numeric encoding of the whole state at
+    /// each step's start (`Env::critic_state`: every cell of the map, where the agent's render
+    /// may show a summary), fitted after each update. Every training env must supply one.
+    State,
     /// No critic (critic-free estimators only).
     None,
 }
@@ -1183,10 +1187,10 @@ impl Config {
                 ),
             ));
         }
-        if coef > 0.0 && self.critic.mode == CriticMode::Features {
+        if coef > 0.0 && matches!(self.critic.mode, CriticMode::Features | CriticMode::State) {
             return fail(
-                "a feature critic is fitted on the policy's features during RL; the warm start \
-                 cannot train it (warm it up with critic.warmup_steps)"
+                "a feature or state critic is an MLP fitted during RL; the warm start cannot \
+                 train it (warm it up with critic.warmup_steps)"
                     .into(),
             );
         }

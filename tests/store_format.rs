@@ -33,6 +33,7 @@ fn pinned_record() -> StepRecord {
             observation_text: "#P_#".into(),
             action_text: "<answer>Up</answer>".into(),
         },
+        critic_state: Vec::new(),
     }
 }
 
@@ -201,6 +202,56 @@ fn version_3_segments_stay_readable_and_are_still_written_identically() {
     }
 }
 
+/// The records of the pinned version-4 segment: those of version 3 and one that carries a
+/// critic state.
+fn pinned_records_v4() -> Vec<StepRecord> {
+    let fourth = StepRecord {
+        traj_id: 8,
+        critic_state: vec![1.0, 0.0, -0.5, f32::from_bits(0x8000_0001)],
+        ..pinned_record()
+    };
+    let mut records = pinned_records_v3();
+    records.push(fourth);
+    records
+}
+
+/// `seg-000000.stp` holding [`pinned_records_v4`], as written by format version 4.
+const V4_SEGMENT: &str = "\
+    535450504f534547040000000000000053545046640000004922c14700050201\
+    090302020a000000000000bf000000c00a00000b00005b50020000002a00005d\
+    50027a0823505f23263c616e737765723e55703c2f616e737765723e07736f6b\
+    6f62616e4d00000000000000efcdab89674523010302cdccccbdcdccccbd0000\
+    5354504644000000854508cc010602010901020208000000000000bf000000c0\
+    0c0000002a00005d50027a030307736f6b6f62616e4d00000000000000efcdab\
+    896745230103020000803fcdccccbd00535450465000000002d0634002070201\
+    0901020204000000000040bf01000080070000002c01ffff1a052a3c616e7377\
+    65723e446f776e3c2f616e737765723e07736f6b6f62616e4d00000000000000\
+    efcdab896745230103020000535450465c0000009ad0faef0308020109030202\
+    0a000000000000bf000000c00a00000b00005b50020000002a00005d5002fa07\
+    0707736f6b6f62616e4d00000000000000efcdab89674523010302cdccccbdcd\
+    ccccbd040000803f00000000000000bf01000080535450530400000000000000\
+    0500000000000000100000000000000006000000000000008000000000000000\
+    0700000000000000d00000000000000008000000000000002c01000000000000\
+    5bb850964800000053545045\
+";
+
+#[test]
+fn version_4_segments_stay_readable_and_are_still_written_identically() {
+    let bytes = unhex(V4_SEGMENT);
+    let scan = scan_segment(&bytes);
+    assert!(scan.problems.is_empty(), "{:?}", scan.problems);
+    assert_eq!(scan.format_version, 4);
+    let read: Vec<StepRecord> = read_all(&bytes).into_iter().map(Result::unwrap).collect();
+    assert_eq!(read, pinned_records_v4());
+    if FORMAT_VERSION == 4 {
+        assert_eq!(
+            hex(&written_segment(&pinned_records_v4())),
+            hex(&bytes),
+            "format 4 changed: bump FORMAT_VERSION and keep reading 4"
+        );
+    }
+}
+
 #[test]
 fn appending_after_an_unsealed_version_1_segment_seals_it_and_continues_in_a_new_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -219,7 +270,10 @@ fn appending_after_an_unsealed_version_1_segment_seals_it_and_continues_in_a_new
         ..pinned_record()
     };
     let at = writer.append(&appended).unwrap();
-    assert_eq!(at.segment, 1, "version-3 frames go to a new segment");
+    assert_eq!(
+        at.segment, 1,
+        "frames of the current version go to a new segment"
+    );
     writer.seal().unwrap();
 
     let old = std::fs::read(dir.path().join("seg-000000.stp")).unwrap();
@@ -239,7 +293,7 @@ fn appending_after_an_unsealed_version_1_segment_seals_it_and_continues_in_a_new
         .collect();
     assert_eq!(
         versions,
-        [Some(1), Some(3)],
+        [Some(1), Some(FORMAT_VERSION)],
         "each segment's version listed"
     );
     let read: Vec<StepRecord> = dataset.records().map(|v| v.to_record().unwrap()).collect();

@@ -340,6 +340,28 @@ fn a_config_that_fails_leaves_no_run_directory_behind() {
     assert!(!run.exists(), "a failed start created {}", run.display());
 }
 
+#[test]
+fn a_state_critic_on_an_env_without_a_critic_state_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let out = stepppo(&[
+        "train",
+        "--config",
+        "configs/hotpotqa_steppo.yaml",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "critic.mode=state",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("critic.mode state") && err.contains("hotpotqa supplies no critic state"),
+        "{err}"
+    );
+    assert!(!run.exists(), "a failed start created {}", run.display());
+}
+
 /// A launcher's ranks in a build without the `mpi` feature: each says which feature to build
 /// with, and no run directory is made.
 #[cfg(not(feature = "mpi"))]

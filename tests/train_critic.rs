@@ -3,8 +3,8 @@
 //! The step-level critic learns: on a fixed dataset whose return is a function of the state
 //! (which of four observations the step saw), critic-only updates (the policy frozen, as in the
 //! critic warm-up) raise the explained variance of the step-start values over the whole batch
-//! from about 0 to near 1, for a separate critic and for a feature critic on the policy's
-//! detached hidden states.
+//! from about 0 to near 1, for a separate critic, for a feature critic on the policy's
+//! detached hidden states and for a state critic on the records' critic states.
 
 use candle_core::Device;
 use stepppo::algo::loss::explained_variance;
@@ -13,7 +13,8 @@ use stepppo::model::{Critic, FeatureCritic, Model, ModelConfig};
 use stepppo::store::StepRecord;
 use stepppo::train::masks::ResponseMasks;
 use stepppo::train::update::{
-    critic_values, ppo_update, CriticLearner, CriticModel, Learners, UpdateInputs, UpdateSettings,
+    critic_values, ppo_update, state_values, CriticLearner, CriticModel, Learners, UpdateInputs,
+    UpdateSettings,
 };
 use stepppo::train::BatchLayout;
 
@@ -33,6 +34,7 @@ fn records() -> Vec<StepRecord> {
                 reward: s as f32 / 3.0,
                 terminated: true,
                 state_hash: u64::from(s),
+                critic_state: (0..4).map(|k| f32::from(u8::from(k == s))).collect(),
                 ..StepRecord::default()
             }
         })
@@ -51,7 +53,24 @@ fn explained(
     records: &[StepRecord],
     sequences: &[Vec<usize>],
 ) -> f64 {
-    let values = critic_values(
+    let values = values_of(critic, policy, records, sequences);
+    let v: Vec<f64> = values.iter().map(|v| f64::from(v[0])).collect();
+    let r: Vec<f64> = records.iter().map(|r| f64::from(r.reward)).collect();
+    explained_variance(&v, &r)
+}
+
+/// Step-start values of every record: read from the token positions, or a state critic's from
+/// the records' critic states.
+fn values_of(
+    critic: &CriticModel,
+    policy: &Model,
+    records: &[StepRecord],
+    sequences: &[Vec<usize>],
+) -> Vec<Vec<f32>> {
+    if let CriticModel::State(c) = critic {
+        return state_values(c, records, CriticTarget::StepStart, &Device::Cpu).unwrap();
+    }
+    critic_values(
         &|input| critic.values(policy, input),
         records,
         sequences,
@@ -60,10 +79,7 @@ fn explained(
         &ResponseMasks::default(),
         &Device::Cpu,
     )
-    .unwrap();
-    let v: Vec<f64> = values.iter().map(|v| f64::from(v[0])).collect();
-    let r: Vec<f64> = records.iter().map(|r| f64::from(r.reward)).collect();
-    explained_variance(&v, &r)
+    .unwrap()
 }
 
 /// Runs `rounds` critic-only updates of `critic_epochs` passes; returns the explained variance
@@ -75,7 +91,6 @@ fn fit(
     critic_epochs: usize,
     lr: f64,
 ) -> (f64, f64) {
-    let device = Device::Cpu;
     let opt_cfg = OptimizerConfig {
         lr,
         critic_lr: lr,
@@ -93,16 +108,7 @@ fn fit(
     let masks = ResponseMasks::default();
     let policy_before = policy.named_vars()[0].1.as_tensor().to_vec1_flat();
     for round in 0..rounds {
-        let old_values = critic_values(
-            &|input| critic.values(policy, input),
-            &records,
-            &sequences,
-            CriticTarget::StepStart,
-            (16, TREE),
-            &masks,
-            &device,
-        )
-        .unwrap();
+        let old_values = values_of(critic, policy, &records, &sequences);
         let inputs = UpdateInputs {
             records: &records,
             sequences: sequences.clone(),
@@ -135,6 +141,7 @@ fn fit(
         let learner = match critic {
             CriticModel::Separate(c) => CriticLearner::Separate(c, &mut critic_opt),
             CriticModel::Features(c) => CriticLearner::Features(c, &mut critic_opt),
+            CriticModel::State(c) => CriticLearner::State(c, &mut critic_opt),
         };
         let mut learners = Learners {
             policy,
@@ -173,6 +180,33 @@ fn a_feature_critic_fits_the_frozen_policys_features() {
         "an untrained critic explains little: {before}"
     );
     assert!(after > 0.9, "explained variance {before:.3} → {after:.3}");
+}
+
+#[test]
+fn a_state_critic_fits_the_records_critic_states() {
+    let cfg = ModelConfig::tiny(VOCAB);
+    let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
+    let critic = CriticModel::State(FeatureCritic::with_width(4, &cfg, 2, &Device::Cpu).unwrap());
+    let (before, after) = fit(&critic, &policy, 3, 10, 3e-3);
+    assert!(
+        before < 0.3,
+        "an untrained critic explains little: {before}"
+    );
+    assert!(after > 0.9, "explained variance {before:.3} → {after:.3}");
+}
+
+#[test]
+fn a_state_critic_names_a_record_without_a_critic_state() {
+    let critic = FeatureCritic::with_width(4, &ModelConfig::tiny(VOCAB), 2, &Device::Cpu).unwrap();
+    let mut records = records();
+    records[5].critic_state.clear();
+    let error = state_values(&critic, &records, CriticTarget::StepStart, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("trajectory 5, step 0") && error.contains("0 numbers"),
+        "{error}"
+    );
 }
 
 trait Flat {

@@ -37,6 +37,12 @@ fn a_feature_critic_resumes_exactly() {
     two_plus_two_equal_four(&["critic.mode=features", "critic.ppo_epochs=3"]);
 }
 
+/// The state critic (an MLP on the records' critic states) and its optimizer resume exactly.
+#[test]
+fn a_state_critic_resumes_exactly() {
+    two_plus_two_equal_four(&["critic.mode=state", "critic.ppo_epochs=3"]);
+}
+
 fn two_plus_two_equal_four(critic: &[&str]) {
     let tiny_config = || tiny_config_with(critic);
     let root = tempfile::tempdir().unwrap();

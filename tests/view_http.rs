@@ -47,6 +47,7 @@ fn record(traj: u64, group: u64, step: u32, version: u64, last: bool, action: &s
             },
             action_text: action.into(),
         },
+        critic_state: Vec::new(),
     }
 }
 

@@ -210,6 +210,31 @@ impl FrozenLakeEnv {
         moves_to_goal(&self.cells, self.cfg.size)[self.player]
     }
 
+    /// Whether a path over ice leads from the player to the goal on which every move brings the
+    /// goal one step nearer (what a policy that only ever steps toward the goal can find).
+    fn monotone_path_exists(&self) -> bool {
+        let size = self.cfg.size;
+        let goal = self.goal();
+        let (pr, pc) = (self.player / size, self.player % size);
+        let (gr, gc) = (goal / size, goal % size);
+        let (rows, cols) = (pr.abs_diff(gr), pc.abs_diff(gc));
+        let cell = |i: usize, j: usize| {
+            let r = if gr >= pr { pr + i } else { pr - i };
+            let c = if gc >= pc { pc + j } else { pc - j };
+            r * size + c
+        };
+        // open[i][j]: cell (i rows, j columns toward the goal) is reachable by such a path.
+        let mut open = vec![vec![false; cols + 1]; rows + 1];
+        for i in 0..=rows {
+            for j in 0..=cols {
+                let from_start = i == 0 && j == 0;
+                let from_before = (i > 0 && open[i - 1][j]) || (j > 0 && open[i][j - 1]);
+                open[i][j] = self.cells[cell(i, j)] != Cell::Hole && (from_start || from_before);
+            }
+        }
+        open[rows][cols]
+    }
+
     fn generate(&mut self, seed: u64) {
         let mut rng = env_rng(seed, 1);
         let n = self.cfg.size * self.cfg.size;
@@ -433,6 +458,35 @@ impl Env for FrozenLakeEnv {
         }
     }
 
+    /// Planning facts of the whole map that the render does not state, each in [0, 1]:
+    /// Manhattan distance to the goal, fewest moves over ice to it (1 when cut off), whether
+    /// it can be reached, whether a path exists on which every move brings the goal nearer, the
+    /// detour of the shortest path over the Manhattan distance, adjacent holes, the share of the
+    /// action budget left, and whether the fewest moves fit in it. Facts, not the raw map: an MLP
+    /// on a one-hot of every cell fits each batch's maps and does not carry over to fresh ones.
+    fn critic_state(&self) -> Option<Vec<f32>> {
+        let size = self.cfg.size;
+        let budget = self.cfg.max_steps as f32;
+        let left = self.cfg.max_steps.saturating_sub(self.steps);
+        let manhattan = self.goal_distance(self.player);
+        let fewest = self.moves_left();
+        let adjacent_holes = (0..4)
+            .map(|dir| neighbour(size, self.player, dir))
+            .filter(|&next| next != self.player && self.cells[next] == Cell::Hole)
+            .count();
+        let flag = |b: bool| f32::from(u8::from(b));
+        Some(vec![
+            manhattan as f32 / (2 * (size - 1)).max(1) as f32,
+            fewest.map_or(1.0, |m| (m as f32 / budget).min(1.0)),
+            flag(fewest.is_some()),
+            flag(self.monotone_path_exists()),
+            fewest.map_or(1.0, |m| ((m - manhattan) as f32 / budget).min(1.0)),
+            adjacent_holes as f32 / 4.0,
+            left as f32 / budget,
+            flag(fewest.is_some_and(|m| m <= left)),
+        ])
+    }
+
     fn action_space(&self) -> ActionSpace {
         ActionSpace::Named(ACTIONS.iter().map(|s| s.to_string()).collect())
     }
@@ -569,6 +623,39 @@ mod tests {
             close(hole, -0.1) && hole.1,
             "into a hole: the move's shaping, then the end"
         );
+    }
+
+    #[test]
+    fn the_critic_state_states_the_maps_planning_facts() {
+        let mut env = lake(FrozenLakeConfig {
+            is_slippery: false,
+            max_steps: 10,
+            ..FrozenLakeConfig::default()
+        });
+        env.reset(0).unwrap();
+        // ____
+        // _GO_
+        // _OP_   P at 10: both moves toward the goal are holes; the shortest way round is 6
+        // ____   moves (Down, Left, Left, Up, Up, Right), Manhattan distance 2.
+        env.cells = vec![Cell::Frozen; 16];
+        env.cells[5] = Cell::Goal;
+        env.cells[6] = Cell::Hole;
+        env.cells[9] = Cell::Hole;
+        env.player = 10;
+        env.steps = 5;
+        let state = env.critic_state().unwrap();
+        let expected = [2.0 / 6.0, 0.6, 1.0, 0.0, 0.4, 0.5, 0.5, 0.0];
+        assert_eq!(state.len(), expected.len());
+        for (got, want) in state.iter().zip(expected) {
+            assert!((got - want).abs() < 1e-6, "{state:?} vs {expected:?}");
+        }
+        // From 11 the goal is 3 moves away over ice but every path first moves away from it.
+        env.player = 11;
+        assert!(!env.monotone_path_exists());
+        // From 4 (left of the goal) one move toward it suffices.
+        env.player = 4;
+        assert!(env.monotone_path_exists());
+        assert_eq!(env.critic_state().unwrap()[3], 1.0);
     }
 
     #[test]

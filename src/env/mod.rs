@@ -124,6 +124,13 @@ pub trait Env: Send {
     /// A uniformly random action (what the random agent plays); an error when the env cannot
     /// draw one (a remote env that lists no actions).
     fn random_action(&self, rng: &mut rand_chacha::ChaCha8Rng) -> Result<Action, EnvError>;
+    /// The whole state as numbers, for a critic that may see more than the agent (an
+    /// asymmetric critic, `critic.mode: state`): every cell of a grid, not the render's summary.
+    /// The same width for every state of one env config; `None` when the env has no such
+    /// encoding (text tasks, remote envs).
+    fn critic_state(&self) -> Option<Vec<f32>> {
+        None
+    }
     /// What the searcher agent plays: the oracle's searches, then an answer guessed among what
     /// the searches returned. Only search envs have one.
     fn searcher_action(&self, _rng: &mut rand_chacha::ChaCha8Rng) -> Result<Action, EnvError> {

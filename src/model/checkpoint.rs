@@ -237,8 +237,13 @@ impl FeatureCritic {
     /// Loads the MLP and feature scaling that [`FeatureCritic::save`] wrote into `dir`, for
     /// `policy`'s features.
     pub fn load(dir: &Path, policy: &Model) -> Result<Self> {
-        let loaded = Loaded::read(dir, policy.device())?;
-        let width = policy.value_feature_width();
+        Self::load_width(dir, policy.value_feature_width(), policy.device())
+    }
+
+    /// Loads the MLP and scaling that [`FeatureCritic::save`] wrote into `dir`, for inputs
+    /// `width` wide (an error when the stored shapes differ).
+    pub fn load_width(dir: &Path, width: usize, device: &Device) -> Result<Self> {
+        let loaded = Loaded::read(dir, device)?;
         let varmap = VarMap::new();
         loaded.take(&Self::param_shapes(width), &varmap)?;
         let scaling = VarMap::new();

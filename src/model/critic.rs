@@ -4,7 +4,9 @@
 //! also sit on the policy's trunk ([`super::Model::attach_value_head`]). [`FeatureCritic`] is the
 //! light option: a two-layer MLP on the policy's detached hidden states
 //! ([`super::Model::value_features`]), so the value costs no trunk pass of its own and sends no
-//! gradient into the policy (PPG's `detach` variant).
+//! gradient into the policy (PPG's `detach` variant). The same MLP over an env's numeric encoding
+//! of the whole state ([`crate::env::Env::critic_state`]) is the asymmetric `state` critic: it
+//! sees what the agent's render leaves out.
 
 use candle_core::{Device, Tensor, Var, D};
 use candle_nn::VarMap;
@@ -198,17 +200,26 @@ impl FeatureCritic {
     /// A fresh MLP for `policy`'s features (normal(0, initializer_range) weights, zero biases)
     /// with the identity scaling.
     pub fn new(policy: &super::Model, seed: u64) -> Result<Self> {
-        let width = policy.value_feature_width();
-        let varmap = params::init_varmap(
+        Self::with_width(
+            policy.value_feature_width(),
             policy.config(),
-            &Self::param_shapes(width),
             seed,
             policy.device(),
-        )?;
-        let device = policy.device();
+        )
+    }
+
+    /// A fresh MLP over inputs `width` wide (an env's critic state), initialised like `cfg`'s
+    /// weights, with the identity scaling.
+    pub fn with_width(width: usize, cfg: &ModelConfig, seed: u64, device: &Device) -> Result<Self> {
+        let varmap = params::init_varmap(cfg, &Self::param_shapes(width), seed, device)?;
         let mean = Tensor::zeros(width, candle_core::DType::F32, device)?;
         let scale = Tensor::ones(1, candle_core::DType::F32, device)?;
         Self::from_parts(varmap, &mean, &scale)
+    }
+
+    /// Width of the inputs the MLP reads.
+    pub fn input_width(&self) -> usize {
+        self.mean.as_tensor().dim(0).unwrap_or(0)
     }
 
     /// Builds the MLP over `varmap`, which holds every name of [`FeatureCritic::param_shapes`],

@@ -90,6 +90,9 @@ pub struct RolloutConfig {
     pub layout: ContextLayout,
     /// Constrained decoding: responses follow the env's answer grammar ([`ResponseGrammar`]).
     pub constrained_decoding: bool,
+    /// Each record carries the env's critic state at its step's start (what a `state` critic
+    /// reads); off, none is computed.
+    pub critic_state: bool,
 }
 
 impl Default for RolloutConfig {
@@ -109,6 +112,7 @@ impl Default for RolloutConfig {
             max_context_tokens: 2048,
             layout: ContextLayout::Concat,
             constrained_decoding: false,
+            critic_state: false,
         }
     }
 }
@@ -418,6 +422,11 @@ fn advance(
     cfg: &RolloutConfig,
 ) -> Result<StepRecord> {
     let state_hash = t.session.state_hash();
+    let critic_state = if cfg.critic_state {
+        t.session.env().critic_state().unwrap_or_default()
+    } else {
+        Vec::new()
+    };
     let response_text = tok.decode(&response);
     let outcome = t
         .session
@@ -450,6 +459,7 @@ fn advance(
         truncated: outcome.truncated,
         state_hash,
         info,
+        critic_state,
     };
     match outcome.next_user_message.filter(|_| !record.is_last()) {
         Some(message) => {

@@ -1,7 +1,7 @@
 //! Byte layout of one stored record (the payload of a segment frame) and the borrowed views over
 //! it. This is the only module that calls bincode (formats 1 and 2 only).
 //!
-//! Format version 3 (written by this build), little-endian, payload 4-byte aligned when the frame is:
+//! Format version 4 (written by this build), little-endian, payload 4-byte aligned when the frame is:
 //!
 //! | bytes | content |
 //! |---|---|
@@ -12,12 +12,13 @@
 //! | response ids | `n_response` ids of the response width |
 //! | metadata | to the end of the payload (see below), then 0 to 3 zero bytes of padding |
 //!
-//! Version-3 metadata: one flag byte (bit 0 terminated, 1 truncated, 2 success,
-//! 3 action_is_valid, 4 action_is_effective, 5 `reward` stored, 6 `format_penalty` stored, 7 zero;
-//! a float that is not stored is +0.0); two text entries `observation_text`, `action_text`;
-//! `env_tag` (varint length, UTF-8 bytes); `seed: u64`, `state_hash: u64`; varints
-//! `policy_version`, `num_actions`; then `reward: f32` and `format_penalty: f32` when their flag
-//! is set. A text entry starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes
+//! Version-4 metadata: one flag byte (bit 0 terminated, 1 truncated, 2 success,
+//! 3 action_is_valid, 4 action_is_effective, 5 `reward` stored, 6 `format_penalty` stored,
+//! 7 `critic_state` stored; a float that is not stored is +0.0, a critic state that is not
+//! stored is empty); two text entries `observation_text`, `action_text`; `env_tag` (varint
+//! length, UTF-8 bytes); `seed: u64`, `state_hash: u64`; varints `policy_version`,
+//! `num_actions`; then `reward: f32` and `format_penalty: f32` when their flag is set; then,
+//! when its flag is set, `critic_state` as a varint count and that many `f32`. A text entry starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes
 //! following; odd = a backward reference: the frame numbered `v / 2` (1 to
 //! [`REFERENCE_WINDOW`]) before this one in the same segment holds the identical text inline in
 //! the same field (the writer keeps a text → frame cache per segment, compares texts, not
@@ -32,6 +33,8 @@
 //! Ids come first so that readers can index and group records without decoding the metadata;
 //! arrays are viewed in place: log-probs as `&[f32]` (copied only when misaligned or on a
 //! big-endian host), ids through [`TokenIds`]. Every version this build wrote stays readable:
+//!
+//! - version 3: as version 4, with flag bit 7 zero (no critic state);
 //!
 //! - version 1: a 40-byte header (`traj_id, group_id: u64`, `step_index, context_len, n_obs,
 //!   n_response, n_logprobs, meta_len: u32`), `u32` ids and `f32` log-probs, then [`StepMeta`]
@@ -54,7 +57,7 @@ use super::tokens::{self, TokenIds};
 const LEGACY_HEADER_LEN: usize = 40;
 /// Largest metadata block accepted on read of versions 1 and 2 (guards allocations from bad bytes).
 pub const MAX_META_LEN: usize = 64 << 20;
-/// How many frames back a version-3 text reference may point.
+/// How many frames back a text reference of version 3 or later may point.
 pub const REFERENCE_WINDOW: u64 = 256;
 /// Frames per reference block: the writer makes a text reference from frame `n` only to a
 /// frame `m` of the same block (`m / REFERENCE_BLOCK == n / REFERENCE_BLOCK`), so the first frame
@@ -63,7 +66,7 @@ pub const REFERENCE_WINDOW: u64 = 256;
 /// segments written before the rule have them.
 pub const REFERENCE_BLOCK: u64 = 32;
 /// Segment format version written by this build.
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 /// Segment format versions whose payloads this build decodes.
 pub const SUPPORTED_VERSIONS: std::ops::RangeInclusive<u32> = 1..=FORMAT_VERSION;
 
@@ -114,9 +117,19 @@ pub struct StepMetaView<'a> {
     pub num_actions: u32,
     pub observation_text: &'a str,
     pub action_text: &'a str,
+    /// `critic_state` as stored: little-endian `f32`s (empty before format version 4).
+    pub critic_state: &'a [u8],
 }
 
 impl StepMetaView<'_> {
+    /// The record's critic state.
+    pub fn critic_state(&self) -> Vec<f32> {
+        self.critic_state
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
     /// Copies the view into an owned [`StepMeta`].
     pub fn to_meta(&self) -> StepMeta {
         StepMeta {
@@ -183,7 +196,7 @@ struct FieldsV2<'a> {
 }
 
 /// A stored text: inline (UTF-8 not yet checked), or a reference to an earlier frame (format 2:
-/// its byte offset; format 3: how many frame numbers back).
+/// its byte offset; formats 3 and 4: how many frame numbers back).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum StoredText<'a> {
     Inline(&'a [u8]),
@@ -199,7 +212,7 @@ pub enum TextField {
 
 impl TextField {
     /// The text entries at the start of a version-2 metadata block and after the flag byte of
-    /// a version-3 one, in stored order.
+    /// a version-3 or -4 one, in stored order.
     pub const ALL: [TextField; 2] = [TextField::Observation, TextField::Action];
 
     fn name(self) -> &'static str {
@@ -229,6 +242,7 @@ const FLAG_VALID: u8 = 1 << 3;
 const FLAG_EFFECTIVE: u8 = 1 << 4;
 const FLAG_REWARD: u8 = 1 << 5;
 const FLAG_PENALTY: u8 = 1 << 6;
+const FLAG_CRITIC_STATE: u8 = 1 << 7;
 
 fn encode_varint(mut v: u64, out: &mut Vec<u8>) {
     while v >= 0x80 {
@@ -349,7 +363,7 @@ fn text_entry(version: u32, meta: &[u8], field: TextField) -> Result<StoredText<
 /// [`parse_layout`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PayloadLayout {
-    /// Number of the frame in its segment (format 3; 0 in older formats).
+    /// Number of the frame in its segment (formats 3 and 4; 0 in older formats).
     pub ordinal: u64,
     pub traj_id: u64,
     pub group_id: u64,
@@ -382,7 +396,7 @@ fn pad4(out: &mut Vec<u8>, start: usize) {
     out.resize(start + align4(out.len() - start), 0);
 }
 
-/// Appends the version-3 payload of `record` as frame number `ordinal` of its segment (padded
+/// Appends the version-4 payload of `record` as frame number `ordinal` of its segment (padded
 /// to a multiple of 4) to `out`, storing each text with a `refs` entry as a reference. On error
 /// `out` may hold a partial payload.
 pub fn encode_payload(
@@ -428,6 +442,7 @@ fn encode_meta(record: &StepRecord, refs: TextRefs, out: &mut Vec<u8>) -> Result
         (info.action_is_effective, FLAG_EFFECTIVE),
         (stored(record.reward), FLAG_REWARD),
         (stored(info.format_penalty), FLAG_PENALTY),
+        (!record.critic_state.is_empty(), FLAG_CRITIC_STATE),
     ];
     out.push(
         flags
@@ -447,6 +462,10 @@ fn encode_meta(record: &StepRecord, refs: TextRefs, out: &mut Vec<u8>) -> Result
         if stored(x) {
             out.extend_from_slice(&x.to_le_bytes());
         }
+    }
+    if !record.critic_state.is_empty() {
+        encode_varint(record.critic_state.len() as u64, out);
+        extend_le_f32(out, &record.critic_state);
     }
     Ok(())
 }
@@ -600,7 +619,7 @@ fn decode_exact<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError
     Ok(value)
 }
 
-/// The texts a version-3 payload stores inline (`None` for references), indexed like
+/// The texts a version-4 payload stores inline (`None` for references), indexed like
 /// [`TextField::ALL`]; used to rebuild a writer's text table when it resumes a segment.
 pub fn inline_texts<'a>(
     payload: &'a [u8],
@@ -704,7 +723,7 @@ impl<'a> StepView<'a> {
         match self.format_version {
             1 => self.meta_v1(),
             2 => self.meta_v2(),
-            FORMAT_VERSION => self.meta_v3(),
+            3 | 4 => self.meta_v3(),
             other => Err(self.corrupt(format!(
                 "segment format version {other} is not supported by this build"
             ))),
@@ -733,6 +752,7 @@ impl<'a> StepView<'a> {
             num_actions: m.info.num_actions,
             observation_text: m.info.observation_text,
             action_text: m.info.action_text,
+            critic_state: &[],
         })
     }
 
@@ -765,9 +785,11 @@ impl<'a> StepView<'a> {
             num_actions: m.num_actions,
             observation_text: texts[0],
             action_text: texts[1],
+            critic_state: &[],
         })
     }
 
+    /// Versions 3 and 4 (4 adds the critic state behind flag bit 7).
     fn meta_v3(&self) -> Result<StepMetaView<'a>, StoreError> {
         self.decode_v3().map_err(|e| self.corrupt(e.0))
     }
@@ -777,7 +799,7 @@ impl<'a> StepView<'a> {
             rest: self.meta_bytes,
         };
         let [flags] = cursor.array::<1>("the flags")?;
-        if flags & 0x80 != 0 {
+        if flags & FLAG_CRITIC_STATE != 0 && self.format_version == 3 {
             return Err(CodecError(format!("unknown flag bits {flags:#x}")));
         }
         let mut texts = [""; 2];
@@ -798,6 +820,14 @@ impl<'a> StepView<'a> {
         };
         let reward = float(FLAG_REWARD, "reward")?;
         let format_penalty = float(FLAG_PENALTY, "format_penalty")?;
+        let critic_state = match flags & FLAG_CRITIC_STATE {
+            0 => &[][..],
+            _ => {
+                let n = cursor.varint("the critic state's length")?;
+                let bytes = usize::try_from(n).ok().and_then(|n| n.checked_mul(4));
+                cursor.take(bytes.unwrap_or(usize::MAX), "critic_state")?
+            }
+        };
         if cursor.rest.len() > 3 || cursor.rest.iter().any(|&b| b != 0) {
             let n = cursor.rest.len();
             return Err(CodecError(format!("metadata has {n} trailing bytes")));
@@ -818,11 +848,12 @@ impl<'a> StepView<'a> {
             num_actions,
             observation_text: texts[0],
             action_text: texts[1],
+            critic_state,
         })
     }
 
     /// The validated frame before this one that a reference points at: format 2 by byte offset,
-    /// format 3 by frame number (`earlier` numbers back; found at once when no damaged frame
+    /// formats 3 and 4 by frame number (`earlier` numbers back; found at once when no damaged frame
     /// was skipped in between, else by binary search).
     fn referenced_frame(&self, earlier: u64) -> Option<&'a Frame> {
         let before = self.frames.get(..self.index)?;
@@ -865,7 +896,9 @@ impl<'a> StepView<'a> {
 
     /// Copies everything into an owned [`StepRecord`].
     pub fn to_record(&self) -> Result<StepRecord, StoreError> {
-        let meta = self.meta()?;
+        let view = self.meta_view()?;
+        let critic_state = view.critic_state();
+        let meta = view.to_meta();
         Ok(StepRecord {
             traj_id: self.traj_id,
             group_id: self.group_id,
@@ -882,6 +915,7 @@ impl<'a> StepView<'a> {
             truncated: meta.truncated,
             state_hash: meta.state_hash,
             info: meta.info,
+            critic_state,
         })
     }
 }
@@ -915,6 +949,7 @@ mod tests {
                 observation_text: "_P_\nG__".into(),
                 action_text: "<answer>Left</answer>".into(),
             },
+            critic_state: Vec::new(),
         }
     }
 
@@ -962,6 +997,31 @@ mod tests {
     }
 
     #[test]
+    fn a_critic_state_round_trips_and_is_unknown_to_version_3() {
+        let mut record = sample();
+        record.critic_state = vec![1.0, -0.0, f32::from_bits(1)];
+        let bytes = encoded(&record, [None; 2]);
+        let view = StepView::parse(&bytes, FORMAT_VERSION).unwrap();
+        let back = view.to_record().unwrap();
+        let bits = |xs: &[f32]| xs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&back.critic_state), bits(&record.critic_state));
+        assert_eq!(back, record);
+        let v3 = StepView::parse(&bytes, 3).unwrap();
+        let error = v3.to_record().unwrap_err().to_string();
+        assert!(error.contains("unknown flag bits 0x"), "{error}");
+        // A count past the end of the metadata is an error, never a huge allocation.
+        let mut cut = encoded(&record, [None; 2]);
+        let count_at = cut.len() - 4 * 3 - 1;
+        cut[count_at] = 0x7f;
+        let error = StepView::parse(&cut, FORMAT_VERSION)
+            .unwrap()
+            .to_record()
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("critic_state"), "{error}");
+    }
+
+    #[test]
     fn inconsistent_counts_are_rejected() {
         let mut bytes = encoded(&sample(), [None; 2]);
         bytes[5] = 120; // n_obs
@@ -984,7 +1044,10 @@ mod tests {
         let view = StepView::parse(&[0xFF; 44], 1);
         assert!(view.is_err() || view.unwrap().meta().is_err());
         let bytes = encoded(&sample(), [None; 2]);
-        assert!(StepView::parse(&bytes, 4).unwrap().meta().is_err());
+        assert!(StepView::parse(&bytes, FORMAT_VERSION + 1)
+            .unwrap()
+            .meta()
+            .is_err());
         let mut trailing = bytes.clone();
         trailing.extend_from_slice(&[0, 0, 0, 7]);
         let view = StepView::parse(&trailing, FORMAT_VERSION).unwrap();

@@ -161,6 +161,7 @@ pub fn agent_episode(
             truncated: outcome.truncated || (next.is_none() && !outcome.terminated),
             state_hash,
             info: outcome.info,
+            critic_state: Vec::new(),
         };
         context_len += (record.obs_ids.len() + record.response_ids.len()) as u32;
         let message = next.filter(|_| !record.is_last());

@@ -61,6 +61,11 @@ pub struct StepRecord {
     pub state_hash: u64,
     /// Flags and texts for humans and metrics.
     pub info: StepInfo,
+    /// The env's numeric encoding of the whole state at the start of the step
+    /// ([`crate::env::Env::critic_state`]), what a `state` critic reads; empty when the env has
+    /// none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub critic_state: Vec<f32>,
 }
 
 impl StepRecord {

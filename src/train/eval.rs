@@ -142,6 +142,7 @@ pub fn rollout_config(
             },
         },
         constrained_decoding: cfg.constrained_decoding,
+        critic_state: cfg.critic.mode == crate::config::CriticMode::State,
     }
 }
 

@@ -41,6 +41,7 @@ use super::TrainError;
 use crate::algo::config::{LossAggMode, Truncation};
 use crate::algo::filter::group_reward_std;
 use crate::algo::loss::explained_variance;
+use crate::algo::normalize::mean_std;
 use crate::algo::value_fit::tabular_ceiling;
 use crate::algo::{
     compute_advantages, kl_reward_penalty, uncertainty_filter, AdamW, AdvantageInputs,
@@ -49,7 +50,7 @@ use crate::algo::{
 use crate::config::{Config, CriticMode, ProximalPolicy};
 use crate::crash;
 use crate::dist::{Collective, Metered, Single};
-use crate::env::AgentKind;
+use crate::env::{build_session, AgentKind};
 use crate::model::{Critic, FeatureCritic, Model};
 use crate::rollout::engine::{CacheCounters, Engine};
 use crate::rollout::grammar::ResponseGrammar;
@@ -172,6 +173,12 @@ impl Trainer {
                 &policy,
                 critic_seed(&cfg),
             )?)),
+            CriticMode::State => Some(CriticModel::State(FeatureCritic::with_width(
+                critic_state_width(&cfg)?,
+                policy.config(),
+                critic_seed(&cfg),
+                &device,
+            )?)),
             CriticMode::Shared => {
                 policy.attach_value_head(critic_seed(&cfg))?;
                 None
@@ -276,6 +283,11 @@ impl Trainer {
             CriticMode::Features => Some(CriticModel::Features(FeatureCritic::load(
                 &critic_dir,
                 &policy,
+            )?)),
+            CriticMode::State => Some(CriticModel::State(FeatureCritic::load_width(
+                &critic_dir,
+                critic_state_width(&cfg)?,
+                &device,
             )?)),
             CriticMode::Shared | CriticMode::None => None,
         };
@@ -803,6 +815,10 @@ impl Trainer {
         target: CriticTarget,
     ) -> Result<Vec<Vec<f32>>, TrainError> {
         let device = self.policy.device().clone();
+        if let Some(CriticModel::State(critic)) = &self.critic {
+            // Cheap and the same on every rank: no split.
+            return update::state_values(critic, records, target, &device);
+        }
         let dist = self.dist.as_ref();
         let chunks = (VALUE_CHUNK, self.layout());
         ranks::per_record_rows(records.len(), sequences, dist, |mine| match &self.critic {
@@ -973,7 +989,12 @@ impl Trainer {
 
     /// `critic/vf_explained_var`: the rollout-time step-start values against the Monte-Carlo
     /// step returns (γ = `gamma`) over the whole batch, next to the tabular ceiling
-    /// (`critic/vf_explained_var_ceiling`, over `critic/vf_ceiling_coverage` of the rows).
+    /// (`critic/vf_explained_var_ceiling`, over `critic/vf_ceiling_coverage` of the rows). Also
+    /// the batch's return variance and residual variance (`critic/return_var`,
+    /// `critic/vf_residual_var`) and its step rows (`critic/rows`), from which the explained
+    /// variance pooled over many steps follows: 1 − Σ rows · residual / Σ rows · return. A
+    /// mean of per-step figures is dominated by the batches whose returns barely vary (a policy
+    /// that solves nearly every map), where one miss makes the figure hugely negative.
     fn value_fit_metrics(&self, records: &[StepRecord], values: &[Vec<f32>], out: &mut Scalars) {
         let returns = step_returns(records, f64::from(self.cfg.gamma));
         let starts: Vec<f64> = values
@@ -984,6 +1005,11 @@ impl Trainer {
             "critic/vf_explained_var".into(),
             explained_variance(&starts, &returns),
         );
+        let residual: Vec<f64> = returns.iter().zip(&starts).map(|(r, v)| r - v).collect();
+        let variance = |xs: &[f64]| mean_std(xs).1.powi(2);
+        out.insert("critic/return_var".into(), variance(&returns));
+        out.insert("critic/vf_residual_var".into(), variance(&residual));
+        out.insert("critic/rows".into(), returns.len() as f64);
         if let Some(c) = tabular_ceiling(records, &returns) {
             out.insert("critic/vf_explained_var_ceiling".into(), c.explained_var);
             out.insert("critic/vf_ceiling_coverage".into(), c.coverage);
@@ -1025,6 +1051,10 @@ impl Trainer {
                     .critic_opt
                     .as_mut()
                     .map(|o| CriticLearner::Features(critic, o)),
+                (Some(CriticModel::State(critic)), _) => self
+                    .critic_opt
+                    .as_mut()
+                    .map(|o| CriticLearner::State(critic, o)),
                 (None, true) => self.critic_opt.as_mut().map(CriticLearner::SharedHead),
                 (None, false) => None,
             },
@@ -1328,6 +1358,40 @@ fn critic_seed(cfg: &Config) -> u64 {
 /// A separate critic that `critic.pretrain` names: `builtin` (a fresh trunk) or a checkpoint
 /// directory. `None` when it names nothing: the critic is then a copy of the policy as RL starts,
 /// made after the warm start ([`Critic::from_policy`]).
+/// Width of the critic state that every training env supplies (`critic.mode: state`); an
+/// error naming the env tag whose env supplies none, or another width than the first.
+fn critic_state_width(cfg: &Config) -> Result<usize, TrainError> {
+    let mut width: Option<(usize, &str)> = None;
+    for tag in &cfg.train_env_manager.tags {
+        let spec = &cfg.custom_envs[tag];
+        let fail =
+            |msg: String| TrainError::Data(format!("critic.mode state: custom_envs.{tag}: {msg}"));
+        let mut session =
+            build_session(&spec.env_type, &spec.env_config).map_err(|e| fail(e.to_string()))?;
+        session.reset(cfg.seed).map_err(|e| fail(e.to_string()))?;
+        let Some(state) = session.env().critic_state() else {
+            return Err(fail(format!(
+                "env {} supplies no critic state (envs that do: frozen_lake, sokoban)",
+                spec.env_type
+            )));
+        };
+        match width {
+            Some((w, first)) if w != state.len() => {
+                return Err(fail(format!(
+                    "its critic state has {} numbers, custom_envs.{first}'s {w}: one state \
+                     critic reads one width",
+                    state.len()
+                )))
+            }
+            Some(_) => {}
+            None => width = Some((state.len(), tag)),
+        }
+    }
+    width
+        .map(|(w, _)| w)
+        .ok_or_else(|| TrainError::Data("critic.mode state: no training env".into()))
+}
+
 fn critic_from_checkpoint(
     cfg: &Config,
     policy: &Model,

@@ -7,7 +7,7 @@
 //! and is trained at each step's start position (`step_gae`) or at every response token
 //! (`token_gae`); a shared-trunk value head adds its loss to the actor's; a feature critic is
 //! fitted after the actor's epochs, on the updated policy's features of the batch
-//! ([`fit_feature_critic`]); with self-imitation on, each actor mini-batch also adds the negative
+//! ([`fit_value_mlp`]), as is a state critic, on the records' critic states; with self-imitation on, each actor mini-batch also adds the negative
 //! log-likelihood of a draw from the replay buffer ([`super::self_imitation`]). Those passes, and
 //! the rollout-time [`critic_values`] and [`response_logprobs`], run in the same layout as the
 //! mini-batches ([`BatchLayout`]). A non-finite loss or gradient skips that update (counted and
@@ -102,15 +102,23 @@ pub enum CriticModel {
     Separate(Box<Critic>),
     /// A value MLP on the policy's detached hidden states.
     Features(FeatureCritic),
+    /// A value MLP on the env's encoding of the whole state (each record's `critic_state`).
+    State(FeatureCritic),
 }
 
 impl CriticModel {
     /// Values at every position of `input`, `[B, T]` padded or `[1, N]` a tree (`policy`
-    /// supplies a feature critic's features).
+    /// supplies a feature critic's features). A state critic reads records, not tokens
+    /// ([`state_values`]): an error.
     pub fn values(&self, policy: &Model, input: &TrainInput) -> Result<Tensor, TrainError> {
         Ok(match self {
             CriticModel::Separate(c) => c.values_of(input)?,
             CriticModel::Features(c) => c.values(policy, input)?,
+            CriticModel::State(_) => {
+                return Err(TrainError::Data(
+                    "a state critic values records' critic states, not token positions".into(),
+                ))
+            }
         })
     }
 
@@ -118,7 +126,7 @@ impl CriticModel {
     pub fn named_vars(&self) -> Vec<(String, candle_core::Var)> {
         match self {
             CriticModel::Separate(c) => c.named_vars(),
-            CriticModel::Features(c) => c.named_vars(),
+            CriticModel::Features(c) | CriticModel::State(c) => c.named_vars(),
         }
     }
 
@@ -126,7 +134,7 @@ impl CriticModel {
     pub fn save(&self, dir: &std::path::Path) -> Result<(), TrainError> {
         match self {
             CriticModel::Separate(c) => c.save(dir)?,
-            CriticModel::Features(c) => c.save(dir)?,
+            CriticModel::Features(c) | CriticModel::State(c) => c.save(dir)?,
         }
         Ok(())
     }
@@ -137,8 +145,11 @@ pub enum CriticLearner<'a> {
     /// A separate critic and its optimizer: its own forward and step per mini-batch.
     Separate(&'a Critic, &'a mut AdamW),
     /// A value MLP on the policy's detached features and its optimizer: fitted after the actor's
-    /// epochs on the features of the updated policy ([`fit_feature_critic`]).
+    /// epochs on the features of the updated policy ([`fit_value_mlp`]).
     Features(&'a FeatureCritic, &'a mut AdamW),
+    /// A value MLP on the records' critic states and its optimizer: fitted after the actor's
+    /// epochs ([`fit_value_mlp`]).
+    State(&'a FeatureCritic, &'a mut AdamW),
     /// A value head on the policy's trunk: its loss joins the actor's in one backward pass, and
     /// this optimizer (over the head's parameters, at the critic's learning rate and weight
     /// decay) steps the head while the actor's steps the trunk.
@@ -220,7 +231,7 @@ pub fn ppo_update(
     // Passes in which the critic trains on the actor's mini-batches (a feature critic is fitted
     // after them, on features of its own).
     let mini_batch_critic_epochs = match learners.critic {
-        Some(CriticLearner::Features(..)) | None => 0,
+        Some(CriticLearner::Features(..) | CriticLearner::State(..)) | None => 0,
         Some(_) => settings.critic_epochs,
     };
     let dist = settings.dist;
@@ -276,6 +287,7 @@ pub fn ppo_update(
                 let opt = match critic {
                     CriticLearner::Separate(_, opt)
                     | CriticLearner::Features(_, opt)
+                    | CriticLearner::State(_, opt)
                     | CriticLearner::SharedHead(opt) => opt,
                 };
                 let local = values.as_ref().zip(part);
@@ -283,15 +295,26 @@ pub fn ppo_update(
             }
         }
     }
-    if let Some(CriticLearner::Features(critic, opt)) = learners.critic.as_mut() {
-        skipped += fit_feature_critic(
-            inputs,
-            settings,
-            (learners.policy, critic),
-            opt,
-            settings.critic_epochs,
-            &mut means,
-        )?;
+    if let Some(target) = inputs.critic_target {
+        let fitted = match learners.critic.as_mut() {
+            Some(CriticLearner::Features(critic, opt)) => {
+                let rows = feature_rows(inputs, settings, learners.policy, target)?;
+                Some((rows, &**critic, opt))
+            }
+            Some(CriticLearner::State(critic, opt)) => {
+                let rows = state_rows(
+                    inputs,
+                    target,
+                    critic.input_width(),
+                    learners.policy.device(),
+                )?;
+                Some((rows, &**critic, opt))
+            }
+            _ => None,
+        };
+        if let Some((rows, critic, opt)) = fitted {
+            skipped += fit_value_mlp(&rows, critic, opt, settings, &mut means)?;
+        }
     }
     let mut out = Scalars::new();
     means.merged(dist)?.into_scalars(&mut out);
@@ -300,9 +323,9 @@ pub fn ppo_update(
     Ok(out)
 }
 
-/// Rows a feature critic is fitted on: the policy's features at each critic target position of
-/// the records that train the critic, with their targets and rollout-time values; in record
-/// order, whatever the chunks and layout of the pass that read them.
+/// Rows a value MLP is fitted on: its inputs at each critic target position of the records that
+/// train the critic (the policy's features, or the record's critic state), with their targets
+/// and rollout-time values, in record order.
 struct FeatureRows {
     /// `[n, F]`.
     features: Tensor,
@@ -367,32 +390,105 @@ fn feature_rows(
     })
 }
 
-/// Sequences per feature pass of [`fit_feature_critic`].
+/// The critic states of `records` as a `[n, width]` matrix; an error naming the first record
+/// whose state is missing or of another width.
+fn critic_state_matrix(
+    records: &[&StepRecord],
+    width: usize,
+    device: &Device,
+) -> Result<Tensor, TrainError> {
+    let mut flat = Vec::with_capacity(records.len() * width);
+    for r in records {
+        if r.critic_state.len() != width {
+            return Err(TrainError::Data(format!(
+                "record (trajectory {}, step {}, env {}) carries a critic state of {} numbers; \
+                 the state critic reads {width} (critic.mode: state needs an env that supplies \
+                 one, the same for every training env)",
+                r.traj_id,
+                r.step_index,
+                r.env_tag,
+                r.critic_state.len()
+            )));
+        }
+        flat.extend_from_slice(&r.critic_state);
+    }
+    Ok(Tensor::from_vec(flat, (records.len(), width), device)?)
+}
+
+/// A state critic's fitting rows: each kept record's critic state, once per critic target
+/// position (one for step-start values, one per response token for `token_gae`).
+fn state_rows(
+    inputs: &UpdateInputs,
+    target: CriticTarget,
+    width: usize,
+    device: &Device,
+) -> Result<FeatureRows, TrainError> {
+    let (mut states, mut returns, mut old_values) = (Vec::new(), Vec::new(), Vec::new());
+    for (r, rec) in inputs.records.iter().enumerate() {
+        if !inputs.critic_keep[r] {
+            continue;
+        }
+        let positions = match target {
+            CriticTarget::StepStart => 1,
+            CriticTarget::AllResponseTokens => rec.response_ids.len(),
+        };
+        for j in 0..positions {
+            states.push(rec);
+            returns.push(inputs.returns[r][j]);
+            old_values.push(inputs.old_values[r][j]);
+        }
+    }
+    Ok(FeatureRows {
+        features: critic_state_matrix(&states, width, device)?,
+        returns,
+        old_values,
+    })
+}
+
+/// A state critic's rollout-time values of `records`: the value of each record's critic state,
+/// once (step-start target) or repeated over its response tokens (`token_gae`: the state does
+/// not change within a response).
+pub fn state_values(
+    critic: &FeatureCritic,
+    records: &[StepRecord],
+    target: CriticTarget,
+    device: &Device,
+) -> Result<Vec<Vec<f32>>, TrainError> {
+    let all: Vec<&StepRecord> = records.iter().collect();
+    let states = critic_state_matrix(&all, critic.input_width(), device)?;
+    let values = critic.forward(&states)?.to_vec1::<f32>()?;
+    Ok(records
+        .iter()
+        .zip(values)
+        .map(|(r, v)| match target {
+            CriticTarget::StepStart => vec![v],
+            CriticTarget::AllResponseTokens => vec![v; r.response_ids.len()],
+        })
+        .collect())
+}
+
+/// Sequences per feature pass of [`feature_rows`].
 const FEATURE_CHUNK: usize = 64;
 
-/// Fits a feature critic to the batch's critic targets on the features of `policy` as it is after
-/// the actor's epochs (the policy the next rollout's values are read under): one feature pass,
-/// the critic's feature scaling set from it, then `epochs` shuffled passes of
-/// `settings.mini_batch` rows each. Logs the fit's in-sample explained variance
+/// Fits a value MLP (a feature or state critic) to `rows`: the critic's input scaling set from
+/// them, then `settings.critic_epochs` shuffled passes of `settings.mini_batch` rows each. A
+/// feature critic's rows are the features of the policy as it is after the actor's epochs (the
+/// policy the next rollout's values are read under). Logs the fit's in-sample explained variance
 /// (`critic/vf_fit_explained_var`); returns the skipped updates.
-fn fit_feature_critic(
-    inputs: &UpdateInputs,
-    settings: &UpdateSettings,
-    (policy, critic): (&Model, &FeatureCritic),
+fn fit_value_mlp(
+    rows: &FeatureRows,
+    critic: &FeatureCritic,
     opt: &mut AdamW,
-    epochs: usize,
+    settings: &UpdateSettings,
     means: &mut Means,
 ) -> Result<usize, TrainError> {
-    let Some(target) = inputs.critic_target else {
-        return Ok(0);
-    };
-    let rows = feature_rows(inputs, settings, policy, target)?;
     let n = rows.returns.len();
     if n < 2 {
         return Ok(0);
     }
     critic.standardize_on(&rows.features)?;
-    let device = policy.device().clone();
+    let device = rows.features.device().clone();
+    let epochs = settings.critic_epochs;
     let mut skipped = 0;
     for epoch in 0..epochs {
         let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(

@@ -265,6 +265,46 @@ impl Env for SokobanEnv {
         }
     }
 
+    /// Planning facts of the room that the render does not state, each in [0, 1]: the fewest
+    /// moves that solve it (the solver's; 1 when it is unsolvable, a box stuck), whether it is
+    /// solvable, whether those moves fit in the action budget left, the share of boxes on
+    /// targets, the mean distance of a box to its nearest target and of the player to the
+    /// nearest box off target (Manhattan, over the room's width plus height), and the share of
+    /// the action budget left.
+    fn critic_state(&self) -> Option<Vec<f32>> {
+        let room = &self.room;
+        let budget = self.cfg.max_steps as f32;
+        let left = self.cfg.max_steps.saturating_sub(self.steps);
+        let fewest = self.solve().map(|path| path.len());
+        let span = (room.width + room.height) as f32;
+        let cells = room.width * room.height;
+        let distance = |a: usize, b: usize| {
+            (a / room.width).abs_diff(b / room.width) + (a % room.width).abs_diff(b % room.width)
+        };
+        let nearest = |from: usize, to: &dyn Fn(usize) -> bool| {
+            (0..cells)
+                .filter(|&c| to(c))
+                .map(|c| distance(from, c))
+                .min()
+        };
+        let boxes: Vec<usize> = (0..cells).filter(|&c| room.has_box(c)).collect();
+        let box_to_target: usize = boxes
+            .iter()
+            .filter_map(|&b| nearest(b, &|c| room.is_target(c)))
+            .sum();
+        let player_to_box = nearest(room.player, &|c| room.has_box(c) && !room.is_target(c));
+        let flag = |b: bool| f32::from(u8::from(b));
+        Some(vec![
+            fewest.map_or(1.0, |m| (m as f32 / budget).min(1.0)),
+            flag(fewest.is_some()),
+            flag(fewest.is_some_and(|m| m <= left)),
+            room.boxes_on_targets() as f32 / boxes.len().max(1) as f32,
+            box_to_target as f32 / (boxes.len().max(1) as f32 * span),
+            player_to_box.map_or(0.0, |d| d as f32 / span),
+            left as f32 / budget,
+        ])
+    }
+
     fn action_space(&self) -> ActionSpace {
         ActionSpace::Named(DIRECTIONS.iter().map(|s| s.to_string()).collect())
     }
@@ -311,6 +351,27 @@ mod tests {
             (t.reward + 1.1).abs() < 1e-6,
             "pushing off a target costs 1"
         );
+    }
+
+    #[test]
+    fn the_critic_state_states_the_rooms_planning_facts() {
+        let mut env = SokobanEnv::new(SokobanConfig::default()).unwrap();
+        env.reset(0).unwrap();
+        // Two moves right solve it: 2 of 10; the box 1 from the target, the player 2 from the
+        // box, over a span of 7 + 4.
+        env.room = Room::parse("#######\n#P_XO_#\n#_____#\n#######").unwrap();
+        env.steps = 4;
+        let state = env.critic_state().unwrap();
+        let span = 11.0;
+        let expected = [0.2, 1.0, 1.0, 0.0, 1.0 / span, 2.0 / span, 0.6];
+        assert_eq!(state.len(), expected.len());
+        for (got, want) in state.iter().zip(expected) {
+            assert!((got - want).abs() < 1e-6, "{state:?} vs {expected:?}");
+        }
+        // A box in a corner is stuck: unsolvable.
+        env.room = Room::parse("#######\n#X__O_#\n#P____#\n#######").unwrap();
+        let state = env.critic_state().unwrap();
+        assert_eq!(state[..3], [1.0, 0.0, 0.0]);
     }
 
     #[test]
