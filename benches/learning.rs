@@ -3,7 +3,10 @@
 //! train from the embedded default config with several seeds, all starting from ONE shared
 //! warm-started policy (the default's random-agent behaviour cloning, done once), with the same
 //! rollout budget and the same validation seeds; the table reports final validation success
-//! (mean ± std over seeds) and the first step at which validation success reached 0.5.
+//! (mean ± std over seeds, and per seed), the first steps at which validation success reached 0.5
+//! and 0.8, the critic arms' explained variance pooled over their last 20 steps (1 − Σ rows ·
+//! residual variance / Σ rows · return variance, with the tabular ceiling's mean beside it), and
+//! the wall time per run.
 //!
 //! `cargo bench --bench learning` runs it; without `--bench` (e.g. under `cargo test`) it does
 //! nothing. Budget knobs (environment): `LEARNING_STEPS` (training steps per run, default the
@@ -19,15 +22,19 @@ use stepppo::train::sft;
 use stepppo::train::trainer::Event;
 use stepppo::train::Trainer;
 
-/// (label, overrides of the embedded default): the estimator and what it needs (the GAE arms add
-/// the shared-trunk critic the critic-free default lacks).
+/// (label, overrides of the embedded default): the estimator and what it needs. The GAE arms add
+/// the critic the critic-free default lacks: the state critic (an MLP on the env's planning facts
+/// of the whole map), the one whose values explain the return on fresh maps
+/// (`docs/experiments/critic.md`).
 const ARMS: [(&str, &[&str]); 5] = [
     ("step_reinforce", &[]),
     (
         "step_gae",
         &[
             "adv_estimator=step_gae",
-            "critic.mode=shared",
+            "critic.mode=state",
+            "critic.learning_rate=1e-3",
+            "critic.ppo_epochs=10",
             "ratio_type=segment",
         ],
     ),
@@ -35,7 +42,9 @@ const ARMS: [(&str, &[&str]); 5] = [
         "token_gae",
         &[
             "adv_estimator=token_gae",
-            "critic.mode=shared",
+            "critic.mode=state",
+            "critic.learning_rate=1e-3",
+            "critic.ppo_epochs=10",
             "ratio_type=token",
         ],
     ),
@@ -66,7 +75,40 @@ fn env_usize(name: &str) -> Option<usize> {
 struct Outcome {
     final_success: f64,
     steps_to_half: Option<u64>,
+    steps_to_08: Option<u64>,
+    /// The critic's explained variance pooled over the last [`EV_WINDOW`] steps and the mean
+    /// tabular ceiling over them; `None` without a critic.
+    critic_ev: Option<(f64, f64)>,
     seconds: f64,
+}
+
+/// Steps the critic's explained variance is pooled over.
+const EV_WINDOW: usize = 20;
+
+/// Per step: rows, return variance, residual variance, ceiling (NaN when not logged).
+type CriticRow = (f64, f64, f64, f64);
+
+fn critic_row(scalars: &stepppo::train::metrics::Scalars) -> Option<CriticRow> {
+    let get = |k: &str| scalars.get(k).copied();
+    Some((
+        get("critic/rows")?,
+        get("critic/return_var")?,
+        get("critic/vf_residual_var")?,
+        get("critic/vf_explained_var_ceiling").unwrap_or(f64::NAN),
+    ))
+}
+
+/// Pooled explained variance and mean ceiling of the last [`EV_WINDOW`] rows.
+fn pooled_ev(rows: &[CriticRow]) -> Option<(f64, f64)> {
+    let last = &rows[rows.len().saturating_sub(EV_WINDOW)..];
+    let total: f64 = last.iter().map(|r| r.0 * r.1).sum();
+    if last.is_empty() || total <= 0.0 {
+        return None;
+    }
+    let residual: f64 = last.iter().map(|r| r.0 * r.2).sum();
+    let ceilings: Vec<f64> = last.iter().map(|r| r.3).filter(|c| c.is_finite()).collect();
+    let ceiling = ceilings.iter().sum::<f64>() / ceilings.len().max(1) as f64;
+    Some((1.0 - residual / total, ceiling))
 }
 
 fn config(sets: &[String]) -> Config {
@@ -105,18 +147,24 @@ fn train_once(sets: &[String], run_dir: &std::path::Path) -> Outcome {
     let max_steps = cfg.max_steps as u64;
     let mut trainer = Trainer::create(cfg, run_dir).unwrap_or_else(|e| panic!("{e}"));
     let mut curve: Vec<(u64, f64)> = Vec::new();
+    let mut critic_rows: Vec<CriticRow> = Vec::new();
     trainer
-        .run(max_steps, &mut |event| {
-            if let Event::Validation { step, summaries } = event {
+        .run(max_steps, &mut |event| match event {
+            Event::Validation { step, summaries } => {
                 let s = summaries.iter().map(|s| s.success).sum::<f64>()
                     / summaries.len().max(1) as f64;
                 curve.push((step, s));
             }
+            Event::Step { scalars, .. } => critic_rows.extend(critic_row(scalars)),
+            _ => {}
         })
         .unwrap_or_else(|e| panic!("{e}"));
+    let first_at = |bar: f64| curve.iter().find(|c| c.1 >= bar).map(|c| c.0);
     Outcome {
         final_success: curve.last().map_or(0.0, |c| c.1),
-        steps_to_half: curve.iter().find(|c| c.1 >= 0.5).map(|c| c.0),
+        steps_to_half: first_at(0.5),
+        steps_to_08: first_at(0.8),
+        critic_ev: pooled_ev(&critic_rows),
         seconds: start.elapsed().as_secs_f64(),
     }
 }
@@ -177,12 +225,10 @@ fn main() {
     let secs = warm_start(&base, &extra);
     println!("shared warm start: {secs:.0}s");
     println!(
-        "estimator       final val success (mean ± std)   steps to 0.5 (reached/seeds)   wall s/run"
+        "estimator        final val success (mean ± std; per seed)   steps to 0.5 / 0.8 (reached)   critic EV, last {EV_WINDOW} (ceiling)   wall s/run"
     );
     for (label, arm) in arms {
-        let mut finals = Vec::new();
-        let mut reached = Vec::new();
-        let mut secs = Vec::new();
+        let mut outcomes = Vec::new();
         for seed in 0..seeds as u64 {
             let mut sets: Vec<String> = arm.iter().map(|s| s.to_string()).collect();
             sets.push(format!("seed={}", 42 + seed));
@@ -196,26 +242,50 @@ fn main() {
             sets.extend(extra.iter().cloned());
             let out = train_once(&sets, &root.path().join(format!("{label}-{seed}")));
             eprintln!(
-                "{label} seed {}: final {:.3}, steps to 0.5 {:?}, {:.0}s",
+                "{label} seed {}: final {:.3}, steps to 0.5 {:?}, to 0.8 {:?}, critic EV {:?}, {:.0}s",
                 42 + seed,
                 out.final_success,
                 out.steps_to_half,
+                out.steps_to_08,
+                out.critic_ev,
                 out.seconds
             );
-            finals.push(out.final_success);
-            reached.extend(out.steps_to_half.map(|s| s as f64));
-            secs.push(out.seconds);
+            outcomes.push(out);
         }
-        let (m, s) = mean_std(&finals);
-        let to_half = if reached.is_empty() {
-            "never".to_string()
-        } else {
-            format!("{:.1}", mean_std(&reached).0)
-        };
-        println!(
-            "{label:<15} {m:>6.3} ± {s:<5.3}                    {to_half:>6} ({}/{seeds})                   {:.0}",
-            reached.len(),
-            mean_std(&secs).0
-        );
+        println!("{}", table_row(label, &outcomes));
     }
+}
+
+/// One arm's line of the table.
+fn table_row(label: &str, outcomes: &[Outcome]) -> String {
+    let finals: Vec<f64> = outcomes.iter().map(|o| o.final_success).collect();
+    let (m, s) = mean_std(&finals);
+    let per_seed: Vec<String> = finals.iter().map(|f| format!("{f:.3}")).collect();
+    let steps_to = |pick: &dyn Fn(&Outcome) -> Option<u64>| {
+        let reached: Vec<f64> = outcomes.iter().filter_map(pick).map(|s| s as f64).collect();
+        if reached.is_empty() {
+            format!("never (0/{})", outcomes.len())
+        } else {
+            let mean = mean_std(&reached).0;
+            format!("{mean:.1} ({}/{})", reached.len(), outcomes.len())
+        }
+    };
+    let evs: Vec<(f64, f64)> = outcomes.iter().filter_map(|o| o.critic_ev).collect();
+    let ev = if evs.is_empty() {
+        "—".to_string()
+    } else {
+        let each: Vec<String> = evs
+            .iter()
+            .map(|(ev, ceiling)| format!("{ev:.2} ({ceiling:.2})"))
+            .collect();
+        each.join(" / ")
+    };
+    let secs: Vec<f64> = outcomes.iter().map(|o| o.seconds).collect();
+    format!(
+        "{label:<16} {m:.3} ± {s:.3}; {}   {} / {}   {ev}   {:.0}",
+        per_seed.join(" / "),
+        steps_to(&|o| o.steps_to_half),
+        steps_to(&|o| o.steps_to_08),
+        mean_std(&secs).0
+    )
 }

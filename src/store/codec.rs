@@ -1,7 +1,8 @@
 //! Byte layout of one stored record (the payload of a segment frame) and the borrowed views over
 //! it. This is the only module that calls bincode (formats 1 and 2 only).
 //!
-//! Format version 4 (written by this build), little-endian, payload 4-byte aligned when the frame is:
+//! Format version 4 (written by this build), little-endian, payload 4-byte aligned when the frame
+//! is:
 //!
 //! | bytes | content |
 //! |---|---|
@@ -18,8 +19,8 @@
 //! stored is empty); two text entries `observation_text`, `action_text`; `env_tag` (varint
 //! length, UTF-8 bytes); `seed: u64`, `state_hash: u64`; varints `policy_version`,
 //! `num_actions`; then `reward: f32` and `format_penalty: f32` when their flag is set; then,
-//! when its flag is set, `critic_state` as a varint count and that many `f32`. A text entry starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes
-//! following; odd = a backward reference: the frame numbered `v / 2` (1 to
+//! when its flag is set, `critic_state` as a varint count and that many `f32`. A text entry
+//! starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes following; odd = a backward reference: the frame numbered `v / 2` (1 to
 //! [`REFERENCE_WINDOW`]) before this one in the same segment holds the identical text inline in
 //! the same field (the writer keeps a text → frame cache per segment, compares texts, not
 //! hashes, and refers only to frames of the same block of [`REFERENCE_BLOCK`] frames, storing a

@@ -16,7 +16,8 @@
 //! [`TokenIds`]), varint ids and counts, flags in one byte, and every text (env tag, observation,
 //! action) already in the same block of [`REFERENCE_BLOCK`] frames of the segment as a backward
 //! reference counted in frames (so one damaged frame costs at most one block), and the env's
-//! critic state when the record carries one. Versions 1 to 3 stay readable. [`StepView::meta_view`] decodes metadata without allocating.
+//! critic state when the record carries one. Versions 1 to 3 stay readable.
+//! [`StepView::meta_view`] decodes metadata without allocating.
 //! `WriterOptions::durable` (default true) decides whether sealing and manifest replacement fsync.
 //!
 //! Fuzzing: `fuzz/` is a cargo-fuzz crate (its own workspace); `framed_payloads` wraps arbitrary

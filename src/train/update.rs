@@ -6,9 +6,10 @@
 //! loss (per step row aggregation); the separate critic runs one forward too (in the same layout)
 //! and is trained at each step's start position (`step_gae`) or at every response token
 //! (`token_gae`); a shared-trunk value head adds its loss to the actor's; a feature critic is
-//! fitted after the actor's epochs, on the updated policy's features of the batch
-//! ([`fit_value_mlp`]), as is a state critic, on the records' critic states; with self-imitation on, each actor mini-batch also adds the negative
-//! log-likelihood of a draw from the replay buffer ([`super::self_imitation`]). Those passes, and
+//! fitted after the actor's epochs, on the updated policy's features of the batch, and a state
+//! critic on the records' critic states ([`fit_value_mlp`]); with self-imitation on, each actor
+//! mini-batch also adds the negative log-likelihood of a draw from the replay buffer
+//! ([`super::self_imitation`]). Those passes, and
 //! the rollout-time [`critic_values`] and [`response_logprobs`], run in the same layout as the
 //! mini-batches ([`BatchLayout`]). A non-finite loss or gradient skips that update (counted and
 //! reported); the run goes on.
