@@ -84,22 +84,7 @@ const V1_SEGMENT: &str = "\
 
 #[test]
 fn version_1_segments_stay_readable_and_are_still_written_identically() {
-    let bytes = unhex(V1_SEGMENT);
-    let scan = scan_segment(&bytes);
-    assert!(scan.problems.is_empty(), "{:?}", scan.problems);
-    assert_eq!(scan.format_version, 1);
-    assert_eq!(scan.frames.len(), 1);
-    assert_eq!(
-        scan.view(&bytes, &scan.frames[0]).to_record().unwrap(),
-        pinned_record()
-    );
-    if FORMAT_VERSION == 1 {
-        assert_eq!(
-            hex(&written_segment(&[pinned_record()])),
-            hex(&bytes),
-            "format 1 changed: bump FORMAT_VERSION and keep reading 1"
-        );
-    }
+    check_pinned(V1_SEGMENT, 1, &[pinned_record()]);
 }
 
 /// `seg-000000.stp` holding [`pinned_records_v2`], as written by format version 2.
@@ -124,26 +109,38 @@ fn read_all(bytes: &[u8]) -> Vec<Result<StepRecord, String>> {
         .collect()
 }
 
-#[test]
-fn version_2_segments_stay_readable_and_are_still_written_identically() {
-    let bytes = unhex(V2_SEGMENT);
+/// Checks a pinned segment of format `version`: it scans without problems, its records read back
+/// as `records`, and while `version` is the current format this build writes the same bytes.
+/// Returns the bytes and their scan.
+fn check_pinned(
+    segment: &str,
+    version: u32,
+    records: &[StepRecord],
+) -> (Vec<u8>, stepppo::store::SegmentScan) {
+    let bytes = unhex(segment);
     let scan = scan_segment(&bytes);
     assert!(scan.problems.is_empty(), "{:?}", scan.problems);
-    assert_eq!(scan.format_version, 2);
+    assert_eq!(scan.format_version, version);
     let read: Vec<StepRecord> = read_all(&bytes).into_iter().map(Result::unwrap).collect();
-    assert_eq!(read, pinned_records_v2());
+    assert_eq!(read, records);
+    if FORMAT_VERSION == version {
+        assert_eq!(
+            hex(&written_segment(records)),
+            hex(&bytes),
+            "format {version} changed: bump FORMAT_VERSION and keep reading {version}"
+        );
+    }
+    (bytes, scan)
+}
+
+#[test]
+fn version_2_segments_stay_readable_and_are_still_written_identically() {
+    let (_, scan) = check_pinned(V2_SEGMENT, 2, &pinned_records_v2());
     let frame_bytes: Vec<u64> = scan.frames.iter().map(|f| f.end() - f.offset).collect();
     assert!(
         frame_bytes[1] < frame_bytes[0],
         "texts of the second record are references: {frame_bytes:?}"
     );
-    if FORMAT_VERSION == 2 {
-        assert_eq!(
-            hex(&written_segment(&pinned_records_v2())),
-            hex(&bytes),
-            "format 2 changed: bump FORMAT_VERSION and keep reading 2"
-        );
-    }
 }
 
 /// The records of the pinned version-3 segment: those of version 2 (ids 3 bytes and 1 byte wide,
@@ -182,24 +179,12 @@ const V3_SEGMENT: &str = "\
 
 #[test]
 fn version_3_segments_stay_readable_and_are_still_written_identically() {
-    let bytes = unhex(V3_SEGMENT);
-    let scan = scan_segment(&bytes);
-    assert!(scan.problems.is_empty(), "{:?}", scan.problems);
-    assert_eq!(scan.format_version, 3);
-    let read: Vec<StepRecord> = read_all(&bytes).into_iter().map(Result::unwrap).collect();
-    assert_eq!(read, pinned_records_v3());
+    let (bytes, scan) = check_pinned(V3_SEGMENT, 3, &pinned_records_v3());
     let widths: Vec<(usize, usize)> = (scan.frames.iter())
         .map(|f| scan.view(&bytes, f))
         .map(|v| (v.obs_ids.width(), v.response_ids.width()))
         .collect();
     assert_eq!(widths, [(3, 3), (1, 3), (1, 2)]);
-    if FORMAT_VERSION == 3 {
-        assert_eq!(
-            hex(&written_segment(&pinned_records_v3())),
-            hex(&bytes),
-            "format 3 changed: bump FORMAT_VERSION and keep reading 3"
-        );
-    }
 }
 
 /// The records of the pinned version-4 segment: those of version 3 and one that carries a
@@ -237,19 +222,7 @@ const V4_SEGMENT: &str = "\
 
 #[test]
 fn version_4_segments_stay_readable_and_are_still_written_identically() {
-    let bytes = unhex(V4_SEGMENT);
-    let scan = scan_segment(&bytes);
-    assert!(scan.problems.is_empty(), "{:?}", scan.problems);
-    assert_eq!(scan.format_version, 4);
-    let read: Vec<StepRecord> = read_all(&bytes).into_iter().map(Result::unwrap).collect();
-    assert_eq!(read, pinned_records_v4());
-    if FORMAT_VERSION == 4 {
-        assert_eq!(
-            hex(&written_segment(&pinned_records_v4())),
-            hex(&bytes),
-            "format 4 changed: bump FORMAT_VERSION and keep reading 4"
-        );
-    }
+    check_pinned(V4_SEGMENT, 4, &pinned_records_v4());
 }
 
 #[test]

@@ -625,6 +625,21 @@ mod tests {
         );
     }
 
+    /// Resets `env` (4×4) and lays out this map:
+    /// ```text
+    /// ____
+    /// _GO_
+    /// _O__   cells 5 goal, 6 and 9 holes
+    /// ____
+    /// ```
+    fn goal_behind_holes(env: &mut FrozenLakeEnv) {
+        env.reset(0).unwrap();
+        env.cells = vec![Cell::Frozen; 16];
+        env.cells[5] = Cell::Goal;
+        env.cells[6] = Cell::Hole;
+        env.cells[9] = Cell::Hole;
+    }
+
     #[test]
     fn the_critic_state_states_the_maps_planning_facts() {
         let mut env = lake(FrozenLakeConfig {
@@ -632,15 +647,9 @@ mod tests {
             max_steps: 10,
             ..FrozenLakeConfig::default()
         });
-        env.reset(0).unwrap();
-        // ____
-        // _GO_
-        // _OP_   P at 10: both moves toward the goal are holes; the shortest way round is 6
-        // ____   moves (Down, Left, Left, Up, Up, Right), Manhattan distance 2.
-        env.cells = vec![Cell::Frozen; 16];
-        env.cells[5] = Cell::Goal;
-        env.cells[6] = Cell::Hole;
-        env.cells[9] = Cell::Hole;
+        // P at 10: both moves toward the goal are holes; the shortest way round is 6 moves
+        // (Down, Left, Left, Up, Up, Right), Manhattan distance 2.
+        goal_behind_holes(&mut env);
         env.player = 10;
         env.steps = 5;
         let state = env.critic_state().unwrap();
@@ -666,15 +675,9 @@ mod tests {
             distance: ShapingDistance::Path,
             ..FrozenLakeConfig::default()
         });
-        env.reset(0).unwrap();
-        // ____
-        // _GO_
-        // _OP_   P at 10: toward the goal are Left and Up, both holes;
-        // ____   the ways round start Down or Right.
-        env.cells = vec![Cell::Frozen; 16];
-        env.cells[5] = Cell::Goal;
-        env.cells[6] = Cell::Hole;
-        env.cells[9] = Cell::Hole;
+        // P at 10: toward the goal are Left and Up, both holes; the ways round start Down or
+        // Right.
+        goal_behind_holes(&mut env);
         let mut from = |pos: usize, action: &str| move_from(&mut env, pos, action);
         assert!(close(from(10, "Up"), -0.1), "into a hole toward the goal");
         assert!(close(from(10, "Left"), -0.1), "into the other hole");
