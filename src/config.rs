@@ -107,9 +107,10 @@ pub enum CriticMode {
     /// A value MLP on the policy's detached hidden states (the last four blocks' residual
     /// streams at the value position), fitted after each update on the updated policy's features.
     Features,
-    /// An asymmetric critic: a value MLP on the env's numeric encoding of the whole state at
-    /// each step's start (`Env::critic_state`: every cell of the map, where the agent's render
-    /// may show a summary), fitted after each update. Every training env must supply one.
+    /// An asymmetric critic: a value MLP on the env's numeric facts about the whole state at
+    /// each step's start (`Env::critic_state`: e.g. FrozenLake's shortest path over ice, which the
+    /// agent's render does not state), fitted after each update. Every training env must supply
+    /// them.
     State,
     /// No critic (critic-free estimators only).
     None,

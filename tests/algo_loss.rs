@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, IndexOp, Tensor, Var, D};
 use stepppo::algo::config::{KlConfig, KlEstimator, KlMode, LossAggMode, LossConfig, RatioType};
-use stepppo::algo::loss::{agg_loss, kl_reward_penalty, policy_loss, value_loss};
+use stepppo::algo::loss::{agg_loss, kl_reward_penalty, policy_loss, value_loss, VarianceParts};
 
 fn t(rows: &[&[f64]]) -> Tensor {
     let v: Vec<Vec<f64>> = rows.iter().map(|r| r.to_vec()).collect();
@@ -236,6 +236,17 @@ fn value_loss_clipping_and_explained_variance() {
     close(m.vf_clipfrac, 0.5);
     // residuals R − V = [−2, 0]: var 2; Var(R) = 0.5 → 1 − 4 = −3
     close(m.vf_explained_var, -3.0);
+    // The parts behind that figure, for pooling over batches.
+    let parts = VarianceParts::of(&[2.0, 1.0], &[0.0, 1.0]);
+    close(parts.returns, 0.5);
+    close(parts.residual, 2.0);
+    close(parts.explained(), -3.0);
+    let flat = VarianceParts::of(&[0.3, 0.7], &[1.0, 1.0]);
+    assert_eq!(
+        flat.explained(),
+        0.0,
+        "returns that do not vary explain nothing"
+    );
 }
 
 // ---------- gradient checks ----------

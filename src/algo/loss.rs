@@ -413,12 +413,36 @@ pub fn value_loss(
 
 /// 1 − Var(R − V)/Var(R) (unbiased variances; 0 when Var(R) is 0).
 pub fn explained_variance(values: &[f64], returns: &[f64]) -> f64 {
-    let residual: Vec<f64> = returns.iter().zip(values).map(|(r, v)| r - v).collect();
-    let var_r = super::normalize::mean_std(returns).1.powi(2);
-    if var_r <= 0.0 {
-        return 0.0;
+    VarianceParts::of(values, returns).explained()
+}
+
+/// The two variances explained variance is made of, kept apart so that figures of many batches
+/// can be pooled (Σ n · residual / Σ n · returns).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct VarianceParts {
+    /// Var(R), unbiased.
+    pub returns: f64,
+    /// Var(R − V), unbiased.
+    pub residual: f64,
+}
+
+impl VarianceParts {
+    pub fn of(values: &[f64], returns: &[f64]) -> Self {
+        let residual: Vec<f64> = returns.iter().zip(values).map(|(r, v)| r - v).collect();
+        let var = |xs: &[f64]| super::normalize::mean_std(xs).1.powi(2);
+        Self {
+            returns: var(returns),
+            residual: var(&residual),
+        }
     }
-    1.0 - super::normalize::mean_std(&residual).1.powi(2) / var_r
+
+    /// 1 − residual / returns; 0 when the returns do not vary.
+    pub fn explained(self) -> f64 {
+        if self.returns <= 0.0 {
+            return 0.0;
+        }
+        1.0 - self.residual / self.returns
+    }
 }
 
 /// Per-token KL-in-reward penalty `coef · KL(log π_old − log π_ref)` for each step's response

@@ -124,10 +124,11 @@ pub trait Env: Send {
     /// A uniformly random action (what the random agent plays); an error when the env cannot
     /// draw one (a remote env that lists no actions).
     fn random_action(&self, rng: &mut rand_chacha::ChaCha8Rng) -> Result<Action, EnvError>;
-    /// The whole state as numbers, for a critic that may see more than the agent (an
-    /// asymmetric critic, `critic.mode: state`): every cell of a grid, not the render's summary.
-    /// The same width for every state of one env config; `None` when the env has no such
-    /// encoding (text tasks, remote envs).
+    /// Numeric facts about the whole state, for a critic that may see more than the agent (an
+    /// asymmetric critic, `critic.mode: state`): planning facts of the map that the render does
+    /// not state (a one-hot of every cell does not carry over to freshly drawn maps). The same
+    /// width for every state of one env config; `None` when the env has none (text tasks,
+    /// remote envs).
     fn critic_state(&self) -> Option<Vec<f32>> {
         None
     }

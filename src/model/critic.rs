@@ -4,8 +4,8 @@
 //! also sit on the policy's trunk ([`super::Model::attach_value_head`]). [`FeatureCritic`] is the
 //! light option: a two-layer MLP on the policy's detached hidden states
 //! ([`super::Model::value_features`]), so the value costs no trunk pass of its own and sends no
-//! gradient into the policy (PPG's `detach` variant). The same MLP over an env's numeric encoding
-//! of the whole state ([`crate::env::Env::critic_state`]) is the asymmetric `state` critic: it
+//! gradient into the policy (PPG's `detach` variant). The same MLP over an env's numeric facts about
+//! the whole state ([`crate::env::Env::critic_state`]) is the asymmetric `state` critic: it
 //! sees what the agent's render leaves out.
 
 use candle_core::{Device, Tensor, Var, D};

@@ -20,8 +20,8 @@
 //! length, UTF-8 bytes); `seed: u64`, `state_hash: u64`; varints `policy_version`,
 //! `num_actions`; then `reward: f32` and `format_penalty: f32` when their flag is set; then,
 //! when its flag is set, `critic_state` as a varint count and that many `f32`. A text entry
-//! starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes following; odd = a backward reference: the frame numbered `v / 2` (1 to
-//! [`REFERENCE_WINDOW`]) before this one in the same segment holds the identical text inline in
+//! starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes following; odd = a
+//! backward reference: the frame numbered `v / 2` (1 to [`REFERENCE_WINDOW`]) before this one in the same segment holds the identical text inline in
 //! the same field (the writer keeps a text → frame cache per segment, compares texts, not
 //! hashes, and refers only to frames of the same block of [`REFERENCE_BLOCK`] frames, storing a
 //! text inline again in the first frame of each block that uses it, so a damaged frame can only
@@ -35,14 +35,13 @@
 //! arrays are viewed in place: log-probs as `&[f32]` (copied only when misaligned or on a
 //! big-endian host), ids through [`TokenIds`]. Every version this build wrote stays readable:
 //!
-//! - version 3: as version 4, with flag bit 7 zero (no critic state);
-//!
 //! - version 1: a 40-byte header (`traj_id, group_id: u64`, `step_index, context_len, n_obs,
 //!   n_response, n_logprobs, meta_len: u32`), `u32` ids and `f32` log-probs, then [`StepMeta`]
 //!   in bincode (`config::standard`, serde), zero padding to a multiple of 4;
 //! - version 2: as version 1, but the metadata is two text entries (`observation_text`,
 //!   `action_text`; a reference holds the byte offset of the earlier frame instead of a frame
-//!   count) followed by bincode of every other field (`info` flattened).
+//!   count) followed by bincode of every other field (`info` flattened);
+//! - version 3: as version 4, with flag bit 7 zero (no critic state).
 
 use std::borrow::Cow;
 use std::path::Path;
@@ -854,8 +853,8 @@ impl<'a> StepView<'a> {
     }
 
     /// The validated frame before this one that a reference points at: format 2 by byte offset,
-    /// formats 3 and 4 by frame number (`earlier` numbers back; found at once when no damaged frame
-    /// was skipped in between, else by binary search).
+    /// formats 3 and 4 by frame number (`earlier` numbers back; found at once when no damaged
+    /// frame was skipped in between, else by binary search).
     fn referenced_frame(&self, earlier: u64) -> Option<&'a Frame> {
         let before = self.frames.get(..self.index)?;
         let found = if self.format_version == 2 {

@@ -61,7 +61,7 @@ pub struct StepRecord {
     pub state_hash: u64,
     /// Flags and texts for humans and metrics.
     pub info: StepInfo,
-    /// The env's numeric encoding of the whole state at the start of the step
+    /// The env's numeric facts about the whole state at the start of the step
     /// ([`crate::env::Env::critic_state`]), what a `state` critic reads; empty when the env has
     /// none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

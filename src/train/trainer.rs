@@ -40,8 +40,7 @@ use super::update::{self, CriticLearner, CriticModel, Learners, UpdateInputs, Up
 use super::TrainError;
 use crate::algo::config::{LossAggMode, Truncation};
 use crate::algo::filter::group_reward_std;
-use crate::algo::loss::explained_variance;
-use crate::algo::normalize::mean_std;
+use crate::algo::loss::VarianceParts;
 use crate::algo::value_fit::tabular_ceiling;
 use crate::algo::{
     compute_advantages, kl_reward_penalty, uncertainty_filter, AdamW, AdvantageInputs,
@@ -1001,14 +1000,10 @@ impl Trainer {
             .iter()
             .map(|v| f64::from(v.first().copied().unwrap_or(0.0)))
             .collect();
-        out.insert(
-            "critic/vf_explained_var".into(),
-            explained_variance(&starts, &returns),
-        );
-        let residual: Vec<f64> = returns.iter().zip(&starts).map(|(r, v)| r - v).collect();
-        let variance = |xs: &[f64]| mean_std(xs).1.powi(2);
-        out.insert("critic/return_var".into(), variance(&returns));
-        out.insert("critic/vf_residual_var".into(), variance(&residual));
+        let parts = VarianceParts::of(&starts, &returns);
+        out.insert("critic/vf_explained_var".into(), parts.explained());
+        out.insert("critic/return_var".into(), parts.returns);
+        out.insert("critic/vf_residual_var".into(), parts.residual);
         out.insert("critic/rows".into(), returns.len() as f64);
         if let Some(c) = tabular_ceiling(records, &returns) {
             out.insert("critic/vf_explained_var_ceiling".into(), c.explained_var);
@@ -1355,9 +1350,6 @@ fn critic_seed(cfg: &Config) -> u64 {
     seed::derive(cfg.seed, &[SEED_CRITIC])
 }
 
-/// A separate critic that `critic.pretrain` names: `builtin` (a fresh trunk) or a checkpoint
-/// directory. `None` when it names nothing: the critic is then a copy of the policy as RL starts,
-/// made after the warm start ([`Critic::from_policy`]).
 /// Width of the critic state that every training env supplies (`critic.mode: state`); an
 /// error naming the env tag whose env supplies none, or another width than the first.
 fn critic_state_width(cfg: &Config) -> Result<usize, TrainError> {
@@ -1392,6 +1384,9 @@ fn critic_state_width(cfg: &Config) -> Result<usize, TrainError> {
         .ok_or_else(|| TrainError::Data("critic.mode state: no training env".into()))
 }
 
+/// A separate critic that `critic.pretrain` names: `builtin` (a fresh trunk) or a checkpoint
+/// directory. `None` when it names nothing: the critic is then a copy of the policy as RL starts,
+/// made after the warm start ([`Critic::from_policy`]).
 fn critic_from_checkpoint(
     cfg: &Config,
     policy: &Model,

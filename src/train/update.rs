@@ -103,7 +103,7 @@ pub enum CriticModel {
     Separate(Box<Critic>),
     /// A value MLP on the policy's detached hidden states.
     Features(FeatureCritic),
-    /// A value MLP on the env's encoding of the whole state (each record's `critic_state`).
+    /// A value MLP on the env's facts about the whole state (each record's `critic_state`).
     State(FeatureCritic),
 }
 
