@@ -1,12 +1,12 @@
 //! StepPO against its baselines on the same FrozenLake budget (a custom harness, not criterion):
-//! `step_reinforce` (the default's estimator), `step_gae`, `token_gae`, `grpo` and `gigpo` each
-//! train from the embedded default config with several seeds, all starting from ONE shared
-//! warm-started policy (the default's random-agent behaviour cloning, done once), with the same
-//! rollout budget and the same validation seeds; the table reports final validation success
-//! (mean ± std over seeds, and per seed), the first steps at which validation success reached 0.5
-//! and 0.8, the critic arms' explained variance pooled over their last 20 steps (1 − Σ rows ·
-//! residual variance / Σ rows · return variance, with the tabular ceiling's mean beside it), and
-//! the wall time per run.
+//! `step_gae` (the default: step-level GAE on the asymmetric state critic), `step_reinforce`,
+//! `token_gae`, `grpo` and `gigpo` each train from the embedded default config with several seeds,
+//! all starting from ONE shared warm-started policy (the default's random-agent behaviour cloning,
+//! done once), with the same rollout budget and the same validation seeds; the table reports final
+//! validation success (mean ± std over seeds, and per seed), the first steps at which validation
+//! success reached 0.5 and 0.8, the critic arms' explained variance pooled over their last 20 steps
+//! (1 − Σ rows · residual variance / Σ rows · return variance, with the tabular ceiling's mean
+//! beside it), and the wall time per run.
 //!
 //! `cargo bench --bench learning` runs it; without `--bench` (e.g. under `cargo test`) it does
 //! nothing. Budget knobs (environment): `LEARNING_STEPS` (training steps per run, default the
@@ -22,31 +22,18 @@ use stepppo::train::sft;
 use stepppo::train::trainer::Event;
 use stepppo::train::Trainer;
 
-/// (label, overrides of the embedded default): the estimator and what it needs. The GAE arms add
-/// the critic the critic-free default lacks: the state critic (an MLP on the env's planning facts
-/// of the whole map), the one whose values explain the return on fresh maps
-/// (`docs/experiments/critic.md`).
+/// (label, overrides of the embedded default): the estimator and what it needs. The default is
+/// `step_gae` on the state critic (an MLP on the env's planning facts of the whole map); `token_gae`
+/// keeps that critic, the critic-free arms drop it.
 const ARMS: [(&str, &[&str]); 5] = [
-    ("step_reinforce", &[]),
+    ("step_gae", &[]),
     (
-        "step_gae",
-        &[
-            "adv_estimator=step_gae",
-            "critic.mode=state",
-            "critic.learning_rate=1e-3",
-            "critic.ppo_epochs=10",
-            "ratio_type=segment",
-        ],
+        "step_reinforce",
+        &["adv_estimator=step_reinforce", "critic.mode=none"],
     ),
     (
         "token_gae",
-        &[
-            "adv_estimator=token_gae",
-            "critic.mode=state",
-            "critic.learning_rate=1e-3",
-            "critic.ppo_epochs=10",
-            "ratio_type=token",
-        ],
+        &["adv_estimator=token_gae", "ratio_type=token"],
     ),
     (
         "grpo",

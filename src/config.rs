@@ -100,7 +100,7 @@ pub enum DeviceKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CriticMode {
-    /// A separate model of the same family with a value head (StepPO default).
+    /// A separate model of the same family with a value head (the StepPO scripts' critic).
     Separate,
     /// A value head on the policy's trunk.
     Shared,
@@ -150,7 +150,7 @@ impl CriticConfig {
 impl Default for CriticConfig {
     fn default() -> Self {
         CriticConfig {
-            mode: CriticMode::Separate,
+            mode: CriticMode::None,
             pretrain: None,
             learning_rate: 1e-4,
             weight_decay: 0.0,
@@ -904,6 +904,15 @@ impl Config {
                 format!("adv_estimator {:?} needs a critic", self.adv_estimator),
             );
         }
+        if self.critic.mode == CriticMode::State && self.gateway.is_some() {
+            return fail(
+                "critic.mode",
+                "state reads the env's facts about the whole state, which the gateway's outside \
+                 agents do not send; use separate, shared or features (or none with a \
+                 critic-free adv_estimator such as step_reinforce)"
+                    .into(),
+            );
+        }
         check_positive("critic.learning_rate", self.critic.learning_rate)?;
         if self.critic.pretrain.is_some() && self.critic.mode != CriticMode::Separate {
             return fail(
@@ -1418,7 +1427,8 @@ mod tests {
     #[test]
     fn embedded_default_is_valid() {
         let c = Config::embedded_default();
-        assert_eq!(c.adv_estimator, Estimator::StepReinforce);
+        assert_eq!(c.adv_estimator, Estimator::StepGae);
+        assert_eq!(c.critic.mode, CriticMode::State);
         assert!(c.constrained_decoding && !c.use_kl_loss);
         assert_eq!(
             c.rollout_batch_size,
@@ -1506,7 +1516,11 @@ mod tests {
     fn critic_warmup_needs_a_step_start_critic() {
         let step_gae = ["adv_estimator=step_gae", "critic.mode=shared"];
         assert!(with(&[&step_gae[..], &["sft.value_loss_coef=0.5"]].concat()).is_ok());
-        let e = err_text(with(&["sft.value_loss_coef=0.5", "adv_estimator=grpo"]));
+        let e = err_text(with(&[
+            "sft.value_loss_coef=0.5",
+            "adv_estimator=grpo",
+            "critic.mode=none",
+        ]));
         assert!(
             e.contains("sft.value_loss_coef") && e.contains("step_gae"),
             "{e}"
@@ -1514,7 +1528,12 @@ mod tests {
         let e = err_text(with(&["sft.value_loss_coef=-1"]));
         assert!(e.contains("sft.value_loss_coef"), "{e}");
         assert!(with(&[&step_gae[..], &["critic.warmup_steps=5"]].concat()).is_ok());
-        let e = err_text(with(&["critic.warmup_steps=5"]));
+        let critic_free = [
+            "adv_estimator=step_reinforce",
+            "critic.mode=none",
+            "critic.warmup_steps=5",
+        ];
+        let e = err_text(with(&critic_free));
         assert!(e.contains("critic.warmup_steps"), "{e}");
     }
 
@@ -1546,13 +1565,29 @@ mod tests {
         assert!(with(&["async_rollout.staleness=2"]).is_ok());
         let e = err_text(with(&["async_rollout.behaviour_weight_cap=0.5"]));
         assert!(e.contains("async_rollout.behaviour_weight_cap"), "{e}");
-        let gateway = ["gateway.listen=127.0.0.1:0", "async_rollout.staleness=1"];
+        let gateway = [
+            "gateway.listen=127.0.0.1:0",
+            "critic.mode=shared",
+            "async_rollout.staleness=1",
+        ];
         let e = err_text(with(&gateway));
         assert!(
             e.contains("async_rollout.staleness") && e.contains("gateway"),
             "{e}"
         );
-        assert!(with(&gateway[..1]).is_ok(), "a synchronous gateway run");
+        assert!(with(&gateway[..2]).is_ok(), "a synchronous gateway run");
+    }
+
+    #[test]
+    fn a_state_critic_is_refused_with_a_gateway() {
+        let e = err_text(with(&["gateway.listen=127.0.0.1:0"]));
+        assert!(e.contains("critic.mode") && e.contains("gateway"), "{e}");
+        let critic_free = [
+            "gateway.listen=127.0.0.1:0",
+            "adv_estimator=step_reinforce",
+            "critic.mode=none",
+        ];
+        assert!(with(&critic_free).is_ok());
     }
 
     #[test]

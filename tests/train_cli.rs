@@ -362,6 +362,21 @@ fn a_state_critic_on_an_env_without_a_critic_state_is_refused_by_name() {
     assert!(!run.exists(), "a failed start created {}", run.display());
 }
 
+#[test]
+fn a_critic_the_estimator_never_reads_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let args = ["train", "--out", run.to_str().unwrap()];
+    let out = stepppo(&with_sets(args.to_vec(), &["adv_estimator=grpo"]));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("critic.mode: State") && err.contains("reads no critic"),
+        "{err}"
+    );
+    assert!(!run.exists(), "a failed start created {}", run.display());
+}
+
 /// A launcher's ranks in a build without the `mpi` feature: each says which feature to build
 /// with, and no run directory is made.
 #[cfg(not(feature = "mpi"))]

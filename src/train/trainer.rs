@@ -160,6 +160,7 @@ impl Trainer {
     ) -> Result<Self, TrainError> {
         let device = device_of(cfg.device)?;
         check_world(&cfg, dist.size())?;
+        check_critic_is_read(&cfg)?;
         let lead = dist.rank() == 0;
         if lead {
             run_dir::prepare_fresh(run_dir, false)?;
@@ -1134,6 +1135,20 @@ fn rank_writer(
 
 /// Refuses what several ranks cannot compute as one process would: a loss normalised by the
 /// mask width of each rank's part.
+/// A fresh run refuses a critic its estimator never reads: it would be built (and for `state`,
+/// demand critic facts from every env) and then ignored. Checked when a run starts rather than in
+/// the config's validation, so runs saved with such a config still resume.
+fn check_critic_is_read(cfg: &Config) -> Result<(), TrainError> {
+    if cfg.critic.mode == CriticMode::None || cfg.adv_estimator.needs_critic() {
+        return Ok(());
+    }
+    Err(TrainError::Data(format!(
+        "critic.mode: {:?} is set, but adv_estimator {:?} reads no critic; set critic.mode: none \
+         (or choose step_gae / token_gae)",
+        cfg.critic.mode, cfg.adv_estimator
+    )))
+}
+
 fn check_world(cfg: &Config, ranks: usize) -> Result<(), TrainError> {
     if ranks > 1 && cfg.async_rollout.is_async() {
         return Err(TrainError::Data(format!(
