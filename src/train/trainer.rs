@@ -1133,8 +1133,6 @@ fn rank_writer(
     })
 }
 
-/// Refuses what several ranks cannot compute as one process would: a loss normalised by the
-/// mask width of each rank's part.
 /// A fresh run refuses a critic its estimator never reads: it would be built (and for `state`,
 /// demand critic facts from every env) and then ignored. Checked when a run starts rather than in
 /// the config's validation, so runs saved with such a config still resume.
@@ -1149,6 +1147,8 @@ fn check_critic_is_read(cfg: &Config) -> Result<(), TrainError> {
     )))
 }
 
+/// Refuses what several ranks cannot compute as one process would: a loss normalised by the
+/// mask width of each rank's part.
 fn check_world(cfg: &Config, ranks: usize) -> Result<(), TrainError> {
     if ranks > 1 && cfg.async_rollout.is_async() {
         return Err(TrainError::Data(format!(
