@@ -247,6 +247,11 @@ pub struct SftConfig {
     /// `random` (learns the answer format, not the task), `oracle`, or `searcher` (search envs:
     /// the oracle's searches, then a guessed answer among the names read).
     pub agent: String,
+    /// Env tags (keys of `custom_envs`) whose episodes the agent plays, taken in turn; empty
+    /// (the default): the training envs, as `train_env_manager` groups them. A tag of its own
+    /// lets the warm start teach part of the task (e.g. one question type) and leave the rest
+    /// to RL.
+    pub tags: Vec<String>,
     /// Trajectories per gradient step.
     pub batch_size: usize,
     pub learning_rate: f64,
@@ -299,6 +304,7 @@ impl Default for SftConfig {
             steps: 0,
             episodes: 256,
             agent: "random".into(),
+            tags: Vec::new(),
             batch_size: 16,
             learning_rate: 1e-3,
             value_loss_coef: 0.0,
@@ -1004,6 +1010,7 @@ impl Config {
                 return fail("sft.agent", reason);
             }
         }
+        self.check_env_tags("sft", &self.sft.tags)?;
         if self.sft.copy.steps > 0 {
             if self.sft.copy.batch_size == 0 || self.sft.copy.length < 4 {
                 return fail(
@@ -1161,22 +1168,29 @@ impl Config {
                 format!("sums to {total} but num_env_groups is {}", m.num_env_groups),
             );
         }
-        for (i, tag) in m.tags.iter().enumerate() {
-            if !self.custom_envs.contains_key(tag) {
-                return fail(
-                    &format!("tags[{i}]"),
-                    format!(
-                        "`{tag}` is not a key of custom_envs (have: {})",
-                        self.custom_envs
-                            .keys()
-                            .cloned()
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                );
-            }
+        self.check_env_tags(key, &m.tags)
+    }
+
+    /// Every entry of `tags` (the value of `key`) names an env of `custom_envs`.
+    fn check_env_tags(&self, key: &str, tags: &[String]) -> Result<(), (String, String)> {
+        match tags
+            .iter()
+            .position(|tag| !self.custom_envs.contains_key(tag))
+        {
+            None => Ok(()),
+            Some(i) => Err((
+                format!("{key}.tags[{i}]"),
+                format!(
+                    "`{}` is not a key of custom_envs (have: {})",
+                    tags[i],
+                    self.custom_envs
+                        .keys()
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )),
         }
-        Ok(())
     }
 
     /// `sft.value_loss_coef`: finite, ≥ 0, and only with a step-start critic;
@@ -1678,6 +1692,12 @@ mod tests {
             &["val_env_manager.tags.0=Nope".into()],
         ));
         assert!(e.contains("val_env_manager.tags[0]"), "{e}");
+        let e = err_text(with(&["sft.tags=[SimpleFrozenLake, Nope]"]));
+        assert!(
+            e.contains("sft.tags[1]") && e.contains("`Nope`") && e.contains("SimpleFrozenLake"),
+            "{e}"
+        );
+        assert!(with(&["sft.tags=[SimpleFrozenLake]"]).is_ok());
     }
 
     #[test]

@@ -57,8 +57,8 @@ pub struct Transcripts {
     pub env_errors: Vec<String>,
 }
 
-/// Plays `episodes` episodes of `kind` over the train env manager's tags (round robin over its
-/// groups) and returns their steps as concat-layout records (no log-probs needed: filled with 0).
+/// Plays `episodes` episodes of `kind` over `sft.tags` in turn, or when it is empty over the
+/// train env manager's tags (round robin over its groups), and returns their steps as concat-layout records (no log-probs needed: filled with 0).
 /// An env error ends it, or under `on_error: skip` leaves its episode out; when every episode
 /// failed, the first error is returned.
 pub fn agent_transcripts(
@@ -68,7 +68,11 @@ pub fn agent_transcripts(
     episodes: usize,
     base_seed: u64,
 ) -> Result<Transcripts, TrainError> {
-    let tags = cfg.train_env_manager.group_tags();
+    let tags: Vec<&str> = if cfg.sft.tags.is_empty() {
+        cfg.train_env_manager.group_tags()
+    } else {
+        cfg.sft.tags.iter().map(String::as_str).collect()
+    };
     let mut on_error = BTreeMap::new();
     for &tag in &tags {
         let spec = &cfg.custom_envs[tag];
@@ -535,6 +539,32 @@ mod tests {
             "value loss {first} → {last}"
         );
         report
+    }
+
+    #[test]
+    fn transcripts_come_from_sft_tags_when_set() {
+        let config = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            Config::from_yaml_str(crate::config::EMBEDDED_DEFAULT_YAML, "x.yaml", &sets).unwrap()
+        };
+        let tags = |cfg: &Config| {
+            let tok = Tokenizer::builtin_with_words(&cfg.builtin_words().unwrap());
+            agent_transcripts(cfg, &tok, AgentKind::Random, 6, 5)
+                .unwrap()
+                .records
+                .into_iter()
+                .map(|r| r.env_tag)
+                .collect::<std::collections::BTreeSet<_>>()
+        };
+        let own = "custom_envs.Lake3={env_type: frozen_lake, env_config: {size: 3}}";
+        assert_eq!(
+            tags(&config(&[own])),
+            ["SimpleFrozenLake".to_string()].into()
+        );
+        assert_eq!(
+            tags(&config(&[own, "sft.tags=[Lake3]"])),
+            ["Lake3".to_string()].into()
+        );
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! </information>\n\n` (Search-R1), searched over the episode record's own context (`corpus:
 //! distractor`, HotpotQA's distractor setting) or over every paragraph of the world (`corpus:
 //! world`, full-wiki-like; for a fixture or file, every distinct paragraph of the loaded
-//! records). `<answer>…</answer>` ends the episode with reward = exact match after the official
+//! records). `question_type` (`bridge` or `comparison`) restricts an env to one type of question.
+//! `<answer>…</answer>` ends the episode with reward = exact match after the official
 //! normalization ([`metric`]); F1 is reported as a metric. The oracle does the two hops: it
 //! searches each supporting title in turn, then answers.
 //!
@@ -60,6 +61,30 @@ pub enum CorpusKind {
     World,
 }
 
+/// Which questions an env asks, by the record's `type`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuestionType {
+    /// Every question of the split.
+    #[default]
+    All,
+    /// Bridge questions only (`type: bridge`).
+    Bridge,
+    /// Comparison questions only (`type: comparison`).
+    Comparison,
+}
+
+impl QuestionType {
+    /// Whether a record of HotpotQA `type` `kind` is asked.
+    fn admits(self, kind: &str) -> bool {
+        match self {
+            QuestionType::All => true,
+            QuestionType::Bridge => kind == "bridge",
+            QuestionType::Comparison => kind == "comparison",
+        }
+    }
+}
+
 /// HotpotQA settings (`--set key=value`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -91,6 +116,9 @@ pub struct HotpotQaConfig {
     /// keeps its facts from one episode to the next, so answers can only be read, never
     /// remembered, even on the training split.
     pub episode_worlds: bool,
+    /// `all`, `bridge` or `comparison`: the env asks only questions of that type (e.g. the
+    /// transcripts of a warm start that teaches one type and leaves the other to RL).
+    pub question_type: QuestionType,
 }
 
 impl Default for HotpotQaConfig {
@@ -107,6 +135,7 @@ impl Default for HotpotQaConfig {
             corpus: CorpusKind::Distractor,
             topk: 3,
             episode_worlds: false,
+            question_type: QuestionType::All,
         }
     }
 }
@@ -167,7 +196,7 @@ impl QaData {
     fn build(cfg: &HotpotQaConfig) -> Result<QaData, EnvError> {
         let Source {
             records,
-            split,
+            mut split,
             world,
         } = match (&cfg.data_file, cfg.world) {
             (Some(path), _) => loaded(data::load_file(path)?, cfg)?,
@@ -177,6 +206,10 @@ impl QaData {
             )?,
             (None, WorldKind::Generated) => generated(cfg)?,
         };
+        split.retain(|&i| cfg.question_type.admits(&records[i].kind));
+        if split.is_empty() {
+            return Err(no_question_of_type(cfg));
+        }
         let world = match cfg.corpus {
             CorpusKind::Distractor => None,
             CorpusKind::World => Some(match &world {
@@ -190,6 +223,16 @@ impl QaData {
             world,
         })
     }
+}
+
+/// The error of a `question_type` that leaves the split without a question.
+fn no_question_of_type(cfg: &HotpotQaConfig) -> EnvError {
+    let name = serde_json::to_value(cfg.question_type).expect("question types serialize");
+    bad_value(
+        "hotpotqa",
+        "question_type",
+        format!("split `{}` holds no question of type {name}", cfg.split),
+    )
 }
 
 /// Records, the indices of the split and, for a generated world, the world.
@@ -331,8 +374,15 @@ impl HotpotQaEnv {
         let records = world
             .records(world::TEMPLATE_COUNT, self.cfg.distractors)
             .map_err(|reason| bad_value("hotpotqa", "world_size", reason))?;
-        let pick = crate::seed::derive(seed, &[1]) % records.len() as u64;
-        let record = records[pick as usize].clone();
+        let asked: Vec<&HotpotRecord> = records
+            .iter()
+            .filter(|r| self.cfg.question_type.admits(&r.kind))
+            .collect();
+        if asked.is_empty() {
+            return Err(no_question_of_type(&self.cfg));
+        }
+        let pick = crate::seed::derive(seed, &[1]) % asked.len() as u64;
+        let record = asked[pick as usize].clone();
         let corpus = match self.cfg.corpus {
             CorpusKind::Distractor => Corpus::new(&record.context),
             CorpusKind::World => Corpus::new(world.paragraphs()),
@@ -743,6 +793,82 @@ mod tests {
         .unwrap()
         .to_string();
         assert!(err.contains("`episode_worlds`"), "{err}");
+    }
+
+    #[test]
+    fn question_type_asks_only_questions_of_that_type() {
+        let kinds = |cfg: HotpotQaConfig| {
+            let mut env = HotpotQaEnv::new(cfg).unwrap();
+            (0..48)
+                .map(|seed| {
+                    env.reset(seed).unwrap();
+                    env.record().kind.clone()
+                })
+                .collect::<BTreeSet<_>>()
+        };
+        let per_episode = HotpotQaConfig {
+            episode_worlds: true,
+            world_size: 60,
+            ..HotpotQaConfig::default()
+        };
+        let fixture = HotpotQaConfig {
+            world: WorldKind::Fixture,
+            split: "all".into(),
+            ..HotpotQaConfig::default()
+        };
+        for base in [
+            per_episode.clone(),
+            HotpotQaConfig::default(),
+            fixture.clone(),
+        ] {
+            assert_eq!(kinds(base.clone()).len(), 2, "{base:?} asks both types");
+            for (only, kind) in [
+                (QuestionType::Bridge, "bridge"),
+                (QuestionType::Comparison, "comparison"),
+            ] {
+                let cfg = HotpotQaConfig {
+                    question_type: only,
+                    ..base.clone()
+                };
+                assert_eq!(kinds(cfg), BTreeSet::from([kind.to_string()]));
+            }
+        }
+        // `all` picks exactly the episodes it picked before the key existed.
+        let mut env = HotpotQaEnv::new(per_episode).unwrap();
+        env.reset(7).unwrap();
+        let record = env.record().clone();
+        let records = World::generate_in(
+            0,
+            crate::seed::derive(0, &[EPISODE_WORLD_STREAM, 7]),
+            Split::Train,
+            60,
+        )
+        .unwrap()
+        .records(world::TEMPLATE_COUNT, 6)
+        .unwrap();
+        let pick = crate::seed::derive(7, &[1]) % records.len() as u64;
+        assert_eq!(record, records[pick as usize]);
+        // A file without a question of the type is refused by name.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bridge_only.json");
+        let bridges: Vec<HotpotRecord> = data::parse_records(data::EMBEDDED_FIXTURE, "fixture")
+            .unwrap()
+            .into_iter()
+            .filter(|r| r.kind == "bridge")
+            .collect();
+        std::fs::write(&path, data::to_json(&bridges)).unwrap();
+        let err = HotpotQaEnv::new(HotpotQaConfig {
+            data_file: Some(path.display().to_string()),
+            question_type: QuestionType::Comparison,
+            ..fixture
+        })
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            err.contains("question_type") && err.contains("\"comparison\""),
+            "{err}"
+        );
     }
 
     #[test]
