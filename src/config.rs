@@ -96,6 +96,14 @@ pub enum DeviceKind {
     Cuda,
 }
 
+/// The word a config file writes for `value`, an enum of the config (`state`, `step_gae`).
+pub fn config_name<T: Serialize>(value: &T) -> String {
+    match serde_json::to_value(value).expect("config enums serialise") {
+        serde_json::Value::String(name) => name,
+        other => other.to_string(),
+    }
+}
+
 /// Critic architecture.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

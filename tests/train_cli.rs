@@ -371,7 +371,7 @@ fn a_critic_the_estimator_never_reads_is_refused() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("critic.mode: State") && err.contains("reads no critic"),
+        err.contains("critic.mode: state is set, but adv_estimator reinforce reads no critic"),
         "{err}"
     );
     assert!(!run.exists(), "a failed start created {}", run.display());

@@ -46,7 +46,7 @@ use crate::algo::{
     compute_advantages, kl_reward_penalty, uncertainty_filter, AdamW, AdvantageInputs,
     CriticTarget, LrSchedule, ProximalCorrection,
 };
-use crate::config::{Config, CriticMode, ProximalPolicy};
+use crate::config::{config_name, Config, CriticMode, ProximalPolicy};
 use crate::crash;
 use crate::dist::{Collective, Metered, Single};
 use crate::env::{build_session, AgentKind};
@@ -1141,9 +1141,10 @@ fn check_critic_is_read(cfg: &Config) -> Result<(), TrainError> {
         return Ok(());
     }
     Err(TrainError::Data(format!(
-        "critic.mode: {:?} is set, but adv_estimator {:?} reads no critic; set critic.mode: none \
+        "critic.mode: {} is set, but adv_estimator {} reads no critic; set critic.mode: none \
          (or choose step_gae / token_gae)",
-        cfg.critic.mode, cfg.adv_estimator
+        config_name(&cfg.critic.mode),
+        config_name(&cfg.adv_estimator)
     )))
 }
 

@@ -227,11 +227,14 @@ impl QaData {
 
 /// The error of a `question_type` that leaves the split without a question.
 fn no_question_of_type(cfg: &HotpotQaConfig) -> EnvError {
-    let name = serde_json::to_value(cfg.question_type).expect("question types serialize");
     bad_value(
         "hotpotqa",
         "question_type",
-        format!("split `{}` holds no question of type {name}", cfg.split),
+        format!(
+            "split `{}` holds no question of type `{}`",
+            cfg.split,
+            crate::config::config_name(&cfg.question_type)
+        ),
     )
 }
 
@@ -866,7 +869,7 @@ mod tests {
         .unwrap()
         .to_string();
         assert!(
-            err.contains("question_type") && err.contains("\"comparison\""),
+            err.contains("question_type") && err.contains("type `comparison`"),
             "{err}"
         );
     }
