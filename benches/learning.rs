@@ -198,6 +198,7 @@ fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         return;
     }
+    stepppo::device::prepare_cpu_process();
     let seeds = env_usize("LEARNING_SEEDS").unwrap_or(3);
     let eval_steps = env_usize("LEARNING_EVAL_STEPS").unwrap_or(5);
     let extra: Vec<String> = std::env::var("LEARNING_SETS")

@@ -12,7 +12,8 @@
 //! `torch.set_num_threads`) for PyTorch, found through `STEPPPO_TORCH_PYTHON` or `python3`; the
 //! PyTorch side is skipped with a message where torch or transformers is missing. Both sides
 //! report the first step's loss, which must agree, and the median of the timed steps. stepppo's
-//! side runs with the `stepppo` binary's allocator setting (freed memory kept in the heap).
+//! side runs under the `stepppo` binary's process settings ([`stepppo::device::prepare_cpu_process`]:
+//! freed memory kept in the heap, candle's idle pool workers parked soon).
 //!
 //! Next to the two, the step's limit on this machine: its matrix products' FLOPs (forward, and
 //! twice that backward; the attention's causal half; the LM head at the response positions)
@@ -356,21 +357,9 @@ fn run_child(mut cmd: Command, threads: usize) -> Report {
     }
 }
 
-/// The allocator setting of the `stepppo` binary (its `main`): every allocation from glibc's heap,
-/// freed memory kept for reuse, so the timed steps run as they do in training.
-fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `mallopt` only changes allocator tunables; it is called before any other thread
-    // exists.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_MAX, 0);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
-    }
-}
-
 fn main() {
     if let Ok(dir) = std::env::var(CASE_VAR) {
-        keep_freed_memory();
+        stepppo::device::prepare_cpu_process();
         let report = time_stepppo(Path::new(&dir));
         println!("RESULT {}", serde_json::to_string(&report).unwrap());
         return;

@@ -103,25 +103,7 @@ pub(crate) fn set_cpu_threads(n: usize) {
     }
 }
 
-/// Keeps freed memory in the process heap instead of returning every large block to the kernel:
-/// the training forward/backward allocates and frees many tensors of tens of MB per step, and
-/// glibc's default (mmap per large block) makes the kernel zero fresh pages each time, which
-/// doubled the update time on CPU in measurements.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn keep_freed_memory() {
-    // SAFETY: mallopt only changes glibc allocator thresholds; it is called before any training
-    // allocation and has no memory-safety preconditions.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_MAX, 0);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn keep_freed_memory() {}
-
 pub fn train(a: TrainArgs) -> anyhow::Result<()> {
-    keep_freed_memory();
     let (cfg, run_dir) = run_config(&a)?;
     let cuda = (cfg.device == DeviceKind::Cuda).then(stepppo::dist::local_rank);
     let dist = stepppo::dist::join_world(cuda)?;
@@ -432,7 +414,6 @@ fn print_summaries(summaries: &[TagSummary], json: bool) -> anyhow::Result<()> {
 }
 
 pub fn sft(a: SftArgs) -> anyhow::Result<()> {
-    keep_freed_memory();
     let cfg = load_config(a.config.as_deref(), &a.sets)?;
     let dataset = Dataset::open(&a.dataset)?;
     let records: Vec<_> = dataset

@@ -21,6 +21,7 @@ use rayon::prelude::*;
 
 use super::fused::{exp_in_place, max_of, sum_of};
 use super::Result;
+use multiversion::multiversion;
 
 /// Which implementation computes the training forward's attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -285,24 +286,31 @@ impl HeadInputs<'_> {
             Operand::transposed(self.k, d),
             Accumulate::No(scale),
         );
-        for (r, row) in probs.chunks_exact_mut(keys).enumerate() {
-            // Row t sees the keys up to its own position, less padding before it.
-            let at = self.seen.offset + t0 + r;
-            let (live, above) = row.split_at_mut(at + 1);
-            above.fill(0.0);
-            if let Some(real) = self.seen.real {
-                for (p, &real) in live[..at].iter_mut().zip(real) {
-                    if !real {
-                        *p = f32::NEG_INFINITY;
-                    }
+        causal_softmax(probs, keys, self.seen.offset + t0, self.seen.real);
+    }
+}
+
+/// Softmax of each row of `scores` (`keys` wide) over the keys it sees: row `r` sits at key
+/// position `first + r` and sees the keys up to it that are real (all without `real`); the rest
+/// become 0.
+#[multiversion(targets = "simd")]
+fn causal_softmax(scores: &mut [f32], keys: usize, first: usize, real: Option<&[bool]>) {
+    for (r, row) in scores.chunks_exact_mut(keys).enumerate() {
+        let at = first + r;
+        let (live, above) = row.split_at_mut(at + 1);
+        above.fill(0.0);
+        if let Some(real) = real {
+            for (p, &real) in live[..at].iter_mut().zip(real) {
+                if !real {
+                    *p = f32::NEG_INFINITY;
                 }
             }
-            let max = max_of(live);
-            live.iter_mut().for_each(|p| *p -= max);
-            exp_in_place(live);
-            let sum = sum_of(live);
-            live.iter_mut().for_each(|p| *p /= sum);
         }
+        let max = max_of(live);
+        live.iter_mut().for_each(|p| *p -= max);
+        exp_in_place(live);
+        let sum = sum_of(live);
+        live.iter_mut().for_each(|p| *p /= sum);
     }
 }
 

@@ -41,6 +41,7 @@ pub(crate) fn exp(x: f32) -> f32 {
 }
 
 /// `x ← e^x` over a slice.
+#[inline(always)]
 pub(crate) fn exp_in_place(xs: &mut [f32]) {
     for x in xs {
         *x = exp(*x);
@@ -51,6 +52,7 @@ pub(crate) fn exp_in_place(xs: &mut [f32]) {
 const LANES: usize = 8;
 
 /// The largest value (−∞ for an empty slice; NaN-free input).
+#[inline(always)]
 pub(crate) fn max_of(xs: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = xs.chunks_exact(LANES);
@@ -67,6 +69,7 @@ pub(crate) fn max_of(xs: &[f32]) -> f32 {
 }
 
 /// The sum, accumulated in eight lanes then added up.
+#[inline(always)]
 pub(crate) fn sum_of(xs: &[f32]) -> f32 {
     let mut lanes = [0.0f32; LANES];
     let chunks = xs.chunks_exact(LANES);

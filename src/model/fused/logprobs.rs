@@ -7,7 +7,9 @@
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{exp_in_place, f32_data, from_host, u32_data, with_host, ROWS_PER_TASK};
+use multiversion::multiversion;
+
+use super::{exp_in_place, f32_data, from_host, max_of, u32_data, with_host, ROWS_PER_TASK};
 use crate::model::Result;
 
 const NAME: &str = "logprobs-entropy";
@@ -50,27 +52,7 @@ impl Row {
         inv_temp: f32,
         (shifted, e): (&mut [f32], &mut [f32]),
     ) -> Self {
-        match bias {
-            Some(b) => {
-                for ((s, &l), &b) in shifted.iter_mut().zip(logits).zip(b) {
-                    *s = l * inv_temp + b;
-                }
-            }
-            None => {
-                for (s, &l) in shifted.iter_mut().zip(logits) {
-                    *s = l * inv_temp;
-                }
-            }
-        }
-        let max = shifted.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        shifted.iter_mut().for_each(|s| *s -= max);
-        e.copy_from_slice(shifted);
-        exp_in_place(e);
-        let (mut sum, mut weighted) = (0.0f32, 0.0f32);
-        for (&e, &s) in e.iter().zip(shifted.iter()) {
-            sum += e;
-            weighted += e * s;
-        }
+        let (sum, weighted) = shifted_exponentials(logits, bias, inv_temp, (shifted, e));
         let log_sum = sum.ln();
         Self {
             log_sum,
@@ -78,6 +60,38 @@ impl Row {
             entropy: log_sum - weighted / sum,
         }
     }
+}
+
+/// Writes a row's `z − max` and `e^(z − max)`; returns `Σ e^(z − max)` and `Σ e^(z − max) (z − max)`.
+#[multiversion(targets = "simd")]
+fn shifted_exponentials(
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    inv_temp: f32,
+    (shifted, e): (&mut [f32], &mut [f32]),
+) -> (f32, f32) {
+    match bias {
+        Some(b) => {
+            for ((s, &l), &b) in shifted.iter_mut().zip(logits).zip(b) {
+                *s = l * inv_temp + b;
+            }
+        }
+        None => {
+            for (s, &l) in shifted.iter_mut().zip(logits) {
+                *s = l * inv_temp;
+            }
+        }
+    }
+    let max = max_of(shifted);
+    shifted.iter_mut().for_each(|s| *s -= max);
+    e.copy_from_slice(shifted);
+    exp_in_place(e);
+    let (mut sum, mut weighted) = (0.0f32, 0.0f32);
+    for (&e, &s) in e.iter().zip(shifted.iter()) {
+        sum += e;
+        weighted += e * s;
+    }
+    (sum, weighted)
 }
 
 /// Per-task buffers of one row's shifted logits and their exponentials.

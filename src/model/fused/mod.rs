@@ -13,7 +13,10 @@
 //! Each has a composed-op reference elsewhere in [`super`] (the path on other devices and
 //! dtypes), and [`applies`] says when the fused op runs. Work is split over rows with rayon in
 //! fixed-size chunks and reductions run in chunk order, so results do not depend on the thread
-//! count. Not here: attention ([`super::attention`]).
+//! count. Their row loops are `#[multiversion]` functions: compiled also for AVX-512 and AVX2
+//! and picked at run time, since the default build targets baseline x86-64 (4-lane SSE); the
+//! arithmetic and its order are the same in every version, so results are bit for bit equal.
+//! Not here: attention ([`super::attention`]).
 
 mod exp;
 mod linear;

@@ -3,6 +3,7 @@
 //! `∂w = Σ_rows g ∘ x · r` (summed per chunk of rows, then over chunks in order).
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 use super::{f32_data, from_host, with_host, ROWS_PER_TASK};
@@ -20,31 +21,43 @@ struct RmsNorm {
     eps: f32,
 }
 
-impl RmsNorm {
-    fn inv_rms(&self, x: &[f32]) -> f32 {
-        let mean = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-        1.0 / (mean + self.eps).sqrt()
-    }
+#[inline(always)]
+fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    let mean = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    1.0 / (mean + eps).sqrt()
+}
 
-    /// One chunk of rows' `∂x` (written) and its part of `∂w` (returned).
-    fn chunk_backward(&self, x: &[f32], w: &[f32], g: &[f32], dx: &mut [f32]) -> Vec<f32> {
-        let h = w.len();
-        let mut dw = vec![0.0f32; h];
-        for ((x, g), dx) in x
-            .chunks_exact(h)
-            .zip(g.chunks_exact(h))
-            .zip(dx.chunks_exact_mut(h))
-        {
-            let r = self.inv_rms(x);
-            let dot: f32 = (0..h).map(|j| g[j] * w[j] * x[j]).sum();
-            let c = r * r * r * dot / h as f32;
-            for j in 0..h {
-                dx[j] = r * g[j] * w[j] - x[j] * c;
-                dw[j] += g[j] * x[j] * r;
-            }
+/// One chunk of rows' output.
+#[multiversion(targets = "simd")]
+fn chunk_forward(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let h = w.len();
+    for (y, x) in out.chunks_exact_mut(h).zip(x.chunks_exact(h)) {
+        let r = inv_rms(x, eps);
+        for j in 0..h {
+            y[j] = x[j] * r * w[j];
         }
-        dw
     }
+}
+
+/// One chunk of rows' `∂x` (written) and its part of `∂w` (returned).
+#[multiversion(targets = "simd")]
+fn chunk_backward(x: &[f32], w: &[f32], g: &[f32], eps: f32, dx: &mut [f32]) -> Vec<f32> {
+    let h = w.len();
+    let mut dw = vec![0.0f32; h];
+    for ((x, g), dx) in x
+        .chunks_exact(h)
+        .zip(g.chunks_exact(h))
+        .zip(dx.chunks_exact_mut(h))
+    {
+        let r = inv_rms(x, eps);
+        let dot: f32 = (0..h).map(|j| g[j] * w[j] * x[j]).sum();
+        let c = r * r * r * dot / h as f32;
+        for j in 0..h {
+            dx[j] = r * g[j] * w[j] - x[j] * c;
+            dw[j] += g[j] * x[j] * r;
+        }
+    }
+    dw
 }
 
 fn width(x: &Layout, w: &Layout) -> candle_core::Result<usize> {
@@ -72,14 +85,7 @@ impl CustomOp2 for RmsNorm {
         let mut out = vec![0.0f32; x.len()];
         out.par_chunks_mut(h * ROWS_PER_TASK)
             .zip(x.par_chunks(h * ROWS_PER_TASK))
-            .for_each(|(out, x)| {
-                for (y, x) in out.chunks_exact_mut(h).zip(x.chunks_exact(h)) {
-                    let r = self.inv_rms(x);
-                    for j in 0..h {
-                        y[j] = x[j] * r * w[j];
-                    }
-                }
-            });
+            .for_each(|(out, x)| chunk_forward(x, w, self.eps, out));
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -99,7 +105,7 @@ impl CustomOp2 for RmsNorm {
                         .par_chunks_mut(h * ROWS_PER_TASK)
                         .zip(xs.par_chunks(h * ROWS_PER_TASK))
                         .zip(gs.par_chunks(h * ROWS_PER_TASK))
-                        .map(|((dx, x), g)| self.chunk_backward(x, ws, g, dx))
+                        .map(|((dx, x), g)| chunk_backward(x, ws, g, self.eps, dx))
                         .collect();
                     let mut dw = vec![0.0f32; h];
                     for part in parts {

@@ -2,6 +2,7 @@
 //! `∂g = dy · u · σ(g) (1 + g (1 − σ(g)))`, `∂u = dy · silu(g)`.
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 use super::{exp, f32_data, from_host, with_host};
@@ -19,8 +20,27 @@ pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 
 struct Swiglu;
 
+#[inline(always)]
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp(-x))
+}
+
+/// `y = silu(g) · u` over one chunk.
+#[multiversion(targets = "simd")]
+fn chunk_forward(g: &[f32], u: &[f32], y: &mut [f32]) {
+    for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+        *y = g * sigmoid(g) * u;
+    }
+}
+
+/// The gradients of one chunk's gate and up values from the output's `dy`.
+#[multiversion(targets = "simd")]
+fn chunk_backward(g: &[f32], u: &[f32], dy: &[f32], (dg, du): (&mut [f32], &mut [f32])) {
+    for j in 0..g.len() {
+        let s = sigmoid(g[j]);
+        dg[j] = dy[j] * u[j] * s * (1.0 + g[j] * (1.0 - s));
+        du[j] = dy[j] * g[j] * s;
+    }
 }
 
 fn check(g: &Layout, u: &Layout) -> candle_core::Result<()> {
@@ -47,11 +67,7 @@ impl CustomOp2 for Swiglu {
         let mut out = vec![0.0f32; g.len()];
         out.par_chunks_mut(CHUNK)
             .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
-            .for_each(|(y, (g, u))| {
-                for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                    *y = g * sigmoid(g) * u;
-                }
-            });
+            .for_each(|(y, (g, u))| chunk_forward(g, u, y));
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -71,13 +87,7 @@ impl CustomOp2 for Swiglu {
                         .zip(du.par_chunks_mut(CHUNK))
                         .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
                         .zip(dy.par_chunks(CHUNK))
-                        .for_each(|(((dg, du), (g, u)), dy)| {
-                            for j in 0..g.len() {
-                                let s = sigmoid(g[j]);
-                                dg[j] = dy[j] * u[j] * s * (1.0 + g[j] * (1.0 - s));
-                                du[j] = dy[j] * g[j] * s;
-                            }
-                        });
+                        .for_each(|(((dg, du), (g, u)), dy)| chunk_backward(g, u, dy, (dg, du)));
                     Ok((dg, du))
                 })
             })
