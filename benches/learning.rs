@@ -1,7 +1,8 @@
-//! StepPO against its baselines on the same FrozenLake budget (a custom harness, not criterion):
+//! StepPO against its baselines on the same budget (a custom harness, not criterion):
 //! `step_gae` (the default: step-level GAE on the asymmetric state critic), `step_reinforce`,
-//! `token_gae`, `grpo` and `gigpo` each train from the embedded default config with several seeds,
-//! all starting from ONE shared warm-started policy (the default's random-agent behaviour cloning,
+//! `token_gae`, `grpo` and `gigpo` each train from the embedded default config (FrozenLake), or the
+//! config file `LEARNING_CONFIG` names (e.g. `configs/sokoban_steppo.yaml`), with several seeds,
+//! all starting from ONE shared warm-started policy (the config's random-agent behaviour cloning,
 //! done once), with the same rollout budget and the same validation seeds; the table reports final
 //! validation success (mean ± std over seeds, and per seed), the first steps at which validation
 //! success reached 0.5 and 0.8, the critic arms' explained variance pooled over their last 20 steps
@@ -98,9 +99,17 @@ fn pooled_ev(rows: &[CriticRow]) -> Option<(f64, f64)> {
     Some((1.0 - residual / total, ceiling))
 }
 
+/// The bench's config: `LEARNING_CONFIG`'s file, or the embedded default, with `sets` applied.
 fn config(sets: &[String]) -> Config {
-    let cfg = Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, EMBEDDED_DEFAULT_NAME, sets)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let cfg = match std::env::var("LEARNING_CONFIG") {
+        Ok(path) => {
+            let text = std::fs::read_to_string(&path)
+                .unwrap_or_else(|e| panic!("LEARNING_CONFIG {path}: {e}"));
+            Config::from_yaml_str(&text, &path, sets)
+        }
+        Err(_) => Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, EMBEDDED_DEFAULT_NAME, sets),
+    }
+    .unwrap_or_else(|e| panic!("{e}"));
     if cfg.cpu_threads > 0 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", cfg.cpu_threads.to_string());
     }

@@ -39,8 +39,9 @@ def state_features(observation):
     return x
 
 
-def batches(lines, gamma):
-    """{policy_version: [(features, return, (group, state))]} with discounted step returns."""
+def step_returns(lines, gamma):
+    """Each policy version's closed step records with their Monte-Carlo step returns, in
+    trajectory and step order: {version: [(record, return), ...]}."""
     trajectories = collections.defaultdict(list)
     for line in lines:
         r = json.loads(line)
@@ -54,10 +55,19 @@ def batches(lines, gamma):
         for r in reversed(steps):
             g = r["reward"] + gamma * g
             returns.append(g)
-        for r, g in zip(steps, reversed(returns)):
-            key = (r["group_id"], r["state_hash"])
-            out[version].append((state_features(r["info"]["observation_text"]), g, key))
+        out[version].extend(zip(steps, reversed(returns)))
     return out
+
+
+def batches(lines, gamma):
+    """{version: [(hand-made features, return, anchor key), ...]}."""
+    return {
+        version: [
+            (state_features(r["info"]["observation_text"]), g, (r["group_id"], r["state_hash"]))
+            for r, g in rows
+        ]
+        for version, rows in step_returns(lines, gamma).items()
+    }
 
 
 def tabular_ceiling(rows):

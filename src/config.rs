@@ -146,6 +146,10 @@ pub struct CriticConfig {
     /// fit the critic faster than the policy moves (a shared head needs at least the actor's: it
     /// trains in the actor's backward).
     pub ppo_epochs: Option<usize>,
+    /// A state critic (`mode: state`) is fitted on the step rows of the last this many rollout
+    /// batches, the newest included; each fit makes `ppo_epochs` passes' worth of mini-batches
+    /// of the newest batch, drawn from all of them. 1 = the newest batch alone.
+    pub history_batches: usize,
 }
 
 impl CriticConfig {
@@ -166,6 +170,7 @@ impl Default for CriticConfig {
             train_on_filtered: true,
             warmup_steps: 0,
             ppo_epochs: None,
+            history_batches: 1,
         }
     }
 }
@@ -954,6 +959,21 @@ impl Config {
         if let Some(c) = self.critic.value_clip {
             check_positive("critic.value_clip", c as f64)?;
         }
+        match self.critic.history_batches {
+            0 => return fail("critic.history_batches", "must be at least 1".into()),
+            n if n > 1 && !matches!(self.critic.mode, CriticMode::State | CriticMode::None) => {
+                return fail(
+                    "critic.history_batches",
+                    format!(
+                        "only a state critic refits on earlier batches (their critic states do \
+                         not change with the policy); critic.mode is {}: set \
+                         critic.history_batches to 1",
+                        config_name(&self.critic.mode)
+                    ),
+                )
+            }
+            _ => {}
+        }
         let uses_group_mean = matches!(
             self.adv_estimator,
             Estimator::Reinforce | Estimator::StepReinforce
@@ -1421,8 +1441,13 @@ mod tests {
     use super::*;
 
     /// The embedded default with `sets` applied as `--set` overrides.
+    /// The embedded default with `sets`, after a history of one batch: the default's state
+    /// critic history is refused by the other critics these tests switch to.
     fn with(sets: &[&str]) -> Result<Config, ConfigError> {
-        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let sets: Vec<String> = std::iter::once("critic.history_batches=1")
+            .chain(sets.iter().copied())
+            .map(str::to_string)
+            .collect();
         Config::from_yaml_str(EMBEDDED_DEFAULT_YAML, "x.yaml", &sets)
     }
 
@@ -1517,6 +1542,22 @@ mod tests {
         ]));
         assert!(
             e.contains("critic.ppo_epochs") && e.contains("shared"),
+            "{e}"
+        );
+        assert!(with(&[gae, "critic.mode=state", "critic.history_batches=32"]).is_ok());
+        let e = err_text(with(&[
+            gae,
+            "critic.mode=state",
+            "critic.history_batches=0",
+        ]));
+        assert!(e.contains("critic.history_batches"), "{e}");
+        let e = err_text(with(&[
+            gae,
+            "critic.mode=features",
+            "critic.history_batches=2",
+        ]));
+        assert!(
+            e.contains("critic.history_batches") && e.contains("critic.mode is features"),
             "{e}"
         );
         assert!(with(&[gae, "critic.mode=separate", "critic.pretrain=builtin"]).is_ok());

@@ -16,7 +16,7 @@ const GROUPS: u64 = 2;
 
 fn config(staleness: usize) -> Config {
     let staleness = format!("async_rollout.staleness={staleness}");
-    common::tiny_config(&["critic.mode=shared", &staleness])
+    common::tiny_config(&["critic.mode=shared", "critic.history_batches=1", &staleness])
 }
 
 fn weights(t: &Trainer) -> Vec<(String, Vec<f32>)> {

@@ -201,7 +201,11 @@ fn step_gae_with_a_critic_logs_the_critic_metrics() {
     let run = dir.path().join("run");
     let sets = [
         &tiny()[..],
-        &["adv_estimator=step_gae", "critic.mode=shared"],
+        &[
+            "adv_estimator=step_gae",
+            "critic.mode=shared",
+            "critic.history_batches=1",
+        ],
     ]
     .concat();
     stepppo_ok(&with_sets(

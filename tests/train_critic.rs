@@ -11,7 +11,9 @@ use stepppo::algo::loss::explained_variance;
 use stepppo::algo::{AdamW, CriticTarget, LossConfig, OptimizerConfig};
 use stepppo::model::{Critic, FeatureCritic, Model, ModelConfig};
 use stepppo::store::StepRecord;
+use stepppo::train::critic_history::CriticHistory;
 use stepppo::train::masks::ResponseMasks;
+use stepppo::train::metrics::Scalars;
 use stepppo::train::update::{
     critic_values, ppo_update, state_values, CriticLearner, CriticModel, Learners, UpdateInputs,
     UpdateSettings,
@@ -19,6 +21,8 @@ use stepppo::train::update::{
 use stepppo::train::BatchLayout;
 
 const VOCAB: usize = 64;
+/// Width of the records' critic states: a one-hot of the four states.
+const STATE_WIDTH: usize = 4;
 
 /// Four states, each seen by four one-step trajectories; the return of state s is s / 3.
 fn records() -> Vec<StepRecord> {
@@ -34,7 +38,9 @@ fn records() -> Vec<StepRecord> {
                 reward: s as f32 / 3.0,
                 terminated: true,
                 state_hash: u64::from(s),
-                critic_state: (0..4).map(|k| f32::from(u8::from(k == s))).collect(),
+                critic_state: (0..STATE_WIDTH as u32)
+                    .map(|k| f32::from(u8::from(k == s)))
+                    .collect(),
                 ..StepRecord::default()
             }
         })
@@ -85,9 +91,30 @@ fn values_of(
 /// Learning rate of every fit.
 const LR: f64 = 3e-3;
 
-/// Runs `rounds` critic-only updates of `critic_epochs` passes at [`LR`]; returns the explained
-/// variance before and after, and asserts the frozen policy did not move.
-fn fit(critic: &CriticModel, policy: &Model, rounds: u64, critic_epochs: usize) -> (f64, f64) {
+/// How [`fit`] trains: `rounds` critic-only updates of `critic_epochs` passes; a state critic
+/// fits on the rows of its last `history_batches` batches; with `alternate`, even rounds train
+/// the critic on the steps of states 0 and 1 only, odd rounds on states 2 and 3.
+struct Plan {
+    rounds: u64,
+    critic_epochs: usize,
+    history_batches: usize,
+    alternate: bool,
+}
+
+impl Plan {
+    fn plain(rounds: u64, critic_epochs: usize) -> Self {
+        Plan {
+            rounds,
+            critic_epochs,
+            history_batches: 1,
+            alternate: false,
+        }
+    }
+}
+
+/// Runs `plan`'s critic-only updates at [`LR`]; returns the explained variance over every record
+/// before and after and the last update's metrics, and asserts the frozen policy did not move.
+fn fit(critic: &CriticModel, policy: &Model, plan: &Plan) -> (f64, f64, Scalars) {
     let opt_cfg = OptimizerConfig {
         lr: LR,
         critic_lr: LR,
@@ -99,18 +126,27 @@ fn fit(critic: &CriticModel, policy: &Model, rounds: u64, critic_epochs: usize) 
     let records = records();
     let sequences: Vec<Vec<usize>> = (0..records.len()).map(|i| vec![i]).collect();
     let before = explained(critic, policy, &records, &sequences);
+    let mut history = CriticHistory::new(plan.history_batches, STATE_WIDTH);
+    let mut last = Scalars::new();
 
     let returns: Vec<Vec<f32>> = records.iter().map(|r| vec![r.reward; 2]).collect();
     let loss = LossConfig::default();
     let masks = ResponseMasks::default();
     let policy_before = policy.named_vars()[0].1.as_tensor().to_vec1_flat();
-    for round in 0..rounds {
+    for round in 0..plan.rounds {
+        let critic_keep = records
+            .iter()
+            .map(|r| {
+                !plan.alternate
+                    || (r.critic_state[2] + r.critic_state[3] == 1.0) == (round % 2 == 1)
+            })
+            .collect();
         let old_values = values_of(critic, policy, &records, &sequences);
         let inputs = UpdateInputs {
             records: &records,
             sequences: sequences.clone(),
             actor_keep: vec![true; records.len()],
-            critic_keep: vec![true; records.len()],
+            critic_keep,
             advantages: vec![vec![0.0; 2]; records.len()],
             returns: returns.clone(),
             old_values,
@@ -122,7 +158,7 @@ fn fit(critic: &CriticModel, policy: &Model, rounds: u64, critic_epochs: usize) 
         let settings = UpdateSettings {
             loss: &loss,
             epochs: 1,
-            critic_epochs,
+            critic_epochs: plan.critic_epochs,
             mini_batch: 8,
             actor_lr: LR,
             critic_lr: LR,
@@ -138,25 +174,25 @@ fn fit(critic: &CriticModel, policy: &Model, rounds: u64, critic_epochs: usize) 
         let learner = match critic {
             CriticModel::Separate(c) => CriticLearner::Separate(c, &mut critic_opt),
             CriticModel::Features(c) => CriticLearner::Features(c, &mut critic_opt),
-            CriticModel::State(c) => CriticLearner::State(c, &mut critic_opt),
+            CriticModel::State(c) => CriticLearner::State(c, &mut critic_opt, &mut history),
         };
         let mut learners = Learners {
             policy,
             actor_opt: &mut actor_opt,
             critic: Some(learner),
         };
-        ppo_update(&inputs, &settings, &mut learners).unwrap();
+        last = ppo_update(&inputs, &settings, &mut learners).unwrap();
     }
     let after = explained(critic, policy, &records, &sequences);
     let policy_after = policy.named_vars()[0].1.as_tensor().to_vec1_flat();
     assert_eq!(policy_before, policy_after, "the frozen policy moved");
-    (before, after)
+    (before, after, last)
 }
 
 /// Runs [`fit`] and checks that the critic went from explaining little of the
 /// return to nearly all of it.
-fn assert_learns(critic: &CriticModel, policy: &Model, rounds: u64, critic_epochs: usize) {
-    let (before, after) = fit(critic, policy, rounds, critic_epochs);
+fn assert_learns(critic: &CriticModel, policy: &Model, plan: Plan) {
+    let (before, after, _) = fit(critic, policy, &plan);
     assert!(
         before < 0.3,
         "an untrained critic explains little: {before}"
@@ -169,7 +205,7 @@ fn critic_only_updates_raise_the_explained_variance_on_a_fixed_dataset() {
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
     let critic = CriticModel::Separate(Box::new(Critic::new(&cfg, 2, &Device::Cpu).unwrap()));
-    assert_learns(&critic, &policy, 30, 1);
+    assert_learns(&critic, &policy, Plan::plain(30, 1));
 }
 
 #[test]
@@ -177,20 +213,40 @@ fn a_feature_critic_fits_the_frozen_policys_features() {
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
     let critic = CriticModel::Features(FeatureCritic::new(&policy, 2).unwrap());
-    assert_learns(&critic, &policy, 3, 10);
+    assert_learns(&critic, &policy, Plan::plain(3, 10));
 }
 
 #[test]
 fn a_state_critic_fits_the_records_critic_states() {
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
-    let critic = CriticModel::State(FeatureCritic::with_width(4, &cfg, 2, &Device::Cpu).unwrap());
-    assert_learns(&critic, &policy, 3, 10);
+    let critic =
+        CriticModel::State(FeatureCritic::with_width(STATE_WIDTH, &cfg, 2, &Device::Cpu).unwrap());
+    assert_learns(&critic, &policy, Plan::plain(3, 10));
+}
+
+#[test]
+fn a_state_critic_with_a_history_fits_the_states_of_earlier_batches() {
+    // Each round trains on half the states; a history of two batches holds all four.
+    let cfg = ModelConfig::tiny(VOCAB);
+    let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
+    let critic =
+        CriticModel::State(FeatureCritic::with_width(STATE_WIDTH, &cfg, 2, &Device::Cpu).unwrap());
+    let plan = Plan {
+        rounds: 6,
+        critic_epochs: 10,
+        history_batches: 2,
+        alternate: true,
+    };
+    let (before, after, metrics) = fit(&critic, &policy, &plan);
+    assert_eq!(metrics["critic/history_rows"], 16.0);
+    assert!(after > 0.9, "explained variance {before:.3} → {after:.3}");
 }
 
 #[test]
 fn a_state_critic_names_a_record_without_a_critic_state() {
-    let critic = FeatureCritic::with_width(4, &ModelConfig::tiny(VOCAB), 2, &Device::Cpu).unwrap();
+    let critic =
+        FeatureCritic::with_width(STATE_WIDTH, &ModelConfig::tiny(VOCAB), 2, &Device::Cpu).unwrap();
     let mut records = records();
     records[5].critic_state.clear();
     let error = state_values(&critic, &records, CriticTarget::StepStart, &Device::Cpu)

@@ -172,11 +172,19 @@ fn two_ranks_train_the_default_as_one_rank() {
 /// StepPO's critic: step-level GAE with a separate critic, its gradients summed too.
 #[test]
 fn two_ranks_train_a_separate_critic_as_one_rank() {
-    two_ranks_train_as_one(&["adv_estimator=step_gae", "critic.mode=separate"]);
+    two_ranks_train_as_one(&[
+        "adv_estimator=step_gae",
+        "critic.mode=separate",
+        "critic.history_batches=1",
+    ]);
 }
 
 /// A shared value head: one backward, the trunk's and the head's gradients summed apart.
 #[test]
 fn two_ranks_train_a_shared_head_as_one_rank() {
-    two_ranks_train_as_one(&["adv_estimator=step_gae", "critic.mode=shared"]);
+    two_ranks_train_as_one(&[
+        "adv_estimator=step_gae",
+        "critic.mode=shared",
+        "critic.history_batches=1",
+    ]);
 }

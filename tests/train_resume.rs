@@ -8,7 +8,7 @@ use stepppo::config::Config;
 use stepppo::train::{checkpoint, Trainer};
 
 /// StepPO with the shared-trunk critic: the most state a checkpoint has to carry.
-const SHARED_CRITIC: &[&str] = &["critic.mode=shared"];
+const SHARED_CRITIC: &[&str] = &["critic.mode=shared", "critic.history_batches=1"];
 
 fn tiny_config() -> Config {
     tiny_config_with(SHARED_CRITIC)
@@ -34,13 +34,27 @@ fn two_plus_two_steps_equal_four_and_tmp_dirs_are_ignored() {
 /// after 2 + 2 steps (whose advantages read the critic) equals the one after 4.
 #[test]
 fn a_feature_critic_resumes_exactly() {
-    two_plus_two_equal_four(&["critic.mode=features", "critic.ppo_epochs=3"]);
+    two_plus_two_equal_four(&[
+        "critic.mode=features",
+        "critic.ppo_epochs=3",
+        "critic.history_batches=1",
+    ]);
 }
 
 /// The state critic (an MLP on the records' critic states) and its optimizer resume exactly.
 #[test]
 fn a_state_critic_resumes_exactly() {
     two_plus_two_equal_four(&["critic.mode=state", "critic.ppo_epochs=3"]);
+}
+
+/// A state critic fitted on the rows of its last batches resumes with the same rows.
+#[test]
+fn a_state_critic_history_resumes_exactly() {
+    two_plus_two_equal_four(&[
+        "critic.mode=state",
+        "critic.ppo_epochs=3",
+        "critic.history_batches=3",
+    ]);
 }
 
 fn two_plus_two_equal_four(critic: &[&str]) {

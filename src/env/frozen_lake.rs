@@ -205,6 +205,42 @@ impl FrozenLakeEnv {
         (coef * closer) as f32
     }
 
+    /// What the move in direction `dir` (Left, Down, Right, Up) would do, each in [0, 1]: it
+    /// hits the wall, it steps into a hole, it reaches the goal, it brings the goal one move
+    /// nearer over ice, it brings it nearer by Manhattan distance; and, when it lands on ice, that
+    /// cell's adjacent holes and its moves that bring the goal nearer over ice (quarters). What
+    /// the policy's next choice can lead to is what its value turns on, and the render names only
+    /// the first three.
+    fn move_facts(&self, dir: usize) -> [f32; MOVE_FACTS] {
+        let size = self.cfg.size;
+        let moves = moves_to_goal(&self.cells, size);
+        let next = neighbour(size, self.player, dir);
+        let wall = next == self.player;
+        let cell = self.cells[next];
+        let nearer = |from: usize, to: usize| matches!((moves[from], moves[to]), (Some(a), Some(b)) if b < a);
+        let lands_on_ice = !wall && cell == Cell::Frozen;
+        let around = |count: &dyn Fn(usize) -> bool| {
+            let hits = (0..4)
+                .map(|d| neighbour(size, next, d))
+                .filter(|&n| n != next && count(n))
+                .count();
+            if lands_on_ice {
+                hits as f32 / 4.0
+            } else {
+                0.0
+            }
+        };
+        [
+            flag(wall),
+            flag(!wall && cell == Cell::Hole),
+            flag(!wall && cell == Cell::Goal),
+            flag(!wall && nearer(self.player, next)),
+            flag(self.goal_distance(next) < self.goal_distance(self.player)),
+            around(&|n| self.cells[n] == Cell::Hole),
+            around(&|n| nearer(next, n)),
+        ]
+    }
+
     /// Fewest moves from the player to the goal over ice on the non-slippery map.
     pub fn moves_left(&self) -> Option<usize> {
         moves_to_goal(&self.cells, self.cfg.size)[self.player]
@@ -358,6 +394,14 @@ impl FrozenLakeEnv {
     }
 }
 
+/// Numbers per move in the critic state ([`FrozenLakeEnv::move_facts`]).
+const MOVE_FACTS: usize = 7;
+
+/// 1 for true, 0 for false.
+fn flag(b: bool) -> f32 {
+    f32::from(u8::from(b))
+}
+
 /// Cell reached from `pos` by direction `dir`; moving off the grid stays in place.
 fn neighbour(size: usize, pos: usize, dir: usize) -> usize {
     let (row, col) = ((pos / size) as isize, (pos % size) as isize);
@@ -462,8 +506,9 @@ impl Env for FrozenLakeEnv {
     /// Manhattan distance to the goal, fewest moves over ice to it (1 when cut off), whether
     /// it can be reached, whether a path exists on which every move brings the goal nearer, the
     /// detour of the shortest path over the Manhattan distance, adjacent holes, the share of the
-    /// action budget left, and whether the fewest moves fit in it. Facts, not the raw map: an MLP
-    /// on a one-hot of every cell fits each batch's maps and does not carry over to fresh ones.
+    /// action budget left, and whether the fewest moves fit in it; then each move's facts
+    /// ([`FrozenLakeEnv::move_facts`], Left, Down, Right, Up). Facts, not the raw map: an MLP on
+    /// a one-hot of every cell fits each batch's maps and does not carry over to fresh ones.
     fn critic_state(&self) -> Option<Vec<f32>> {
         let size = self.cfg.size;
         let budget = self.cfg.max_steps as f32;
@@ -474,17 +519,21 @@ impl Env for FrozenLakeEnv {
             .map(|dir| neighbour(size, self.player, dir))
             .filter(|&next| next != self.player && self.cells[next] == Cell::Hole)
             .count();
-        let flag = |b: bool| f32::from(u8::from(b));
-        Some(vec![
-            manhattan as f32 / (2 * (size - 1)).max(1) as f32,
-            fewest.map_or(1.0, |m| (m as f32 / budget).min(1.0)),
-            flag(fewest.is_some()),
-            flag(self.monotone_path_exists()),
-            fewest.map_or(1.0, |m| ((m - manhattan) as f32 / budget).min(1.0)),
-            adjacent_holes as f32 / 4.0,
-            left as f32 / budget,
-            flag(fewest.is_some_and(|m| m <= left)),
-        ])
+        Some(
+            vec![
+                manhattan as f32 / (2 * (size - 1)).max(1) as f32,
+                fewest.map_or(1.0, |m| (m as f32 / budget).min(1.0)),
+                flag(fewest.is_some()),
+                flag(self.monotone_path_exists()),
+                fewest.map_or(1.0, |m| ((m - manhattan) as f32 / budget).min(1.0)),
+                adjacent_holes as f32 / 4.0,
+                left as f32 / budget,
+                flag(fewest.is_some_and(|m| m <= left)),
+            ]
+            .into_iter()
+            .chain((0..4).flat_map(|dir| self.move_facts(dir)))
+            .collect(),
+        )
     }
 
     fn action_space(&self) -> ActionSpace {
@@ -653,11 +702,29 @@ mod tests {
         env.player = 10;
         env.steps = 5;
         let state = env.critic_state().unwrap();
-        let expected = [2.0 / 6.0, 0.6, 1.0, 0.0, 0.4, 0.5, 0.5, 0.0];
+        let whole_map = [2.0 / 6.0, 0.6, 1.0, 0.0, 0.4, 0.5, 0.5, 0.0];
+        // Per move: wall, hole, goal, nearer over ice, nearer by Manhattan distance, then the
+        // landing cell's adjacent holes and moves nearer over ice (quarters). Left (9) and Up
+        // (6) are holes a Manhattan step nearer; Down (14, 5 moves left) and Right (11, 5 moves
+        // left) go round, each with one way on (13 and 7, 4 moves left) and no hole beside it.
+        let hole_nearer = [0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0];
+        let way_round = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.25];
+        let expected: Vec<f32> = [whole_map.as_slice(), &hole_nearer, &way_round, &way_round]
+            .concat()
+            .into_iter()
+            .chain(hole_nearer)
+            .collect();
         assert_eq!(state.len(), expected.len());
-        for (got, want) in state.iter().zip(expected) {
+        for (got, want) in state.iter().zip(&expected) {
             assert!((got - want).abs() < 1e-6, "{state:?} vs {expected:?}");
         }
+        // From 4 (left of the goal): Left is the wall, Right the goal; Down lands on 8, beside
+        // the hole at 9, from which Up (back to 4) is the one move nearer.
+        env.player = 4;
+        let moves = &env.critic_state().unwrap()[8..];
+        assert_eq!(&moves[..7], &[1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(&moves[7..14], &[0.0, 0.0, 0.0, 0.0, 0.0, 0.25, 0.25]);
+        assert_eq!(&moves[14..21], &[0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]);
         // From 11 the goal is 3 moves away over ice but every path first moves away from it.
         env.player = 11;
         assert!(!env.monotone_path_exists());

@@ -3,12 +3,13 @@
 //! step records into training sequences ([`batch`]), their device tensors (`device_batch`),
 //! padded or as a prefix tree ([`prefix_tree`]), constrained-decoding masks on the update side
 //! ([`masks`]), construction of the device, engine and fresh policy (`setup`), the supervised warm
-//! start ([`sft`]), self-imitation replay ([`self_imitation`]), validation ([`eval`]),
+//! start ([`sft`]), self-imitation replay ([`self_imitation`]), the state critic's fitting history
+//! ([`critic_history`]), validation ([`eval`]),
 //! checkpoints, the run directory's consistency across crashes ([`run_dir`]), metric sinks (JSONL
 //! and TensorBoard), learning-curve plots, collapse warnings and the progress bar.
 //!
 //! Dependencies point down: `trainer` uses the others and nothing uses it; below it
-//! `async_rollout` → `eval`, and `update` →
+//! `async_rollout` → `eval`, `update` → `critic_history`, and `update` →
 //! `self_imitation` → `sft` → `setup`, those three share `device_batch` → `masks`, `prefix_tree`
 //! → `batch`, `eval` uses `setup`, `run_dir` uses `checkpoint`, `metrics` and `plot`, and every
 //! module may use [`TrainError`], which wraps only the leaves' errors.
@@ -20,6 +21,7 @@ pub mod checkpoint;
 mod close;
 pub mod collapse;
 pub mod copy_pretrain;
+pub mod critic_history;
 mod device_batch;
 pub mod eval;
 pub mod gateway;

@@ -12,7 +12,7 @@
 //! `init_kl_coef · KL` against it, and/or the actor loss gains `kl_loss_coef · KL`. With
 //! `self_imitation.coef > 0` each rollout's better choices enter a replay buffer
 //! ([`super::self_imitation`]) before the update replays them; the buffer goes into every
-//! checkpoint. Every RNG is derived from `seed` and those counters. With `async_rollout` the
+//! checkpoint, as does a state critic's fitting history ([`super::critic_history`]). Every RNG is derived from `seed` and those counters. With `async_rollout` the
 //! rollout runs ahead of the step in a thread of its own ([`super::async_rollout`]) and the
 //! update corrects for the lag with decoupled PPO (`algo::decoupled`); its pending batches go
 //! into every checkpoint.
@@ -27,6 +27,7 @@ use super::batch::{step_returns, trajectories};
 use super::checkpoint::{self, CheckpointWriter};
 use super::collapse::CollapseDetector;
 use super::copy_pretrain::copy_pretrain;
+use super::critic_history::{self, CriticHistory};
 use super::device_batch::BatchLayout;
 use super::eval::{self, TagSummary, Validation, VAL_SEED_OFFSET};
 use super::masks::{response_masks, ResponseMasks};
@@ -128,6 +129,9 @@ pub struct Trainer {
     masks: ResponseMasks,
     /// Self-imitation replay buffer; `None` when `self_imitation.coef` is 0.
     replay_buffer: Option<ReplayBuffer>,
+    /// The state critic's fitting history (`critic.history_batches`); `None` without a state
+    /// critic.
+    critic_history: Option<CriticHistory>,
     /// Warnings found while opening the run or during a step or validation, reported with the
     /// next event.
     pending_warnings: Vec<String>,
@@ -314,6 +318,14 @@ impl Trainer {
             None,
         )?;
         trainer.pending_warnings.extend(rewound);
+        let saved_history = ckpt.join(critic_history::CHECKPOINT_FILE);
+        if let Some(history) = trainer.critic_history.as_mut() {
+            // A checkpoint without one comes from a run that fitted on each batch alone.
+            if saved_history.exists() {
+                let capacity = trainer.cfg.critic.history_batches;
+                *history = CriticHistory::load(&saved_history, capacity, history.width())?;
+            }
+        }
         let saved_buffer = ckpt.join(self_imitation::CHECKPOINT_DIR);
         if trainer.replay_buffer.is_some() && saved_buffer.exists() {
             let capacity = trainer.cfg.self_imitation.buffer_size;
@@ -346,6 +358,13 @@ impl Trainer {
         let masks = response_masks(&cfg, &tok, policy.config().vocab_size)?;
         let replay_buffer = (cfg.self_imitation.coef > 0.0)
             .then(|| ReplayBuffer::new(cfg.self_imitation.buffer_size));
+        let critic_history = match &critic {
+            Some(CriticModel::State(c)) => Some(CriticHistory::new(
+                cfg.critic.history_batches,
+                c.input_width(),
+            )),
+            _ => None,
+        };
         let sink = match dist.rank() {
             0 => Some(MetricsSink::open(run_dir)?),
             _ => None,
@@ -368,6 +387,7 @@ impl Trainer {
             warm_start,
             masks,
             replay_buffer,
+            critic_history,
             pending_warnings: Vec::new(),
             rollout_worker: None,
         })
@@ -1050,7 +1070,8 @@ impl Trainer {
                 (Some(CriticModel::State(critic)), _) => self
                     .critic_opt
                     .as_mut()
-                    .map(|o| CriticLearner::State(critic, o)),
+                    .zip(self.critic_history.as_mut())
+                    .map(|(o, history)| CriticLearner::State(critic, o, history)),
                 (None, true) => self.critic_opt.as_mut().map(CriticLearner::SharedHead),
                 (None, false) => None,
             },
@@ -1093,6 +1114,9 @@ impl Trainer {
         }
         if let Some(buffer) = &self.replay_buffer {
             buffer.save(&tmp.join(self_imitation::CHECKPOINT_DIR))?;
+        }
+        if let Some(history) = &self.critic_history {
+            history.save(&tmp.join(critic_history::CHECKPOINT_FILE))?;
         }
         if let Some(worker) = self.rollout_worker.as_mut() {
             async_rollout::save_pending(&tmp.join(async_rollout::PENDING_DIR), worker.pending()?)?;

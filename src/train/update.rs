@@ -15,6 +15,7 @@
 //! reported); the run goes on.
 
 use super::batch::{pack, PackedBatch};
+use super::critic_history::{CriticHistory, StateRows};
 use super::device_batch::{BatchLayout, DeviceBatch};
 use super::masks::ResponseMasks;
 use super::metrics::Scalars;
@@ -148,9 +149,10 @@ pub enum CriticLearner<'a> {
     /// A value MLP on the policy's detached features and its optimizer: fitted after the actor's
     /// epochs on the features of the updated policy ([`fit_value_mlp`]).
     Features(&'a FeatureCritic, &'a mut AdamW),
-    /// A value MLP on the records' critic states and its optimizer: fitted after the actor's
-    /// epochs ([`fit_value_mlp`]).
-    State(&'a FeatureCritic, &'a mut AdamW),
+    /// A value MLP on the records' critic states, its optimizer and its fitting history:
+    /// fitted after the actor's epochs on the rows of the history, the batch's own added first
+    /// ([`fit_value_mlp`]).
+    State(&'a FeatureCritic, &'a mut AdamW, &'a mut CriticHistory),
     /// A value head on the policy's trunk: its loss joins the actor's in one backward pass, and
     /// this optimizer (over the head's parameters, at the critic's learning rate and weight
     /// decay) steps the head while the actor's steps the trunk.
@@ -288,7 +290,7 @@ pub fn ppo_update(
                 let opt = match critic {
                     CriticLearner::Separate(_, opt)
                     | CriticLearner::Features(_, opt)
-                    | CriticLearner::State(_, opt)
+                    | CriticLearner::State(_, opt, _)
                     | CriticLearner::SharedHead(opt) => opt,
                 };
                 let local = values.as_ref().zip(part);
@@ -300,21 +302,19 @@ pub fn ppo_update(
         let fitted = match learners.critic.as_mut() {
             Some(CriticLearner::Features(critic, opt)) => {
                 let rows = feature_rows(inputs, settings, learners.policy, target)?;
-                Some((rows, &**critic, opt))
+                let newest = rows.returns.len();
+                Some((rows, newest, &**critic, opt))
             }
-            Some(CriticLearner::State(critic, opt)) => {
-                let rows = state_rows(
-                    inputs,
-                    target,
-                    critic.input_width(),
-                    learners.policy.device(),
-                )?;
-                Some((rows, &**critic, opt))
+            Some(CriticLearner::State(critic, opt, history)) => {
+                history.push(state_rows(inputs, target, history.width())?);
+                means.add("critic/history_rows", history.rows().len() as f64);
+                let rows = history_rows(history, learners.policy.device())?;
+                Some((rows, history.newest_len(), &**critic, opt))
             }
             _ => None,
         };
-        if let Some((rows, critic, opt)) = fitted {
-            skipped += fit_value_mlp(&rows, critic, opt, settings, &mut means)?;
+        if let Some((rows, newest, critic, opt)) = fitted {
+            skipped += fit_value_mlp(&rows, newest, critic, opt, settings, &mut means)?;
         }
     }
     let mut out = Scalars::new();
@@ -391,13 +391,9 @@ fn feature_rows(
     })
 }
 
-/// The critic states of `records` as a `[n, width]` matrix; an error naming the first record
+/// The critic states of `records`, `width` numbers each, flat; an error naming the first record
 /// whose state is missing or of another width.
-fn critic_state_matrix(
-    records: &[&StepRecord],
-    width: usize,
-    device: &Device,
-) -> Result<Tensor, TrainError> {
+fn critic_states(records: &[&StepRecord], width: usize) -> Result<Vec<f32>, TrainError> {
     let mut flat = Vec::with_capacity(records.len() * width);
     for r in records {
         if r.critic_state.len() != width {
@@ -413,17 +409,16 @@ fn critic_state_matrix(
         }
         flat.extend_from_slice(&r.critic_state);
     }
-    Ok(Tensor::from_vec(flat, (records.len(), width), device)?)
+    Ok(flat)
 }
 
-/// A state critic's fitting rows: each kept record's critic state, once per critic target
-/// position (one for step-start values, one per response token for `token_gae`).
+/// A state critic's fitting rows of this batch: each kept record's critic state, once per
+/// critic target position (one for step-start values, one per response token for `token_gae`).
 fn state_rows(
     inputs: &UpdateInputs,
     target: CriticTarget,
     width: usize,
-    device: &Device,
-) -> Result<FeatureRows, TrainError> {
+) -> Result<StateRows, TrainError> {
     let (mut states, mut returns, mut old_values) = (Vec::new(), Vec::new(), Vec::new());
     for (r, rec) in inputs.records.iter().enumerate() {
         if !inputs.critic_keep[r] {
@@ -439,10 +434,21 @@ fn state_rows(
             old_values.push(inputs.old_values[r][j]);
         }
     }
-    Ok(FeatureRows {
-        features: critic_state_matrix(&states, width, device)?,
+    Ok(StateRows {
+        states: critic_states(&states, width)?,
         returns,
         old_values,
+    })
+}
+
+/// Every row of a state critic's history as [`FeatureRows`] on `device`.
+fn history_rows(history: &CriticHistory, device: &Device) -> Result<FeatureRows, TrainError> {
+    let rows = history.rows();
+    let n = rows.len();
+    Ok(FeatureRows {
+        features: Tensor::from_vec(rows.states, (n, history.width()), device)?,
+        returns: rows.returns,
+        old_values: rows.old_values,
     })
 }
 
@@ -456,7 +462,8 @@ pub fn state_values(
     device: &Device,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
     let all: Vec<&StepRecord> = records.iter().collect();
-    let states = critic_state_matrix(&all, critic.input_width(), device)?;
+    let width = critic.input_width();
+    let states = Tensor::from_vec(critic_states(&all, width)?, (all.len(), width), device)?;
     let values = critic.forward(&states)?.to_vec1::<f32>()?;
     Ok(records
         .iter()
@@ -472,12 +479,15 @@ pub fn state_values(
 const FEATURE_CHUNK: usize = 64;
 
 /// Fits a value MLP (a feature or state critic) to `rows`: the critic's input scaling set from
-/// them, then `settings.critic_epochs` shuffled passes of `settings.mini_batch` rows each. A
-/// feature critic's rows are the features of the policy as it is after the actor's epochs (the
-/// policy the next rollout's values are read under). Logs the fit's in-sample explained variance
-/// (`critic/vf_fit_explained_var`); returns the skipped updates.
+/// them, then `settings.critic_epochs` passes' worth of mini-batches of `settings.mini_batch`
+/// rows for the `newest` rows of this batch, drawn in seeded shuffled passes over all of `rows`
+/// (with a state critic's history, the rows of earlier batches too; without, exactly
+/// `critic_epochs` passes). A feature critic's rows are the features of the policy as it is after
+/// the actor's epochs (the policy the next rollout's values are read under). Logs the fit's
+/// in-sample explained variance (`critic/vf_fit_explained_var`); returns the skipped updates.
 fn fit_value_mlp(
     rows: &FeatureRows,
+    newest: usize,
     critic: &FeatureCritic,
     opt: &mut AdamW,
     settings: &UpdateSettings,
@@ -489,16 +499,22 @@ fn fit_value_mlp(
     }
     critic.standardize_on(&rows.features)?;
     let device = rows.features.device().clone();
-    let epochs = settings.critic_epochs;
+    let mini_batch = settings.mini_batch.max(1);
+    let wanted = settings.critic_epochs * newest.max(1).div_ceil(mini_batch);
     let mut skipped = 0;
-    for epoch in 0..epochs {
+    let mut done = 0;
+    for pass in 0.. {
+        if done == wanted {
+            break;
+        }
         let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(
             settings.shuffle_seed,
-            &[FEATURE_FIT_STREAM, epoch as u64],
+            &[FEATURE_FIT_STREAM, pass],
         ));
         let mut order: Vec<u32> = (0..n as u32).collect();
         order.shuffle(&mut rng);
-        for chunk in order.chunks(settings.mini_batch.max(1)) {
+        for chunk in order.chunks(mini_batch).take(wanted - done) {
+            done += 1;
             let pick = Tensor::new(chunk, &device)?;
             let values = critic
                 .forward(&rows.features.index_select(&pick, 0)?)?

@@ -161,6 +161,33 @@ impl SokobanEnv {
         solver::solve(&self.room, self.cfg.max_solver_states)
     }
 
+    /// What the move in direction `dir` would do, each 0 or 1: it does not move (a wall, or a
+    /// box that cannot be pushed), it pushes a box, it pushes a box onto a target, the room stays
+    /// solvable after it, and it starts a shortest solution (the solver's fewest moves, `fewest`
+    /// from here, fall by one). The render states the first three; whether a push strands the
+    /// box, and which move leads on, is what the value turns on.
+    fn move_facts(&self, dir: usize, fewest: Option<usize>) -> [f32; MOVE_FACTS] {
+        let mut after = self.room;
+        let effect = after.push(dir);
+        let after_fewest = if effect.moved {
+            solver::solve(&after, self.cfg.max_solver_states).map(|path| path.len())
+        } else {
+            fewest
+        };
+        let onto_target = effect
+            .box_move
+            .is_some_and(|(_, to)| self.room.is_target(to));
+        [
+            flag(!effect.moved),
+            flag(effect.box_move.is_some()),
+            flag(onto_target),
+            flag(after_fewest.is_some()),
+            flag(
+                effect.moved && matches!((fewest, after_fewest), (Some(f), Some(a)) if a + 1 == f),
+            ),
+        ]
+    }
+
     fn params(&self) -> GenParams {
         GenParams {
             width: self.cfg.dim_room[1],
@@ -270,12 +297,14 @@ impl Env for SokobanEnv {
     /// solvable, whether those moves fit in the action budget left, the share of boxes on
     /// targets, the mean distance of a box to its nearest target and of the player to the
     /// nearest box off target (Manhattan, over the room's width plus height), and the share of
-    /// the action budget left.
+    /// the action budget left; then each move's facts ([`SokobanEnv::move_facts`], Up, Down,
+    /// Left, Right).
     fn critic_state(&self) -> Option<Vec<f32>> {
         let room = &self.room;
         let budget = self.cfg.max_steps as f32;
         let left = self.cfg.max_steps.saturating_sub(self.steps);
         let fewest = self.solve().map(|path| path.len());
+        let moves = (0..DIRECTIONS.len()).flat_map(|dir| self.move_facts(dir, fewest));
         let span = (room.width + room.height) as f32;
         let cells = room.width * room.height;
         let distance = |a: usize, b: usize| {
@@ -293,16 +322,20 @@ impl Env for SokobanEnv {
             .filter_map(|&b| nearest(b, &|c| room.is_target(c)))
             .sum();
         let player_to_box = nearest(room.player, &|c| room.has_box(c) && !room.is_target(c));
-        let flag = |b: bool| f32::from(u8::from(b));
-        Some(vec![
-            fewest.map_or(1.0, |m| (m as f32 / budget).min(1.0)),
-            flag(fewest.is_some()),
-            flag(fewest.is_some_and(|m| m <= left)),
-            room.boxes_on_targets() as f32 / boxes.len().max(1) as f32,
-            box_to_target as f32 / (boxes.len().max(1) as f32 * span),
-            player_to_box.map_or(0.0, |d| d as f32 / span),
-            left as f32 / budget,
-        ])
+        Some(
+            vec![
+                fewest.map_or(1.0, |m| (m as f32 / budget).min(1.0)),
+                flag(fewest.is_some()),
+                flag(fewest.is_some_and(|m| m <= left)),
+                room.boxes_on_targets() as f32 / boxes.len().max(1) as f32,
+                box_to_target as f32 / (boxes.len().max(1) as f32 * span),
+                player_to_box.map_or(0.0, |d| d as f32 / span),
+                left as f32 / budget,
+            ]
+            .into_iter()
+            .chain(moves)
+            .collect(),
+        )
     }
 
     fn action_space(&self) -> ActionSpace {
@@ -321,6 +354,14 @@ impl Env for SokobanEnv {
     fn random_action(&self, rng: &mut ChaCha8Rng) -> Result<Action, EnvError> {
         Ok(Action::Move(DIRECTIONS[rng.random_range(0..4)].to_string()))
     }
+}
+
+/// Numbers per move in the critic state ([`SokobanEnv::move_facts`]).
+const MOVE_FACTS: usize = 5;
+
+/// 1 for true, 0 for false.
+fn flag(b: bool) -> f32 {
+    f32::from(u8::from(b))
 }
 
 #[cfg(test)]
@@ -363,11 +404,29 @@ mod tests {
         env.steps = 4;
         let state = env.critic_state().unwrap();
         let span = 11.0;
-        let expected = [0.2, 1.0, 1.0, 0.0, 1.0 / span, 2.0 / span, 0.6];
+        let room_facts = [0.2, 1.0, 1.0, 0.0, 1.0 / span, 2.0 / span, 0.6];
+        // Per move (Up, Down, Left, Right): no move, pushes a box, onto a target, solvable
+        // after, starts a shortest solution. Up and Left hit the wall; Down walks off the
+        // shortest way (still solvable); Right walks up to the box, the first of the two moves.
+        let expected: Vec<f32> = room_facts
+            .into_iter()
+            .chain([1.0, 0.0, 0.0, 1.0, 0.0])
+            .chain([0.0, 0.0, 0.0, 1.0, 0.0])
+            .chain([1.0, 0.0, 0.0, 1.0, 0.0])
+            .chain([0.0, 0.0, 0.0, 1.0, 1.0])
+            .collect();
         assert_eq!(state.len(), expected.len());
-        for (got, want) in state.iter().zip(expected) {
+        for (got, want) in state.iter().zip(&expected) {
             assert!((got - want).abs() < 1e-6, "{state:?} vs {expected:?}");
         }
+        // From beside the box, Right pushes it onto the target and solves the room.
+        env.room = Room::parse("#######\n#_PXO_#\n#_____#\n#######").unwrap();
+        let right = &env.critic_state().unwrap()[7 + 3 * 5..];
+        assert_eq!(right, &[0.0, 1.0, 1.0, 1.0, 1.0]);
+        // Pushing the box Up strands it against the top wall, where no target lies.
+        env.room = Room::parse("#######\n#_____#\n#__X_O#\n#__P__#\n#######").unwrap();
+        let up = &env.critic_state().unwrap()[7..7 + 5];
+        assert_eq!(up, &[0.0, 1.0, 0.0, 0.0, 0.0]);
         // A box in a corner is stuck: unsolvable.
         env.room = Room::parse("#######\n#X__O_#\n#P____#\n#######").unwrap();
         let state = env.critic_state().unwrap();
