@@ -1440,9 +1440,9 @@ pub fn apply_set(root: &mut serde_json::Value, arg: &str) -> Result<(), ConfigEr
 mod tests {
     use super::*;
 
-    /// The embedded default with `sets` applied as `--set` overrides.
-    /// The embedded default with `sets`, after a history of one batch: the default's state
-    /// critic history is refused by the other critics these tests switch to.
+    /// The embedded default with `sets` applied as `--set` overrides, after a history of one
+    /// batch: the default's state-critic history is refused by the other critics these tests
+    /// switch to.
     fn with(sets: &[&str]) -> Result<Config, ConfigError> {
         let sets: Vec<String> = std::iter::once("critic.history_batches=1")
             .chain(sets.iter().copied())

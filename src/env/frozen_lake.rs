@@ -40,7 +40,7 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-use super::{bad_value, env_rng, Action, ActionSpace, Env, EnvError, EnvInfo, Transition};
+use super::{bad_value, env_rng, flag, Action, ActionSpace, Env, EnvError, EnvInfo, Transition};
 
 const ACTIONS: [&str; 4] = ["Left", "Down", "Right", "Up"];
 /// Indices of [`ACTIONS`] (and [`OFFSETS`]).
@@ -211,9 +211,9 @@ impl FrozenLakeEnv {
     /// cell's adjacent holes and its moves that bring the goal nearer over ice (quarters). What
     /// the policy's next choice can lead to is what its value turns on, and the render names only
     /// the first three.
-    fn move_facts(&self, dir: usize) -> [f32; MOVE_FACTS] {
+    /// `moves` is [`moves_to_goal`] of the map.
+    fn move_facts(&self, dir: usize, moves: &[Option<usize>]) -> [f32; MOVE_FACTS] {
         let size = self.cfg.size;
-        let moves = moves_to_goal(&self.cells, size);
         let next = neighbour(size, self.player, dir);
         let wall = next == self.player;
         let cell = self.cells[next];
@@ -397,11 +397,6 @@ impl FrozenLakeEnv {
 /// Numbers per move in the critic state ([`FrozenLakeEnv::move_facts`]).
 const MOVE_FACTS: usize = 7;
 
-/// 1 for true, 0 for false.
-fn flag(b: bool) -> f32 {
-    f32::from(u8::from(b))
-}
-
 /// Cell reached from `pos` by direction `dir`; moving off the grid stays in place.
 fn neighbour(size: usize, pos: usize, dir: usize) -> usize {
     let (row, col) = ((pos / size) as isize, (pos % size) as isize);
@@ -514,7 +509,8 @@ impl Env for FrozenLakeEnv {
         let budget = self.cfg.max_steps as f32;
         let left = self.cfg.max_steps.saturating_sub(self.steps);
         let manhattan = self.goal_distance(self.player);
-        let fewest = self.moves_left();
+        let moves = moves_to_goal(&self.cells, size);
+        let fewest = moves[self.player];
         let adjacent_holes = (0..4)
             .map(|dir| neighbour(size, self.player, dir))
             .filter(|&next| next != self.player && self.cells[next] == Cell::Hole)
@@ -531,7 +527,7 @@ impl Env for FrozenLakeEnv {
                 flag(fewest.is_some_and(|m| m <= left)),
             ]
             .into_iter()
-            .chain((0..4).flat_map(|dir| self.move_facts(dir)))
+            .chain((0..4).flat_map(|dir| self.move_facts(dir, &moves)))
             .collect(),
         )
     }

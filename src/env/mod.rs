@@ -355,6 +355,11 @@ pub fn stable_hash(bytes: &[u8]) -> u64 {
     })
 }
 
+/// A yes/no fact of an env's [`Env::critic_state`]: 1 for true, 0 for false.
+pub(crate) fn flag(b: bool) -> f32 {
+    f32::from(u8::from(b))
+}
+
 /// A fresh RNG owned by one env, determined by `seed` and a purpose tag.
 pub(crate) fn env_rng(seed: u64, purpose: u64) -> rand_chacha::ChaCha8Rng {
     use rand::SeedableRng;

@@ -122,7 +122,8 @@ impl CriticHistory {
     pub fn load(path: &Path, capacity: usize, width: usize) -> Result<Self, TrainError> {
         let bad =
             |what: String| TrainError::Data(format!("critic history {}: {what}", path.display()));
-        let tensors = candle_core::safetensors::load(path, &Device::Cpu)?;
+        let tensors =
+            candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| bad(e.to_string()))?;
         let get = |name: &str, dtype: DType| -> Result<&Tensor, TrainError> {
             let t = tensors
                 .get(name)

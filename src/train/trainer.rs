@@ -12,10 +12,10 @@
 //! `init_kl_coef · KL` against it, and/or the actor loss gains `kl_loss_coef · KL`. With
 //! `self_imitation.coef > 0` each rollout's better choices enter a replay buffer
 //! ([`super::self_imitation`]) before the update replays them; the buffer goes into every
-//! checkpoint, as does a state critic's fitting history ([`super::critic_history`]). Every RNG is derived from `seed` and those counters. With `async_rollout` the
-//! rollout runs ahead of the step in a thread of its own ([`super::async_rollout`]) and the
-//! update corrects for the lag with decoupled PPO (`algo::decoupled`); its pending batches go
-//! into every checkpoint.
+//! checkpoint, as does a state critic's fitting history ([`super::critic_history`]). Every RNG is
+//! derived from `seed` and those counters. With `async_rollout` the rollout runs ahead of the
+//! step in a thread of its own ([`super::async_rollout`]) and the update corrects for the lag
+//! with decoupled PPO (`algo::decoupled`); its pending batches go into every checkpoint.
 //!
 //! An env that fails (a remote env's server) ends the run with its error under `on_error: fail`,
 //! before anything of that rollout is stored: the records of the steps before it stay in the

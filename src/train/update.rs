@@ -307,8 +307,8 @@ pub fn ppo_update(
             }
             Some(CriticLearner::State(critic, opt, history)) => {
                 history.push(state_rows(inputs, target, history.width())?);
-                means.add("critic/history_rows", history.rows().len() as f64);
                 let rows = history_rows(history, learners.policy.device())?;
+                means.add("critic/history_rows", rows.returns.len() as f64);
                 Some((rows, history.newest_len(), &**critic, opt))
             }
             _ => None,

@@ -34,7 +34,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-use super::{bad_value, Action, ActionSpace, Env, EnvError, EnvInfo, Transition};
+use super::{bad_value, flag, Action, ActionSpace, Env, EnvError, EnvInfo, Transition};
 use generate::{generate_room, GenParams};
 use room::{Room, DIRECTIONS, MAX_CELLS};
 
@@ -358,11 +358,6 @@ impl Env for SokobanEnv {
 
 /// Numbers per move in the critic state ([`SokobanEnv::move_facts`]).
 const MOVE_FACTS: usize = 5;
-
-/// 1 for true, 0 for false.
-fn flag(b: bool) -> f32 {
-    f32::from(u8::from(b))
-}
 
 #[cfg(test)]
 mod tests {
