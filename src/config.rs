@@ -327,19 +327,20 @@ impl Default for SftConfig {
     }
 }
 
-/// `self_imitation`: replay of the better responses of contrasted states
-/// (`train::self_imitation`).
+/// `self_imitation`: replay of the better choices of a group: steps of contrasted states in the
+/// window layout, whole trajectories in the concat layout (`train::self_imitation`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SelfImitationConfig {
-    /// Weight of the replayed steps' mean negative log-likelihood in the actor loss; 0 = off.
+    /// Weight of the replayed entries' mean negative log-likelihood in the actor loss; 0 = off.
     pub coef: f64,
-    /// Steps the buffer holds, at most one per state; the oldest leave first.
+    /// Entries the buffer holds (steps, or trajectories in the concat layout), at most one per
+    /// state (or first prompt); the oldest leave first.
     pub buffer_size: usize,
-    /// Buffer steps replayed with every actor mini-batch.
+    /// Buffer entries replayed with every actor mini-batch.
     pub batch_size: usize,
-    /// How far the better response's mean discounted return (γ = `step_reward_gamma`) must lie
-    /// above every other response's in the same state for the step to enter the buffer.
+    /// How far the better choice's mean discounted return (γ = `step_reward_gamma`) must lie
+    /// above every other choice's in the same place for it to enter the buffer.
     pub margin: f64,
 }
 
@@ -1104,8 +1105,7 @@ impl Config {
         Ok(())
     }
 
-    /// `self_imitation`: finite, non-negative weights; sizes of at least 1 and the window layout
-    /// when it is on (a replayed step must carry its whole prompt).
+    /// `self_imitation`: finite, non-negative weights; sizes of at least 1 when it is on.
     fn validate_self_imitation(&self) -> Result<(), (String, String)> {
         let si = &self.self_imitation;
         let fail = |key: &str, msg: String| Err((format!("self_imitation.{key}"), msg));
@@ -1127,12 +1127,6 @@ impl Config {
                     "must be at least 1 when self_imitation.coef > 0".into(),
                 );
             }
-        }
-        if self.context != ContextLayout::Window {
-            return fail(
-                "coef",
-                "needs context: window (a replayed step must carry its whole prompt)".into(),
-            );
         }
         Ok(())
     }
@@ -1601,13 +1595,9 @@ mod tests {
     }
 
     #[test]
-    fn self_imitation_needs_sizes_and_the_window_layout() {
+    fn self_imitation_needs_sizes() {
         assert!(with(&["self_imitation.coef=0.5"]).is_ok());
-        let e = err_text(with(&["self_imitation.coef=0.5", "context=concat"]));
-        assert!(
-            e.contains("self_imitation.coef") && e.contains("window"),
-            "{e}"
-        );
+        assert!(with(&["self_imitation.coef=0.5", "context=concat"]).is_ok());
         let e = err_text(with(&[
             "self_imitation.coef=0.5",
             "self_imitation.batch_size=0",

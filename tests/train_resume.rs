@@ -142,8 +142,18 @@ fn kl_to_the_reference_starts_at_zero_and_resumes_exactly() {
 
 #[test]
 fn the_self_imitation_buffer_is_checkpointed_and_resumes_exactly() {
+    self_imitation_resumes_exactly("context=window");
+}
+
+/// In the concat layout the buffer holds whole trajectories; they come back as they were saved.
+#[test]
+fn a_trajectory_self_imitation_buffer_resumes_exactly() {
+    self_imitation_resumes_exactly("context=concat");
+}
+
+fn self_imitation_resumes_exactly(context: &str) {
     let cfg = || {
-        let mut cfg = tiny_config();
+        let mut cfg = tiny_config_with(&[SHARED_CRITIC, &[context]].concat());
         cfg.self_imitation.coef = 1.0;
         cfg.self_imitation.margin = 0.0;
         cfg.self_imitation.batch_size = 2;
@@ -163,7 +173,7 @@ fn the_self_imitation_buffer_is_checkpointed_and_resumes_exactly() {
         .unwrap();
     assert!(
         sizes.last().unwrap() > &0.0,
-        "no contrasted state in 4 steps: {sizes:?}"
+        "no contrasted choice in 4 steps: {sizes:?}"
     );
     assert!(
         !nll.is_empty() && nll.iter().all(|x| x.is_finite() && *x > 0.0),

@@ -329,7 +329,11 @@ impl Trainer {
         let saved_buffer = ckpt.join(self_imitation::CHECKPOINT_DIR);
         if trainer.replay_buffer.is_some() && saved_buffer.exists() {
             let capacity = trainer.cfg.self_imitation.buffer_size;
-            trainer.replay_buffer = Some(ReplayBuffer::load(&saved_buffer, capacity)?);
+            trainer.replay_buffer = Some(ReplayBuffer::load(
+                &saved_buffer,
+                capacity,
+                trainer.cfg.context,
+            )?);
         }
         let pending = ckpt.join(async_rollout::PENDING_DIR);
         let restored = if trainer.cfg.async_rollout.is_async() && pending.exists() {
@@ -357,7 +361,7 @@ impl Trainer {
         engine.set_policy_version(state.step)?;
         let masks = response_masks(&cfg, &tok, policy.config().vocab_size)?;
         let replay_buffer = (cfg.self_imitation.coef > 0.0)
-            .then(|| ReplayBuffer::new(cfg.self_imitation.buffer_size));
+            .then(|| ReplayBuffer::new(cfg.self_imitation.buffer_size, cfg.context));
         let critic_history = match &critic {
             Some(CriticModel::State(c)) => Some(CriticHistory::new(
                 cfg.critic.history_batches,
@@ -724,6 +728,7 @@ impl Trainer {
             ref_logprobs: reference_logprobs.filter(|_| self.cfg.use_kl_loss),
             replay: buffer.as_ref().map(|buffer| Replay {
                 records: buffer.records(),
+                spans: buffer.spans(),
                 coef: self.cfg.self_imitation.coef,
                 batch_size: self.cfg.self_imitation.batch_size,
                 seed: seed::derive(self.cfg.seed, &[SEED_REPLAY, self.state.step]),
@@ -806,7 +811,7 @@ impl Trainer {
         scalars.insert("self_imitation/added".into(), added as f64);
         scalars.insert(
             "self_imitation/buffer_size".into(),
-            buffer.records().len() as f64,
+            buffer.spans().len() as f64,
         );
     }
 

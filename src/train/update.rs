@@ -1209,6 +1209,7 @@ mod tests {
         };
         let before = weights(&policy);
         let lp_before = response_logprob(&policy, &records[0]);
+        let replayed_spans: Vec<_> = (0..replayed.len()).map(|i| i..i + 1).collect();
         let inputs = UpdateInputs {
             records: &records,
             sequences: vec![vec![0]],
@@ -1228,6 +1229,7 @@ mod tests {
             proximal_logprobs: None,
             replay: (!replayed.is_empty()).then_some(Replay {
                 records: replayed,
+                spans: &replayed_spans,
                 coef: 1.0,
                 batch_size: 1,
                 seed: 3,

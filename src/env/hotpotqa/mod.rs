@@ -8,7 +8,8 @@
 //! world`, full-wiki-like; for a fixture or file, every distinct paragraph of the loaded
 //! records). `question_type` (`bridge` or `comparison`) restricts an env to one type of question.
 //! `<answer>…</answer>` ends the episode with reward = exact match after the official
-//! normalization ([`metric`]); F1 is reported as a metric. The oracle does the two hops: it
+//! normalization ([`metric`]), or its token F1 with `reward: f1`; success is exact match and F1
+//! is reported as a metric either way. The oracle does the two hops: it
 //! searches each supporting title in turn, then answers.
 //!
 //! Differences from StepPO / Search-R1 / ROLL: BM25 over generated or loaded paragraphs instead
@@ -85,6 +86,18 @@ impl QuestionType {
     }
 }
 
+/// What an answer is paid. Success, the reported score, is exact match either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AnswerReward {
+    /// 1 for an exact match after the official normalization, else 0.
+    #[default]
+    Em,
+    /// The answer's token F1 against the gold answer (R1-Searcher's reward): a name with one of
+    /// its two words right earns 0.5, so a near miss is told apart from a wrong name.
+    F1,
+}
+
 /// HotpotQA settings (`--set key=value`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -119,6 +132,8 @@ pub struct HotpotQaConfig {
     /// `all`, `bridge` or `comparison`: the env asks only questions of that type (e.g. the
     /// transcripts of a warm start that teaches one type and leaves the other to RL).
     pub question_type: QuestionType,
+    /// `em` or `f1`: what an answer is paid ([`AnswerReward`]).
+    pub reward: AnswerReward,
 }
 
 impl Default for HotpotQaConfig {
@@ -136,6 +151,7 @@ impl Default for HotpotQaConfig {
             topk: 3,
             episode_worlds: false,
             question_type: QuestionType::All,
+            reward: AnswerReward::Em,
         }
     }
 }
@@ -557,7 +573,11 @@ impl Env for HotpotQaEnv {
                         ("searches".into(), 0.0),
                     ],
                 };
-                (em, true)
+                let paid = match self.cfg.reward {
+                    AnswerReward::Em => em,
+                    AnswerReward::F1 => f1,
+                };
+                (paid, true)
             }
             Action::Move(_) => (0.0, false),
         };
@@ -696,6 +716,31 @@ mod tests {
         let t = env.step(&Action::Answer(gold)).unwrap();
         assert_eq!(t.info.metrics[2], (format!("em_{kind}"), 1.0));
         assert_eq!(t.info.metrics.len(), 4, "the type is counted once");
+    }
+
+    #[test]
+    fn an_f1_reward_pays_a_near_miss_and_success_stays_exact_match() {
+        let cfg = HotpotQaConfig {
+            reward: AnswerReward::F1,
+            ..HotpotQaConfig::default()
+        };
+        let mut env = HotpotQaEnv::new(cfg).unwrap();
+        let seed = (0..64)
+            .find(|&s| {
+                env.reset(s).unwrap();
+                env.record().answer.split_whitespace().count() == 2
+            })
+            .expect("a two-word answer among 64 questions");
+        env.reset(seed).unwrap();
+        let gold = env.record().answer.clone();
+        let first = gold.split_whitespace().next().unwrap().to_string();
+        let t = env.step(&Action::Answer(format!("{first} Zzz"))).unwrap();
+        assert_eq!(t.reward, 0.5, "one word of two, precision and recall 1/2");
+        assert!(!t.info.success);
+        assert_eq!(t.info.metrics[0], ("em".into(), 0.0));
+        env.reset(seed).unwrap();
+        let t = env.step(&Action::Answer(gold)).unwrap();
+        assert!(t.info.success && t.reward == 1.0);
     }
 
     #[test]
