@@ -23,7 +23,6 @@ use super::masks::ResponseMasks;
 use super::TrainError;
 use crate::config::ContextLayout;
 use crate::dist::Collective;
-use crate::env::stable_hash;
 use crate::model::Model;
 use crate::seed;
 use crate::store::{Dataset, DatasetWriter, StepRecord, WriterOptions};
@@ -69,8 +68,13 @@ impl ReplayBuffer {
         &self.spans
     }
 
-    fn entries(&self) -> impl Iterator<Item = &[StepRecord]> {
-        self.spans.iter().map(|span| &self.records[span.clone()])
+    /// Takes the entries out of the buffer (moved, not copied), leaving it empty.
+    fn take_entries(&mut self) -> Vec<Vec<StepRecord>> {
+        let mut records = std::mem::take(&mut self.records).into_iter();
+        self.spans
+            .drain(..)
+            .map(|span| records.by_ref().take(span.len()).collect())
+            .collect()
     }
 
     /// Replaces the entries by `entries`, the oldest beyond the capacity left out.
@@ -96,26 +100,25 @@ impl ReplayBuffer {
                 .collect(),
             ContextLayout::Concat => better_trajectories(records, returns, margin),
         };
-        let mut entries: Vec<Vec<StepRecord>> = self.entries().map(<[_]>::to_vec).collect();
+        let mut entries = self.take_entries();
         for sequence in &better {
             let entry: Vec<StepRecord> = sequence.iter().map(|&i| records[i].clone()).collect();
-            let place = self.place(&entry);
-            entries.retain(|e| self.place(e) != place);
+            entries.retain(|e| !self.same_place(e, &entry));
             entries.push(entry);
         }
         self.set_entries(entries);
         better.len()
     }
 
-    /// Where an entry's choice was made: its env and state (a step) or its env and first prompt
-    /// (a trajectory).
-    fn place(&self, entry: &[StepRecord]) -> (String, u64) {
-        let first = &entry[0];
-        let at = match self.layout {
-            ContextLayout::Window => first.state_hash,
-            ContextLayout::Concat => stable_hash(&id_bytes(&first.obs_ids)),
-        };
-        (first.env_tag.clone(), at)
+    /// Whether two entries' choices were made in the same place: the same env and state (a
+    /// step) or the same env and first prompt (a trajectory).
+    fn same_place(&self, a: &[StepRecord], b: &[StepRecord]) -> bool {
+        let (a, b) = (&a[0], &b[0]);
+        a.env_tag == b.env_tag
+            && match self.layout {
+                ContextLayout::Window => a.state_hash == b.state_hash,
+                ContextLayout::Concat => a.obs_ids == b.obs_ids,
+            }
     }
 
     /// Writes the buffer as a store dataset in `dir` (which must not hold one).
@@ -150,11 +153,6 @@ impl ReplayBuffer {
         buffer.set_entries(entries);
         Ok(buffer)
     }
-}
-
-/// Token ids as bytes, for hashing a prompt.
-fn id_bytes(ids: &[u32]) -> Vec<u8> {
-    ids.iter().flat_map(|id| id.to_le_bytes()).collect()
 }
 
 /// Indices of the better steps of `records`: per anchor state (`group_id`, `state_hash`) visited
