@@ -6,9 +6,10 @@ Reads `stepppo replay RUN/dataset --format jsonl` saved to a file, computes each
 Monte-Carlo step returns (gamma), and for every setting refits one value MLP (256 wide, SiLU,
 AdamW at 1e-3, as `critic.mode: state`) after each batch, on the rows of the last K batches
 (`critic.history_batches`), in as many mini-batches of 8 as `epochs` passes over the newest
-batch take, inputs centred and scaled by one factor as the trainer does. It then scores the
+batch take, inputs centred and scaled by one factor as the trainer does; with `--decay d < 1` a
+row of a batch k batches old is drawn with weight d**k instead of uniformly. It then scores the
 rollout-time prediction of the next batch, as `critic/vf_explained_var` does, and prints over
-the last 20 batches the mean of the per-batch explained variance and the pooled one
+the last 20 batches the mean and median of the per-batch explained variance and the pooled one
 (1 - sum of squared residuals / sum of squared deviations), with the tabular ceiling beside
 them. Inputs: `facts`, the first 8 numbers of each record's critic state (the whole map's planning
 facts); `moves`, those plus each move's facts (wall, hole, goal, nearer over ice, nearer by
@@ -120,7 +121,7 @@ def load_batches(path, gamma):
     return batches
 
 
-def replay(batches, inputs, history, epochs, last, seed=0, mini_batch=8, width=256):
+def replay(batches, inputs, history, epochs, last, decay=1.0, seed=0, mini_batch=8, width=256):
     torch.manual_seed(seed)
     dim = batches[0][inputs].shape[1]
     net = torch.nn.Sequential(torch.nn.Linear(dim, width), torch.nn.SiLU(), torch.nn.Linear(width, 1))
@@ -132,12 +133,17 @@ def replay(batches, inputs, history, epochs, last, seed=0, mini_batch=8, width=2
         kept = batches[max(0, t - history + 1) : t + 1]
         x = torch.tensor(np.concatenate([b[inputs] for b in kept]))
         y = torch.tensor(np.concatenate([b["returns"] for b in kept]))
+        age = np.concatenate([np.full(len(b["returns"]), len(kept) - 1 - i) for i, b in enumerate(kept)])
+        weight = torch.tensor(decay**age, dtype=torch.float64)
         mean = x.mean(0)
         scale = 1 / (x - mean).pow(2).mean().sqrt().clamp(min=1e-6)
         updates = epochs * -(-len(batches[t]["returns"]) // mini_batch)
         gen = torch.Generator().manual_seed(t)
         for _ in range(updates):
-            pick = torch.randint(0, len(y), (mini_batch,), generator=gen)
+            if decay == 1.0:
+                pick = torch.randint(0, len(y), (mini_batch,), generator=gen)
+            else:
+                pick = torch.multinomial(weight, mini_batch, replacement=True, generator=gen)
             loss = 0.5 * (net((x[pick] - mean) * scale).squeeze(1) - y[pick]).pow(2).mean()
             opt.zero_grad()
             loss.backward()
@@ -150,7 +156,7 @@ def replay(batches, inputs, history, epochs, last, seed=0, mini_batch=8, width=2
             per_batch.append(explained_variance(pred, g))
             residual += float(np.sum((g - pred - np.mean(g - pred)) ** 2))
             total += float(np.sum((g - g.mean()) ** 2))
-    return float(np.nanmean(per_batch)), 1.0 - residual / total
+    return float(np.nanmean(per_batch)), float(np.nanmedian(per_batch)), 1.0 - residual / total
 
 
 def main():
@@ -161,6 +167,7 @@ def main():
     ap.add_argument("--history", default="1,8,32")
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--last", type=int, default=20)
+    ap.add_argument("--decay", default="1.0", help="rows drawn with weight decay**age (batches)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     batches = load_batches(args.dataset_jsonl, args.gamma)
@@ -168,8 +175,13 @@ def main():
     print(f"{len(batches)} batches; tabular ceiling, mean of the last {args.last}: {ceiling:.3f}")
     for inputs in args.inputs.split(","):
         for k in (int(h) for h in args.history.split(",")):
-            mean, pooled = replay(batches, inputs, k, args.epochs, args.last)
-            print(f"inputs {inputs:5s} history {k:3d}: EV mean {mean:.3f}, pooled {pooled:.3f}", flush=True)
+            for decay in (float(d) for d in args.decay.split(",")):
+                mean, median, pooled = replay(batches, inputs, k, args.epochs, args.last, decay)
+                print(
+                    f"inputs {inputs:5s} history {k:3d} decay {decay:.2f}: "
+                    f"EV mean {mean:.3f}, median {median:.3f}, pooled {pooled:.3f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
