@@ -2,7 +2,8 @@
 //!
 //! [`env_metrics`] turns a batch of step records into the per-tag env metrics (`<prefix>/<tag>/
 //! success`, `reward`, `action_is_valid`, ...) logged for training rollouts (`env/`) and
-//! validation (`val/`). [`validate`] runs the validation env manager on held-out seeds: G = 1
+//! validation (`val/`); the env's own metrics (QA's `em`, `searches`) come from the rollout
+//! ([`ManagerRollout::env_scores`], merged over ranks for training by [`training_env_scores`]). [`validate`] runs the validation env manager on held-out seeds: G = 1
 //! per group, group ids fixed so every validation sees the same episodes, seeds derived from
 //! `seed + VAL_SEED_OFFSET` (a stream disjoint from the training seeds), decoding with
 //! `val_generating_args` (greedy unless `do_sample`). The groups an env error dropped
@@ -12,6 +13,7 @@ use super::metrics::Scalars;
 use super::setup::{device_of, engine_for};
 use super::TrainError;
 use crate::config::{Config, CustomEnv, EnvManagerConfig, GeneratingArgs};
+use crate::dist::Collective;
 use crate::model::Model;
 use crate::rollout::agent_loop::{run_rollout, ContextLayout, RolloutConfig, RolloutError};
 use crate::rollout::engine::{CacheCounters, Engine};
@@ -94,6 +96,33 @@ pub fn env_metrics(prefix: &str, records: &[StepRecord], out: &mut Scalars) -> V
         put("num_actions", s.num_actions);
     }
     summaries
+}
+
+/// `env/<tag>/<metric>`: each env metric (QA's `em`, `searches`, `retrieval_bonus`, …) as a mean
+/// per episode of the step's training rollout, over every rank's episodes.
+pub fn training_env_scores(
+    rollout: &ManagerRollout,
+    dist: &dyn Collective,
+) -> Result<Scalars, TrainError> {
+    let mut episodes: BTreeMap<&str, f64> = BTreeMap::new();
+    for r in rollout.records.iter().filter(|r| r.is_last()) {
+        *episodes.entry(r.env_tag.as_str()).or_default() += 1.0;
+    }
+    let (mut sums, mut counts) = (Scalars::new(), BTreeMap::new());
+    for (key, mean) in &rollout.env_scores {
+        let tag = key.split('/').next().unwrap_or_default();
+        let n = episodes.get(tag).copied().unwrap_or_default();
+        sums.insert(format!("env/{key}"), mean * n);
+        counts.insert(format!("env/{key}"), n);
+    }
+    let (sums, counts) = super::ranks::merge_means(sums, counts, dist)?;
+    Ok(sums
+        .into_iter()
+        .filter_map(|(key, sum)| {
+            let n = counts.get(&key).copied().unwrap_or_default();
+            (n > 0.0).then(|| (key, sum / n))
+        })
+        .collect())
 }
 
 /// Sampling parameters of a `generating_args` section.
@@ -328,5 +357,26 @@ mod tests {
         assert!((m["val/A/action_is_valid"] - 2.0 / 3.0).abs() < 1e-9);
         assert_eq!(m["val/B/success"], 1.0);
         assert_eq!(m["val/A/num_actions"], 1.5);
+    }
+
+    #[test]
+    fn training_env_scores_are_the_rollout_means_under_env() {
+        let rollout = ManagerRollout {
+            records: vec![
+                step("A", 0, 0.0, false, false, true),
+                step("A", 0, 1.0, true, true, true),
+                step("A", 1, 0.0, true, false, true),
+            ],
+            env_scores: Scalars::from([("A/em".to_string(), 0.5), ("A/searches".to_string(), 1.5)]),
+            ..ManagerRollout::default()
+        };
+        let scores = training_env_scores(&rollout, &crate::dist::Single).unwrap();
+        assert_eq!(
+            scores,
+            Scalars::from([
+                ("env/A/em".to_string(), 0.5),
+                ("env/A/searches".to_string(), 1.5)
+            ])
+        );
     }
 }

@@ -609,7 +609,9 @@ impl Trainer {
         let what = format!("step {}", self.state.step + 1);
         self.warn_env_errors(&what, &rollout.env_errors);
         let env_errors = ranks::sum_count(rollout.env_errors.len() as u64, self.dist.as_ref())?;
+        let scores = eval::training_env_scores(&rollout, self.dist.as_ref())?;
         let mut scalars = self.learn(rollout.records, rollout.counters, t_step, t_rollout)?;
+        scalars.extend(scores);
         scalars.insert("rollout/env_errors".into(), env_errors as f64);
         scalars.insert("time/rollout_env".into(), rollout.env_s);
         Ok(scalars)
@@ -625,8 +627,10 @@ impl Trainer {
         self.warn_env_errors(&what, &batch.rollout.env_errors);
         let env_errors = batch.rollout.env_errors.len();
         let rollout = batch.rollout;
+        let scores = eval::training_env_scores(&rollout, self.dist.as_ref())?;
         let mut scalars =
             self.learn(rollout.records, rollout.counters, t_step, batch.generate_s)?;
+        scalars.extend(scores);
         scalars.insert("rollout/env_errors".into(), env_errors as f64);
         scalars.insert("time/rollout_env".into(), rollout.env_s);
         scalars.insert("time/trainer_wait".into(), received.trainer_wait_s);

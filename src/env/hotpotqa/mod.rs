@@ -6,10 +6,13 @@
 //! </information>\n\n` (Search-R1), searched over the episode record's own context (`corpus:
 //! distractor`, HotpotQA's distractor setting) or over every paragraph of the world (`corpus:
 //! world`, full-wiki-like; for a fixture or file, every distinct paragraph of the loaded
-//! records). `question_type` (`bridge` or `comparison`) restricts an env to one type of question.
-//! `<answer>…</answer>` ends the episode with reward = exact match after the official
-//! normalization ([`metric`]), or its token F1 with `reward: f1`; success is exact match and F1
-//! is reported as a metric either way. The oracle does the two hops: it
+//! records). `question_type` (`bridge` or `comparison`) restricts an env to one type of question,
+//! `templates` a generated world's env to some of its question templates. `<answer>…</answer>`
+//! ends the episode with reward = exact match after the official normalization ([`metric`]), or
+//! its token F1 with `reward: f1`; success is exact match and F1 is reported as a metric either
+//! way. `retrieval_bonus` optionally pays a search that first brings up a gold paragraph (at
+//! most once per gold paragraph, so at most twice an episode and below an answer's 1), logged
+//! apart from EM. The oracle does the two hops: it
 //! searches each supporting title in turn, then answers.
 //!
 //! Differences from StepPO / Search-R1 / ROLL: BM25 over generated or loaded paragraphs instead
@@ -134,6 +137,14 @@ pub struct HotpotQaConfig {
     pub question_type: QuestionType,
     /// `em` or `f1`: what an answer is paid ([`AnswerReward`]).
     pub reward: AnswerReward,
+    /// Names of the generated question templates the env asks (e.g. `founder_birth_city`);
+    /// empty: every template. Generated worlds only (a warm start on some templates, RL and
+    /// validation on all).
+    pub templates: Vec<String>,
+    /// Paid on a search whose top-k first shows one of the question's gold paragraphs, once per
+    /// gold paragraph; in [0, 0.5), so the two of an episode stay below a right answer. Logged
+    /// as the metric `retrieval_bonus`; success stays exact match.
+    pub retrieval_bonus: f32,
 }
 
 impl Default for HotpotQaConfig {
@@ -152,6 +163,8 @@ impl Default for HotpotQaConfig {
             episode_worlds: false,
             question_type: QuestionType::All,
             reward: AnswerReward::Em,
+            templates: Vec::new(),
+            retrieval_bonus: 0.0,
         }
     }
 }
@@ -165,6 +178,51 @@ impl HotpotQaConfig {
         } else {
             Vec::new()
         }
+    }
+
+    /// Whether the env asks generated record `index`, by its template and its `type`.
+    fn asks(&self, index: usize, kind: &str) -> bool {
+        let template = world::template_name(index);
+        self.question_type.admits(kind)
+            && (self.templates.is_empty() || self.templates.iter().any(|t| t == template))
+    }
+
+    /// Errors of `templates` and `retrieval_bonus`.
+    fn check_questions_and_bonus(&self) -> Result<(), EnvError> {
+        if !self.templates.is_empty()
+            && (self.data_file.is_some() || self.world != WorldKind::Generated)
+        {
+            return Err(bad_value(
+                "hotpotqa",
+                "templates",
+                "needs world: generated and no data_file (templates are the generated \
+                 questions')",
+            ));
+        }
+        if let Some(unknown) = self
+            .templates
+            .iter()
+            .find(|t| !world::template_names().any(|name| name == t.as_str()))
+        {
+            let known: Vec<&str> = world::template_names().collect();
+            return Err(bad_value(
+                "hotpotqa",
+                "templates",
+                format!("unknown template `{unknown}` (known: {})", known.join(", ")),
+            ));
+        }
+        if !(0.0..0.5).contains(&self.retrieval_bonus) {
+            return Err(bad_value(
+                "hotpotqa",
+                "retrieval_bonus",
+                format!(
+                    "{} is not in [0, 0.5): the bonus of both gold paragraphs must stay below \
+                     a right answer's 1",
+                    self.retrieval_bonus
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -222,7 +280,10 @@ impl QaData {
             )?,
             (None, WorldKind::Generated) => generated(cfg)?,
         };
-        split.retain(|&i| cfg.question_type.admits(&records[i].kind));
+        split.retain(|&i| match world {
+            Some(_) => cfg.asks(i, &records[i].kind),
+            None => cfg.question_type.admits(&records[i].kind),
+        });
         if split.is_empty() {
             return Err(no_question_of_type(cfg));
         }
@@ -241,13 +302,18 @@ impl QaData {
     }
 }
 
-/// The error of a `question_type` that leaves the split without a question.
+/// The error of a `question_type` (and `templates`) that leaves the split without a question.
 fn no_question_of_type(cfg: &HotpotQaConfig) -> EnvError {
+    let templates = if cfg.templates.is_empty() {
+        String::new()
+    } else {
+        format!(" among templates {}", cfg.templates.join(", "))
+    };
     bad_value(
         "hotpotqa",
         "question_type",
         format!(
-            "split `{}` holds no question of type `{}`",
+            "split `{}` holds no question of type `{}`{templates}",
             cfg.split,
             crate::config::config_name(&cfg.question_type)
         ),
@@ -324,6 +390,8 @@ pub struct HotpotQaEnv {
     episode_corpus: Option<Corpus>,
     /// Queries searched this episode.
     queries: Vec<String>,
+    /// Gold titles a search has shown this episode (each paid `retrieval_bonus` once).
+    gold_retrieved: Vec<String>,
     observation: String,
     finished: bool,
 }
@@ -336,6 +404,7 @@ impl HotpotQaEnv {
         if !(0.0..=1.0).contains(&cfg.val_fraction) {
             return Err(bad_value("hotpotqa", "val_fraction", "must be in [0, 1]"));
         }
+        cfg.check_questions_and_bonus()?;
         if cfg.episode_worlds && (cfg.data_file.is_some() || cfg.world != WorldKind::Generated) {
             return Err(bad_value(
                 "hotpotqa",
@@ -352,6 +421,7 @@ impl HotpotQaEnv {
             data,
             episode_corpus: None,
             queries: Vec::new(),
+            gold_retrieved: Vec::new(),
             observation: String::new(),
             finished: false,
         };
@@ -395,7 +465,9 @@ impl HotpotQaEnv {
             .map_err(|reason| bad_value("hotpotqa", "world_size", reason))?;
         let asked: Vec<&HotpotRecord> = records
             .iter()
-            .filter(|r| self.cfg.question_type.admits(&r.kind))
+            .enumerate()
+            .filter(|(index, r)| self.cfg.asks(*index, &r.kind))
+            .map(|(_, r)| r)
             .collect();
         if asked.is_empty() {
             return Err(no_question_of_type(&self.cfg));
@@ -407,6 +479,33 @@ impl HotpotQaEnv {
             CorpusKind::World => Corpus::new(world.paragraphs()),
         };
         Ok((record, corpus))
+    }
+
+    /// `retrieval_bonus` for each gold paragraph that `query`'s top-k shows for the first time
+    /// this episode (0 with no bonus set).
+    fn retrieval_bonus_of(&mut self, query: &str) -> f32 {
+        if self.cfg.retrieval_bonus == 0.0 {
+            return 0.0;
+        }
+        let shown: Vec<String> = self
+            .search_titles(query)
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+        let gold: Vec<String> = self
+            .record()
+            .supporting_facts
+            .iter()
+            .map(|(title, _)| title.clone())
+            .collect();
+        let mut new = 0;
+        for title in gold {
+            if shown.contains(&title) && !self.gold_retrieved.contains(&title) {
+                self.gold_retrieved.push(title);
+                new += 1;
+            }
+        }
+        self.cfg.retrieval_bonus * new as f32
     }
 
     /// Titles of the top-k passages for `query` in the current episode, best first.
@@ -532,6 +631,7 @@ impl Env for HotpotQaEnv {
         }
         self.observation = "No search results yet.".to_string();
         self.queries.clear();
+        self.gold_retrieved.clear();
         self.finished = false;
         Ok(self.state_text())
     }
@@ -545,15 +645,17 @@ impl Env for HotpotQaEnv {
         let mut info = EnvInfo::default();
         let first_action = self.queries.is_empty() && !self.finished;
         let kind = self.record().kind.clone();
+        let mut bonus = 0.0;
         let (reward, terminated) = match action {
             _ if self.finished => (0.0, true),
             Action::Search(query) => {
                 self.observation = self.search(query);
+                bonus = self.retrieval_bonus_of(query);
                 self.queries.push(query.clone());
                 info.action_is_valid = true;
                 info.action_is_effective = true;
                 info.metrics.push(("searches".into(), 1.0));
-                (0.0, false)
+                (bonus, false)
             }
             Action::Answer(answer) => {
                 let gold = &self.record().answer;
@@ -592,6 +694,9 @@ impl Env for HotpotQaEnv {
         }
         if first_action && !kind.is_empty() {
             info.metrics.push((format!("question_{kind}"), 1.0));
+        }
+        if self.cfg.retrieval_bonus > 0.0 {
+            info.metrics.push(("retrieval_bonus".into(), bonus));
         }
         Ok(Transition {
             observation: self.observation.clone(),
@@ -917,6 +1022,146 @@ mod tests {
             err.contains("question_type") && err.contains("type `comparison`"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn templates_ask_only_the_named_generated_questions() {
+        let openings = |cfg: HotpotQaConfig| {
+            let mut env = HotpotQaEnv::new(cfg).unwrap();
+            (0..48)
+                .map(|seed| {
+                    env.reset(seed).unwrap();
+                    let question = &env.record().question;
+                    question.split(' ').take(3).collect::<Vec<_>>().join(" ")
+                })
+                .collect::<BTreeSet<_>>()
+        };
+        let two = vec!["founder_birth_city".to_string(), "same_country".to_string()];
+        for base in [
+            HotpotQaConfig {
+                episode_worlds: true,
+                world_size: 60,
+                ..HotpotQaConfig::default()
+            },
+            HotpotQaConfig::default(),
+        ] {
+            let asked = openings(HotpotQaConfig {
+                templates: two.clone(),
+                ..base.clone()
+            });
+            // "In which city was the founder of …", "Are A and B in the same country?".
+            assert!(
+                asked
+                    .iter()
+                    .all(|o| o == "In which city" || o.starts_with("Are ")),
+                "{base:?}: {asked:?}"
+            );
+            assert!(asked.contains("In which city") && asked.iter().any(|o| o.starts_with("Are ")));
+            // With a question type, the templates of that type among those named.
+            let bridge_only = openings(HotpotQaConfig {
+                templates: two.clone(),
+                question_type: QuestionType::Bridge,
+                ..base
+            });
+            assert_eq!(bridge_only, BTreeSet::from(["In which city".to_string()]));
+        }
+        let err = |cfg: HotpotQaConfig| HotpotQaEnv::new(cfg).err().unwrap().to_string();
+        let unknown = err(HotpotQaConfig {
+            templates: vec!["founder_shoe_size".into()],
+            ..HotpotQaConfig::default()
+        });
+        assert!(
+            unknown.contains("templates") && unknown.contains("`founder_shoe_size`"),
+            "{unknown}"
+        );
+        let fixture = err(HotpotQaConfig {
+            world: WorldKind::Fixture,
+            split: "all".into(),
+            templates: two,
+            ..HotpotQaConfig::default()
+        });
+        assert!(
+            fixture.contains("templates") && fixture.contains("generated"),
+            "{fixture}"
+        );
+    }
+
+    #[test]
+    fn retrieval_bonus_pays_each_gold_paragraph_once_and_is_logged_apart() {
+        let cfg = HotpotQaConfig {
+            episode_worlds: true,
+            world_size: 60,
+            retrieval_bonus: 0.2,
+            ..HotpotQaConfig::default()
+        };
+        let mut env = HotpotQaEnv::new(cfg.clone()).unwrap();
+        for seed in 0..24 {
+            env.reset(seed).unwrap();
+            let mut paid = 0.0;
+            let mut logged = 0.0;
+            let mut answer_reward = 0.0;
+            loop {
+                let action = env.oracle_action().unwrap();
+                // Every search twice: the repeat shows nothing new and earns nothing.
+                let repeats = if matches!(action, Action::Search(_)) {
+                    2
+                } else {
+                    1
+                };
+                let mut last = None;
+                for _ in 0..repeats {
+                    let t = env.step(&action).unwrap();
+                    let bonus = metric_of(&t.info, "retrieval_bonus");
+                    logged += bonus;
+                    match action {
+                        Action::Answer(_) => answer_reward = t.reward,
+                        _ => paid += t.reward,
+                    }
+                    assert_eq!(metric_of(&t.info, "em") > 0.0, t.info.success);
+                    last = Some(t);
+                }
+                if last.unwrap().terminated {
+                    break;
+                }
+            }
+            assert!(
+                (paid - 0.4).abs() < 1e-6,
+                "seed {seed}: both gold paragraphs, once: {paid}"
+            );
+            assert_eq!(paid, logged);
+            assert_eq!(answer_reward, 1.0, "the answer is paid EM alone");
+        }
+        // No bonus: no metric, searches paid 0.
+        let mut plain = HotpotQaEnv::new(HotpotQaConfig {
+            retrieval_bonus: 0.0,
+            ..cfg.clone()
+        })
+        .unwrap();
+        plain.reset(3).unwrap();
+        let t = plain.step(&plain.oracle_action().unwrap()).unwrap();
+        assert_eq!(t.reward, 0.0);
+        assert!(t.info.metrics.iter().all(|(k, _)| k != "retrieval_bonus"));
+        for bad in [0.5, -0.1] {
+            let err = HotpotQaEnv::new(HotpotQaConfig {
+                retrieval_bonus: bad,
+                ..cfg.clone()
+            })
+            .err()
+            .unwrap()
+            .to_string();
+            assert!(
+                err.contains("retrieval_bonus") && err.contains("[0, 0.5)"),
+                "{err}"
+            );
+        }
+    }
+
+    fn metric_of(info: &EnvInfo, key: &str) -> f32 {
+        info.metrics
+            .iter()
+            .filter(|(k, _)| k == key)
+            .map(|(_, v)| v)
+            .sum()
     }
 
     #[test]

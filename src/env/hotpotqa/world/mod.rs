@@ -107,7 +107,7 @@ pub fn name_side(seed: u64, name: &str) -> Split {
 pub type Paragraph = (String, Vec<String>);
 
 mod questions;
-pub use questions::TEMPLATE_COUNT;
+pub use questions::{template_name, template_names, TEMPLATE_COUNT};
 
 /// Entities of each kind, as index ranges of [`World::paragraphs`].
 #[derive(Clone, Debug)]

@@ -48,6 +48,16 @@ const TEMPLATES: [(&str, Template); TEMPLATE_COUNT] = [
     ("same_country", World::same_country),
 ];
 
+/// The name of template `index % TEMPLATE_COUNT`: the template of generated record `index`.
+pub fn template_name(index: usize) -> &'static str {
+    TEMPLATES[index % TEMPLATE_COUNT].0
+}
+
+/// The template names, in record order.
+pub fn template_names() -> impl Iterator<Item = &'static str> {
+    TEMPLATES.iter().map(|(name, _)| *name)
+}
+
 impl World {
     /// `count` questions with `distractors` distractor paragraphs each; template `i % 12` makes
     /// record `i`.
