@@ -47,6 +47,8 @@ pub struct TagSummary {
     pub format_penalty: f64,
     /// Mean env actions per episode.
     pub num_actions: f64,
+    /// The env's own metrics (QA's `em`, `f1`, `searches`, `em_<group>`, …), means per episode.
+    pub env_metrics: BTreeMap<String, f64>,
 }
 
 /// Summarises the records of one tag (complete trajectories).
@@ -70,6 +72,38 @@ pub fn summarize(tag: &str, records: &[StepRecord]) -> TagSummary {
         action_is_effective: per_step(&|r| f64::from(u8::from(r.info.action_is_effective))),
         format_penalty: per_step(&|r| r.info.format_penalty as f64),
         num_actions: per_episode(records.iter().map(|r| r.info.num_actions as f64).sum()),
+        env_metrics: BTreeMap::new(),
+    }
+}
+
+impl TagSummary {
+    /// The env metrics other than the per-group pairs that [`TagSummary::group_scores`] reads.
+    pub fn plain_env_metrics(&self) -> impl Iterator<Item = (&str, f64)> {
+        self.env_metrics
+            .iter()
+            .filter(|(k, _)| !self.is_group_key(k))
+            .map(|(k, v)| (k.as_str(), *v))
+    }
+
+    /// `(group, EM within the group, share of the episodes)` for each group of questions an env
+    /// counts with an `em_<group>` / `question_<group>` pair (QA's types and templates).
+    pub fn group_scores(&self) -> Vec<(&str, f64, f64)> {
+        self.env_metrics
+            .iter()
+            .filter_map(|(key, &share)| {
+                let group = key.strip_prefix("question_")?;
+                let em = *self.env_metrics.get(&format!("em_{group}"))?;
+                (share > 0.0).then_some((group, em / share, share))
+            })
+            .collect()
+    }
+
+    fn is_group_key(&self, key: &str) -> bool {
+        let group = |prefix: &str, pair: &str| {
+            key.strip_prefix(prefix)
+                .is_some_and(|g| self.env_metrics.contains_key(&format!("{pair}{g}")))
+        };
+        group("question_", "em_") || group("em_", "question_")
     }
 }
 
@@ -287,16 +321,27 @@ pub fn validate(
         (0, 1),
     )?;
     let mut scalars = Scalars::new();
-    let summaries = env_metrics("val", &rollout.records, &mut scalars);
+    let mut summaries = env_metrics("val", &rollout.records, &mut scalars);
     for (name, mean) in &rollout.env_scores {
         scalars.insert(format!("val/{name}"), *mean);
     }
+    attach_env_scores(&mut summaries, &rollout.env_scores);
     scalars.insert("val/env_errors".into(), rollout.env_errors.len() as f64);
     Ok(Validation {
         scalars,
         summaries,
         env_errors: rollout.env_errors,
     })
+}
+
+/// Files each `<tag>/<metric>` env score under its tag's summary.
+fn attach_env_scores(summaries: &mut [TagSummary], env_scores: &Scalars) {
+    for (name, mean) in env_scores {
+        let (tag, metric) = name.split_once('/').unwrap_or((name, ""));
+        if let Some(s) = summaries.iter_mut().find(|s| s.tag == tag) {
+            s.env_metrics.insert(metric.to_string(), *mean);
+        }
+    }
 }
 
 /// Loads the policy in HF-layout directory `policy_dir` (a checkpoint's `policy/` or a model
@@ -377,6 +422,48 @@ mod tests {
                 ("env/A/em".to_string(), 0.5),
                 ("env/A/searches".to_string(), 1.5)
             ])
+        );
+    }
+
+    #[test]
+    fn group_scores_divide_each_groups_em_by_its_share_of_episodes() {
+        let mut summaries = vec![
+            summarize("A", &[step("A", 0, 1.0, true, true, true)]),
+            summarize("B", &[step("B", 1, 1.0, true, true, true)]),
+        ];
+        let scores = |tag: &str, pairs: &[(&str, f64)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| (format!("{tag}/{k}"), *v))
+                .collect::<Vec<_>>()
+        };
+        let a = [
+            ("em", 0.5),
+            ("searches", 2.0),
+            ("em_bridge", 0.25),
+            ("question_bridge", 0.5),
+            ("em_born_first", 0.0),
+            ("question_born_first", 0.25),
+            ("em_unpaired", 0.1),
+        ];
+        let env_scores: Scalars = [scores("A", &a), scores("B", &[("em", 1.0)])]
+            .concat()
+            .into_iter()
+            .collect();
+        attach_env_scores(&mut summaries, &env_scores);
+        assert_eq!(
+            summaries[1].env_metrics,
+            BTreeMap::from([("em".into(), 1.0)])
+        );
+        let s = &summaries[0];
+        assert_eq!(
+            s.group_scores(),
+            vec![("born_first", 0.0, 0.25), ("bridge", 0.5, 0.5)]
+        );
+        let plain: Vec<(&str, f64)> = s.plain_env_metrics().collect();
+        assert_eq!(
+            plain,
+            vec![("em", 0.5), ("em_unpaired", 0.1), ("searches", 2.0)]
         );
     }
 }

@@ -170,10 +170,15 @@ impl Default for HotpotQaConfig {
 }
 
 impl HotpotQaConfig {
+    /// Whether the records come from a generated world (no `data_file`, `world: generated`).
+    fn is_generated(&self) -> bool {
+        self.data_file.is_none() && self.world == WorldKind::Generated
+    }
+
     /// The words a generated world writes ([`world::vocabulary`]); none for a fixture or a
     /// file, whose text the tokenizer takes as it comes.
     pub fn builtin_words(&self) -> Vec<String> {
-        if self.data_file.is_none() && self.world == WorldKind::Generated {
+        if self.is_generated() {
             world::vocabulary()
         } else {
             Vec::new()
@@ -189,9 +194,7 @@ impl HotpotQaConfig {
 
     /// Errors of `templates` and `retrieval_bonus`.
     fn check_questions_and_bonus(&self) -> Result<(), EnvError> {
-        if !self.templates.is_empty()
-            && (self.data_file.is_some() || self.world != WorldKind::Generated)
-        {
+        if !self.templates.is_empty() && !self.is_generated() {
             return Err(bad_value(
                 "hotpotqa",
                 "templates",
@@ -388,6 +391,8 @@ pub struct HotpotQaEnv {
     episode_record: Option<HotpotRecord>,
     /// The episode record's own context (`corpus: distractor`).
     episode_corpus: Option<Corpus>,
+    /// The generated question template of the episode's record (`None` for a fixture or file).
+    template: Option<&'static str>,
     /// Queries searched this episode.
     queries: Vec<String>,
     /// Gold titles a search has shown this episode (each paid `retrieval_bonus` once).
@@ -405,7 +410,7 @@ impl HotpotQaEnv {
             return Err(bad_value("hotpotqa", "val_fraction", "must be in [0, 1]"));
         }
         cfg.check_questions_and_bonus()?;
-        if cfg.episode_worlds && (cfg.data_file.is_some() || cfg.world != WorldKind::Generated) {
+        if cfg.episode_worlds && !cfg.is_generated() {
             return Err(bad_value(
                 "hotpotqa",
                 "episode_worlds",
@@ -420,6 +425,7 @@ impl HotpotQaEnv {
             episode_record: None,
             data,
             episode_corpus: None,
+            template: None,
             queries: Vec::new(),
             gold_retrieved: Vec::new(),
             observation: String::new(),
@@ -434,6 +440,17 @@ impl HotpotQaEnv {
         self.episode_record
             .as_ref()
             .unwrap_or(&self.data.records[self.current])
+    }
+
+    /// The groups of questions the episode's record is counted under in the metrics: its
+    /// HotpotQA `type` (when the record has one) and its generated template (when it has one).
+    fn question_groups(&self) -> Vec<String> {
+        let kind = &self.record().kind;
+        (!kind.is_empty())
+            .then(|| kind.clone())
+            .into_iter()
+            .chain(self.template.map(str::to_string))
+            .collect()
     }
 
     /// Number of records in this env's split.
@@ -454,8 +471,9 @@ impl HotpotQaEnv {
             .expect("a reset builds the episode's corpus unless the world's is shared")
     }
 
-    /// The record and corpus of a world made for the episode of reset seed `seed`.
-    fn episode_world(&self, seed: u64) -> Result<(HotpotRecord, Corpus), EnvError> {
+    /// The record, its template and the corpus of a world made for the episode of reset seed
+    /// `seed`.
+    fn episode_world(&self, seed: u64) -> Result<(HotpotRecord, &'static str, Corpus), EnvError> {
         let split = split_of(&self.cfg.split)?;
         let world_seed = crate::seed::derive(self.cfg.world_seed, &[EPISODE_WORLD_STREAM, seed]);
         let world = World::generate_in(self.cfg.world_seed, world_seed, split, self.cfg.world_size)
@@ -463,22 +481,22 @@ impl HotpotQaEnv {
         let records = world
             .records(world::TEMPLATE_COUNT, self.cfg.distractors)
             .map_err(|reason| bad_value("hotpotqa", "world_size", reason))?;
-        let asked: Vec<&HotpotRecord> = records
+        let asked: Vec<(usize, &HotpotRecord)> = records
             .iter()
             .enumerate()
             .filter(|(index, r)| self.cfg.asks(*index, &r.kind))
-            .map(|(_, r)| r)
             .collect();
         if asked.is_empty() {
             return Err(no_question_of_type(&self.cfg));
         }
         let pick = crate::seed::derive(seed, &[1]) % asked.len() as u64;
-        let record = asked[pick as usize].clone();
+        let (index, record) = asked[pick as usize];
+        let record = record.clone();
         let corpus = match self.cfg.corpus {
             CorpusKind::Distractor => Corpus::new(&record.context),
             CorpusKind::World => Corpus::new(world.paragraphs()),
         };
-        Ok((record, corpus))
+        Ok((record, world::template_name(index), corpus))
     }
 
     /// `retrieval_bonus` for each gold paragraph that `query`'s top-k shows for the first time
@@ -618,12 +636,17 @@ impl Env for HotpotQaEnv {
 
     fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
         if self.cfg.episode_worlds {
-            let (record, corpus) = self.episode_world(seed)?;
+            let (record, template, corpus) = self.episode_world(seed)?;
             self.episode_record = Some(record);
+            self.template = Some(template);
             self.episode_corpus = Some(corpus);
         } else {
             let pick = crate::seed::derive(seed, &[1]) % self.data.split.len() as u64;
             self.current = self.data.split[pick as usize];
+            self.template = self
+                .cfg
+                .is_generated()
+                .then(|| world::template_name(self.current));
             self.episode_corpus = match self.data.world {
                 Some(_) => None,
                 None => Some(Corpus::new(&self.record().context)),
@@ -638,13 +661,15 @@ impl Env for HotpotQaEnv {
 
     /// Metrics (summed over an episode's turns by the rollout): `searches` (1 per search, 0 with
     /// the answer), `em` and `f1` of the answer (also 0 at a first action that searches, so the
-    /// keys exist even when no episode of a batch answered), `em_<type>` (the answer's EM under
-    /// its question type, e.g. `em_bridge`) and `question_<type>` (1 at the episode's first
-    /// action), so that `em_bridge / question_bridge` is the EM of bridge questions.
+    /// keys exist even when no episode of a batch answered), `em_<group>` (the answer's EM under
+    /// each group of questions it belongs to: its type, e.g. `em_bridge`, and for a generated
+    /// world its template, e.g. `em_director_employer`) and `question_<group>` (1 at the
+    /// episode's first action), so that `em_bridge / question_bridge` is the EM of bridge
+    /// questions.
     fn step(&mut self, action: &Action) -> Result<Transition, EnvError> {
         let mut info = EnvInfo::default();
         let first_action = self.queries.is_empty() && !self.finished;
-        let kind = self.record().kind.clone();
+        let groups = self.question_groups();
         let mut bonus = 0.0;
         let (reward, terminated) = match action {
             _ if self.finished => (0.0, true),
@@ -670,11 +695,12 @@ impl Env for HotpotQaEnv {
                     metrics: vec![
                         ("em".into(), em),
                         ("f1".into(), f1),
-                        (format!("em_{kind}"), em),
                         // Logged as 0 when no episode searched, rather than left out.
                         ("searches".into(), 0.0),
                     ],
                 };
+                info.metrics
+                    .extend(groups.iter().map(|g| (format!("em_{g}"), em)));
                 let paid = match self.cfg.reward {
                     AnswerReward::Em => em,
                     AnswerReward::F1 => f1,
@@ -688,12 +714,12 @@ impl Env for HotpotQaEnv {
             // episode of a batch answered, rather than left out.
             info.metrics
                 .extend([("em".into(), 0.0), ("f1".into(), 0.0)]);
-            if !kind.is_empty() {
-                info.metrics.push((format!("em_{kind}"), 0.0));
-            }
+            info.metrics
+                .extend(groups.iter().map(|g| (format!("em_{g}"), 0.0)));
         }
-        if first_action && !kind.is_empty() {
-            info.metrics.push((format!("question_{kind}"), 1.0));
+        if first_action {
+            info.metrics
+                .extend(groups.iter().map(|g| (format!("question_{g}"), 1.0)));
         }
         if self.cfg.retrieval_bonus > 0.0 {
             info.metrics.push(("retrieval_bonus".into(), bonus));
@@ -800,12 +826,15 @@ mod tests {
         let t = env.step(&Action::Answer("zzz".into())).unwrap();
         assert_eq!(t.reward, 0.0);
         let kind = env.record().kind.clone();
+        let template = env.template.expect("a generated record has a template");
         let expected: Vec<(String, f32)> = vec![
             ("em".into(), 0.0),
             ("f1".into(), 0.0),
-            (format!("em_{kind}"), 0.0),
             ("searches".into(), 0.0),
+            (format!("em_{kind}"), 0.0),
+            (format!("em_{template}"), 0.0),
             (format!("question_{kind}"), 1.0),
+            (format!("question_{template}"), 1.0),
         ];
         assert_eq!(t.info.metrics, expected);
         env.reset(2).unwrap();
@@ -815,12 +844,56 @@ mod tests {
             ("em".into(), 0.0),
             ("f1".into(), 0.0),
             (format!("em_{kind}"), 0.0),
+            (format!("em_{template}"), 0.0),
             (format!("question_{kind}"), 1.0),
+            (format!("question_{template}"), 1.0),
         ];
         assert_eq!(t.info.metrics, expected, "an unanswered episode scores 0");
         let t = env.step(&Action::Answer(gold)).unwrap();
-        assert_eq!(t.info.metrics[2], (format!("em_{kind}"), 1.0));
-        assert_eq!(t.info.metrics.len(), 4, "the type is counted once");
+        let expected: Vec<(String, f32)> = vec![
+            ("em".into(), 1.0),
+            ("f1".into(), 1.0),
+            ("searches".into(), 0.0),
+            (format!("em_{kind}"), 1.0),
+            (format!("em_{template}"), 1.0),
+        ];
+        assert_eq!(t.info.metrics, expected, "the groups are counted once");
+    }
+
+    #[test]
+    fn metrics_count_each_generated_template_and_no_template_for_a_fixture() {
+        for episode_worlds in [false, true] {
+            let cfg = HotpotQaConfig {
+                episode_worlds,
+                templates: vec!["director_employer".into()],
+                ..HotpotQaConfig::default()
+            };
+            let mut env = HotpotQaEnv::new(cfg).unwrap();
+            for seed in 0..4 {
+                env.reset(seed).unwrap();
+                let t = env.step(&Action::Search("zzz".into())).unwrap();
+                let keys: Vec<&str> = t.info.metrics.iter().map(|(k, _)| k.as_str()).collect();
+                assert!(keys.contains(&"question_director_employer"), "{keys:?}");
+                assert!(keys.contains(&"em_director_employer"), "{keys:?}");
+            }
+        }
+        let fixture = HotpotQaConfig {
+            world: WorldKind::Fixture,
+            ..HotpotQaConfig::default()
+        };
+        let mut env = HotpotQaEnv::new(fixture).unwrap();
+        env.reset(0).unwrap();
+        let t = env.step(&Action::Search("zzz".into())).unwrap();
+        let questions = t
+            .info
+            .metrics
+            .iter()
+            .filter(|(k, _)| k.starts_with("question_"));
+        assert_eq!(
+            questions.count(),
+            1,
+            "a fixture record counts under its type alone"
+        );
     }
 
     #[test]
