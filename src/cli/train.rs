@@ -410,15 +410,17 @@ fn print_summaries(summaries: &[TagSummary], json: bool) -> anyhow::Result<()> {
             s.tag, s.episodes, s.success, s.reward, s.steps, s.action_is_valid
         );
     }
-    for s in summaries.iter().filter(|s| !s.env_metrics.is_empty()) {
+    for s in summaries {
         let plain: Vec<String> = s
-            .plain_env_metrics()
+            .plain_env_scores()
             .map(|(k, v)| format!("{k} {v:.3}"))
             .collect();
-        println!("{}: {}", s.tag, plain.join(", "));
+        if !plain.is_empty() {
+            println!("{}: {}", s.tag, plain.join(", "));
+        }
         for (group, em, share) in s.group_scores() {
-            let questions = (share * s.episodes as f64).round();
-            println!("  em of {group}: {em:.3} ({questions} episodes)");
+            let episodes = (share * s.episodes as f64).round() as usize;
+            println!("  em of {group}: {em:.3} ({episodes} episodes that acted)");
         }
     }
     Ok(())

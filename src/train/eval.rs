@@ -3,7 +3,8 @@
 //! [`env_metrics`] turns a batch of step records into the per-tag env metrics (`<prefix>/<tag>/
 //! success`, `reward`, `action_is_valid`, ...) logged for training rollouts (`env/`) and
 //! validation (`val/`); the env's own metrics (QA's `em`, `searches`) come from the rollout
-//! ([`ManagerRollout::env_scores`], merged over ranks for training by [`training_env_scores`]). [`validate`] runs the validation env manager on held-out seeds: G = 1
+//! ([`ManagerRollout::env_scores`], merged over ranks for training by [`training_env_scores`],
+//! and filed under each tag's [`TagSummary`] by validation). [`validate`] runs the validation env manager on held-out seeds: G = 1
 //! per group, group ids fixed so every validation sees the same episodes, seeds derived from
 //! `seed + VAL_SEED_OFFSET` (a stream disjoint from the training seeds), decoding with
 //! `val_generating_args` (greedy unless `do_sample`). The groups an env error dropped
@@ -47,8 +48,9 @@ pub struct TagSummary {
     pub format_penalty: f64,
     /// Mean env actions per episode.
     pub num_actions: f64,
-    /// The env's own metrics (QA's `em`, `f1`, `searches`, `em_<group>`, …), means per episode.
-    pub env_metrics: BTreeMap<String, f64>,
+    /// The env's own metrics (QA's `em`, `f1`, `searches`, `em_<group>`, …), means per episode:
+    /// filled by [`validate`], empty from [`summarize`].
+    pub env_scores: BTreeMap<String, f64>,
 }
 
 /// Summarises the records of one tag (complete trajectories).
@@ -72,38 +74,42 @@ pub fn summarize(tag: &str, records: &[StepRecord]) -> TagSummary {
         action_is_effective: per_step(&|r| f64::from(u8::from(r.info.action_is_effective))),
         format_penalty: per_step(&|r| r.info.format_penalty as f64),
         num_actions: per_episode(records.iter().map(|r| r.info.num_actions as f64).sum()),
-        env_metrics: BTreeMap::new(),
+        env_scores: BTreeMap::new(),
     }
 }
 
 impl TagSummary {
     /// The env metrics other than the per-group pairs that [`TagSummary::group_scores`] reads.
-    pub fn plain_env_metrics(&self) -> impl Iterator<Item = (&str, f64)> {
-        self.env_metrics
+    pub fn plain_env_scores(&self) -> impl Iterator<Item = (&str, f64)> {
+        self.env_scores
             .iter()
-            .filter(|(k, _)| !self.is_group_key(k))
+            .filter(|(k, _)| self.group_of(k).is_none())
             .map(|(k, v)| (k.as_str(), *v))
     }
 
     /// `(group, EM within the group, share of the episodes)` for each group of questions an env
-    /// counts with an `em_<group>` / `question_<group>` pair (QA's types and templates).
+    /// counts with an `em_<group>` / `question_<group>` pair (QA's types and templates). An
+    /// episode is counted in a group once the env has seen one of its actions, so episodes with
+    /// no valid action are in no group (they score 0 in the overall `em`).
     pub fn group_scores(&self) -> Vec<(&str, f64, f64)> {
-        self.env_metrics
+        self.env_scores
             .iter()
             .filter_map(|(key, &share)| {
                 let group = key.strip_prefix("question_")?;
-                let em = *self.env_metrics.get(&format!("em_{group}"))?;
-                (share > 0.0).then_some((group, em / share, share))
+                let em = *self.env_scores.get(&format!("em_{group}"))?;
+                Some((group, if share > 0.0 { em / share } else { 0.0 }, share))
             })
             .collect()
     }
 
-    fn is_group_key(&self, key: &str) -> bool {
-        let group = |prefix: &str, pair: &str| {
-            key.strip_prefix(prefix)
-                .is_some_and(|g| self.env_metrics.contains_key(&format!("{pair}{g}")))
-        };
-        group("question_", "em_") || group("em_", "question_")
+    /// The group an `em_<group>` or `question_<group>` key belongs to, when both keys are present.
+    fn group_of<'k>(&self, key: &'k str) -> Option<&'k str> {
+        let group = key
+            .strip_prefix("question_")
+            .or_else(|| key.strip_prefix("em_"))?;
+        let paired = self.env_scores.contains_key(&format!("em_{group}"))
+            && self.env_scores.contains_key(&format!("question_{group}"));
+        paired.then_some(group)
     }
 }
 
@@ -337,9 +343,11 @@ pub fn validate(
 /// Files each `<tag>/<metric>` env score under its tag's summary.
 fn attach_env_scores(summaries: &mut [TagSummary], env_scores: &Scalars) {
     for (name, mean) in env_scores {
-        let (tag, metric) = name.split_once('/').unwrap_or((name, ""));
+        let Some((tag, metric)) = name.split_once('/') else {
+            continue;
+        };
         if let Some(s) = summaries.iter_mut().find(|s| s.tag == tag) {
-            s.env_metrics.insert(metric.to_string(), *mean);
+            s.env_scores.insert(metric.to_string(), *mean);
         }
     }
 }
@@ -445,6 +453,7 @@ mod tests {
             ("em_born_first", 0.0),
             ("question_born_first", 0.25),
             ("em_unpaired", 0.1),
+            ("question_lone", 1.0),
         ];
         let env_scores: Scalars = [scores("A", &a), scores("B", &[("em", 1.0)])]
             .concat()
@@ -452,7 +461,7 @@ mod tests {
             .collect();
         attach_env_scores(&mut summaries, &env_scores);
         assert_eq!(
-            summaries[1].env_metrics,
+            summaries[1].env_scores,
             BTreeMap::from([("em".into(), 1.0)])
         );
         let s = &summaries[0];
@@ -460,10 +469,15 @@ mod tests {
             s.group_scores(),
             vec![("born_first", 0.0, 0.25), ("bridge", 0.5, 0.5)]
         );
-        let plain: Vec<(&str, f64)> = s.plain_env_metrics().collect();
+        let plain: Vec<(&str, f64)> = s.plain_env_scores().collect();
         assert_eq!(
             plain,
-            vec![("em", 0.5), ("em_unpaired", 0.1), ("searches", 2.0)]
+            vec![
+                ("em", 0.5),
+                ("em_unpaired", 0.1),
+                ("question_lone", 1.0),
+                ("searches", 2.0)
+            ]
         );
     }
 }

@@ -664,8 +664,8 @@ impl Env for HotpotQaEnv {
     /// keys exist even when no episode of a batch answered), `em_<group>` (the answer's EM under
     /// each group of questions it belongs to: its type, e.g. `em_bridge`, and for a generated
     /// world its template, e.g. `em_director_employer`) and `question_<group>` (1 at the
-    /// episode's first action), so that `em_bridge / question_bridge` is the EM of bridge
-    /// questions.
+    /// episode's first action), so that `em_bridge / question_bridge` is the EM of the bridge
+    /// questions whose episodes made a valid action (the env never sees the others).
     fn step(&mut self, action: &Action) -> Result<Transition, EnvError> {
         let mut info = EnvInfo::default();
         let first_action = self.queries.is_empty() && !self.finished;
@@ -862,19 +862,44 @@ mod tests {
 
     #[test]
     fn metrics_count_each_generated_template_and_no_template_for_a_fixture() {
+        let names: Vec<&str> = world::template_names().collect();
+        assert!(!names.contains(&"bridge") && !names.contains(&"comparison"));
+        // Templates alternate bridge and comparison, so a template's position gives its type.
+        let kind_of = |template: &str| {
+            let position = names.iter().position(|n| *n == template).unwrap();
+            ["bridge", "comparison"][position % 2]
+        };
         for episode_worlds in [false, true] {
-            let cfg = HotpotQaConfig {
-                episode_worlds,
-                templates: vec!["director_employer".into()],
-                ..HotpotQaConfig::default()
-            };
-            let mut env = HotpotQaEnv::new(cfg).unwrap();
-            for seed in 0..4 {
-                env.reset(seed).unwrap();
-                let t = env.step(&Action::Search("zzz".into())).unwrap();
-                let keys: Vec<&str> = t.info.metrics.iter().map(|(k, _)| k.as_str()).collect();
-                assert!(keys.contains(&"question_director_employer"), "{keys:?}");
-                assert!(keys.contains(&"em_director_employer"), "{keys:?}");
+            for templates in [vec![], vec!["director_employer".to_string()]] {
+                let cfg = HotpotQaConfig {
+                    episode_worlds,
+                    world_size: 60,
+                    templates: templates.clone(),
+                    ..HotpotQaConfig::default()
+                };
+                let mut env = HotpotQaEnv::new(cfg).unwrap();
+                let mut seen = BTreeSet::new();
+                for seed in 0..24 {
+                    env.reset(seed).unwrap();
+                    let kind = env.record().kind.clone();
+                    let t = env.step(&Action::Search("zzz".into())).unwrap();
+                    let groups: Vec<&str> = t
+                        .info
+                        .metrics
+                        .iter()
+                        .filter_map(|(k, _)| k.strip_prefix("question_"))
+                        .collect();
+                    let [own_kind, template] = groups[..] else {
+                        panic!("a type and a template: {groups:?}");
+                    };
+                    assert_eq!(own_kind, kind);
+                    assert_eq!(kind_of(template), kind, "{template} is a {kind} question");
+                    seen.insert(template.to_string());
+                }
+                match templates.as_slice() {
+                    [] => assert!(seen.len() > 4, "draws vary the template: {seen:?}"),
+                    only => assert_eq!(seen.into_iter().collect::<Vec<_>>(), only),
+                }
             }
         }
         let fixture = HotpotQaConfig {
@@ -889,11 +914,8 @@ mod tests {
             .metrics
             .iter()
             .filter(|(k, _)| k.starts_with("question_"));
-        assert_eq!(
-            questions.count(),
-            1,
-            "a fixture record counts under its type alone"
-        );
+        let count = questions.count();
+        assert_eq!(count, 1, "a fixture record counts under its type alone");
     }
 
     #[test]
