@@ -97,16 +97,12 @@ impl Corpus {
             .collect()
     }
 
-    /// The `<information>` block of the `k` best passages for `query`.
-    pub fn render(&self, query: &str, k: usize) -> String {
-        let docs: String = self
-            .search(query, k)
-            .into_iter()
+    /// The `<information>` block of (title, text) passages, in order.
+    pub fn render_passages(passages: &[(&str, &str)]) -> String {
+        let docs: String = passages
+            .iter()
             .enumerate()
-            .map(|(i, doc)| {
-                let p = &self.passages[doc];
-                format!("Doc {}(Title: {}) {}\n", i + 1, p.title, p.text)
-            })
+            .map(|(i, (title, text))| format!("Doc {}(Title: {title}) {text}\n", i + 1))
             .collect();
         format!("\n\n<information>{docs}</information>\n\n")
     }
@@ -166,7 +162,7 @@ mod tests {
         assert_eq!(corpus.titles("Dynamics Ulsol", 1), vec!["Ulsol Oraivi"]);
         assert_eq!(corpus.titles("a city", 1), vec!["Kaport"]);
         assert!(corpus.titles("zzz", 3).is_empty());
-        let block = corpus.render("Kaport", 1);
+        let block = Corpus::render_passages(&corpus.passages("Kaport", 1));
         assert_eq!(
             block,
             "\n\n<information>Doc 1(Title: Kaport) Kaport is a city.\n</information>\n\n"

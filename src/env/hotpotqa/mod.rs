@@ -499,17 +499,12 @@ impl HotpotQaEnv {
         Ok((record, world::template_name(index), corpus))
     }
 
-    /// `retrieval_bonus` for each gold paragraph that `query`'s top-k shows for the first time
-    /// this episode (0 with no bonus set).
-    fn retrieval_bonus_of(&mut self, query: &str) -> f32 {
+    /// `retrieval_bonus` for each gold paragraph among the `shown` titles of a search that shows
+    /// it for the first time this episode (0 with no bonus set).
+    fn retrieval_bonus_of(&mut self, shown: &[String]) -> f32 {
         if self.cfg.retrieval_bonus == 0.0 {
             return 0.0;
         }
-        let shown: Vec<String> = self
-            .search_titles(query)
-            .into_iter()
-            .map(str::to_string)
-            .collect();
         let gold: Vec<String> = self
             .record()
             .supporting_facts
@@ -531,9 +526,11 @@ impl HotpotQaEnv {
         self.corpus().titles(query, self.cfg.topk)
     }
 
-    /// The `<information>` block for a query.
-    fn search(&self, query: &str) -> String {
-        self.corpus().render(query, self.cfg.topk)
+    /// A search's `<information>` block and the titles it shows, from one ranking.
+    fn search(&self, query: &str) -> (String, Vec<String>) {
+        let shown = self.corpus().passages(query, self.cfg.topk);
+        let titles = shown.iter().map(|(title, _)| title.to_string()).collect();
+        (Corpus::render_passages(&shown), titles)
     }
 }
 
@@ -674,8 +671,9 @@ impl Env for HotpotQaEnv {
         let (reward, terminated) = match action {
             _ if self.finished => (0.0, true),
             Action::Search(query) => {
-                self.observation = self.search(query);
-                bonus = self.retrieval_bonus_of(query);
+                let (observation, shown) = self.search(query);
+                self.observation = observation;
+                bonus = self.retrieval_bonus_of(&shown);
                 self.queries.push(query.clone());
                 info.action_is_valid = true;
                 info.action_is_effective = true;
