@@ -258,7 +258,8 @@ pub struct SftConfig {
     /// Episodes of the agent collected as training data.
     pub episodes: usize,
     /// `random` (learns the answer format, not the task), `oracle`, or `searcher` (search envs:
-    /// the oracle's searches, then a guessed answer among the names read).
+    /// the oracle's searches, then a guessed answer: yes/no, one of a choice question's two
+    /// options, or a name read).
     pub agent: String,
     /// Env tags (keys of `custom_envs`) whose episodes the agent plays, taken in turn; empty
     /// (the default): the training envs, as `train_env_manager` groups them. A tag of its own

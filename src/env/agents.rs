@@ -4,9 +4,10 @@
 //! the env's best action (FrozenLake: BFS on the non-slippery map; Sokoban: the BFS solver;
 //! Bandit: the better arm; QA: search each supporting title in turn, the first entity then the
 //! bridge or second entity, then answer the gold answer); `searcher` (search envs only) plays
-//! the oracle's searches, then answers with a guess among the names it has read: a
-//! demonstration of the turn format and of searching that leaves the answer to be learned. A remote env has no oracle, and no
-//! random agent when it lists no actions: the agent then answers with the env's error.
+//! the oracle's searches, then answers with a guess (yes/no, one of a choice question's two
+//! options, or a name it has read): a demonstration of the turn format and of searching that
+//! leaves the answer to be learned. A remote env has no oracle, and no random agent when it lists
+//! no actions: the agent then answers with the env's error.
 
 use std::str::FromStr;
 

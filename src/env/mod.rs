@@ -132,8 +132,9 @@ pub trait Env: Send {
     fn critic_state(&self) -> Option<Vec<f32>> {
         None
     }
-    /// What the searcher agent plays: the oracle's searches, then an answer guessed among what
-    /// the searches returned. Only search envs have one.
+    /// What the searcher agent plays: the oracle's searches, then an answer guessed without
+    /// knowing it (the question's own options, or a name the searches returned). Only search
+    /// envs have one.
     fn searcher_action(&self, _rng: &mut rand_chacha::ChaCha8Rng) -> Result<Action, EnvError> {
         Err(EnvError::NoAgent {
             env: self.tag().to_string(),

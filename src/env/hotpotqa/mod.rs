@@ -17,7 +17,8 @@
 //!
 //! Differences from StepPO / Search-R1 / ROLL: BM25 over generated or loaded paragraphs instead
 //! of a dense retriever over Wikipedia; the question is part of the instruction and the per-turn
-//! state is the latest search result (initially "No search results yet."); the turn limit is the
+//! state is the latest search result (initially "No search results yet."), followed by the
+//! question again with `restate_question`; the turn limit is the
 //! protocol's `max_turns` (default 4); an unparseable turn gets the format penalty instead of
 //! Search-R1's "My previous action is invalid…" observation. The episode's record is chosen from
 //! the split by the reset seed. For a fixture or file, `split` (`train`, `val` or `all`) is
@@ -145,6 +146,9 @@ pub struct HotpotQaConfig {
     /// gold paragraph; in [0, 0.5), so the two of an episode stay below a right answer. Logged
     /// as the metric `retrieval_bonus`; success stays exact match.
     pub retrieval_bonus: f32,
+    /// Ends every turn's state with the question again (`Question: …`), so that it sits next to
+    /// the search results the next action reads, not only in the first message's instruction.
+    pub restate_question: bool,
 }
 
 impl Default for HotpotQaConfig {
@@ -165,6 +169,7 @@ impl Default for HotpotQaConfig {
             reward: AnswerReward::Em,
             templates: Vec::new(),
             retrieval_bonus: 0.0,
+            restate_question: false,
         }
     }
 }
@@ -545,6 +550,9 @@ impl HotpotQaEnv {
         if YES_NO_OPENERS.contains(&opener) {
             return ["yes", "no"].choose(rng).expect("non-empty").to_string();
         }
+        if let Some(options) = offered_options(question) {
+            return options.choose(rng).expect("two options").clone();
+        }
         let mut names: std::collections::BTreeSet<String> = names_in(rest).into_iter().collect();
         for query in &self.queries {
             for (title, text) in self.corpus().passages(query, self.cfg.topk) {
@@ -555,6 +563,17 @@ impl HotpotQaEnv {
         let names: Vec<String> = names.into_iter().collect();
         names.choose(rng).cloned().unwrap_or_default()
     }
+}
+
+/// The two options a choice question offers after its last comma, as in "Who was born first,
+/// Rovsta Galnax or Melpim Ulvor?" or "Which magazine was started first, Arthur's Magazine or
+/// First for Women?" (HotpotQA's comparison questions take this form); `None` without a clause
+/// "A or B?" of two non-empty options.
+fn offered_options(question: &str) -> Option<[String; 2]> {
+    let (_, clause) = question.rsplit_once(", ")?;
+    let (first, second) = clause.trim_end().strip_suffix('?')?.split_once(" or ")?;
+    let (first, second) = (first.trim(), second.trim());
+    (!first.is_empty() && !second.is_empty()).then(|| [first.to_string(), second.to_string()])
 }
 
 /// Runs of capitalized words in `text` (a name; punctuation ends a run), e.g. "The Vorgal
@@ -723,7 +742,7 @@ impl Env for HotpotQaEnv {
             info.metrics.push(("retrieval_bonus".into(), bonus));
         }
         Ok(Transition {
-            observation: self.observation.clone(),
+            observation: self.state_text(),
             reward,
             terminated,
             truncated: false,
@@ -739,7 +758,12 @@ impl Env for HotpotQaEnv {
     }
 
     fn state_text(&self) -> String {
-        self.observation.clone()
+        if self.cfg.restate_question {
+            let observation = self.observation.trim_end_matches('\n');
+            format!("{observation}\nQuestion: {}", self.record().question)
+        } else {
+            self.observation.clone()
+        }
     }
 
     fn action_space(&self) -> ActionSpace {
@@ -771,7 +795,8 @@ impl Env for HotpotQaEnv {
 
     /// The oracle's searches, then an answer drawn uniformly from what a reader could guess
     /// without knowing the answer: `yes`/`no` for a question that opens like a yes/no question,
-    /// else the names (capitalized word runs) of the question and of every passage read.
+    /// the two offered names for a choice question ("…, A or B?"), else the names (capitalized
+    /// word runs) of the question and of every passage read.
     fn searcher_action(&self, rng: &mut ChaCha8Rng) -> Result<Action, EnvError> {
         Ok(match self.oracle_action()? {
             Action::Answer(_) => Action::Answer(self.guess(rng)),
@@ -958,10 +983,58 @@ mod tests {
     }
 
     #[test]
-    fn the_searcher_searches_like_the_oracle_and_guesses_a_name_it_read() {
+    fn restate_question_ends_every_state_with_the_question() {
+        let mut env = HotpotQaEnv::new(HotpotQaConfig {
+            restate_question: true,
+            ..HotpotQaConfig::default()
+        })
+        .unwrap();
+        let mut plain = HotpotQaEnv::new(HotpotQaConfig::default()).unwrap();
+        let restated = |question: &str| format!("\nQuestion: {question}");
+        let state = env.reset(4).unwrap();
+        let question = env.record().question.clone();
+        assert_eq!(
+            state,
+            format!("No search results yet.{}", restated(&question))
+        );
+        plain.reset(4).unwrap();
+        let search = env.oracle_action().unwrap();
+        let t = env.step(&search).unwrap();
+        let shown = plain.step(&search).unwrap().observation;
+        assert_eq!(
+            t.observation,
+            format!("{}{}", shown.trim_end_matches('\n'), restated(&question))
+        );
+        assert_eq!(env.state_text(), t.observation);
+    }
+
+    #[test]
+    fn choice_questions_offer_the_two_names_after_their_last_comma() {
+        let options = |q: &str| offered_options(q).map(|o| o.map(|s| s.to_string()));
+        assert_eq!(
+            options("Who was born first, Rovsta Galnax or Melpim Ulvor?"),
+            Some(["Rovsta Galnax".into(), "Melpim Ulvor".into()])
+        );
+        assert_eq!(
+            options("Which magazine was started first, Arthur's Magazine or First for Women?"),
+            Some(["Arthur's Magazine".into(), "First for Women".into()])
+        );
+        for not_a_choice in [
+            "In which city was the director of The Vorgal Harbor born?",
+            "Who founded the company that employs Melpim Beltha?",
+            "Were Kalo Mir and Ulsol Ora born in the same city?",
+            "Which film came out first, The Vorgal Harbor or ?",
+            "Which of these, cats or dogs",
+        ] {
+            assert_eq!(options(not_a_choice), None, "{not_a_choice}");
+        }
+    }
+
+    #[test]
+    fn the_searcher_searches_like_the_oracle_and_guesses_an_offered_option_or_a_name_it_read() {
         let mut env = HotpotQaEnv::new(HotpotQaConfig::default()).unwrap();
         let mut rng = ChaCha8Rng::seed_from_u64(3);
-        let (mut hits, mut answers) = (0, 0);
+        let (mut hits, mut answers, mut choices) = (0, 0, 0);
         for seed in 0..200 {
             env.reset(seed).unwrap();
             loop {
@@ -980,15 +1053,24 @@ mod tests {
                     .map(|(t, text)| format!("{t} {text}"))
                     .collect();
                 let yes_no = answer == "yes" || answer == "no";
-                assert!(
-                    yes_no || question.contains(answer.as_str()) || read.contains(answer.as_str())
-                );
+                match offered_options(&question) {
+                    Some(options) => {
+                        assert!(options.contains(answer), "{question}: {answer}");
+                        choices += 1;
+                    }
+                    None => assert!(
+                        yes_no
+                            || question.contains(answer.as_str())
+                            || read.contains(answer.as_str())
+                    ),
+                }
                 hits += usize::from(env.step(&action).unwrap().info.success);
                 answers += 1;
                 break;
             }
         }
         assert_eq!(answers, 200);
+        assert!(choices > 0, "the generated world asks choice questions");
         // A guess, not the task: well above nothing (yes/no questions), far below the oracle.
         assert!((10..=80).contains(&hits), "{hits} of 200");
     }
