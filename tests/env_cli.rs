@@ -183,6 +183,13 @@ fn a_written_generated_world_plays_as_a_data_file() {
     assert!(episodes
         .iter()
         .all(|e| e["success"] == true && e["turns"] == 3));
+    // Metrics are summed over the episode: two searches, then one right answer.
+    assert!(
+        episodes
+            .iter()
+            .all(|e| e["metrics"]["searches"] == 2.0 && e["metrics"]["em"] == 1.0),
+        "{stdout}"
+    );
     let bad = [
         "env",
         "synth-hotpotqa",

@@ -2,6 +2,7 @@
 //! a model-free agent (or a person on stdin), and regenerate the synthetic HotpotQA fixture or
 //! write the questions of a generated world.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
 
 use anyhow::{bail, Context};
@@ -25,7 +26,7 @@ pub enum EnvCommand {
 pub struct PlayArgs {
     /// Environment name (see `stepppo env list`).
     env: String,
-    /// random | oracle | stdin.
+    /// random | oracle | searcher (search envs) | stdin.
     #[arg(long, default_value = "random")]
     agent: String,
     /// Seed of the first episode; episode i uses seed + i.
@@ -36,7 +37,7 @@ pub struct PlayArgs {
     /// Env or protocol setting; the value is read as JSON when it parses, else as a string.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
-    /// One JSON object per episode instead of a transcript.
+    /// One JSON object per episode instead of a transcript (its `metrics` summed over the turns).
     #[arg(long)]
     json: bool,
 }
@@ -138,13 +139,15 @@ fn play(args: PlayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One episode as JSON; `metrics` are the env's per-turn metrics summed over the episode, as a
+/// training rollout logs them (e.g. `searches` counts every search, not the last turn's).
 fn episode_json(episode: &Episode) -> Value {
-    let metrics: Map<String, Value> = episode
-        .turns
-        .last()
-        .map(|t| t.outcome.metrics.as_slice())
-        .unwrap_or_default()
-        .iter()
+    let mut sums: BTreeMap<&str, f64> = BTreeMap::new();
+    for (name, value) in episode.turns.iter().flat_map(|t| &t.outcome.metrics) {
+        *sums.entry(name.as_str()).or_default() += f64::from(*value);
+    }
+    let metrics: Map<String, Value> = sums
+        .into_iter()
         .map(|(name, value)| (name.to_string(), json!(value)))
         .collect();
     json!({
