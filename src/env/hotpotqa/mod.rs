@@ -18,9 +18,9 @@
 //! Differences from StepPO / Search-R1 / ROLL: BM25 over generated or loaded paragraphs instead
 //! of a dense retriever over Wikipedia; the question is part of the instruction and the per-turn
 //! state is the latest search result (initially "No search results yet."), followed by the
-//! question again with `restate_question`; the turn limit is the
-//! protocol's `max_turns` (default 4); an unparseable turn gets the format penalty instead of
-//! Search-R1's "My previous action is invalid…" observation. The episode's record is chosen from
+//! question again with `restate_question`; the turn limit is the protocol's `max_turns` (default
+//! 4); an unparseable turn gets the format penalty instead of Search-R1's "My previous action is
+//! invalid…" observation. The episode's record is chosen from
 //! the split by the reset seed. For a fixture or file, `split` (`train`, `val` or `all`) is
 //! assigned per record id hash; for a generated world it picks the train or the val world.
 //! Generated data (and its world index) is built once per process and shared by every env of
@@ -1010,13 +1010,14 @@ mod tests {
 
     #[test]
     fn choice_questions_offer_the_two_names_after_their_last_comma() {
-        let options = |q: &str| offered_options(q).map(|o| o.map(|s| s.to_string()));
         assert_eq!(
-            options("Who was born first, Rovsta Galnax or Melpim Ulvor?"),
+            offered_options("Who was born first, Rovsta Galnax or Melpim Ulvor?"),
             Some(["Rovsta Galnax".into(), "Melpim Ulvor".into()])
         );
         assert_eq!(
-            options("Which magazine was started first, Arthur's Magazine or First for Women?"),
+            offered_options(
+                "Which magazine was started first, Arthur's Magazine or First for Women?"
+            ),
             Some(["Arthur's Magazine".into(), "First for Women".into()])
         );
         for not_a_choice in [
@@ -1026,7 +1027,7 @@ mod tests {
             "Which film came out first, The Vorgal Harbor or ?",
             "Which of these, cats or dogs",
         ] {
-            assert_eq!(options(not_a_choice), None, "{not_a_choice}");
+            assert_eq!(offered_options(not_a_choice), None, "{not_a_choice}");
         }
     }
 
