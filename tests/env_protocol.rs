@@ -91,3 +91,26 @@ fn state_hash_depends_only_on_the_observation() {
         stepppo::env::stable_hash(a.state_text().as_bytes())
     );
 }
+
+#[test]
+fn show_reward_off_leaves_the_reward_out_of_the_next_message_and_the_window() {
+    let mut session = build_session(
+        "frozen_lake",
+        &json!({"is_slippery": false, "show_reward": false, "format_penalty": -0.25}),
+    )
+    .unwrap();
+    session.reset(2).unwrap();
+    let invalid = session.act("I would go left").unwrap();
+    let message = invalid.next_user_message.unwrap();
+    assert!(
+        message.starts_with("(invalid answer)\nTurn 2:"),
+        "{message}"
+    );
+    assert_eq!(invalid.reward, -0.25, "the reward is still paid");
+    let action = session.env().oracle_action().unwrap();
+    let valid = session.act(&response_text(&action, false)).unwrap();
+    let message = valid.next_user_message.unwrap();
+    assert!(message.starts_with("Turn 3:"), "{message}");
+    let window = session.window_user_message(2);
+    assert!(window.contains("Recent history:\nTurn 1:") && !window.contains("Reward:"));
+}

@@ -32,15 +32,20 @@ pub struct ProtocolConfig {
     pub enable_think: bool,
     /// Reward of an invalid or unparseable turn (RAGEN −0.1).
     pub format_penalty: f32,
+    /// Write each turn's reward into the next user message (`Reward: r`) and the window history.
+    /// Off, the agent is told only that a turn was invalid: an env that pays shaping rewards
+    /// (a retrieval bonus) in training but not in validation then shows both the same text.
+    pub show_reward: bool,
 }
 
 impl ProtocolConfig {
     /// The keys of this config, used to split a combined env config.
-    pub const KEYS: [&'static str; 4] = [
+    pub const KEYS: [&'static str; 5] = [
         "max_turns",
         "max_actions_per_turn",
         "enable_think",
         "format_penalty",
+        "show_reward",
     ];
 
     /// Defaults for an env.
@@ -55,6 +60,7 @@ impl ProtocolConfig {
             max_actions_per_turn: 1,
             enable_think: false,
             format_penalty: -0.1,
+            show_reward: true,
         }
     }
 
@@ -238,12 +244,11 @@ impl AgentSession {
                 || self.actions_used >= self.env.max_steps());
         self.done = terminated || truncated;
         let next_user_message = (!self.done).then(|| {
-            let verdict = if info.action_is_valid {
-                ""
-            } else {
-                " (invalid answer)"
-            };
-            format!("Reward: {reward}{verdict}\n{}", self.turn_block())
+            format!(
+                "{}{}",
+                self.feedback_line(reward, info.action_is_valid),
+                self.turn_block()
+            )
         });
         Ok(TurnOutcome {
             reward,
@@ -253,6 +258,17 @@ impl AgentSession {
             info,
             metrics,
         })
+    }
+
+    /// The line that opens the next user message: the reward (when shown) and whether the turn
+    /// was invalid.
+    fn feedback_line(&self, reward: f32, valid: bool) -> String {
+        match (self.protocol.show_reward, valid) {
+            (true, true) => format!("Reward: {reward}\n"),
+            (true, false) => format!("Reward: {reward} (invalid answer)\n"),
+            (false, true) => String::new(),
+            (false, false) => "(invalid answer)\n".to_string(),
+        }
     }
 
     /// Stable hash of the raw observation at the start of the current turn (GiGPO anchor).
@@ -275,12 +291,14 @@ impl AgentSession {
         }
         for (i, round) in self.history.iter().enumerate().skip(start) {
             text.push_str(&format!(
-                "Turn {}:\nState:\n{}\nResponse: {}\nReward: {}\n",
+                "Turn {}:\nState:\n{}\nResponse: {}\n",
                 i + 1,
                 round.state.trim_matches('\n'),
                 round.response,
-                round.reward
             ));
+            if self.protocol.show_reward {
+                text.push_str(&format!("Reward: {}\n", round.reward));
+            }
         }
         text.push_str(&self.turn_block());
         text
