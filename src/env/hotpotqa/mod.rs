@@ -80,6 +80,15 @@ pub enum QuestionType {
 }
 
 impl QuestionType {
+    /// The word a config writes for this type.
+    fn name(self) -> &'static str {
+        match self {
+            QuestionType::All => "all",
+            QuestionType::Bridge => "bridge",
+            QuestionType::Comparison => "comparison",
+        }
+    }
+
     /// Whether a record of HotpotQA `type` `kind` is asked.
     fn admits(self, kind: &str) -> bool {
         match self {
@@ -323,7 +332,7 @@ fn no_question_of_type(cfg: &HotpotQaConfig) -> EnvError {
         format!(
             "split `{}` holds no question of type `{}`{templates}",
             cfg.split,
-            crate::config::config_name(&cfg.question_type)
+            cfg.question_type.name()
         ),
     )
 }
