@@ -654,3 +654,16 @@ fn malformed_batches_are_errors_not_panics() {
             .is_empty()
     );
 }
+
+#[test]
+fn step_returns_are_discounted_within_each_trajectory_in_any_order() {
+    let step = |traj_id, step_index, reward| StepRecord {
+        traj_id,
+        step_index,
+        reward,
+        ..StepRecord::default()
+    };
+    let records = [step(0, 1, 1.0), step(1, 0, 5.0), step(0, 0, 0.0)];
+    let returns = stepppo::algo::step_returns(&records, 0.5).unwrap();
+    assert_eq!(returns, vec![1.0, 5.0, 0.5]);
+}

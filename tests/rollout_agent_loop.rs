@@ -9,7 +9,7 @@ use stepppo::store::StepRecord;
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
 use stepppo::train::batch::trajectories;
 use stepppo::train::masks::ResponseMasks;
-use stepppo::train::update::response_logprobs;
+use stepppo::train::scoring::response_logprobs;
 use stepppo::train::BatchLayout;
 
 struct Setup {

@@ -9,15 +9,15 @@
 use candle_core::Device;
 use stepppo::algo::loss::explained_variance;
 use stepppo::algo::{AdamW, CriticTarget, LossConfig, OptimizerConfig};
-use stepppo::model::{Critic, FeatureCritic, Model, ModelConfig};
+use stepppo::model::{Critic, Model, ModelConfig, ValueMlp};
 use stepppo::store::StepRecord;
-use stepppo::train::critic_history::CriticHistory;
+use stepppo::train::critic::fit::state_values;
+use stepppo::train::critic::history::CriticHistory;
+use stepppo::train::critic::CriticModel;
 use stepppo::train::masks::ResponseMasks;
 use stepppo::train::metrics::Scalars;
-use stepppo::train::update::{
-    critic_values, ppo_update, state_values, CriticLearner, CriticModel, Learners, UpdateInputs,
-    UpdateSettings,
-};
+use stepppo::train::scoring::critic_values;
+use stepppo::train::update::{ppo_update, CriticLearner, Learners, UpdateInputs, UpdateSettings};
 use stepppo::train::BatchLayout;
 
 const VOCAB: usize = 64;
@@ -212,7 +212,7 @@ fn critic_only_updates_raise_the_explained_variance_on_a_fixed_dataset() {
 fn a_feature_critic_fits_the_frozen_policys_features() {
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
-    let critic = CriticModel::Features(FeatureCritic::new(&policy, 2).unwrap());
+    let critic = CriticModel::Features(ValueMlp::new(&policy, 2).unwrap());
     assert_learns(&critic, &policy, Plan::plain(3, 10));
 }
 
@@ -221,7 +221,7 @@ fn a_state_critic_fits_the_records_critic_states() {
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
     let critic =
-        CriticModel::State(FeatureCritic::with_width(STATE_WIDTH, &cfg, 2, &Device::Cpu).unwrap());
+        CriticModel::State(ValueMlp::with_width(STATE_WIDTH, &cfg, 2, &Device::Cpu).unwrap());
     assert_learns(&critic, &policy, Plan::plain(3, 10));
 }
 
@@ -231,7 +231,7 @@ fn a_state_critic_with_a_history_fits_the_states_of_earlier_batches() {
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
     let critic =
-        CriticModel::State(FeatureCritic::with_width(STATE_WIDTH, &cfg, 2, &Device::Cpu).unwrap());
+        CriticModel::State(ValueMlp::with_width(STATE_WIDTH, &cfg, 2, &Device::Cpu).unwrap());
     let plan = Plan {
         rounds: 6,
         critic_epochs: 10,
@@ -246,7 +246,7 @@ fn a_state_critic_with_a_history_fits_the_states_of_earlier_batches() {
 #[test]
 fn a_state_critic_names_a_record_without_a_critic_state() {
     let critic =
-        FeatureCritic::with_width(STATE_WIDTH, &ModelConfig::tiny(VOCAB), 2, &Device::Cpu).unwrap();
+        ValueMlp::with_width(STATE_WIDTH, &ModelConfig::tiny(VOCAB), 2, &Device::Cpu).unwrap();
     let mut records = records();
     records[5].critic_state.clear();
     let error = state_values(&critic, &records, CriticTarget::StepStart, &Device::Cpu)

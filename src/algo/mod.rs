@@ -28,8 +28,8 @@ mod optim_kernels;
 pub mod value_fit;
 
 pub use advantage::{
-    compute_advantages, replay_rows, AdvantageInputs, AdvantageOutput, ReplayExport, ReplayRow,
-    StepAdvantage, TokenAdvantages,
+    compute_advantages, replay_rows, step_returns, AdvantageInputs, AdvantageOutput, ReplayExport,
+    ReplayRow, StepAdvantage, TokenAdvantages,
 };
 pub use config::{
     AdvantageConfig, AlgoConfig, CriticTarget, Estimator, FilterConfig, LossConfig, OptimizerConfig,

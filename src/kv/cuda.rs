@@ -15,7 +15,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, InplaceOp3, Layout, Shape, Tenso
 use half::bf16;
 use std::sync::OnceLock;
 
-use super::pool::SeqSlots;
+use super::SeqSlots;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 const MODULE: &str = "stepppo_attention";

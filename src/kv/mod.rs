@@ -8,7 +8,7 @@ pub mod cuda;
 pub mod pool;
 pub mod radix;
 
-pub use pool::{AttentionPlan, KvPool, SeqSlots};
+pub use pool::{AttentionPlan, KvPool};
 
 /// Errors of the KV cache.
 #[derive(Debug, thiserror::Error)]
@@ -25,4 +25,19 @@ pub enum KvError {
     ShapeMismatch { pool: String, wanted: String },
     #[error("sequence {seq}: {message}")]
     BadSequence { seq: usize, message: String },
+}
+
+/// One sequence of an attention call: the slot of every position so far, the last `num_new` of
+/// which hold the tokens whose queries are being computed.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqSlots<'a> {
+    pub slots: &'a [u32],
+    pub num_new: usize,
+}
+
+impl SeqSlots<'_> {
+    /// Tokens before the new ones.
+    pub fn context_len(&self) -> usize {
+        self.slots.len() - self.num_new
+    }
 }

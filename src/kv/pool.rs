@@ -6,7 +6,7 @@
 
 use candle_core::{Device, Tensor};
 
-use super::KvError;
+use super::{KvError, SeqSlots};
 use crate::model::ModelConfig;
 
 /// Where the K/V rows live. CPU rows are plain `f32` vectors so the attention loop reads them in
@@ -37,21 +37,6 @@ pub struct AttentionPlan<'a> {
 struct CpuLayerKv {
     k: Vec<f32>,
     v: Vec<f32>,
-}
-
-/// One sequence of an attention call: the slot of every position so far, the last `num_new` of
-/// which hold the tokens whose queries are being computed.
-#[derive(Debug, Clone, Copy)]
-pub struct SeqSlots<'a> {
-    pub slots: &'a [u32],
-    pub num_new: usize,
-}
-
-impl SeqSlots<'_> {
-    /// Tokens before the new ones.
-    pub fn context_len(&self) -> usize {
-        self.slots.len() - self.num_new
-    }
 }
 
 /// Per-layer K/V storage for a fixed number of token slots, with a free list.

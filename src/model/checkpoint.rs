@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 
 use super::critic::{value_head_shapes, SCORE_WEIGHT};
-use super::{params, Critic, FeatureCritic, Model, ModelConfig, ModelError, Result};
+use super::{params, Critic, Model, ModelConfig, ModelError, Result, ValueMlp};
 use crate::tokenizer::Tokenizer;
 
 pub const CONFIG_FILE: &str = "config.json";
@@ -233,14 +233,14 @@ impl Critic {
     }
 }
 
-impl FeatureCritic {
-    /// Loads the MLP and feature scaling that [`FeatureCritic::save`] wrote into `dir`, for
+impl ValueMlp {
+    /// Loads the MLP and feature scaling that [`ValueMlp::save`] wrote into `dir`, for
     /// `policy`'s features.
     pub fn load(dir: &Path, policy: &Model) -> Result<Self> {
         Self::load_width(dir, policy.value_feature_width(), policy.device())
     }
 
-    /// Loads the MLP and scaling that [`FeatureCritic::save`] wrote into `dir`, for inputs
+    /// Loads the MLP and scaling that [`ValueMlp::save`] wrote into `dir`, for inputs
     /// `width` wide (an error when the stored shapes differ).
     pub fn load_width(dir: &Path, width: usize, device: &Device) -> Result<Self> {
         let loaded = Loaded::read(dir, device)?;

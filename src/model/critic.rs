@@ -1,7 +1,7 @@
 //! Value models: [`ValueHead`] (a linear layer hidden → 1 named `score`, as in HF
 //! `Qwen2ForTokenClassification` with one label) and [`Critic`], a separate model of the policy's
 //! family (own trunk weights) with that head, the default critic of step-level PPO. The head can
-//! also sit on the policy's trunk ([`super::Model::attach_value_head`]). [`FeatureCritic`] is the
+//! also sit on the policy's trunk ([`super::Model::attach_value_head`]). [`ValueMlp`] is the
 //! light option: a two-layer MLP on the policy's detached hidden states
 //! ([`super::Model::value_features`]), so the value costs no trunk pass of its own and sends no
 //! gradient into the policy (PPG's `detach` variant). The same MLP over an env's numeric facts about
@@ -150,9 +150,9 @@ impl Critic {
     }
 }
 
-/// How many of the policy's last blocks a [`FeatureCritic`] reads.
+/// How many of the policy's last blocks a [`ValueMlp`] reads.
 pub const FEATURE_BLOCKS: usize = 4;
-/// Hidden width of a [`FeatureCritic`]'s MLP.
+/// Hidden width of a [`ValueMlp`]'s MLP.
 pub const FEATURE_MLP_WIDTH: usize = 256;
 
 const FC1_WEIGHT: &str = "value_mlp.fc1.weight";
@@ -164,25 +164,26 @@ const FEATURE_SCALE: &str = "value_mlp.feature_scale";
 /// Floor of the features' spread in the scaling.
 const MIN_FEATURE_SPREAD: f64 = 1e-6;
 
-/// A value MLP `features → centre and scale → SiLU(fc1) → fc2 → value` over the policy's
-/// detached hidden states. The residual stream at a given token barely changes with the state
+/// A value MLP `inputs → centre and scale → SiLU(fc1) → fc2 → value`, over the policy's detached
+/// hidden states ([`ValueMlp::new`], `critic.mode: features`) or over an env's critic state
+/// ([`ValueMlp::with_width`], `critic.mode: state`). The residual stream at a given token barely changes with the state
 /// (the token's own embedding dominates it: across a FrozenLake batch a feature's spread is
 /// about 0.2 % of its size), so the features are centred on the mean of the batch the MLP was
 /// last fitted on and multiplied by one factor that gives them unit spread over that batch
-/// ([`FeatureCritic::standardize_on`]). One factor for all, not one per feature: a feature that
+/// ([`ValueMlp::standardize_on`]). One factor for all, not one per feature: a feature that
 /// hardly varies in the batch stays small instead of turning a slight shift in the next batch
 /// into a huge input. The scaling is part of the critic's state and its checkpoint, not trained.
-pub struct FeatureCritic {
+pub struct ValueMlp {
     /// The trainable parameters (the MLP).
     varmap: VarMap,
     fc1: Linear,
     fc2: Linear,
-    /// `[F]` and `[1]`; set by [`FeatureCritic::standardize_on`], identity until then.
+    /// `[F]` and `[1]`; set by [`ValueMlp::standardize_on`], identity until then.
     mean: Var,
     scale: Var,
 }
 
-impl FeatureCritic {
+impl ValueMlp {
     /// Names and shapes of the MLP's parameters for features `input_width` wide.
     pub fn param_shapes(input_width: usize) -> Vec<(String, Vec<usize>)> {
         vec![
@@ -222,7 +223,7 @@ impl FeatureCritic {
         self.mean.as_tensor().dim(0).unwrap_or(0)
     }
 
-    /// Builds the MLP over `varmap`, which holds every name of [`FeatureCritic::param_shapes`],
+    /// Builds the MLP over `varmap`, which holds every name of [`ValueMlp::param_shapes`],
     /// with the scaling `mean` (`[F]`) and `scale` (`[1]`).
     pub fn from_parts(varmap: VarMap, mean: &Tensor, scale: &Tensor) -> Result<Self> {
         let get = |name: &str| params::var_tensor(&varmap, name);
@@ -250,7 +251,7 @@ impl FeatureCritic {
         params::named_vars(&self.varmap)
     }
 
-    /// The feature scaling, named as in [`FeatureCritic::SCALING`].
+    /// The feature scaling, named as in [`ValueMlp::SCALING`].
     pub fn scaling(&self) -> [(String, Tensor); 2] {
         [
             (FEATURE_MEAN.into(), self.mean.as_tensor().detach()),
@@ -299,7 +300,7 @@ mod tests {
         let policy =
             crate::model::Model::new(&crate::model::ModelConfig::tiny(16), 1, &Device::Cpu)
                 .unwrap();
-        let critic = FeatureCritic::new(&policy, 2).unwrap();
+        let critic = ValueMlp::new(&policy, 2).unwrap();
         let width = policy.value_feature_width();
         // Two rows: feature 0 is 1 and 3 (mean 2, deviations ±1), every other feature is 5 in
         // both rows (no spread). Mean squared deviation over all features: 2 / (2 · width).

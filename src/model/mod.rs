@@ -24,7 +24,7 @@ use candle_nn::VarMap;
 
 use crate::kv::{KvError, KvPool, SeqSlots};
 pub use config::ModelConfig;
-pub use critic::{Critic, FeatureCritic, ValueHead};
+pub use critic::{Critic, ValueHead, ValueMlp};
 use decoder::{Linear, Trunk};
 pub use fused::TrainingOps;
 pub use generate::{generate, Generation};
@@ -283,7 +283,7 @@ impl Model {
         self.trunk.forward_input(input)
     }
 
-    /// The features a [`FeatureCritic`] reads, `[B, T, F]` padded or `[1, N, F]` a tree,
+    /// The features a [`ValueMlp`] reads, `[B, T, F]` padded or `[1, N, F]` a tree,
     /// detached, each part scaled to unit RMS per position (no weights) and set side by side: the
     /// residual stream after each of the last [`critic::FEATURE_BLOCKS`] blocks at the position,
     /// and the mean over the positions of its sequence up to it of the embeddings and of the last

@@ -50,7 +50,6 @@ use serde::{Deserialize, Serialize};
 
 use super::error::StoreError;
 use super::record::{StepInfo, StepRecord};
-use super::segment::Frame;
 use super::tokens::{self, TokenIds};
 
 /// Bytes of the fixed payload header of format versions 1 and 2.
@@ -356,6 +355,32 @@ fn text_entry(version: u32, meta: &[u8], field: TextField) -> Result<StoredText<
     match field {
         TextField::Observation => Ok(observation),
         TextField::Action => cursor.text(TextField::Action),
+    }
+}
+
+/// Bytes before the payload of every segment frame (magic, payload length, crc32).
+pub const FRAME_HEADER_LEN: usize = 12;
+
+/// A validated frame: where it starts and how its payload is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Frame {
+    /// Byte offset of the frame (its magic) in the segment file.
+    pub offset: u64,
+    pub payload_len: u32,
+    /// Position of this frame among the scan's valid frames.
+    pub index: u32,
+    pub layout: PayloadLayout,
+}
+
+impl Frame {
+    pub(crate) fn payload<'a>(&self, bytes: &'a [u8]) -> &'a [u8] {
+        let start = self.offset as usize + FRAME_HEADER_LEN;
+        &bytes[start..start + self.payload_len as usize]
+    }
+
+    /// Offset just past this frame.
+    pub fn end(&self) -> u64 {
+        self.offset + (FRAME_HEADER_LEN as u64) + self.payload_len as u64
     }
 }
 

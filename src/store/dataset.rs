@@ -27,11 +27,12 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::codec::Frame;
 use super::codec::StepView;
 use super::error::{Problem, ProblemKind, StoreError};
 use super::manifest::{LoadedManifest, Manifest, ManifestDamage, SegmentEntry, MANIFEST_FILE};
 use super::record::StepRecord;
-use super::segment::{self, Frame, MappedSegment, SegmentWriter};
+use super::segment::{self, MappedSegment, SegmentWriter};
 
 /// Default segment size at which the writer rolls to a new segment.
 pub const DEFAULT_ROLL_BYTES: u64 = 64 << 20;

@@ -37,7 +37,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use super::codec::{self, PayloadLayout, StepView, TextField, TextRefs};
+use super::codec::{self, Frame, StepView, TextField, TextRefs, FRAME_HEADER_LEN};
 use super::error::{ProblemKind, StoreError};
 use super::io_thread::{Batch, IoThread};
 use super::record::{StepInfo, StepRecord};
@@ -48,8 +48,6 @@ pub const SEGMENT_MAGIC: [u8; 8] = *b"STPPOSEG";
 pub use super::codec::FORMAT_VERSION;
 /// Bytes of the segment header.
 pub const HEADER_LEN: usize = 16;
-/// Bytes before the payload of every frame.
-pub const FRAME_HEADER_LEN: usize = 12;
 const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"STPF");
 const SEAL_MARK: u32 = u32::from_le_bytes(*b"STPS");
 const TRAILER_MAGIC: u32 = u32::from_le_bytes(*b"STPE");
@@ -118,29 +116,6 @@ fn finish_frames(bytes: &mut [u8], frames: &[u32]) {
             &bytes[payload_start..payload_start + len_field as usize],
         );
         bytes[start + 8..payload_start].copy_from_slice(&crc.to_le_bytes());
-    }
-}
-
-/// A validated frame: where it starts and how its payload is laid out.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Frame {
-    /// Byte offset of the frame (its magic) in the segment file.
-    pub offset: u64,
-    pub payload_len: u32,
-    /// Position of this frame among the scan's valid frames.
-    pub index: u32,
-    pub layout: PayloadLayout,
-}
-
-impl Frame {
-    pub(crate) fn payload<'a>(&self, bytes: &'a [u8]) -> &'a [u8] {
-        let start = self.offset as usize + FRAME_HEADER_LEN;
-        &bytes[start..start + self.payload_len as usize]
-    }
-
-    /// Offset just past this frame.
-    pub fn end(&self) -> u64 {
-        self.offset + (FRAME_HEADER_LEN as u64) + self.payload_len as u64
     }
 }
 

@@ -11,7 +11,6 @@
 //! host-side views of a batch of records by trajectory ([`trajectories`], the discounted return of
 //! each step); putting the sequences on a device is `device_batch`'s.
 
-use crate::algo::normalize::discounted_returns;
 use crate::store::StepRecord;
 use std::collections::BTreeMap;
 
@@ -206,18 +205,6 @@ pub fn trajectories(records: &[StepRecord]) -> Vec<Vec<usize>> {
         .collect()
 }
 
-/// The discounted return from each record's step to the end of its trajectory, by record index.
-pub(super) fn step_returns(records: &[StepRecord], gamma: f64) -> Vec<f64> {
-    let mut out = vec![0.0; records.len()];
-    for traj in trajectories(records) {
-        let rewards: Vec<f64> = traj.iter().map(|&i| f64::from(records[i].reward)).collect();
-        for (&i, g) in traj.iter().zip(discounted_returns(&rewards, gamma)) {
-            out[i] = g;
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,17 +282,5 @@ mod tests {
         let records = vec![rec(7, 0, 0, &[1], &[2]), rec(7, 1, 5, &[3], &[4])];
         let err = pack(&records, &[vec![0, 1]]).unwrap_err().to_string();
         assert!(err.contains("trajectory 7 step 1"), "{err}");
-    }
-
-    #[test]
-    fn returns_are_discounted_within_each_trajectory() {
-        let step = |traj_id, step_index, reward| StepRecord {
-            traj_id,
-            step_index,
-            reward,
-            ..StepRecord::default()
-        };
-        let records = [step(0, 1, 1.0), step(1, 0, 5.0), step(0, 0, 0.0)];
-        assert_eq!(step_returns(&records, 0.5), vec![1.0, 5.0, 0.5]);
     }
 }

@@ -210,7 +210,7 @@ fn train_on(
             checks.push(held_out(&run)?);
         }
     }
-    let (first_loss, final_loss) = super::sft::first_and_final(&run.losses);
+    let (first_loss, final_loss) = super::metrics::first_and_final(&run.losses);
     let (steps, probability) = *checks.last().expect("one check at least");
     Ok(CopyReport {
         steps,

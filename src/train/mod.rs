@@ -1,18 +1,20 @@
 //! The training side of stepppo: the loop ([`trainer`]), generation ahead of it in a thread of
-//! its own ([`async_rollout`]), the PPO update ([`update`]), packing of
-//! step records into training sequences ([`batch`]), their device tensors (`device_batch`),
-//! padded or as a prefix tree ([`prefix_tree`]), constrained-decoding masks on the update side
-//! ([`masks`]), construction of the device, engine and fresh policy (`setup`), the supervised warm
-//! start ([`sft`]), self-imitation replay ([`self_imitation`]), the state critic's fitting history
-//! ([`critic_history`]), validation ([`eval`]),
-//! checkpoints, the run directory's consistency across crashes ([`run_dir`]), metric sinks (JSONL
-//! and TensorBoard), learning-curve plots, collapse warnings and the progress bar.
+//! its own ([`async_rollout`]), the PPO update ([`update`]) and the optimizer step it shares with
+//! the critic's fit (`optimizer_step`), the critic beside the policy and its fit ([`critic`]),
+//! forward passes without a gradient over a batch ([`scoring`]: reference log-probs, rollout-time
+//! values), packing of step records into training sequences ([`batch`]), their device tensors
+//! (`device_batch`), padded or as a prefix tree ([`prefix_tree`]), constrained-decoding masks on
+//! the update side ([`masks`]), construction of the device, engine and fresh policy (`setup`),
+//! the supervised warm start ([`sft`], after [`copy_pretrain`]), self-imitation replay
+//! ([`self_imitation`]), validation ([`eval`]), checkpoints, the run directory's consistency
+//! across crashes ([`run_dir`]), metric sinks (JSONL and TensorBoard), learning-curve plots,
+//! collapse warnings and the progress bar.
 //!
 //! Dependencies point down: `trainer` uses the others and nothing uses it; below it
-//! `async_rollout` → `eval`, `update` → `critic_history`, and `update` →
-//! `self_imitation` → `sft` → `setup`, those three share `device_batch` → `masks`, `prefix_tree`
-//! → `batch`, `eval` uses `setup`, `run_dir` uses `checkpoint`, `metrics` and `plot`, and every
-//! module may use [`TrainError`], which wraps only the leaves' errors.
+//! `async_rollout` → `eval`; `update` → `critic` → `scoring` and `optimizer_step`; `update` →
+//! `self_imitation` → `sft` → `copy_pretrain` and `setup`; these share `device_batch` → `masks`,
+//! `prefix_tree` → `batch`; `eval` uses `setup`, `run_dir` uses `checkpoint`, `metrics` and
+//! `plot`, and every module may use [`TrainError`], which wraps only the leaves' errors.
 
 pub mod async_rollout;
 pub mod batch;
@@ -21,17 +23,19 @@ pub mod checkpoint;
 mod close;
 pub mod collapse;
 pub mod copy_pretrain;
-pub mod critic_history;
+pub mod critic;
 mod device_batch;
 pub mod eval;
 pub mod gateway;
 pub mod masks;
 pub mod metrics;
+mod optimizer_step;
 pub mod plot;
 pub mod prefix_tree;
 pub mod progress;
 mod ranks;
 pub mod run_dir;
+pub mod scoring;
 pub mod self_imitation;
 mod setup;
 pub mod sft;

@@ -405,7 +405,7 @@ mod tests {
             trajectory(5, 2, 30, &[1], 1.0),
         ]
         .concat();
-        let returns = crate::train::batch::step_returns(&records, 1.0);
+        let returns = crate::algo::step_returns(&records, 1.0).unwrap();
         assert_eq!(
             better_trajectories(&records, &returns, 0.05),
             vec![vec![0, 1]]
@@ -423,7 +423,7 @@ mod tests {
             trajectory(7, 9, 10, &[7], 0.0),
         ]
         .concat();
-        let again_returns = crate::train::batch::step_returns(&again, 1.0);
+        let again_returns = crate::algo::step_returns(&again, 1.0).unwrap();
         assert_eq!(buffer.admit(&again, &again_returns, 0.05), 1);
         assert_eq!(
             buffer.records(),
@@ -445,7 +445,7 @@ mod tests {
             .concat();
             buffer.admit(
                 &records,
-                &crate::train::batch::step_returns(&records, 1.0),
+                &crate::algo::step_returns(&records, 1.0).unwrap(),
                 0.05,
             );
         }

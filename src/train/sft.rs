@@ -12,11 +12,13 @@
 //! transcript is played (a remote server) ends the warm start with its error under `on_error:
 //! fail`; under `skip` that episode is left out and counted.
 
-use super::batch::{pack, step_returns, trajectories, PackedBatch};
+use super::batch::{pack, trajectories, PackedBatch};
 use super::copy_pretrain::CopyReport;
 use super::device_batch::{BatchLayout, DeviceBatch};
+use super::metrics::first_and_final;
 use super::setup::{device_of, fresh_policy};
 use super::TrainError;
+use crate::algo::step_returns;
 use crate::algo::{AdamW, OptimizerConfig};
 use crate::config::{Config, SftConfig};
 use crate::env::{build_session, check_config, Agent, AgentKind, OnError};
@@ -303,7 +305,7 @@ impl<'a> CriticWarmup<'a> {
             None => None,
         };
         Ok(CriticWarmup {
-            returns: step_returns(records, v.gamma),
+            returns: step_returns(records, v.gamma)?,
             coef: v.coef,
             separate,
             losses: Vec::new(),
@@ -338,13 +340,6 @@ impl<'a> CriticWarmup<'a> {
         }
         Ok(None)
     }
-}
-
-/// Means of the first and the last few (up to 10) of `xs`.
-pub(super) fn first_and_final(xs: &[f64]) -> (f64, f64) {
-    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
-    let k = (xs.len() / 2).clamp(1, 10).min(xs.len());
-    (mean(&xs[..k]), mean(&xs[xs.len() - k..]))
 }
 
 /// The sequences a warm start trains on: whole trajectories, or single steps for records stored
@@ -718,7 +713,7 @@ mod tests {
 
         // A separate critic's value loss.
         let critic = Critic::new(&ModelConfig::tiny(32), 4, &Device::Cpu).unwrap();
-        let returns = step_returns(&records, 0.9);
+        let returns = step_returns(&records, 0.9).unwrap();
         let run = |tree| {
             let packed = pack(&records, &chosen).unwrap();
             let batch =

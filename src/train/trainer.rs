@@ -12,7 +12,7 @@
 //! `init_kl_coef · KL` against it, and/or the actor loss gains `kl_loss_coef · KL`. With
 //! `self_imitation.coef > 0` each rollout's better choices enter a replay buffer
 //! ([`super::self_imitation`]) before the update replays them; the buffer goes into every
-//! checkpoint, as does a state critic's fitting history ([`super::critic_history`]). Every RNG is
+//! checkpoint, as does a state critic's fitting history ([`super::critic::history`]). Every RNG is
 //! derived from `seed` and those counters. With `async_rollout` the rollout runs ahead of the
 //! step in a thread of its own ([`super::async_rollout`]) and the update corrects for the lag
 //! with decoupled PPO (`algo::decoupled`); its pending batches go into every checkpoint.
@@ -23,35 +23,38 @@
 //! `val/env_errors`) and reported as warnings.
 
 use super::async_rollout::{self, RolloutWorker};
-use super::batch::{step_returns, trajectories};
+use super::batch::trajectories;
 use super::checkpoint::{self, CheckpointWriter};
 use super::collapse::CollapseDetector;
 use super::copy_pretrain::copy_pretrain;
-use super::critic_history::{self, CriticHistory};
+use super::critic::fit::state_values;
+use super::critic::history::{self as critic_history, CriticHistory};
+use super::critic::{critic_seed, CriticModel, CriticOrigin};
 use super::device_batch::BatchLayout;
 use super::eval::{self, TagSummary, Validation, VAL_SEED_OFFSET};
 use super::masks::{response_masks, ResponseMasks};
 use super::metrics::{MetricsSink, Scalars};
 use super::ranks;
 use super::run_dir::{self, Rewound, RunPosition};
+use super::scoring::{critic_values, response_logprobs};
 use super::self_imitation::{self, Replay, ReplayBuffer};
 use super::setup::{device_of, engine_for, fresh_policy};
 use super::sft::{self, CloneSettings, SftReport};
-use super::update::{self, CriticLearner, CriticModel, Learners, UpdateInputs, UpdateSettings};
+use super::update::{self, CriticLearner, Learners, UpdateInputs, UpdateSettings};
 use super::TrainError;
 use crate::algo::config::{LossAggMode, Truncation};
 use crate::algo::filter::group_reward_std;
 use crate::algo::loss::VarianceParts;
 use crate::algo::value_fit::tabular_ceiling;
 use crate::algo::{
-    compute_advantages, kl_reward_penalty, uncertainty_filter, AdamW, AdvantageInputs,
-    CriticTarget, LrSchedule, ProximalCorrection,
+    compute_advantages, kl_reward_penalty, step_returns, uncertainty_filter, AdamW,
+    AdvantageInputs, CriticTarget, LrSchedule, ProximalCorrection,
 };
 use crate::config::{config_name, Config, CriticMode, ProximalPolicy};
 use crate::crash;
 use crate::dist::{Collective, Metered, Single};
-use crate::env::{build_session, AgentKind};
-use crate::model::{Critic, FeatureCritic, Model};
+use crate::env::AgentKind;
+use crate::model::{Critic, Model};
 use crate::rollout::engine::{CacheCounters, Engine};
 use crate::rollout::grammar::ResponseGrammar;
 use crate::seed;
@@ -75,8 +78,8 @@ pub struct TrainState {
     pub skipped_updates: u64,
 }
 
-/// Seed-path tags of the components a run initialises (1, the policy's, is [`super::setup`]'s).
-const SEED_CRITIC: u64 = 2;
+/// Seed-path tags of the components a run initialises (1, the policy's, is [`super::setup`]'s;
+/// 2, the critic's, [`super::critic`]'s).
 const SEED_SFT: u64 = 3;
 const SEED_SHUFFLE: u64 = 4;
 const SEED_REPLAY: u64 = 5;
@@ -170,25 +173,7 @@ impl Trainer {
             run_dir::prepare_fresh(run_dir, false)?;
         }
         let (mut policy, tok) = fresh_policy(&cfg, &device)?;
-        let mut critic = match cfg.critic.mode {
-            CriticMode::Separate => critic_from_checkpoint(&cfg, &policy, &device)?
-                .map(|c| CriticModel::Separate(Box::new(c))),
-            CriticMode::Features => Some(CriticModel::Features(FeatureCritic::new(
-                &policy,
-                critic_seed(&cfg),
-            )?)),
-            CriticMode::State => Some(CriticModel::State(FeatureCritic::with_width(
-                critic_state_width(&cfg)?,
-                policy.config(),
-                critic_seed(&cfg),
-                &device,
-            )?)),
-            CriticMode::Shared => {
-                policy.attach_value_head(critic_seed(&cfg))?;
-                None
-            }
-            CriticMode::None => None,
-        };
+        let mut critic = CriticModel::open(&cfg, &mut policy, CriticOrigin::Fresh)?;
         // Only now that the device and every model directory were found good does the run
         // directory come into being: a config that fails leaves nothing behind.
         if lead {
@@ -273,28 +258,12 @@ impl Trainer {
             Vec::new()
         };
         dist.barrier()?;
-        let (policy, tok) = crate::model::checkpoint::load_policy(
+        let (mut policy, tok) = crate::model::checkpoint::load_policy(
             &ckpt.join("policy").display().to_string(),
             &device,
         )?;
         let critic_dir = ckpt.join("critic");
-        let critic = match cfg.critic.mode {
-            CriticMode::Separate => Some(CriticModel::Separate(Box::new(Critic::load(
-                &critic_dir,
-                &device,
-                critic_seed(&cfg),
-            )?))),
-            CriticMode::Features => Some(CriticModel::Features(FeatureCritic::load(
-                &critic_dir,
-                &policy,
-            )?)),
-            CriticMode::State => Some(CriticModel::State(FeatureCritic::load_width(
-                &critic_dir,
-                critic_state_width(&cfg)?,
-                &device,
-            )?)),
-            CriticMode::Shared | CriticMode::None => None,
-        };
+        let critic = CriticModel::open(&cfg, &mut policy, CriticOrigin::Checkpoint(&critic_dir))?;
         let (mut actor_opt, mut critic_opt) = optimizers(&cfg, &policy, critic.as_ref())?;
         actor_opt.load(&ckpt.join("optim_actor.safetensors"))?;
         if let Some(opt) = critic_opt.as_mut() {
@@ -704,7 +673,7 @@ impl Trainer {
             kl_penalty.as_deref(),
             &mut scalars,
         )?;
-        self.admit_to_replay(&records, &mut scalars);
+        self.admit_to_replay(&records, &mut scalars)?;
         let (actor_advantages, proximal_logprobs) =
             match self.proximal_correction(&records, &sequences, &mut scalars)? {
                 Some(c) => (c.weighted_advantages(&advantages.0), Some(c.logprobs)),
@@ -806,17 +775,22 @@ impl Trainer {
     }
 
     /// Sends the rollout's better choices to the self-imitation buffer (when there is one).
-    fn admit_to_replay(&mut self, records: &[StepRecord], scalars: &mut Scalars) {
+    fn admit_to_replay(
+        &mut self,
+        records: &[StepRecord],
+        scalars: &mut Scalars,
+    ) -> Result<(), TrainError> {
         let Some(buffer) = self.replay_buffer.as_mut() else {
-            return;
+            return Ok(());
         };
-        let returns = step_returns(records, f64::from(self.cfg.step_reward_gamma));
+        let returns = step_returns(records, f64::from(self.cfg.step_reward_gamma))?;
         let added = buffer.admit(records, &returns, self.cfg.self_imitation.margin);
         scalars.insert("self_imitation/added".into(), added as f64);
         scalars.insert(
             "self_imitation/buffer_size".into(),
             buffer.spans().len() as f64,
         );
+        Ok(())
     }
 
     /// Training sequences: a new one starts at every step with a fresh context (`context_len`
@@ -846,12 +820,12 @@ impl Trainer {
         let device = self.policy.device().clone();
         if let Some(CriticModel::State(critic)) = &self.critic {
             // Cheap and the same on every rank: no split.
-            return update::state_values(critic, records, target, &device);
+            return state_values(critic, records, target, &device);
         }
         let dist = self.dist.as_ref();
         let chunks = (VALUE_CHUNK, self.layout());
         ranks::per_record_rows(records.len(), sequences, dist, |mine| match &self.critic {
-            Some(c) => update::critic_values(
+            Some(c) => critic_values(
                 &|input| c.values(&self.policy, input),
                 records,
                 mine,
@@ -860,7 +834,7 @@ impl Trainer {
                 &self.masks,
                 &device,
             ),
-            None => update::critic_values(
+            None => critic_values(
                 &|input| Ok(self.policy.values(input)?),
                 records,
                 mine,
@@ -932,7 +906,7 @@ impl Trainer {
         sequences: &[Vec<usize>],
     ) -> Result<Vec<Vec<f32>>, TrainError> {
         ranks::per_record_rows(records.len(), sequences, self.dist.as_ref(), |mine| {
-            update::response_logprobs(
+            response_logprobs(
                 model,
                 records,
                 mine,
@@ -1011,7 +985,7 @@ impl Trainer {
             scalars.insert(critic_metric_name(k), *v);
         }
         if target.is_some() {
-            self.value_fit_metrics(records, values, scalars);
+            self.value_fit_metrics(records, values, scalars)?;
         }
         Ok((out.token_advantages(records), out.token_returns(records)))
     }
@@ -1024,8 +998,13 @@ impl Trainer {
     /// variance pooled over many steps follows: 1 − Σ rows · residual / Σ rows · return. A
     /// mean of per-step figures is dominated by the batches whose returns barely vary (a policy
     /// that solves nearly every map), where one miss makes the figure hugely negative.
-    fn value_fit_metrics(&self, records: &[StepRecord], values: &[Vec<f32>], out: &mut Scalars) {
-        let returns = step_returns(records, f64::from(self.cfg.gamma));
+    fn value_fit_metrics(
+        &self,
+        records: &[StepRecord],
+        values: &[Vec<f32>],
+        out: &mut Scalars,
+    ) -> Result<(), TrainError> {
+        let returns = step_returns(records, f64::from(self.cfg.gamma))?;
         let starts: Vec<f64> = values
             .iter()
             .map(|v| f64::from(v.first().copied().unwrap_or(0.0)))
@@ -1039,6 +1018,7 @@ impl Trainer {
             out.insert("critic/vf_explained_var_ceiling".into(), c.explained_var);
             out.insert("critic/vf_ceiling_coverage".into(), c.coverage);
         }
+        Ok(())
     }
 
     fn update(&mut self, inputs: &UpdateInputs) -> Result<Scalars, TrainError> {
@@ -1392,60 +1372,6 @@ fn writer_options(cfg: &Config) -> WriterOptions {
         serde_json::to_value(&cfg.custom_envs).expect("env configs serialise"),
     );
     opts
-}
-
-/// The seed of a fresh value head.
-fn critic_seed(cfg: &Config) -> u64 {
-    seed::derive(cfg.seed, &[SEED_CRITIC])
-}
-
-/// Width of the critic state that every training env supplies (`critic.mode: state`); an
-/// error naming the env tag whose env supplies none, or another width than the first.
-fn critic_state_width(cfg: &Config) -> Result<usize, TrainError> {
-    let mut width: Option<(usize, &str)> = None;
-    for tag in &cfg.train_env_manager.tags {
-        let spec = &cfg.custom_envs[tag];
-        let fail =
-            |msg: String| TrainError::Data(format!("critic.mode state: custom_envs.{tag}: {msg}"));
-        let mut session =
-            build_session(&spec.env_type, &spec.env_config).map_err(|e| fail(e.to_string()))?;
-        session.reset(cfg.seed).map_err(|e| fail(e.to_string()))?;
-        let Some(state) = session.env().critic_state() else {
-            return Err(fail(format!(
-                "env {} supplies no critic state (envs that do: frozen_lake, sokoban)",
-                spec.env_type
-            )));
-        };
-        match width {
-            Some((w, first)) if w != state.len() => {
-                return Err(fail(format!(
-                    "its critic state has {} numbers, custom_envs.{first}'s {w}: one state \
-                     critic reads one width",
-                    state.len()
-                )))
-            }
-            Some(_) => {}
-            None => width = Some((state.len(), tag)),
-        }
-    }
-    width
-        .map(|(w, _)| w)
-        .ok_or_else(|| TrainError::Data("critic.mode state: no training env".into()))
-}
-
-/// A separate critic that `critic.pretrain` names: `builtin` (a fresh trunk) or a checkpoint
-/// directory. `None` when it names nothing: the critic is then a copy of the policy as RL starts,
-/// made after the warm start ([`Critic::from_policy`]).
-fn critic_from_checkpoint(
-    cfg: &Config,
-    policy: &Model,
-    device: &Device,
-) -> Result<Option<Critic>, TrainError> {
-    Ok(match cfg.critic.pretrain.as_deref() {
-        None => None,
-        Some("builtin") => Some(Critic::new(policy.config(), critic_seed(cfg), device)?),
-        Some(dir) => Some(Critic::load(Path::new(dir), device, critic_seed(cfg))?),
-    })
 }
 
 /// The supervised warm start of a fresh run: behaviour cloning of `sft.agent` transcripts, with

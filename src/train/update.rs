@@ -7,24 +7,26 @@
 //! and is trained at each step's start position (`step_gae`) or at every response token
 //! (`token_gae`); a shared-trunk value head adds its loss to the actor's; a feature critic is
 //! fitted after the actor's epochs, on the updated policy's features of the batch, and a state
-//! critic on the records' critic states ([`fit_value_mlp`]); with self-imitation on, each actor
+//! critic on the records' critic states ([`super::critic::fit`]); with self-imitation on, each actor
 //! mini-batch also adds the negative log-likelihood of a draw from the replay buffer
 //! ([`super::self_imitation`]). Those passes, and
-//! the rollout-time [`critic_values`] and [`response_logprobs`], run in the same layout as the
-//! mini-batches ([`BatchLayout`]). A non-finite loss or gradient skips that update (counted and
+//! the rollout-time critic values and reference log-probs ([`super::scoring`]), run in the same
+//! layout as the mini-batches ([`BatchLayout`]). A non-finite loss or gradient skips that update (counted and
 //! reported); the run goes on.
 
 use super::batch::{pack, PackedBatch};
-use super::critic_history::{CriticHistory, StateRows};
+use super::critic::fit::{self, FitBatch, FitSettings};
+use super::critic::history::CriticHistory;
 use super::device_batch::{BatchLayout, DeviceBatch};
 use super::masks::ResponseMasks;
 use super::metrics::Scalars;
+use super::optimizer_step::{backward, step_critic, Means};
 use super::self_imitation::Replay;
 use super::{ranks, TrainError};
-use crate::algo::loss::{agg_normaliser, explained_variance};
+use crate::algo::loss::agg_normaliser;
 use crate::algo::{policy_loss, value_loss, AdamW, CriticTarget, LossConfig};
-use crate::dist::{Collective, Single};
-use crate::model::{Critic, FeatureCritic, Model, TrainInput};
+use crate::dist::Collective;
+use crate::model::{Critic, Model, ValueMlp};
 use crate::seed;
 use crate::store::StepRecord;
 use candle_core::{Device, Tensor};
@@ -96,49 +98,17 @@ impl UpdateSettings<'_> {
             tree: self.tree_forward,
         }
     }
-}
 
-/// The critic model a run trains beside its policy (a shared value head lives in the policy).
-pub enum CriticModel {
-    /// A model of the policy's family with a value head (boxed: a trunk is large).
-    Separate(Box<Critic>),
-    /// A value MLP on the policy's detached hidden states.
-    Features(FeatureCritic),
-    /// A value MLP on the env's facts about the whole state (each record's `critic_state`).
-    State(FeatureCritic),
-}
-
-impl CriticModel {
-    /// Values at every position of `input`, `[B, T]` padded or `[1, N]` a tree (`policy`
-    /// supplies a feature critic's features). A state critic reads records, not tokens
-    /// ([`state_values`]): an error.
-    pub fn values(&self, policy: &Model, input: &TrainInput) -> Result<Tensor, TrainError> {
-        Ok(match self {
-            CriticModel::Separate(c) => c.values_of(input)?,
-            CriticModel::Features(c) => c.values(policy, input)?,
-            CriticModel::State(_) => {
-                return Err(TrainError::Data(
-                    "a state critic values records' critic states, not token positions".into(),
-                ))
-            }
-        })
-    }
-
-    /// Trainable parameters by name, sorted by name.
-    pub fn named_vars(&self) -> Vec<(String, candle_core::Var)> {
-        match self {
-            CriticModel::Separate(c) => c.named_vars(),
-            CriticModel::Features(c) | CriticModel::State(c) => c.named_vars(),
+    /// How a value MLP critic is fitted after the actor's epochs.
+    fn fit_settings(&self) -> FitSettings<'_> {
+        FitSettings {
+            loss: self.loss,
+            epochs: self.critic_epochs,
+            mini_batch: self.mini_batch,
+            lr: self.critic_lr,
+            max_grad_norm: self.max_grad_norm,
+            shuffle_seed: self.shuffle_seed,
         }
-    }
-
-    /// Writes the critic into checkpoint directory `dir`.
-    pub fn save(&self, dir: &std::path::Path) -> Result<(), TrainError> {
-        match self {
-            CriticModel::Separate(c) => c.save(dir)?,
-            CriticModel::Features(c) | CriticModel::State(c) => c.save(dir)?,
-        }
-        Ok(())
     }
 }
 
@@ -147,12 +117,12 @@ pub enum CriticLearner<'a> {
     /// A separate critic and its optimizer: its own forward and step per mini-batch.
     Separate(&'a Critic, &'a mut AdamW),
     /// A value MLP on the policy's detached features and its optimizer: fitted after the actor's
-    /// epochs on the features of the updated policy ([`fit_value_mlp`]).
-    Features(&'a FeatureCritic, &'a mut AdamW),
+    /// epochs on the features of the updated policy ([`fit::fit_value_mlp`]).
+    Features(&'a ValueMlp, &'a mut AdamW),
     /// A value MLP on the records' critic states, its optimizer and its fitting history:
     /// fitted after the actor's epochs on the rows of the history, the batch's own added first
-    /// ([`fit_value_mlp`]).
-    State(&'a FeatureCritic, &'a mut AdamW, &'a mut CriticHistory),
+    /// ([`fit::fit_value_mlp`]).
+    State(&'a ValueMlp, &'a mut AdamW, &'a mut CriticHistory),
     /// A value head on the policy's trunk: its loss joins the actor's in one backward pass, and
     /// this optimizer (over the head's parameters, at the critic's learning rate and weight
     /// decay) steps the head while the actor's steps the trunk.
@@ -165,61 +135,6 @@ pub struct Learners<'a> {
     /// Steps the policy's parameters (a shared value head's excepted).
     pub actor_opt: &'a mut AdamW,
     pub critic: Option<CriticLearner<'a>>,
-}
-
-/// Running means of the update's metrics.
-///
-/// A value measured on one rank's part of a mini-batch counts as that part's share of the
-/// mini-batch ([`Means::part`]), so merged over ranks it is the whole mini-batch's value (for the
-/// means the losses aggregate); a value every rank holds alike counts once per rank.
-struct Means {
-    sums: Scalars,
-    counts: std::collections::BTreeMap<String, f64>,
-    /// Weight of the values added now (1 outside [`Means::part`]).
-    weight: f64,
-}
-
-impl Default for Means {
-    fn default() -> Self {
-        Self {
-            sums: Scalars::new(),
-            counts: Default::default(),
-            weight: 1.0,
-        }
-    }
-}
-
-impl Means {
-    fn add(&mut self, name: &str, v: f64) {
-        if v.is_finite() {
-            *self.sums.entry(name.into()).or_default() += v * self.weight;
-            *self.counts.entry(name.into()).or_default() += self.weight;
-        }
-    }
-
-    /// Runs `f` with the values it adds weighted by this rank's `share` of the mini-batch.
-    fn part<T>(&mut self, share: &ranks::Share, f: impl FnOnce(&mut Self) -> T) -> T {
-        self.weight = share.scale();
-        let out = f(self);
-        self.weight = 1.0;
-        out
-    }
-
-    /// The sums and counts of every rank.
-    fn merged(self, dist: &dyn Collective) -> Result<Self, TrainError> {
-        let (sums, counts) = ranks::merge_means(self.sums, self.counts, dist)?;
-        Ok(Self {
-            sums,
-            counts,
-            weight: 1.0,
-        })
-    }
-
-    fn into_scalars(self, out: &mut Scalars) {
-        for (k, s) in self.sums {
-            out.insert(k.clone(), s / self.counts[&k]);
-        }
-    }
 }
 
 /// Runs the PPO epochs; returns the metrics (means over mini-batches) and the skipped count.
@@ -299,22 +214,32 @@ pub fn ppo_update(
         }
     }
     if let Some(target) = inputs.critic_target {
+        let batch = FitBatch {
+            records: inputs.records,
+            sequences: &inputs.sequences,
+            keep: &inputs.critic_keep,
+            returns: &inputs.returns,
+            old_values: &inputs.old_values,
+            target,
+        };
         let fitted = match learners.critic.as_mut() {
             Some(CriticLearner::Features(critic, opt)) => {
-                let rows = feature_rows(inputs, settings, learners.policy, target)?;
+                let layout = (settings.layout(), settings.masks);
+                let rows = fit::feature_rows(&batch, learners.policy, layout)?;
                 let newest = rows.returns.len();
                 Some((rows, newest, &**critic, opt))
             }
             Some(CriticLearner::State(critic, opt, history)) => {
-                history.push(state_rows(inputs, target, history.width())?);
-                let rows = history_rows(history, learners.policy.device())?;
+                history.push(fit::state_rows(&batch, history.width())?);
+                let rows = fit::history_rows(history, learners.policy.device())?;
                 means.add("critic/history_rows", rows.returns.len() as f64);
                 Some((rows, history.newest_len(), &**critic, opt))
             }
             _ => None,
         };
         if let Some((rows, newest, critic, opt)) = fitted {
-            skipped += fit_value_mlp(&rows, newest, critic, opt, settings, &mut means)?;
+            let fit_settings = settings.fit_settings();
+            skipped += fit::fit_value_mlp(&rows, newest, critic, opt, &fit_settings, &mut means)?;
         }
     }
     let mut out = Scalars::new();
@@ -323,237 +248,6 @@ pub fn ppo_update(
     out.insert("actor/updates".into(), actor_updates as f64);
     Ok(out)
 }
-
-/// Rows a value MLP is fitted on: its inputs at each critic target position of the records that
-/// train the critic (the policy's features, or the record's critic state), with their targets
-/// and rollout-time values, in record order.
-struct FeatureRows {
-    /// `[n, F]`.
-    features: Tensor,
-    returns: Vec<f32>,
-    old_values: Vec<f32>,
-}
-
-/// One pass of `policy` over the batch (no gradient), gathering [`FeatureRows`].
-fn feature_rows(
-    inputs: &UpdateInputs,
-    settings: &UpdateSettings,
-    policy: &Model,
-    target: CriticTarget,
-) -> Result<FeatureRows, TrainError> {
-    let (mut parts, mut returns, mut old_values) = (Vec::new(), Vec::new(), Vec::new());
-    let mut owners = Vec::new();
-    for_each_chunk(
-        inputs.records,
-        &inputs.sequences,
-        (FEATURE_CHUNK, settings.layout()),
-        settings.masks,
-        false,
-        policy.device(),
-        |p, batch| {
-            let features = policy.value_features(&batch.input)?;
-            let (at, per_row) = match target {
-                CriticTarget::StepStart => (batch.rows_at_step_starts(&features)?, 1),
-                CriticTarget::AllResponseTokens => {
-                    (batch.rows_at_tokens(&features)?, p.max_response_len)
-                }
-            };
-            let mut picked = Vec::new();
-            for (row, &r) in p.record_of_row.iter().enumerate() {
-                if !inputs.critic_keep[r] {
-                    continue;
-                }
-                let positions = match target {
-                    CriticTarget::StepStart => 1,
-                    CriticTarget::AllResponseTokens => inputs.records[r].response_ids.len(),
-                };
-                for j in 0..positions {
-                    picked.push((row * per_row + j) as u32);
-                    returns.push(inputs.returns[r][j]);
-                    old_values.push(inputs.old_values[r][j]);
-                    owners.push(r);
-                }
-            }
-            let picked = Tensor::new(picked.as_slice(), at.device())?;
-            parts.push(at.index_select(&picked, 0)?);
-            Ok(())
-        },
-    )?;
-    // Record order: a record's rows are contiguous in one chunk, so a stable sort keeps them.
-    let mut order: Vec<u32> = (0..owners.len() as u32).collect();
-    order.sort_by_key(|&i| owners[i as usize]);
-    let permute = |xs: Vec<f32>| order.iter().map(|&i| xs[i as usize]).collect();
-    let order_tensor = Tensor::new(order.as_slice(), policy.device())?;
-    Ok(FeatureRows {
-        features: Tensor::cat(&parts, 0)?.index_select(&order_tensor, 0)?,
-        returns: permute(returns),
-        old_values: permute(old_values),
-    })
-}
-
-/// The critic states of `records`, `width` numbers each, flat; an error naming the first record
-/// whose state is missing or of another width.
-fn critic_states(records: &[&StepRecord], width: usize) -> Result<Vec<f32>, TrainError> {
-    let mut flat = Vec::with_capacity(records.len() * width);
-    for r in records {
-        if r.critic_state.len() != width {
-            return Err(TrainError::Data(format!(
-                "record (trajectory {}, step {}, env {}) carries a critic state of {} numbers; \
-                 the state critic reads {width} (critic.mode: state needs an env that supplies \
-                 one, the same for every training env)",
-                r.traj_id,
-                r.step_index,
-                r.env_tag,
-                r.critic_state.len()
-            )));
-        }
-        flat.extend_from_slice(&r.critic_state);
-    }
-    Ok(flat)
-}
-
-/// A state critic's fitting rows of this batch: each kept record's critic state, once per
-/// critic target position (one for step-start values, one per response token for `token_gae`).
-fn state_rows(
-    inputs: &UpdateInputs,
-    target: CriticTarget,
-    width: usize,
-) -> Result<StateRows, TrainError> {
-    let (mut states, mut returns, mut old_values) = (Vec::new(), Vec::new(), Vec::new());
-    for (r, rec) in inputs.records.iter().enumerate() {
-        if !inputs.critic_keep[r] {
-            continue;
-        }
-        let positions = match target {
-            CriticTarget::StepStart => 1,
-            CriticTarget::AllResponseTokens => rec.response_ids.len(),
-        };
-        for j in 0..positions {
-            states.push(rec);
-            returns.push(inputs.returns[r][j]);
-            old_values.push(inputs.old_values[r][j]);
-        }
-    }
-    Ok(StateRows {
-        states: critic_states(&states, width)?,
-        returns,
-        old_values,
-    })
-}
-
-/// Every row of a state critic's history as [`FeatureRows`] on `device`.
-fn history_rows(history: &CriticHistory, device: &Device) -> Result<FeatureRows, TrainError> {
-    let rows = history.rows();
-    let n = rows.len();
-    Ok(FeatureRows {
-        features: Tensor::from_vec(rows.states, (n, history.width()), device)?,
-        returns: rows.returns,
-        old_values: rows.old_values,
-    })
-}
-
-/// A state critic's rollout-time values of `records`: the value of each record's critic state,
-/// once (step-start target) or repeated over its response tokens (`token_gae`: the state does
-/// not change within a response).
-pub fn state_values(
-    critic: &FeatureCritic,
-    records: &[StepRecord],
-    target: CriticTarget,
-    device: &Device,
-) -> Result<Vec<Vec<f32>>, TrainError> {
-    let all: Vec<&StepRecord> = records.iter().collect();
-    let width = critic.input_width();
-    let states = Tensor::from_vec(critic_states(&all, width)?, (all.len(), width), device)?;
-    let values = critic.forward(&states)?.to_vec1::<f32>()?;
-    Ok(records
-        .iter()
-        .zip(values)
-        .map(|(r, v)| match target {
-            CriticTarget::StepStart => vec![v],
-            CriticTarget::AllResponseTokens => vec![v; r.response_ids.len()],
-        })
-        .collect())
-}
-
-/// Sequences per feature pass of [`feature_rows`].
-const FEATURE_CHUNK: usize = 64;
-
-/// Fits a value MLP (a feature or state critic) to `rows`: the critic's input scaling set from
-/// them, then `settings.critic_epochs` passes' worth of mini-batches of `settings.mini_batch`
-/// rows for the `newest` rows of this batch, drawn in seeded shuffled passes over all of `rows`
-/// (with a state critic's history, the rows of earlier batches too; without, exactly
-/// `critic_epochs` passes). A feature critic's rows are the features of the policy as it is after
-/// the actor's epochs (the policy the next rollout's values are read under). Logs the fit's
-/// in-sample explained variance (`critic/vf_fit_explained_var`); returns the skipped updates.
-fn fit_value_mlp(
-    rows: &FeatureRows,
-    newest: usize,
-    critic: &FeatureCritic,
-    opt: &mut AdamW,
-    settings: &UpdateSettings,
-    means: &mut Means,
-) -> Result<usize, TrainError> {
-    let n = rows.returns.len();
-    if n < 2 {
-        return Ok(0);
-    }
-    critic.standardize_on(&rows.features)?;
-    let device = rows.features.device().clone();
-    let mini_batch = settings.mini_batch.max(1);
-    let wanted = settings.critic_epochs * newest.max(1).div_ceil(mini_batch);
-    let mut skipped = 0;
-    let mut done = 0;
-    for pass in 0.. {
-        if done == wanted {
-            break;
-        }
-        let mut rng = ChaCha8Rng::seed_from_u64(seed::derive(
-            settings.shuffle_seed,
-            &[FEATURE_FIT_STREAM, pass],
-        ));
-        let mut order: Vec<u32> = (0..n as u32).collect();
-        order.shuffle(&mut rng);
-        for chunk in order.chunks(mini_batch).take(wanted - done) {
-            done += 1;
-            let pick = Tensor::new(chunk, &device)?;
-            let values = critic
-                .forward(&rows.features.index_select(&pick, 0)?)?
-                .unsqueeze(1)?;
-            let column = |v: &[f32]| {
-                let picked: Vec<f32> = chunk.iter().map(|&i| v[i as usize]).collect();
-                Tensor::from_vec(picked, (chunk.len(), 1), &device)
-            };
-            let mask = Tensor::ones((chunk.len(), 1), candle_core::DType::F32, &device)?;
-            let (loss, m) = value_loss(
-                &values,
-                &column(&rows.old_values)?,
-                &column(&rows.returns)?,
-                &mask,
-                settings.loss,
-            )?;
-            means.add("critic/vf_loss", m.vf_loss);
-            means.add("critic/vf_clipfrac", m.vf_clipfrac);
-            means.add("critic/value_mean", m.value_mean);
-            // Every rank fits the same rows: no sum over ranks.
-            skipped += usize::from(step_critic(opt, Some(&loss), settings, &Single, means)?);
-        }
-    }
-    let fitted: Vec<f64> = critic
-        .forward(&rows.features)?
-        .to_vec1::<f32>()?
-        .into_iter()
-        .map(f64::from)
-        .collect();
-    let returns: Vec<f64> = rows.returns.iter().map(|&r| f64::from(r)).collect();
-    means.add(
-        "critic/vf_fit_explained_var",
-        explained_variance(&fitted, &returns),
-    );
-    Ok(skipped)
-}
-
-/// Seed stream of a feature critic's mini-batch shuffles.
-const FEATURE_FIT_STREAM: u64 = 0xfea7;
 
 /// The epoch's mini-batches: a seeded shuffle cut into chunks of `mini_batch` sequences, so each
 /// mini-batch is a uniform sample of the rollout. (Grouping sequences by length would save padding
@@ -687,20 +381,6 @@ fn critic_normaliser(
             normaliser(settings, p, keep, &counts, 1)
         }
     }
-}
-
-/// Whether `loss` is finite, and its gradients when it is (none without a loss).
-fn backward(
-    loss: Option<&Tensor>,
-) -> Result<(bool, Option<candle_core::backprop::GradStore>), TrainError> {
-    let Some(loss) = loss else {
-        return Ok((true, None));
-    };
-    let value = loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
-    if !value.is_finite() {
-        return Ok((false, None));
-    }
-    Ok((true, Some(loss.backward()?)))
 }
 
 /// One actor update (plus the self-imitation replay of mini-batch `draw` = [epoch, index]) on
@@ -987,148 +667,13 @@ fn critic_step(
         }
         None => None,
     };
-    step_critic(opt, loss.as_ref(), settings, dist, means)
-}
-
-/// Steps the critic's optimizer on `loss` (this rank's part; `None`: none here), its gradients
-/// summed over ranks; returns whether the update was skipped (a loss or a gradient that is not
-/// finite).
-fn step_critic(
-    opt: &mut AdamW,
-    loss: Option<&Tensor>,
-    settings: &UpdateSettings,
-    dist: &dyn Collective,
-    means: &mut Means,
-) -> Result<bool, TrainError> {
-    let (finite, local) = backward(loss)?;
-    let Some(grads) = ranks::summed_gradients(opt, local.as_ref(), finite, dist)? else {
-        return Ok(true);
-    };
-    let report = opt.step(&grads, settings.critic_lr, Some(settings.max_grad_norm))?;
-    means.add("critic/grad_norm", report.grad_norm);
-    Ok(report.skipped)
-}
-
-/// Log-probs of every record's response tokens under `model` (no gradient), one forward per
-/// chunk of `chunk` sequences in `layout`: the reference policy's side of a KL penalty.
-pub fn response_logprobs(
-    model: &Model,
-    records: &[StepRecord],
-    sequences: &[Vec<usize>],
-    (chunk, layout): (usize, BatchLayout),
-    temperature: f32,
-    masks: &ResponseMasks,
-) -> Result<Vec<Vec<f32>>, TrainError> {
-    let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
-    for_each_chunk(
-        records,
-        sequences,
-        (chunk, layout),
-        masks,
-        true,
-        model.device(),
-        |p, batch| {
-            let (logp, _) = model.head_logprobs_entropy(
-                &model.hidden(&batch.input)?,
-                &batch.token_index,
-                &batch.token_targets,
-                temperature,
-                batch.logit_bias.as_ref(),
-            )?;
-            let logp = logp
-                .detach()
-                .reshape((p.rows, p.max_response_len))?
-                .to_vec2::<f32>()?;
-            for (row, &r) in p.record_of_row.iter().enumerate() {
-                out[r] = logp[row][..records[r].response_ids.len()].to_vec();
-            }
-            Ok(())
-        },
-    )?;
-    Ok(out)
-}
-
-/// Packs `sequences` in chunks of `chunk` sequences, laid out in `layout`, and hands each chunk,
-/// on `device`, to `visit`: values read past `masks`' forced prefixes, and with `logit_bias` the
-/// constrained-decoding bias of `masks` (needed to score tokens, not values). A chunk gathers
-/// similar-length sequences when padded (little padding per forward), a group's sequences when
-/// laid out as a tree (their prefix forwarded once).
-fn for_each_chunk(
-    records: &[StepRecord],
-    sequences: &[Vec<usize>],
-    (chunk, layout): (usize, BatchLayout),
-    masks: &ResponseMasks,
-    logit_bias: bool,
-    device: &Device,
-    mut visit: impl FnMut(&PackedBatch, &DeviceBatch) -> Result<(), TrainError>,
-) -> Result<(), TrainError> {
-    // Values need the masks only to find where they are read; scoring tokens needs the bias too.
-    let unconstrained = ResponseMasks::default();
-    let bias_masks = if logit_bias { masks } else { &unconstrained };
-    let mut sorted = sequences.to_vec();
-    if layout.tree {
-        sorted.sort_by_key(|seq| records[seq[0]].group_id);
-    } else {
-        sorted.sort_by_key(|seq| {
-            seq.iter()
-                .map(|&r| records[r].obs_ids.len() + records[r].response_ids.len())
-                .sum::<usize>()
-        });
-    }
-    for seqs in sorted.chunks(chunk.max(1)) {
-        let mut p = pack(records, seqs)?;
-        p.read_values_after_forced(records, |r| masks.forced_prefix(r));
-        if p.rows > 0 {
-            let batch = DeviceBatch::laid_out(&p, (records, seqs), layout, device)?;
-            visit(&p, &batch.constrained(&p, records, bias_masks)?)?;
-        }
-    }
-    Ok(())
-}
-
-/// Critic values of every record at rollout time, no update: per record, one value at the step
-/// start (`StepStart`) or one per response token (`AllResponseTokens`), `values_of` run on chunks
-/// of `chunk` sequences in `layout`.
-pub fn critic_values(
-    values_of: &dyn Fn(&TrainInput) -> Result<Tensor, TrainError>,
-    records: &[StepRecord],
-    sequences: &[Vec<usize>],
-    target: CriticTarget,
-    (chunk, layout): (usize, BatchLayout),
-    masks: &ResponseMasks,
-    device: &Device,
-) -> Result<Vec<Vec<f32>>, TrainError> {
-    let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
-    for_each_chunk(
-        records,
-        sequences,
-        (chunk, layout),
-        masks,
-        false,
-        device,
-        |p, batch| {
-            let values = values_of(&batch.input)?.detach();
-            match target {
-                CriticTarget::StepStart => {
-                    let v = batch
-                        .at_step_starts(&values, p)?
-                        .flatten_all()?
-                        .to_vec1::<f32>()?;
-                    for (row, &r) in p.record_of_row.iter().enumerate() {
-                        out[r] = vec![v[row]];
-                    }
-                }
-                CriticTarget::AllResponseTokens => {
-                    let v = batch.at_tokens(&values, p)?.to_vec2::<f32>()?;
-                    for (row, &r) in p.record_of_row.iter().enumerate() {
-                        out[r] = v[row][..records[r].response_ids.len()].to_vec();
-                    }
-                }
-            }
-            Ok(())
-        },
-    )?;
-    Ok(out)
+    step_critic(
+        opt,
+        loss.as_ref(),
+        (settings.critic_lr, settings.max_grad_norm),
+        dist,
+        means,
+    )
 }
 
 #[cfg(test)]
@@ -1136,8 +681,11 @@ mod tests {
     use super::*;
     use crate::algo::OptimizerConfig;
     use crate::model::ModelConfig;
+    use crate::model::TrainInput;
     use crate::train::batch::{pad, trajectories};
     use crate::train::close::{assert_close, assert_rows_close};
+    use crate::train::critic::CriticModel;
+    use crate::train::scoring::{critic_values, response_logprobs};
 
     fn record(adv_len: usize) -> StepRecord {
         StepRecord {
@@ -1575,7 +1123,7 @@ mod tests {
         let mut policy = Model::new(&cfg, 5, &Device::Cpu).unwrap();
         policy.attach_value_head(6).unwrap();
         let critic = CriticModel::Separate(Box::new(Critic::new(&cfg, 9, &Device::Cpu).unwrap()));
-        let features = CriticModel::Features(FeatureCritic::new(&policy, 4).unwrap());
+        let features = CriticModel::Features(ValueMlp::new(&policy, 4).unwrap());
         // Chunks of 4 sequences: a group is split over two chunks.
         let chunks = |tree| (4, BatchLayout { pad_id: 0, tree });
         let masks = ResponseMasks::default();
@@ -1620,7 +1168,18 @@ mod tests {
         let loss = LossConfig::default();
         for target in [CriticTarget::StepStart, CriticTarget::AllResponseTokens] {
             inputs.critic_target = Some(target);
-            let rows = |tree| feature_rows(&inputs, &settings_for(&loss, tree), &policy, target);
+            let batch = FitBatch {
+                records: inputs.records,
+                sequences: &inputs.sequences,
+                keep: &inputs.critic_keep,
+                returns: &inputs.returns,
+                old_values: &inputs.old_values,
+                target,
+            };
+            let rows = |tree| {
+                let settings = settings_for(&loss, tree);
+                fit::feature_rows(&batch, &policy, (settings.layout(), settings.masks))
+            };
             let (tree, padded) = (rows(true).unwrap(), rows(false).unwrap());
             assert_eq!(tree.returns, padded.returns, "{target:?}");
             assert_eq!(tree.old_values, padded.old_values, "{target:?}");

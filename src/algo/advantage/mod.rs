@@ -136,6 +136,13 @@ impl RawAdvantages {
     }
 }
 
+/// The discounted return G_t = Σ_{k≥t} γ^{k−t} r_k from each record's step to the end of its
+/// trajectory, aligned with `records` (which may come in any order).
+pub fn step_returns(records: &[StepRecord], gamma: f64) -> Result<Vec<f64>, AlgoError> {
+    let layout = Layout::new(records, &AdvantageInputs::default())?;
+    Ok(step_reinforce::step_returns(&layout, gamma))
+}
+
 /// Computes advantages and returns for `records` with the estimator of `cfg`.
 pub fn compute_advantages(
     records: &[StepRecord],

@@ -1,0 +1,135 @@
+//! Forward passes over a batch of step records without a gradient: the response log-probs of a
+//! model (the reference policy's side of a KL term) and a critic's values at rollout time. Each
+//! packs the records' sequences in chunks laid out as the update lays out its mini-batches,
+//! padded or as a prefix tree ([`BatchLayout`]).
+
+use super::batch::{pack, PackedBatch};
+use super::device_batch::{BatchLayout, DeviceBatch};
+use super::masks::ResponseMasks;
+use super::TrainError;
+use crate::algo::CriticTarget;
+use crate::model::{Model, TrainInput};
+use crate::store::StepRecord;
+use candle_core::{Device, Tensor};
+
+/// Log-probs of every record's response tokens under `model` (no gradient), one forward per
+/// chunk of `chunk` sequences in `layout`: the reference policy's side of a KL penalty.
+pub fn response_logprobs(
+    model: &Model,
+    records: &[StepRecord],
+    sequences: &[Vec<usize>],
+    (chunk, layout): (usize, BatchLayout),
+    temperature: f32,
+    masks: &ResponseMasks,
+) -> Result<Vec<Vec<f32>>, TrainError> {
+    let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
+    for_each_chunk(
+        records,
+        sequences,
+        (chunk, layout),
+        masks,
+        true,
+        model.device(),
+        |p, batch| {
+            let (logp, _) = model.head_logprobs_entropy(
+                &model.hidden(&batch.input)?,
+                &batch.token_index,
+                &batch.token_targets,
+                temperature,
+                batch.logit_bias.as_ref(),
+            )?;
+            let logp = logp
+                .detach()
+                .reshape((p.rows, p.max_response_len))?
+                .to_vec2::<f32>()?;
+            for (row, &r) in p.record_of_row.iter().enumerate() {
+                out[r] = logp[row][..records[r].response_ids.len()].to_vec();
+            }
+            Ok(())
+        },
+    )?;
+    Ok(out)
+}
+
+/// Packs `sequences` in chunks of `chunk` sequences, laid out in `layout`, and hands each chunk,
+/// on `device`, to `visit`: values read past `masks`' forced prefixes, and with `logit_bias` the
+/// constrained-decoding bias of `masks` (needed to score tokens, not values). A chunk gathers
+/// similar-length sequences when padded (little padding per forward), a group's sequences when
+/// laid out as a tree (their prefix forwarded once).
+pub(super) fn for_each_chunk(
+    records: &[StepRecord],
+    sequences: &[Vec<usize>],
+    (chunk, layout): (usize, BatchLayout),
+    masks: &ResponseMasks,
+    logit_bias: bool,
+    device: &Device,
+    mut visit: impl FnMut(&PackedBatch, &DeviceBatch) -> Result<(), TrainError>,
+) -> Result<(), TrainError> {
+    // Values need the masks only to find where they are read; scoring tokens needs the bias too.
+    let unconstrained = ResponseMasks::default();
+    let bias_masks = if logit_bias { masks } else { &unconstrained };
+    let mut sorted = sequences.to_vec();
+    if layout.tree {
+        sorted.sort_by_key(|seq| records[seq[0]].group_id);
+    } else {
+        sorted.sort_by_key(|seq| {
+            seq.iter()
+                .map(|&r| records[r].obs_ids.len() + records[r].response_ids.len())
+                .sum::<usize>()
+        });
+    }
+    for seqs in sorted.chunks(chunk.max(1)) {
+        let mut p = pack(records, seqs)?;
+        p.read_values_after_forced(records, |r| masks.forced_prefix(r));
+        if p.rows > 0 {
+            let batch = DeviceBatch::laid_out(&p, (records, seqs), layout, device)?;
+            visit(&p, &batch.constrained(&p, records, bias_masks)?)?;
+        }
+    }
+    Ok(())
+}
+
+/// Critic values of every record at rollout time, no update: per record, one value at the step
+/// start (`StepStart`) or one per response token (`AllResponseTokens`), `values_of` run on chunks
+/// of `chunk` sequences in `layout`.
+pub fn critic_values(
+    values_of: &dyn Fn(&TrainInput) -> Result<Tensor, TrainError>,
+    records: &[StepRecord],
+    sequences: &[Vec<usize>],
+    target: CriticTarget,
+    (chunk, layout): (usize, BatchLayout),
+    masks: &ResponseMasks,
+    device: &Device,
+) -> Result<Vec<Vec<f32>>, TrainError> {
+    let mut out: Vec<Vec<f32>> = records.iter().map(|_| Vec::new()).collect();
+    for_each_chunk(
+        records,
+        sequences,
+        (chunk, layout),
+        masks,
+        false,
+        device,
+        |p, batch| {
+            let values = values_of(&batch.input)?.detach();
+            match target {
+                CriticTarget::StepStart => {
+                    let v = batch
+                        .at_step_starts(&values, p)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?;
+                    for (row, &r) in p.record_of_row.iter().enumerate() {
+                        out[r] = vec![v[row]];
+                    }
+                }
+                CriticTarget::AllResponseTokens => {
+                    let v = batch.at_tokens(&values, p)?.to_vec2::<f32>()?;
+                    for (row, &r) in p.record_of_row.iter().enumerate() {
+                        out[r] = v[row][..records[r].response_ids.len()].to_vec();
+                    }
+                }
+            }
+            Ok(())
+        },
+    )?;
+    Ok(out)
+}
