@@ -2,8 +2,6 @@
 //! 2,500 groups × 8 trajectories × 5 steps, 16 response tokens per step.
 //! Run: `cargo bench --bench advantage`.
 
-use std::collections::HashMap;
-
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use stepppo::algo::config::{AdvantageConfig, Estimator};
 use stepppo::algo::{compute_advantages, AdvantageInputs};
@@ -57,11 +55,9 @@ fn bench_estimators(c: &mut Criterion) {
         .map(|i| unit(derive(1, &[i as u64])))
         .collect();
     let token_values: Vec<Vec<f32>> = values.iter().map(|&v| vec![v; TOKENS]).collect();
-    let boot: HashMap<u64, f32> = HashMap::new();
     let inputs = AdvantageInputs {
         values: Some(&values),
         token_values: Some(&token_values),
-        bootstrap_values: Some(&boot),
         token_reward_penalty: None,
     };
     let mut group = c.benchmark_group("advantage_100k_rows");

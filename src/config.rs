@@ -979,8 +979,8 @@ impl Config {
         let uses_group_mean = matches!(
             self.adv_estimator,
             Estimator::Reinforce | Estimator::StepReinforce
-        ) && self.reward_normalization.grouping == Grouping::TrajGroupId
-            && self.reward_normalization.method != NormMethod::Identity;
+        ) && self.reward_normalization.grouping() == Grouping::TrajGroupId
+            && self.reward_normalization.method() != NormMethod::Identity;
         if uses_group_mean && train.group_size == 1 {
             return fail(
                 "reward_normalization.grouping",
@@ -1512,6 +1512,24 @@ mod tests {
             &["reward_normalization.method=median".into()],
         ));
         assert!(e.contains("reward_normalization.method"), "{e}");
+    }
+
+    #[test]
+    fn reward_normalization_an_estimator_does_not_read_is_refused() {
+        let e = err_text(with(&["reward_normalization.method=mean"]));
+        assert!(e.contains("reward_normalization.method"), "{e}");
+        assert!(e.contains("step_gae normalises no rewards"), "{e}");
+        let grpo = ["adv_estimator=grpo", "critic.mode=none"];
+        assert!(with(&[&grpo[..], &["reward_normalization.method=mean"]].concat()).is_ok());
+        let dr_grpo = ["adv_estimator=dr_grpo", "critic.mode=none"];
+        assert!(with(&[&dr_grpo[..], &["reward_normalization.grouping=batch"]].concat()).is_ok());
+        let e = err_text(with(
+            &[&dr_grpo[..], &["reward_normalization.method=mean"]].concat(),
+        ));
+        assert!(
+            e.contains("dr_grpo reads only reward_normalization.grouping"),
+            "{e}"
+        );
     }
 
     #[test]

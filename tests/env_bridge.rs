@@ -5,10 +5,12 @@
 //! field): every fault is an error naming the server and the request, `on_error: skip` drops
 //! whole groups and counts them, `fail` ends a run and keeps what it stored.
 
+mod examples_python;
+use examples_python::examples_python;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::pin::Pin;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -33,22 +35,6 @@ use stepppo::train::metrics::read_jsonl;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 // ---------------------------------------------------------------- the reference gym server
-
-/// The Python that runs the examples, or `None` (with a message) when there is none.
-fn python() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os("STEPPPO_PYTHON") {
-        return Some(path.into());
-    }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/examples-venv/bin/python");
-    if venv.exists() {
-        return Some(venv);
-    }
-    eprintln!(
-        "skipped: no Python for examples/gym_env_server.py (set STEPPPO_PYTHON or run \
-         `bash scripts/examples_venv.sh`)"
-    );
-    None
-}
 
 /// `examples/gym_env_server.py` serving FrozenLake on a free port; killed when dropped.
 struct GymServer {
@@ -431,7 +417,10 @@ fn assert_names(text: &str, parts: &[&str]) {
 
 #[test]
 fn random_agent_plays_gym_frozenlake_through_the_bridge() {
-    let Some(python) = python() else { return };
+    let Some(python) = examples_python("random_agent_plays_gym_frozenlake_through_the_bridge")
+    else {
+        return;
+    };
     let server = GymServer::start(&python);
     let config = json!({"url": server.url, "max_turns": 8});
     let mut session = build_session("remote", &config).unwrap();
@@ -465,7 +454,9 @@ fn random_agent_plays_gym_frozenlake_through_the_bridge() {
 
 #[test]
 fn train_runs_through_the_gym_server() {
-    let Some(python) = python() else { return };
+    let Some(python) = examples_python("train_runs_through_the_gym_server") else {
+        return;
+    };
     let server = GymServer::start(&python);
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");

@@ -3,8 +3,10 @@
 //! token-space continuation of a session, streaming, the error bodies, and a `kill -9` of a
 //! recording server.
 
+mod examples_python;
+use examples_python::examples_python;
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use serde_json::{json, Value};
@@ -408,19 +410,9 @@ fn a_killed_recording_server_leaves_every_closed_trajectory() {
     assert!(model.join("model.safetensors").exists());
 }
 
-/// The Python with the `openai` package: `$STEPPPO_PYTHON`, else `target/examples-venv`.
-fn python() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("STEPPPO_PYTHON") {
-        return Some(PathBuf::from(p));
-    }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/examples-venv/bin/python");
-    venv.exists().then_some(venv)
-}
-
 #[test]
 fn the_official_openai_client_talks_to_the_gateway() {
-    let Some(python) = python() else {
-        eprintln!("skipped: no Python with `openai` (run `bash scripts/examples_venv.sh` or set STEPPPO_PYTHON)");
+    let Some(python) = examples_python("the_official_openai_client_talks_to_the_gateway") else {
         return;
     };
     let url = start_gateway(None);

@@ -41,6 +41,21 @@ impl Estimator {
         matches!(self, Estimator::StepGae | Estimator::TokenGae)
     }
 
+    /// The keys of `reward_normalization` this estimator reads (none: it normalises no rewards;
+    /// GiGPO's own normalisation is `gigpo.mode`).
+    pub fn reward_normalization_keys(self) -> &'static [&'static str] {
+        match self {
+            Estimator::Reinforce | Estimator::StepReinforce => &["grouping", "method"],
+            Estimator::DrGrpo | Estimator::Rloo | Estimator::ReinforcePlusPlusBaseline => {
+                &["grouping"]
+            }
+            Estimator::StepGae
+            | Estimator::TokenGae
+            | Estimator::ReinforcePlusPlus
+            | Estimator::Gigpo => &[],
+        }
+    }
+
     /// Where the critic is trained for this estimator (`None` when there is no critic).
     pub fn critic_target(self) -> Option<CriticTarget> {
         match self {
@@ -91,12 +106,28 @@ pub enum NormMethod {
     AsymClip,
 }
 
-/// ROLL `reward_normalization`.
+/// ROLL `reward_normalization`: how the score-based estimators normalise rewards. A key the run's
+/// estimator does not read is an error ([`Estimator::reward_normalization_keys`]), so each is
+/// kept as written (`None`: not written, the default applies).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RewardNormalization {
-    pub grouping: Grouping,
-    pub method: NormMethod,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grouping: Option<Grouping>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub method: Option<NormMethod>,
+}
+
+impl RewardNormalization {
+    /// The grouping in effect (`traj_group_id` unless written).
+    pub fn grouping(&self) -> Grouping {
+        self.grouping.unwrap_or_default()
+    }
+
+    /// The method in effect (`mean_std` unless written).
+    pub fn method(&self) -> NormMethod {
+        self.method.unwrap_or_default()
+    }
 }
 
 /// GiGPO group normalisation mode (verl-agent names; `mean`/`mean_std` accepted).
@@ -137,17 +168,6 @@ impl Default for GigpoConfig {
     }
 }
 
-/// What the value after the last step of a truncated (cut, not terminated) episode is.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Truncation {
-    /// V(s_T) from `bootstrap_values` (0, counted in metrics, when absent).
-    #[default]
-    Bootstrap,
-    /// 0, as the StepPO reference code does.
-    Terminal,
-}
-
 /// Credit assignment settings (ROLL names).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -171,7 +191,6 @@ pub struct AdvantageConfig {
     /// γ of the discounted step returns of `gigpo` and `step_reinforce` (default 0.95).
     pub step_reward_gamma: f32,
     pub gigpo: GigpoConfig,
-    pub truncation: Truncation,
     /// Caps at 0 the final advantage of every step whose response did not parse
     /// (`action_is_valid` false). Such a step left the env where it was, so it earns no credit for
     /// what the trajectory did next; without the cap a malformed answer in a successful
@@ -191,7 +210,6 @@ impl Default for AdvantageConfig {
             reward_normalization: RewardNormalization::default(),
             step_reward_gamma: 0.95,
             gigpo: GigpoConfig::default(),
-            truncation: Truncation::Bootstrap,
             clamp_invalid_advantages: false,
         }
     }
@@ -382,16 +400,6 @@ impl Default for OptimizerConfig {
     }
 }
 
-/// The whole algorithm section, for configs that nest it in one place.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AlgoConfig {
-    pub advantage: AdvantageConfig,
-    pub filter: FilterConfig,
-    pub loss: LossConfig,
-    pub optimizer: OptimizerConfig,
-}
-
 fn check(ok: bool, key: &str, reason: &str) -> Result<(), AlgoError> {
     if ok {
         Ok(())
@@ -429,6 +437,7 @@ impl AdvantageConfig {
             "step_reward_gamma",
             "must lie in [0, 1]",
         )?;
+        self.check_reward_normalization_is_read()?;
         positive_opt(self.advantage_clip, "advantage_clip")?;
         positive_opt(self.reward_clip, "reward_clip")?;
         check(
@@ -448,6 +457,34 @@ impl AdvantageConfig {
             "gigpo.step_weight",
             "must be finite",
         )
+    }
+}
+
+impl AdvantageConfig {
+    /// An error naming `reward_normalization.<key>` when the estimator does not read that key:
+    /// a setting that would change nothing is refused, not ignored.
+    fn check_reward_normalization_is_read(&self) -> Result<(), AlgoError> {
+        let written = [
+            ("grouping", self.reward_normalization.grouping.is_some()),
+            ("method", self.reward_normalization.method.is_some()),
+        ];
+        let reads = self.adv_estimator.reward_normalization_keys();
+        for (key, _) in written.iter().filter(|(k, w)| *w && !reads.contains(k)) {
+            let estimator = serde_json::to_value(self.adv_estimator)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default();
+            let reason = if reads.is_empty() {
+                format!("{estimator} normalises no rewards; remove reward_normalization")
+            } else {
+                format!(
+                    "{estimator} reads only reward_normalization.{}",
+                    reads.join(", ")
+                )
+            };
+            return check(false, &format!("reward_normalization.{key}"), &reason);
+        }
+        Ok(())
     }
 }
 
@@ -505,15 +542,6 @@ impl OptimizerConfig {
     }
 }
 
-impl AlgoConfig {
-    pub fn validate(&self) -> Result<(), AlgoError> {
-        self.advantage.validate()?;
-        self.filter.validate()?;
-        self.loss.validate()?;
-        self.optimizer.validate()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -526,7 +554,7 @@ mod tests {
         .unwrap();
         assert_eq!(cfg.adv_estimator, Estimator::TokenGae);
         assert_eq!(cfg.lambd, 0.95);
-        assert_eq!(cfg.reward_normalization.grouping, Grouping::Batch);
+        assert_eq!(cfg.reward_normalization.grouping(), Grouping::Batch);
         let grpo: AdvantageConfig = serde_json::from_str(r#"{"adv_estimator":"grpo"}"#).unwrap();
         assert_eq!(grpo.adv_estimator, Estimator::Reinforce);
         let loss: LossConfig =
@@ -554,7 +582,9 @@ mod tests {
             ..Default::default()
         };
         assert!(f.validate().unwrap_err().to_string().contains("keep_ratio"));
-        assert!(AlgoConfig::default().validate().is_ok());
+        assert!(AdvantageConfig::default().validate().is_ok());
+        assert!(LossConfig::default().validate().is_ok());
+        assert!(OptimizerConfig::default().validate().is_ok());
     }
 
     #[test]

@@ -12,8 +12,8 @@
 //! std ≤ 1e-6 gets zero advantages under `mean_std` (ROLL; verl would give a singleton group
 //! mean 0 / std 1). `adv_estimator: gae` means token-level GAE (ROLL's name; StepPO's `gae` is
 //! `step_gae`); `grpo` is an alias of `reinforce` (GRPO is its `reward_normalization`).
-//! Score statistics count each trajectory once. A trajectory whose last record is neither
-//! terminated nor truncated is treated as cut (bootstrapped under `truncation: bootstrap`).
+//! Score statistics count each trajectory once. GAE takes the value after a trajectory's last
+//! step as 0, terminated or cut (StepPO's reference code does the same).
 //! Sequence loss modes average over rows with at least one mask token. The StarPO-S filter
 //! ranks groups by the std of reward − format penalty and keeps at least one group.
 
@@ -32,7 +32,7 @@ pub use advantage::{
     ReplayRow, StepAdvantage, TokenAdvantages,
 };
 pub use config::{
-    AdvantageConfig, AlgoConfig, CriticTarget, Estimator, FilterConfig, LossConfig, OptimizerConfig,
+    AdvantageConfig, CriticTarget, Estimator, FilterConfig, LossConfig, OptimizerConfig,
 };
 pub use decoupled::ProximalCorrection;
 pub use filter::{uncertainty_filter, zero_signal, FilterOutcome, ZeroSignal};

@@ -445,14 +445,6 @@ fn replay_advantages(
             a.advantages.as_deref().unwrap_or_default()
         );
     }
-    let missing = export
-        .metrics
-        .get("advantage/bootstrap_missing")
-        .copied()
-        .unwrap_or(0.0);
-    if missing > 0.0 {
-        eprintln!("note: {missing} truncated trajectories bootstrap from V = 0 (no value after their last step)");
-    }
     let selected = export
         .rows
         .iter()

@@ -42,7 +42,7 @@ use super::setup::{device_of, engine_for, fresh_policy};
 use super::sft::{self, CloneSettings, SftReport};
 use super::update::{self, CriticLearner, Learners, UpdateInputs, UpdateSettings};
 use super::TrainError;
-use crate::algo::config::{LossAggMode, Truncation};
+use crate::algo::config::LossAggMode;
 use crate::algo::filter::group_reward_std;
 use crate::algo::loss::VarianceParts;
 use crate::algo::value_fit::tabular_ceiling;
@@ -976,11 +976,7 @@ impl Trainer {
             Some(CriticTarget::AllResponseTokens) => inputs.token_values = Some(values),
             None => {}
         }
-        let cfg = crate::algo::AdvantageConfig {
-            truncation: Truncation::Terminal,
-            ..self.cfg.advantage_config()
-        };
-        let out = compute_advantages(records, &inputs, &cfg)?;
+        let out = compute_advantages(records, &inputs, &self.cfg.advantage_config())?;
         for (k, v) in &out.metrics {
             scalars.insert(critic_metric_name(k), *v);
         }

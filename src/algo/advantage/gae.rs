@@ -1,60 +1,12 @@
 //! Generalised advantage estimation over interaction steps (`step_gae`, StepPO) and over the
-//! generated tokens of a trajectory (`token_gae`, the PPO baseline). Both bootstrap from
-//! V(s_T) after a truncated episode when `truncation: bootstrap` (0 after a terminated one,
-//! and 0 for every episode under `truncation: terminal`, the StepPO reference behaviour).
+//! generated tokens of a trajectory (`token_gae`, the PPO baseline). The value after a
+//! trajectory's last step is 0 whether it terminated or was cut (the StepPO reference
+//! behaviour): a step record holds no state after its trajectory's last step to value.
 
-use std::collections::BTreeMap;
-
-use super::layout::{check_per_step, check_token_lengths, ends_terminated, Layout, Trajectory};
+use super::layout::{check_per_step, check_token_lengths, Layout};
 use super::{AdvantageInputs, RawAdvantages};
-use crate::algo::config::{AdvantageConfig, Truncation};
+use crate::algo::config::AdvantageConfig;
 use crate::algo::AlgoError;
-
-/// Counts of how the value after each trajectory's last step was chosen.
-#[derive(Default)]
-struct BootstrapCount {
-    bootstrapped: usize,
-    missing: usize,
-}
-
-impl BootstrapCount {
-    /// V(s_T) for `traj`: 0 if terminated or under `terminal`, else the bootstrap value
-    /// (0 and counted as missing when none was given).
-    fn value_after(
-        &mut self,
-        layout: &Layout,
-        traj: &Trajectory,
-        inputs: &AdvantageInputs,
-        cfg: &AdvantageConfig,
-    ) -> f64 {
-        if ends_terminated(layout.records, traj) || cfg.truncation == Truncation::Terminal {
-            return 0.0;
-        }
-        match inputs.bootstrap_values.and_then(|m| m.get(&traj.traj_id)) {
-            Some(&v) if v.is_finite() => {
-                self.bootstrapped += 1;
-                v as f64
-            }
-            _ => {
-                self.missing += 1;
-                0.0
-            }
-        }
-    }
-
-    fn into_metrics(self) -> BTreeMap<String, f64> {
-        BTreeMap::from([
-            (
-                "advantage/bootstrapped".to_string(),
-                self.bootstrapped as f64,
-            ),
-            (
-                "advantage/bootstrap_missing".to_string(),
-                self.missing as f64,
-            ),
-        ])
-    }
-}
 
 fn clip_reward(r: f64, cfg: &AdvantageConfig) -> f64 {
     cfg.reward_clip
@@ -75,9 +27,8 @@ pub(super) fn step_gae(
     let (gamma, lambd) = (cfg.gamma as f64, cfg.lambd as f64);
     let n = layout.records.len();
     let (mut adv, mut ret) = (vec![0.0; n], vec![0.0; n]);
-    let mut boot = BootstrapCount::default();
     for traj in &layout.trajectories {
-        let mut next_value = boot.value_after(layout, traj, inputs, cfg);
+        let mut next_value = 0.0;
         let mut next_adv = 0.0;
         for &i in traj.rows.iter().rev() {
             let v = values[i] as f64;
@@ -89,9 +40,7 @@ pub(super) fn step_gae(
         }
     }
     let values = values.iter().map(|&v| v as f64).collect();
-    let mut raw = RawAdvantages::step_level(adv, ret, values);
-    raw.metrics = boot.into_metrics();
-    Ok(raw)
+    Ok(RawAdvantages::step_level(adv, ret, values))
 }
 
 /// Token GAE across a trajectory's response tokens (StepPO `token_gae` skip rule: observation
@@ -112,9 +61,8 @@ pub(super) fn token_gae(
     let rewards = token_rewards(layout, inputs, cfg);
     let mut adv: Vec<Vec<f64>> = token_values.iter().map(|t| vec![0.0; t.len()]).collect();
     let mut ret = adv.clone();
-    let mut boot = BootstrapCount::default();
     for traj in &layout.trajectories {
-        let mut next_value = boot.value_after(layout, traj, inputs, cfg);
+        let mut next_value = 0.0;
         let mut next_adv = 0.0;
         for &i in traj.rows.iter().rev() {
             for j in (0..token_values[i].len()).rev() {
@@ -141,7 +89,6 @@ pub(super) fn token_gae(
         .collect();
     let mut raw = RawAdvantages::step_level(step_adv, step_ret, step_val);
     raw.tokens = Some((adv, ret));
-    raw.metrics = boot.into_metrics();
     Ok(raw)
 }
 

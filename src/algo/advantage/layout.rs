@@ -203,8 +203,3 @@ fn non_finite(what: &'static str, index: usize, r: &StepRecord) -> AlgoError {
         step_index: r.step_index,
     }
 }
-
-/// Whether a trajectory ended in a terminal state (else it was cut and may be bootstrapped).
-pub(crate) fn ends_terminated(records: &[StepRecord], traj: &Trajectory) -> bool {
-    traj.rows.last().is_some_and(|&i| records[i].terminated)
-}

@@ -13,7 +13,7 @@ mod replay;
 mod score;
 mod step_reinforce;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 pub use replay::{replay_rows, ReplayExport, ReplayRow};
 
@@ -30,8 +30,6 @@ pub struct AdvantageInputs<'a> {
     pub values: Option<&'a [f32]>,
     /// Critic values at each response token of each step (`token_gae`).
     pub token_values: Option<&'a [Vec<f32>]>,
-    /// V(s_T) after the last step of truncated trajectories, by `traj_id`.
-    pub bootstrap_values: Option<&'a HashMap<u64, f32>>,
     /// Per-token amounts subtracted from the rewards (KL in reward, see
     /// [`crate::algo::loss::kl_reward_penalty`]); step-level methods subtract the step's sum.
     pub token_reward_penalty: Option<&'a [Vec<f32>]>,
@@ -66,7 +64,7 @@ pub struct AdvantageOutput {
     pub per_step: Vec<StepAdvantage>,
     /// Present for `token_gae` and `reinforce_plus_plus`.
     pub per_token: Option<TokenAdvantages>,
-    /// Diagnostics (`advantage/zero_fraction`, `advantage/clip_frac`, `advantage/bootstrap_missing`,
+    /// Diagnostics (`advantage/zero_fraction`, `advantage/clip_frac`,
     /// `{reward,advantage,return,value}/{mean,min,max}`, `gigpo/*`, ...).
     pub metrics: BTreeMap<String, f64>,
 }

@@ -41,7 +41,7 @@ fn normalized_scores(
     method: NormMethod,
 ) -> (Vec<f64>, BTreeMap<String, f64>) {
     let tags = layout.tag_ids();
-    let grouping = cfg.reward_normalization.grouping;
+    let grouping = cfg.reward_normalization.grouping();
     let keys: Vec<(u64, u64)> = layout
         .trajectories
         .iter()
@@ -63,7 +63,7 @@ fn normalized_scores(
 
 /// `reinforce` / `grpo`: scores normalised by `reward_normalization` (grouping and method).
 pub(super) fn reinforce(layout: &Layout, cfg: &AdvantageConfig) -> RawAdvantages {
-    let (s, metrics) = normalized_scores(layout, cfg, cfg.reward_normalization.method);
+    let (s, metrics) = normalized_scores(layout, cfg, cfg.reward_normalization.method());
     let mut raw = broadcast(layout, &s, cfg);
     raw.metrics = metrics;
     raw
@@ -80,7 +80,7 @@ pub(super) fn dr_grpo(layout: &Layout, cfg: &AdvantageConfig) -> RawAdvantages {
 /// RLOO: S_i − mean of the other members of its group = n/(n−1)·(S_i − mean); 0 for n = 1.
 pub(super) fn rloo(layout: &Layout, cfg: &AdvantageConfig) -> RawAdvantages {
     let tags = layout.tag_ids();
-    let grouping = cfg.reward_normalization.grouping;
+    let grouping = cfg.reward_normalization.grouping();
     let s = scores(layout);
     let mut sums: HashMap<(u64, u64), (f64, usize)> = HashMap::new();
     let keys: Vec<(u64, u64)> = layout

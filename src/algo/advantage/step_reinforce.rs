@@ -28,12 +28,12 @@ pub(super) fn step_returns(layout: &Layout, gamma: f64) -> Vec<f64> {
 pub(super) fn step_reinforce(layout: &Layout, cfg: &AdvantageConfig) -> RawAdvantages {
     let returns = step_returns(layout, cfg.step_reward_gamma as f64);
     let tags = layout.tag_ids();
-    let grouping = cfg.reward_normalization.grouping;
+    let grouping = cfg.reward_normalization.grouping();
     let keys: Vec<(u64, u64)> = (0..returns.len())
         .map(|i| layout.row_key(i, grouping, &tags))
         .collect();
     let mut adv = returns.clone();
-    let sizes = normalize_by_key(&mut adv, &keys, cfg.reward_normalization.method);
+    let sizes = normalize_by_key(&mut adv, &keys, cfg.reward_normalization.method());
     if let Some(c) = cfg.reward_clip {
         adv.iter_mut()
             .for_each(|x| *x = x.clamp(-(c as f64), c as f64));
