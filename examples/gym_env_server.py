@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Serve a gymnasium env over stepppo's env bridge protocol (docs/env-bridge.md).
+"""Serve a gymnasium env over stepppo's env bridge protocol (docs/guides/env-bridge.md).
 
     python examples/gym_env_server.py FrozenLake-v1 --port 8765 --random-maps --distance-reward 0.1
 

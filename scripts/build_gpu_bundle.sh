@@ -5,7 +5,7 @@
 # `mpi`) also carries the `dist_mpi` test and, in .gpu/debs, Debian bookworm's Open MPI runtime
 # packages with the libraries they load that a base system lacks: the GPU machine has no MPI,
 # and scripts/gpu_check.sh unpacks them there. Carry `.gpu` to the GPU machine and run
-# `bash scripts/gpu_check.sh` there (see README, "CUDA").
+# `bash scripts/gpu_check.sh` there (see docs/guides/cuda.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 features=${FEATURES:-cuda}

@@ -37,7 +37,7 @@ pub fn prepare_cpu_process() {
 pub enum DeviceError {
     #[error("unknown device {0:?}: expected cpu, cuda or cuda:N")]
     Unknown(String),
-    #[error("device {0:?} needs a CUDA build: rebuild with `cargo build --release --features cuda` (see README, \"CUDA\")")]
+    #[error("device {0:?} needs a CUDA build: rebuild with `cargo build --release --features cuda` (see docs/guides/cuda.md)")]
     NotBuilt(String),
     #[error("device {name:?}: {source}")]
     Unavailable {

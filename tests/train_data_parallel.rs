@@ -39,7 +39,9 @@ const TINY: &[&str] = &[
 fn mpirun() -> Option<Command> {
     let found = Command::new("mpirun").arg("--version").output().is_ok();
     if !found {
-        eprintln!("skipped: mpirun is not on PATH (install Open MPI: README, \"Data parallel\")");
+        eprintln!(
+            "skipped: mpirun is not on PATH (install Open MPI: docs/guides/data-parallel.md)"
+        );
         return None;
     }
     let mut cmd = Command::new("mpirun");

@@ -227,7 +227,7 @@ pub fn join_world(cuda_ordinal: Option<usize>) -> Result<Arc<dyn Collective>, Di
     match announced {
         Some(n) if n > 1 => Err(DistError::Launch(format!(
             "a launcher started {n} ranks, but this stepppo was built without the `mpi` feature: \
-             rebuild with `cargo build --release --features mpi` (README, \"Data parallel\")"
+             rebuild with `cargo build --release --features mpi` (docs/guides/data-parallel.md)"
         ))),
         _ => Ok(Arc::new(Single)),
     }

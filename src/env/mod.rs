@@ -4,8 +4,9 @@
 //! observations), the registry that builds an env plus its [`ProtocolConfig`] from a JSON config
 //! (defaults merged with overrides, unknown keys rejected by name), the four in-process envs
 //! (`frozen_lake`, `sokoban`, `bandit`, `hotpotqa`), the `remote` env that plays an env served by
-//! another process over HTTP (`docs/env-bridge.md`), the agent text protocol ([`AgentSession`]:
-//! prompts, parsing of model text, format penalty) and the model-free agents ([`Agent`]).
+//! another process over HTTP (`docs/guides/env-bridge.md`), the agent text protocol
+//! ([`AgentSession`]: prompts, parsing of model text, format penalty) and the model-free agents
+//! ([`Agent`]).
 //! It does not tokenize, generate or store anything: rollout and store consume its text.
 //!
 //! Every in-process env owns its RNG, seeded only from the `reset` seed through [`crate::seed`],

@@ -1,6 +1,7 @@
 //! The `remote` env: an env served by another process over the HTTP/JSON bridge protocol of
-//! `docs/env-bridge.md` (`GET /spec`, `POST /reset`, `POST /step`, `POST /close`), so that envs we
-//! did not write (gymnasium, WebShop- or GEM-style servers) train through the same agent protocol.
+//! `docs/guides/env-bridge.md` (`GET /spec`, `POST /reset`, `POST /step`, `POST /close`), so that
+//! envs we did not write (gymnasium, WebShop- or GEM-style servers) train through the same agent
+//! protocol.
 //!
 //! This module owns the client side only: the config (`url`, `timeout`, `on_error`), one episode
 //! per [`RemoteEnv`] (the server's `env_id`), and the checks that turn every failure (no answer in

@@ -9,7 +9,7 @@
 //! `user` field) is a step of that session's trajectory (`session`): its prompt extends the
 //! session's context in token space, its sampled tokens and log-probs are kept exactly, and
 //! `POST /v1/sessions/{id}/close` with the reward(s) turns the session into step records. The
-//! protocol, with examples, is in `docs/gateway.md`.
+//! protocol, with examples, is in `docs/guides/gateway.md`.
 
 mod api;
 mod backend;
