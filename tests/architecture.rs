@@ -1,0 +1,195 @@
+//! Dependencies point down: no two modules of `src/` import each other, directly or around a
+//! circle. The graph is read from the source: every `crate::…` and `super::…` path outside
+//! `#[cfg(test)]` modules is an edge from the file's module to the deepest module the path names.
+//! A module may use its ancestors (the folder's shared types and errors) and its children freely;
+//! every other edge counts.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+type ModPath = Vec<String>;
+
+/// Every module of `src/` with its source text (test modules cut off).
+fn modules(root: &Path) -> BTreeMap<ModPath, String> {
+    let mut out = BTreeMap::new();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let rel = path.strip_prefix(root).unwrap().with_extension("");
+            let mut parts: ModPath = rel.iter().map(|p| p.to_string_lossy().into()).collect();
+            if parts
+                .last()
+                .is_some_and(|p| p == "mod" || p == "lib" || p == "main")
+            {
+                parts.pop();
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let code = match text.find("#[cfg(test)]\nmod tests") {
+                Some(cut) => text[..cut].to_string(),
+                None => text,
+            };
+            let code: String = code
+                .lines()
+                .map(|l| l.split("//").next().unwrap_or(""))
+                .collect::<Vec<_>>()
+                .join("\n");
+            out.insert(parts, code);
+        }
+    }
+    out
+}
+
+/// The paths a source names: `crate::a::b`, `super::a`, and each member of a `{…}` group.
+fn named_paths(module: &[String], code: &str) -> Vec<ModPath> {
+    let mut found = Vec::new();
+    let bytes = code.as_bytes();
+    for start in ["crate::", "super::"] {
+        let mut from = 0;
+        while let Some(at) = code[from..].find(start).map(|i| i + from) {
+            from = at + start.len();
+            if at > 0 && (bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_') {
+                continue;
+            }
+            let end = code[at..]
+                .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
+                .map_or(code.len(), |i| i + at);
+            let mut segments: Vec<&str> = code[at..end]
+                .split("::")
+                .filter(|s| !s.is_empty())
+                .collect();
+            let mut base: ModPath = if segments[0] == "crate" {
+                Vec::new()
+            } else {
+                module[..module.len().saturating_sub(1)].to_vec()
+            };
+            segments.remove(0);
+            while segments.first() == Some(&"super") {
+                base.pop();
+                segments.remove(0);
+            }
+            let prefix: ModPath = base
+                .into_iter()
+                .chain(segments.iter().map(|s| s.to_string()))
+                .collect();
+            if code[end..].starts_with('{') {
+                let group_end = code[end..].find('}').map_or(code.len(), |i| i + end);
+                for member in code[end + 1..group_end].split(',') {
+                    let member = member.split(" as ").next().unwrap_or("").trim();
+                    if member.is_empty() || member == "self" {
+                        continue;
+                    }
+                    let mut path = prefix.clone();
+                    path.extend(member.split("::").map(str::to_string));
+                    found.push(path);
+                }
+            }
+            found.push(prefix);
+        }
+    }
+    found
+}
+
+/// The module a path lands in: its longest prefix that is a module.
+fn owner(path: &[String], mods: &BTreeMap<ModPath, String>) -> Option<ModPath> {
+    (0..=path.len())
+        .rev()
+        .map(|k| path[..k].to_vec())
+        .find(|p| mods.contains_key(p))
+}
+
+fn edges(mods: &BTreeMap<ModPath, String>) -> BTreeMap<ModPath, BTreeSet<ModPath>> {
+    let mut out = BTreeMap::new();
+    for (module, code) in mods {
+        let targets: BTreeSet<ModPath> = named_paths(module, code)
+            .iter()
+            .filter_map(|p| owner(p, mods))
+            .filter(|t| !t.is_empty() && t != module && !module.starts_with(t))
+            .collect();
+        out.insert(module.clone(), targets);
+    }
+    out
+}
+
+/// A circle of modules, if there is one (depth-first search for a back edge).
+fn find_circle(graph: &BTreeMap<ModPath, BTreeSet<ModPath>>) -> Option<Vec<ModPath>> {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Mark {
+        Open,
+        Done,
+    }
+    fn visit(
+        node: &ModPath,
+        graph: &BTreeMap<ModPath, BTreeSet<ModPath>>,
+        marks: &mut BTreeMap<ModPath, Mark>,
+        stack: &mut Vec<ModPath>,
+    ) -> Option<Vec<ModPath>> {
+        marks.insert(node.clone(), Mark::Open);
+        stack.push(node.clone());
+        for next in graph.get(node).into_iter().flatten() {
+            match marks.get(next) {
+                Some(Mark::Open) => {
+                    let from = stack.iter().position(|m| m == next).unwrap();
+                    return Some(stack[from..].to_vec());
+                }
+                Some(Mark::Done) => {}
+                None => {
+                    if let Some(circle) = visit(next, graph, marks, stack) {
+                        return Some(circle);
+                    }
+                }
+            }
+        }
+        stack.pop();
+        marks.insert(node.clone(), Mark::Done);
+        None
+    }
+    let mut marks = BTreeMap::new();
+    for node in graph.keys() {
+        if !marks.contains_key(node) {
+            if let Some(circle) = visit(node, graph, &mut marks, &mut Vec::new()) {
+                return Some(circle);
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn no_two_modules_import_each_other() {
+    let mods = modules(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
+    assert!(mods.len() > 50, "found only {} modules", mods.len());
+    let graph = edges(&mods);
+    if let Some(circle) = find_circle(&graph) {
+        let names: Vec<String> = circle.iter().map(|m| m.join("::")).collect();
+        panic!(
+            "an import circle: {} → {} (one of them should own the shared item, or move it \
+             below both)",
+            names.join(" → "),
+            names[0]
+        );
+    }
+}
+
+#[test]
+fn the_reader_sees_a_circle_it_is_shown() {
+    let mut mods = BTreeMap::new();
+    mods.insert(vec!["a".to_string()], "use crate::b::Thing;".to_string());
+    mods.insert(
+        vec!["b".to_string()],
+        "fn f() { crate::a::g() }".to_string(),
+    );
+    mods.insert(vec!["c".to_string()], "use super::{a::X, b};".to_string());
+    let graph = edges(&mods);
+    assert!(graph[&vec!["c".to_string()]].contains(&vec!["a".to_string()]));
+    assert!(find_circle(&graph).is_some());
+    mods.insert(vec!["b".to_string()], "fn f() {}".to_string());
+    assert!(find_circle(&edges(&mods)).is_none());
+}
