@@ -68,22 +68,31 @@ fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
 
     let rows = read_jsonl(&run.join("metrics.jsonl")).unwrap();
     let step1: Vec<_> = rows.iter().filter(|(s, _)| *s == 1).collect();
-    let has = |name: &str| step1.iter().any(|(_, m)| m.contains_key(name));
-    for name in [
-        "env/SimpleFrozenLake/success",
-        "env/SimpleFrozenLake/action_is_valid",
-        "rollout/in_group_reward_std",
-        "rollout/prefix_hit_ratio",
-        "actor/pg_loss",
-        "actor/entropy",
-        "actor/grad_norm",
-        "response_length/mean",
-        "time/rollout",
-        "throughput/tokens_per_s",
-        "val/SimpleFrozenLake/success",
+    let value = |name: &str| {
+        step1
+            .iter()
+            .find_map(|(_, m)| m.get(name).copied())
+            .unwrap_or_else(|| panic!("metrics.jsonl lacks {name} at step 1"))
+    };
+    // Each metric within the range its definition allows.
+    for (name, low, high) in [
+        ("env/SimpleFrozenLake/success", 0.0, 1.0),
+        ("env/SimpleFrozenLake/action_is_valid", 0.0, 1.0),
+        ("rollout/in_group_reward_std", 0.0, f64::MAX),
+        ("rollout/prefix_hit_ratio", 0.0, 1.0),
+        ("actor/pg_loss", f64::MIN, f64::MAX),
+        ("actor/entropy", f64::MIN_POSITIVE, f64::MAX),
+        ("actor/grad_norm", 0.0, f64::MAX),
+        ("response_length/mean", 1.0, 6.0),
+        ("time/rollout", f64::MIN_POSITIVE, f64::MAX),
+        ("throughput/tokens_per_s", f64::MIN_POSITIVE, f64::MAX),
+        ("val/SimpleFrozenLake/success", 0.0, 1.0),
     ] {
-        assert!(has(name), "metrics.jsonl lacks {name}");
+        let v = value(name);
+        assert!(v.is_finite() && (low..=high).contains(&v), "{name} = {v}");
     }
+    // Both turns of a group start from the same prompt, so the second reads the first's prefix.
+    assert!(value("rollout/prefix_hit_ratio") > 0.0);
     let tb = std::fs::read_dir(run.join("tb"))
         .unwrap()
         .next()

@@ -62,6 +62,20 @@ pub struct UpdateInputs<'a> {
     pub proximal_logprobs: Option<Vec<Vec<f32>>>,
 }
 
+impl UpdateInputs<'_> {
+    /// What a value MLP critic is fitted on, with its values at `target`.
+    fn fit_batch(&self, target: CriticTarget) -> FitBatch<'_> {
+        FitBatch {
+            records: self.records,
+            sequences: &self.sequences,
+            keep: &self.critic_keep,
+            returns: &self.returns,
+            old_values: &self.old_values,
+            target,
+        }
+    }
+}
+
 /// Optimizer-side settings of the update.
 pub struct UpdateSettings<'a> {
     pub loss: &'a LossConfig,
@@ -214,14 +228,7 @@ pub fn ppo_update(
         }
     }
     if let Some(target) = inputs.critic_target {
-        let batch = FitBatch {
-            records: inputs.records,
-            sequences: &inputs.sequences,
-            keep: &inputs.critic_keep,
-            returns: &inputs.returns,
-            old_values: &inputs.old_values,
-            target,
-        };
+        let batch = inputs.fit_batch(target);
         let fitted = match learners.critic.as_mut() {
             Some(CriticLearner::Features(critic, opt)) => {
                 let layout = (settings.layout(), settings.masks);
@@ -1168,14 +1175,7 @@ mod tests {
         let loss = LossConfig::default();
         for target in [CriticTarget::StepStart, CriticTarget::AllResponseTokens] {
             inputs.critic_target = Some(target);
-            let batch = FitBatch {
-                records: inputs.records,
-                sequences: &inputs.sequences,
-                keep: &inputs.critic_keep,
-                returns: &inputs.returns,
-                old_values: &inputs.old_values,
-                target,
-            };
+            let batch = inputs.fit_batch(target);
             let rows = |tree| {
                 let settings = settings_for(&loss, tree);
                 fit::feature_rows(&batch, &policy, (settings.layout(), settings.masks))
