@@ -10,7 +10,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
 use stepppo::model::checkpoint::builtin_policy;
-use stepppo::model::{generate, PaddedBatch};
+use stepppo::model::PaddedBatch;
+use stepppo::rollout::generate;
 use stepppo::rollout::sampling::SamplingParams;
 use stepppo::tokenizer::ChatTemplate;
 

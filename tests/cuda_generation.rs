@@ -7,7 +7,8 @@ use candle_core::Device;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
-use stepppo::model::{generate, Model, ModelConfig};
+use stepppo::model::{Model, ModelConfig};
+use stepppo::rollout::generate;
 use stepppo::rollout::sampling::SamplingParams;
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
 

@@ -6,9 +6,8 @@ use candle_core::{Device, Tensor, D};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
-use stepppo::model::{
-    generate, Critic, LogitsWanted, Model, ModelConfig, PaddedBatch, SeqChunk, TrainInput,
-};
+use stepppo::model::{Critic, LogitsWanted, Model, ModelConfig, PaddedBatch, SeqChunk, TrainInput};
+use stepppo::rollout::generate;
 use stepppo::rollout::sampling::SamplingParams;
 
 fn tiny(tied: bool) -> Model {

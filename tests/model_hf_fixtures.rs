@@ -10,7 +10,8 @@ use candle_core::Device;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
-use stepppo::model::{generate, Model, PaddedBatch};
+use stepppo::model::{Model, PaddedBatch};
+use stepppo::rollout::generate;
 use stepppo::rollout::sampling::SamplingParams;
 
 const MAX_LOGPROB_DIFF: f32 = 1e-4;

@@ -3,7 +3,8 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use stepppo::store::{scan_segment, DatasetWriter, StepInfo, StepRecord, WriterOptions};
+use stepppo::env::StepInfo;
+use stepppo::store::{scan_segment, DatasetWriter, StepRecord, WriterOptions};
 
 fn stepppo(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_stepppo"))

@@ -6,9 +6,10 @@ use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use stepppo::env::StepInfo;
 use stepppo::store::{
     repair, rewind, verify, Dataset, DatasetPosition, DatasetWriter, Manifest, ProblemKind,
-    SegmentEntry, StepInfo, StepRecord, WriterOptions,
+    SegmentEntry, StepRecord, WriterOptions,
 };
 
 /// A trajectory in the concatenated layout: `turns` steps, `new_tokens` tokens per obs/response.

@@ -5,9 +5,10 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::Path;
 
+use stepppo::env::StepInfo;
 use stepppo::store::{
     repair, scan_segment, verify, Dataset, DatasetWriter, Manifest, ProblemKind, SegmentEntry,
-    StepInfo, StepRecord, WriterOptions, FORMAT_VERSION, MANIFEST_FILE,
+    StepRecord, WriterOptions, FORMAT_VERSION, MANIFEST_FILE,
 };
 
 /// `count` one-step trajectories; records of even traj_id share one observation text.

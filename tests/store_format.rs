@@ -4,8 +4,9 @@
 //! unsealed older-format one seals that segment and continues in a new one.
 
 use proptest::prelude::*;
+use stepppo::env::StepInfo;
 use stepppo::store::{
-    scan_segment, Dataset, DatasetWriter, StepInfo, StepRecord, WriterOptions, FORMAT_VERSION,
+    scan_segment, Dataset, DatasetWriter, StepRecord, WriterOptions, FORMAT_VERSION,
 };
 
 fn pinned_record() -> StepRecord {

@@ -9,7 +9,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use stepppo::store::{DatasetWriter, StepInfo, StepRecord, WriterOptions};
+use stepppo::env::StepInfo;
+use stepppo::store::{DatasetWriter, StepRecord, WriterOptions};
 use stepppo::tokenizer::Tokenizer;
 use stepppo::view::{self, ViewOptions};
 

@@ -9,7 +9,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
 use stepppo::model::checkpoint::load_policy;
-use stepppo::model::{generate as generate_tokens, Model, ModelConfig};
+use stepppo::model::{Model, ModelConfig};
+use stepppo::rollout::generate as generate_tokens;
 use stepppo::rollout::sampling::SamplingParams;
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
 

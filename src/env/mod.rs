@@ -30,7 +30,7 @@ pub use agents::{play_episode, response_text, Agent, AgentKind, Episode, TurnLog
 pub use bandit::{BanditConfig, BanditEnv};
 pub use frozen_lake::{FrozenLakeConfig, FrozenLakeEnv};
 pub use hotpotqa::{HotpotQaConfig, HotpotQaEnv};
-pub use protocol::{AgentSession, ProtocolConfig, TurnOutcome};
+pub use protocol::{AgentSession, ProtocolConfig, StepInfo, TurnOutcome};
 pub use remote::{RemoteConfig, RemoteEnv};
 pub use sokoban::{SokobanConfig, SokobanEnv};
 

@@ -27,6 +27,14 @@ pub enum KvError {
     BadSequence { seq: usize, message: String },
 }
 
+/// The K/V shape a pool is built for: layers, K/V heads per layer and the head dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvShape {
+    pub num_layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
 /// One sequence of an attention call: the slot of every position so far, the last `num_new` of
 /// which hold the tokens whose queries are being computed.
 #[derive(Debug, Clone, Copy)]

@@ -6,8 +6,7 @@
 
 use candle_core::{Device, Tensor};
 
-use super::{KvError, SeqSlots};
-use crate::model::ModelConfig;
+use super::{KvError, KvShape, SeqSlots};
 
 /// Where the K/V rows live. CPU rows are plain `f32` vectors so the attention loop reads them in
 /// place; CUDA rows are bf16 device tensors read by our kernels (`super::cuda`).
@@ -52,13 +51,18 @@ pub struct KvPool {
 }
 
 impl KvPool {
-    /// A pool of `num_slots` slots for a model of `cfg`'s shape, on `device`: f32 rows on the CPU,
-    /// bf16 rows on a CUDA device (feature `cuda`).
-    pub fn new(cfg: &ModelConfig, num_slots: usize, device: &Device) -> Result<Self, KvError> {
-        let row = cfg.num_key_value_heads * cfg.head_dim();
+    /// A pool of `num_slots` slots for a model of K/V shape `shape` (a model config converts), on
+    /// `device`: f32 rows on the CPU, bf16 rows on a CUDA device (feature `cuda`).
+    pub fn new(
+        shape: impl Into<KvShape>,
+        num_slots: usize,
+        device: &Device,
+    ) -> Result<Self, KvError> {
+        let cfg = shape.into();
+        let row = cfg.kv_heads * cfg.head_dim;
         let storage = if device.is_cpu() {
             KvStorage::Cpu(
-                (0..cfg.num_hidden_layers)
+                (0..cfg.num_layers)
                     .map(|_| CpuLayerKv {
                         k: vec![0.0; num_slots * row],
                         v: vec![0.0; num_slots * row],
@@ -66,13 +70,13 @@ impl KvPool {
                     .collect(),
             )
         } else {
-            Self::device_storage(cfg, num_slots, device)?
+            Self::device_storage(&cfg, num_slots, device)?
         };
         Ok(Self {
             storage,
-            num_layers: cfg.num_hidden_layers,
-            kv_heads: cfg.num_key_value_heads,
-            head_dim: cfg.head_dim(),
+            num_layers: cfg.num_layers,
+            kv_heads: cfg.kv_heads,
+            head_dim: cfg.head_dim,
             capacity: num_slots,
             free: (0..num_slots as u32).rev().collect(),
             in_use: vec![false; num_slots],
@@ -81,7 +85,7 @@ impl KvPool {
 
     #[cfg(feature = "cuda")]
     fn device_storage(
-        cfg: &ModelConfig,
+        cfg: &KvShape,
         num_slots: usize,
         device: &Device,
     ) -> Result<KvStorage, KvError> {
@@ -91,17 +95,17 @@ impl KvPool {
                 reason: "only CPU and CUDA storage are built".into(),
             });
         }
-        if !super::cuda::SUPPORTED_HEAD_DIMS.contains(&cfg.head_dim()) {
+        if !super::cuda::SUPPORTED_HEAD_DIMS.contains(&cfg.head_dim) {
             return Err(KvError::UnsupportedDevice {
                 device: format!("{device:?}"),
                 reason: format!(
                     "the CUDA kernels are built for head_dim {:?}, the model has {}",
                     super::cuda::SUPPORTED_HEAD_DIMS,
-                    cfg.head_dim()
+                    cfg.head_dim
                 ),
             });
         }
-        let shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim());
+        let shape = (num_slots, cfg.kv_heads, cfg.head_dim);
         let layer = || -> Result<CudaLayerKv, KvError> {
             Ok(CudaLayerKv {
                 k: Tensor::zeros(shape, candle_core::DType::BF16, device)?,
@@ -109,14 +113,14 @@ impl KvPool {
             })
         };
         Ok(KvStorage::Cuda(
-            (0..cfg.num_hidden_layers)
+            (0..cfg.num_layers)
                 .map(|_| layer())
                 .collect::<Result<_, _>>()?,
         ))
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn device_storage(_: &ModelConfig, _: usize, device: &Device) -> Result<KvStorage, KvError> {
+    fn device_storage(_: &KvShape, _: usize, device: &Device) -> Result<KvStorage, KvError> {
         Err(KvError::UnsupportedDevice {
             device: format!("{device:?}"),
             reason: "stepppo was built without the `cuda` feature".into(),
@@ -181,14 +185,11 @@ impl KvPool {
         Ok(())
     }
 
-    /// Fails unless the pool was built for `cfg`'s layer count and K/V row shape.
-    pub fn check_shape(&self, cfg: &ModelConfig) -> Result<(), KvError> {
+    /// Fails unless the pool was built for `shape`'s layer count and K/V row shape.
+    pub fn check_shape(&self, shape: impl Into<KvShape>) -> Result<(), KvError> {
         let have = (self.num_layers, self.kv_heads, self.head_dim);
-        let want = (
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.head_dim(),
-        );
+        let want = shape.into();
+        let want = (want.num_layers, want.kv_heads, want.head_dim);
         if have == want {
             return Ok(());
         }
@@ -429,7 +430,7 @@ mod tests {
     use super::*;
 
     fn pool(slots: usize) -> KvPool {
-        KvPool::new(&ModelConfig::tiny(16), slots, &Device::Cpu).unwrap()
+        KvPool::new(&crate::model::ModelConfig::tiny(16), slots, &Device::Cpu).unwrap()
     }
 
     #[test]

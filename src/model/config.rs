@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::rope::Rope;
 use super::{ModelError, Result};
+use crate::kv::KvShape;
 use crate::tokenizer::Tokenizer;
 
 fn default_rms_norm_eps() -> f64 {
@@ -86,6 +87,16 @@ pub struct ModelConfig {
     /// Every other key of the file, written back unchanged.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl From<&ModelConfig> for KvShape {
+    fn from(cfg: &ModelConfig) -> Self {
+        KvShape {
+            num_layers: cfg.num_hidden_layers,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim(),
+        }
+    }
 }
 
 impl ModelConfig {

@@ -14,7 +14,6 @@ pub mod config;
 pub mod critic;
 pub mod decoder;
 mod fused;
-pub mod generate;
 pub mod params;
 pub mod rope;
 pub mod tree;
@@ -27,7 +26,6 @@ pub use config::ModelConfig;
 pub use critic::{Critic, ValueHead, ValueMlp};
 use decoder::{Linear, Trunk};
 pub use fused::TrainingOps;
-pub use generate::{generate, Generation};
 pub use tree::{Segment, TreeBatch};
 
 /// Errors of the model module; file errors name the file and tensor.

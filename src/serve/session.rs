@@ -18,7 +18,8 @@ use serde::Deserialize;
 
 use super::api::{ApiError, ChatMessage, Completion};
 use crate::env::stable_hash;
-use crate::store::{StepInfo, StepRecord};
+use crate::env::StepInfo;
+use crate::store::StepRecord;
 use crate::tokenizer::{ChatTemplate, Message, Tokenizer};
 
 /// Env tag of records whose client named none.

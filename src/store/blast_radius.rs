@@ -62,7 +62,7 @@ fn same_texts(count: u64) -> Vec<StepRecord> {
             traj_id: i,
             obs_ids: vec![7; 4],
             env_tag: "frozen_lake".into(),
-            info: super::record::StepInfo {
+            info: crate::env::StepInfo {
                 observation_text: "_P_\n_O_\n__G\n".repeat(4),
                 action_text: "<answer>Up</answer>".into(),
                 ..Default::default()

@@ -49,8 +49,9 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::error::StoreError;
-use super::record::{StepInfo, StepRecord};
+use super::record::StepRecord;
 use super::tokens::{self, TokenIds};
+use crate::env::StepInfo;
 
 /// Bytes of the fixed payload header of format versions 1 and 2.
 const LEGACY_HEADER_LEN: usize = 40;

@@ -64,7 +64,7 @@ pub use dataset::{
 };
 pub use error::{Problem, ProblemKind, StoreError};
 pub use manifest::{LoadedManifest, Manifest, ManifestDamage, SegmentEntry, MANIFEST_FILE};
-pub use record::{StepInfo, StepRecord};
+pub use record::StepRecord;
 pub use replay::{
     decode_trajectory, jsonl_line, transcript, Completeness, DatasetStats, Stats, Summary,
 };

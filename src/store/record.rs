@@ -9,24 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Human-readable and per-step environment facts carried with a record.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct StepInfo {
-    /// The episode is solved at (or before) the end of this step.
-    pub success: bool,
-    /// Every action parsed from the response was valid.
-    pub action_is_valid: bool,
-    /// At least one action changed the environment state.
-    pub action_is_effective: bool,
-    /// Format penalty included in `reward` (0 when the response was well formed).
-    pub format_penalty: f32,
-    /// Number of env actions executed in this round.
-    pub num_actions: u32,
-    /// The observation text shown to the agent at the start of this step.
-    pub observation_text: String,
-    /// The response text the agent produced (decoded from `response_ids`).
-    pub action_text: String,
-}
+use crate::env::StepInfo;
 
 /// One interaction round: the observation the agent saw, its whole response, the reward.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

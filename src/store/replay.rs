@@ -61,7 +61,7 @@ pub fn decode_trajectory(traj: &Trajectory<'_>) -> Result<Vec<StepRecord>, Store
     traj.steps.iter().map(|s| s.to_record()).collect()
 }
 
-fn flags(info: &super::record::StepInfo) -> String {
+fn flags(info: &crate::env::StepInfo) -> String {
     let mut parts = Vec::new();
     parts.push(if info.action_is_valid {
         "valid"

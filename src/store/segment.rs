@@ -40,7 +40,8 @@ use memmap2::Mmap;
 use super::codec::{self, Frame, StepView, TextField, TextRefs, FRAME_HEADER_LEN};
 use super::error::{ProblemKind, StoreError};
 use super::io_thread::{Batch, IoThread};
-use super::record::{StepInfo, StepRecord};
+use super::record::StepRecord;
+use crate::env::StepInfo;
 
 /// First eight bytes of every segment file.
 pub const SEGMENT_MAGIC: [u8; 8] = *b"STPPOSEG";

@@ -368,7 +368,7 @@ pub fn evaluate_policy(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::StepInfo;
+    use crate::env::StepInfo;
 
     fn step(
         tag: &str,

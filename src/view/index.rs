@@ -301,7 +301,8 @@ impl Snapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{DatasetWriter, StepInfo, StepRecord, WriterOptions};
+    use crate::env::StepInfo;
+    use crate::store::{DatasetWriter, StepRecord, WriterOptions};
 
     fn step(traj: u64, group: u64, index: u32, reward: f32, last: bool) -> StepRecord {
         StepRecord {

@@ -6,9 +6,9 @@
 use candle_core::Tensor;
 use rand::Rng;
 
-use super::{LogitsWanted, Model, ModelError, Result, SeqChunk};
+use super::sampling::{sample, SamplingParams};
 use crate::kv::KvPool;
-use crate::rollout::sampling::{sample, SamplingParams};
+use crate::model::{LogitsWanted, Model, ModelError, Result, SeqChunk};
 
 /// One generated continuation.
 #[derive(Debug, Clone, PartialEq)]
