@@ -7,12 +7,15 @@
 //! (`context`, `critic`, `sft`, `cache`, ...) are stepppo's own. This module owns the schema and
 //! its checks only; what the values do lives with the trainer, the estimators and the envs.
 
+pub mod reference;
+
 use crate::algo::config::{CriticTarget, KlConfig, KlEstimator, KlMode};
 use crate::algo::config::{
     FilterType, GigpoConfig, Grouping, LossAggMode, NormMethod, RatioType, RewardNormalization,
     Schedule,
 };
 use crate::algo::{AdvantageConfig, Estimator, FilterConfig, LossConfig, OptimizerConfig};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -69,30 +72,35 @@ pub const RESUME_OVERRIDABLE: &[&str] = &[
     "gateway.listen",
 ];
 
-/// Prompt layout of multi-turn trajectories.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// How the prompt of each step of a multi-turn trajectory is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ContextLayout {
-    /// Append-only: step t+1's context is step t's context + response + new observation.
+    /// Append-only: step t+1's context is step t's context + response + new observation, so one
+    /// training forward covers a whole trajectory.
     Concat,
-    /// Re-rendered prompt per step with the last `history_length` rounds (0: the current state only,
-    /// for Markov envs).
+    /// Each step's prompt is re-rendered with the last `history_length` rounds (0: the current
+    /// state only, for Markov envs).
     Window,
 }
 
 /// Size of the built-in model used when `pretrain: builtin`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum BuiltinSize {
+    /// 2 layers, hidden 32, 4 heads, 2 KV heads, MLP 64.
     Tiny,
+    /// 4 layers, hidden 128, 4 heads, 2 KV heads, MLP 352, tied embeddings.
     Small,
 }
 
 /// Compute device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum DeviceKind {
+    /// The CPU, on `cpu_threads` threads.
     Cpu,
+    /// The CUDA device of this rank (`cuda:<local rank>`); needs a build with the `cuda` feature.
     Cuda,
 }
 
@@ -105,50 +113,74 @@ pub fn config_name<T: Serialize>(value: &T) -> String {
 }
 
 /// Critic architecture.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum CriticMode {
-    /// A separate model of the same family with a value head (the StepPO scripts' critic).
+    /// A separate model of the policy's family with a value head (the StepPO scripts' critic):
+    /// a copy of the policy as RL starts (after the warm start), unless `critic.pretrain` names
+    /// a checkpoint directory or `builtin`.
     Separate,
-    /// A value head on the policy's trunk.
+    /// A linear value head on the policy's trunk; it trains in the actor's backward.
     Shared,
-    /// A value MLP on the policy's detached hidden states (the last four blocks' residual
-    /// streams at the value position), fitted after each update on the updated policy's features.
+    /// A two-layer MLP (256 wide) on the policy's detached hidden states: the last four blocks'
+    /// residual streams at the value position and the running means of the embeddings and of
+    /// the last block's stream up to it, centred on the batch it was last fitted on and scaled
+    /// by one factor to unit spread. Fitted after each update on the updated policy's features,
+    /// so it costs one forward pass and sends no gradient into the policy.
     Features,
-    /// An asymmetric critic: a value MLP on the env's numeric facts about the whole state at
-    /// each step's start (`Env::critic_state`: e.g. FrozenLake's shortest path over ice, which the
-    /// agent's render does not state), fitted after each update. Every training env must supply
-    /// them.
+    /// An asymmetric critic: the same MLP on the env's numeric facts about the whole state at
+    /// each step's start (`critic_state` in each record: FrozenLake's shortest path over ice,
+    /// whether a path that always nears the goal exists, adjacent holes, budget left and what
+    /// each move would do; Sokoban's solver optimum, solvability, distances, budget left and,
+    /// for each move, whether it moves or pushes, lands a box on a target, leaves the room
+    /// solvable or starts a shortest solution), which the agent's render does not state. Fitted
+    /// after each update on the steps of the last `critic.history_batches` batches, in as many
+    /// mini-batches as `ppo_epochs` passes over the newest batch take; it costs no forward
+    /// pass. Every training env must supply such facts (FrozenLake and Sokoban do), and a
+    /// `gateway` run cannot use it (its outside agents send no env state).
     State,
-    /// No critic (critic-free estimators only).
+    /// No critic: for the critic-free estimators.
     None,
 }
 
-/// `critic`: value-model settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// `critic`: the value model. `adv_estimator` `step_gae` and `token_gae` need a critic, and a
+/// fresh run with any other estimator refuses one (it would never be read). A setting the
+/// chosen critic cannot use (`pretrain` without `separate`, `sft.value_loss_coef` with a critic
+/// made after the warm start, `history_batches` above 1 without `state`) is an error. With
+/// constrained decoding the step-start value is read at the first free choice, past the forced
+/// `<answer>` tag.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct CriticConfig {
+    /// Which critic.
     pub mode: CriticMode,
-    /// A separate critic's start: `builtin` (a fresh trunk) or an HF checkpoint directory; `None`
-    /// = a copy of the policy as RL starts (after the warm start), with a fresh value head.
+    /// Where a `separate` critic starts: `builtin` (a fresh built-in trunk) or an HF checkpoint
+    /// directory. Unset: a copy of the policy as RL starts (after the warm start), with a fresh
+    /// value head. An error with any other `mode`.
     pub pretrain: Option<String>,
+    /// Learning rate of the critic's AdamW optimizer (> 0), which follows the actor's schedule,
+    /// warm-up and gradient clip.
     pub learning_rate: f64,
+    /// Weight decay of the critic's AdamW optimizer.
     pub weight_decay: f64,
-    /// Value clip range (verl `cliprange_value`); `None` disables clipping.
+    /// Value clip range (verl `cliprange_value`), > 0; unset: no clipping.
     pub value_clip: Option<f32>,
-    /// Whether groups dropped by the rollout filter still train the critic.
+    /// Whether groups dropped by the rollout filter (`rollout_filter_ratio`) still train the
+    /// critic.
     pub train_on_filtered: bool,
     /// The first this many RL steps train the critic only, the policy frozen (verl's
     /// `critic_warmup`): the critic is fitted to Monte-Carlo step returns of the warm-started
-    /// policy before its advantages steer the policy. 0 = off.
+    /// policy before its advantages steer the policy. 0 = off. Needs a critic.
     pub warmup_steps: usize,
-    /// Passes of the critic over each batch; `None` = `ppo_epochs`. More passes than the actor's
-    /// fit the critic faster than the policy moves (a shared head needs at least the actor's: it
-    /// trains in the actor's backward).
+    /// Passes of the critic over each batch (at least 1); unset: the actor's `ppo_epochs`. More
+    /// passes than the actor's fit the critic faster than the policy moves; a `shared` head
+    /// needs at least the actor's (it trains in the actor's backward).
     pub ppo_epochs: Option<usize>,
     /// A state critic (`mode: state`) is fitted on the step rows of the last this many rollout
     /// batches, the newest included; each fit makes `ppo_epochs` passes' worth of mini-batches
-    /// of the newest batch, drawn from all of them. 1 = the newest batch alone.
+    /// of the newest batch, drawn from all of them. 1 = the newest batch alone; above 1 is an
+    /// error with `separate`, `shared` or `features`. The history is saved in each checkpoint
+    /// (`ckpt-N/critic_history.safetensors`).
     pub history_batches: usize,
 }
 
@@ -175,16 +207,21 @@ impl Default for CriticConfig {
     }
 }
 
-/// `generating_args` / `val_generating_args` (HF names).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// `generating_args` (rollouts) and `val_generating_args` (validation): how responses are
+/// decoded, with HF's names. Validation decodes greedily by default (`do_sample: false`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct GeneratingArgs {
+    /// Most tokens generated per response (one turn); at least 1.
     pub max_new_tokens: usize,
+    /// Sampling temperature; > 0 when sampling.
     pub temperature: f32,
+    /// Nucleus sampling: sample among the most likely tokens whose probabilities sum to this;
+    /// in (0, 1], 1 = off.
     pub top_p: f32,
-    /// 0 disables top-k.
+    /// Sample among the k most likely tokens; 0 disables top-k.
     pub top_k: usize,
-    /// false = greedy decoding.
+    /// Sample (`true`) or decode greedily (`false`).
     pub do_sample: bool,
 }
 
@@ -200,20 +237,24 @@ impl Default for GeneratingArgs {
     }
 }
 
-/// `train_env_manager` / `val_env_manager` (ROLL names).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// `train_env_manager` (the rollout batch of each step) and `val_env_manager` (the validation
+/// episodes), ROLL's names: which envs are played, in groups of trajectories that share an env
+/// seed (the same map or question), so group baselines compare answers to the same task.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EnvManagerConfig {
+    /// Groups per batch, each on an env seed of its own; at least 1.
     pub num_env_groups: usize,
+    /// Trajectories per group (G), all on the group's env seed; at least 1 (`rloo` needs 2).
     pub group_size: usize,
-    /// Env tags (keys of `custom_envs`), one per partition.
+    /// Env tags (keys of `custom_envs`), one per partition; at least one.
     pub tags: Vec<String>,
-    /// Number of groups of each tag; sums to `num_env_groups`.
+    /// Number of groups of each tag, in `tags` order; sums to `num_env_groups`.
     pub num_groups_partition: Vec<usize>,
-    /// Training only: draw env seeds from this many levels (group `g` plays level `g mod n`),
-    /// as Procgen's `num_levels`, so each level is seen again every `n / num_env_groups` steps and
-    /// a critic can learn its value; validation keeps its own unbounded stream of unseen levels.
-    /// `None`: a new level for every group.
+    /// Training only (an error under `val_env_manager`): draw env seeds from this many levels
+    /// (group `g` plays level `g mod n`), as Procgen's `num_levels`, so each level is seen again
+    /// every `n / num_env_groups` steps and a critic can learn its value, while validation keeps
+    /// playing levels training never saw. At least 1; unset: a new level for every group.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_levels: Option<u64>,
 }
@@ -234,14 +275,19 @@ impl EnvManagerConfig {
     }
 }
 
-/// One entry of `custom_envs`: which env and its (protocol + env) config value.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// `custom_envs.<tag>`: one env of the run under a tag of your choice, which `tags` lists
+/// (`train_env_manager`, `val_env_manager`, `sft`) name.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CustomEnv {
-    /// Registry name, e.g. `frozen_lake`.
+    /// Which env.
+    #[schemars(schema_with = "crate::env::env_type_schema")]
     pub env_type: String,
-    /// Overrides over the env's defaults, handed to `env::build_session` as is.
+    /// The env's settings over its defaults: the protocol keys every env takes and the env's
+    /// own keys (see the env sections below); an unknown key is an error naming the env and the
+    /// key.
     #[serde(default = "empty_object")]
+    #[schemars(with = "serde_json::Map<String, serde_json::Value>")]
     pub env_config: serde_json::Value,
 }
 
@@ -249,54 +295,61 @@ fn empty_object() -> serde_json::Value {
     serde_json::Value::Object(Default::default())
 }
 
-/// `sft`: the supervised warm start run before RL (behaviour cloning of model-free agents).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// `sft`: the supervised warm start run before RL: behaviour cloning of a model-free agent's
+/// transcripts (after the optional copy pre-training of `sft.copy`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SftConfig {
-    /// Gradient steps; 0 disables the warm start.
+    /// Gradient steps of the cloning; 0 disables it.
     pub steps: usize,
-    /// Episodes of the agent collected as training data.
+    /// Episodes of the agent collected as training data; at least 1 when `steps` > 0.
     pub episodes: usize,
-    /// `random` (learns the answer format, not the task), `oracle`, or `searcher` (search envs:
-    /// the oracle's searches, then a guessed answer: yes/no, one of a choice question's two
-    /// options, or a name read).
+    /// The agent whose transcripts are cloned.
+    #[schemars(with = "crate::env::AgentKind")]
     pub agent: String,
     /// Env tags (keys of `custom_envs`) whose episodes the agent plays, taken in turn; empty
     /// (the default): the training envs, as `train_env_manager` groups them. A tag of its own
-    /// lets the warm start teach part of the task (e.g. one question type) and leave the rest
-    /// to RL.
+    /// lets the warm start teach part of the task (e.g. a `hotpotqa` env with
+    /// `question_type: bridge`) and leave the rest to RL.
     pub tags: Vec<String>,
-    /// Trajectories per gradient step.
+    /// Trajectories per gradient step; at least 1 when `steps` > 0.
     pub batch_size: usize,
+    /// AdamW learning rate of the cloning and of `sft.copy`; > 0.
     pub learning_rate: f64,
-    /// Critic warm-up: weight of the value regression on the transcripts' discounted returns
-    /// (γ = `gamma`) trained alongside the cloning; 0 leaves the critic untrained. Needs a
-    /// step-start critic (`adv_estimator: step_gae`).
+    /// Critic warm-up: weight of the value regression of the critic's step-start values on the
+    /// transcripts' discounted returns (γ = `gamma`), trained alongside the cloning; 0 leaves
+    /// the critic untrained. Needs `adv_estimator: step_gae` and a critic that exists during
+    /// the warm start: `shared`, or `separate` with `critic.pretrain` set (a `features` or
+    /// `state` critic is fitted during RL only: warm it up with `critic.warmup_steps`).
     pub value_loss_coef: f64,
     /// Weight of the cross-entropy on the environment's tokens (the observations the transcripts
     /// received: the model learns to read and predict the env's text, not which action is better);
     /// 0 trains on the responses only.
     pub observation_loss_coef: f64,
-    /// Copy pre-training before the cloning (`train::copy_pretrain`), at `learning_rate`.
+    /// Copy pre-training before the cloning.
     pub copy: CopyPretrainConfig,
 }
 
-/// `sft.copy`: next-token training on random tokens in which earlier spans recur, which teaches
-/// the model to copy from its context before it clones any agent.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// `sft.copy`: copy pre-training before the cloning, at `sft.learning_rate`: next-token
+/// prediction on sequences of random ordinary tokens in which spans of 2–8 earlier tokens recur,
+/// the loss on the recurring tokens. It teaches copying from the context, which search QA's
+/// every action needs, and no env fact; the held-out copy probability is reported. Off unless
+/// `steps` > 0, and then it needs `batch_size` ≥ 1 and `length` ≥ 4.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct CopyPretrainConfig {
-    /// Gradient steps; 0 (the default) skips it.
+    /// Gradient steps; 0 skips the copy pre-training.
     pub steps: usize,
     /// Sequences per step.
     pub batch_size: usize,
     /// Tokens per sequence.
     pub length: usize,
-    /// When set, training goes on past `steps`, in rounds of recurring-span steps, until the
-    /// held-out copy probability reaches this value or `max_steps` steps have run: the copying
-    /// circuit forms abruptly, at a step that varies with the seed.
+    /// When set, in (0, 1]: training goes on past `steps`, in rounds of 500 steps, until the
+    /// held-out copy probability reaches this value or `max_steps` steps have run (the copying
+    /// circuit forms abruptly, at a step that varies with the seed); each check is printed.
     pub until_probability: Option<f64>,
-    /// The most steps `until_probability` may run to (at least `steps`).
+    /// The most steps `until_probability` may run to: above `steps`, and only with
+    /// `until_probability` set.
     pub max_steps: usize,
 }
 
@@ -328,20 +381,30 @@ impl Default for SftConfig {
     }
 }
 
-/// `self_imitation`: replay of the better choices of a group: steps of contrasted states in the
-/// window layout, whole trajectories in the concat layout (`train::self_imitation`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// `self_imitation`: replay of the better choices of a group. After each rollout, in the
+/// `window` layout, where the steps of one group visited the same state with different
+/// responses and one response's mean discounted return (γ = `step_reward_gamma`) beat every
+/// other's by at least `margin`, that step enters a buffer, a newer verdict on the state
+/// replacing the older. In the `concat` layout (where a step's prompt is the whole history) the
+/// choice is the whole trajectory: among a group's distinct trajectories, one whose return
+/// beats every other's by at least `margin` enters the buffer whole, a newer verdict on the same
+/// first prompt replacing the older. Every actor mini-batch adds `coef ×` the mean negative
+/// log-likelihood of the responses of `batch_size` buffer entries. The buffer is saved in each
+/// checkpoint (`ckpt-N/self_imitation/`, a step dataset). Logged as
+/// `self_imitation/{added,buffer_size,nll}` (`buffer_size` counts entries).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SelfImitationConfig {
-    /// Weight of the replayed entries' mean negative log-likelihood in the actor loss; 0 = off.
+    /// Weight of the replayed entries' mean negative log-likelihood in the actor loss (≥ 0);
+    /// 0 = off.
     pub coef: f64,
     /// Entries the buffer holds (steps, or trajectories in the concat layout), at most one per
-    /// state (or first prompt); the oldest leave first.
+    /// state (or first prompt); the oldest leave first. At least 1 when `coef` > 0.
     pub buffer_size: usize,
-    /// Buffer entries replayed with every actor mini-batch.
+    /// Buffer entries replayed with every actor mini-batch; at least 1 when `coef` > 0.
     pub batch_size: usize,
-    /// How far the better choice's mean discounted return (γ = `step_reward_gamma`) must lie
-    /// above every other choice's in the same place for it to enter the buffer.
+    /// How far (≥ 0) the better choice's mean discounted return (γ = `step_reward_gamma`) must
+    /// lie above every other choice's in the same place for it to enter the buffer.
     pub margin: f64,
 }
 
@@ -356,26 +419,31 @@ impl Default for SelfImitationConfig {
     }
 }
 
-/// `async_rollout`: generation in a thread of its own, running ahead of the trainer (ROLL's
-/// `async_generation_ratio`, AReaL's bounded staleness). With `staleness: k > 0` the batch the
-/// trainer consumes at step s was generated by policy version max(s − k, 0): the rollout thread
-/// generates the next k batches while the trainer updates, and takes each new version's weights
-/// (a copy) at a step boundary without stopping the trainer. The schedule is fixed, so a run is
-/// as deterministic as a synchronous one. The update corrects for the lag with decoupled PPO
-/// (AReaL): the proximal policy is the policy as the update starts, the clipped ratio is taken
-/// against it, and each token's loss is weighted by π_prox / π_behav (from the stored behaviour
-/// log-probs), truncated at `behaviour_weight_cap`; that costs one forward pass over the batch
-/// per step. `proximal: behaviour` skips it: the ratio is clipped around the behaviour policy
-/// itself (off-policy PPO without a correction, as one-step-off-policy pipelines run it). 0 =
-/// synchronous (the default).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// `async_rollout`: generation in a thread of its own, with an engine of its own, running ahead
+/// of the trainer (ROLL's `async_generation_ratio`, AReaL's bounded staleness). With
+/// `staleness: k > 0` the batch the trainer consumes at step s was generated by policy version
+/// max(s − k, 0), whatever the timing: the rollout thread generates the next k batches while
+/// the trainer updates, is never more than k versions behind, and takes each new version's
+/// weights (a copy) at a step boundary without stopping the trainer, flushing its cache so that
+/// no K/V of one version is served to another. The schedule is fixed, so a run is as
+/// deterministic as a synchronous one. Every record carries its `policy_version`. The update
+/// corrects for the lag with decoupled PPO (AReaL): the clipped ratio is taken against the
+/// policy as the update starts (one extra forward pass over the batch, `time/proximal`), and
+/// each token's loss is weighted by π_prox / π_behav (from the stored behaviour log-probs),
+/// truncated at `behaviour_weight_cap`. Logged: `rollout/staleness_mean|max`,
+/// `time/trainer_wait` and `time/rollout_wait` (each side waiting for the other),
+/// `async/rollout_busy` and `async/trainer_busy` (busy shares of the wall time so far),
+/// `actor/behaviour_weight_mean|max|truncated`. A checkpoint waits for the batches generated
+/// ahead of it and keeps them (`ckpt-N/pending_rollouts/`), so `--resume` continues exactly.
+/// Refused with a `gateway` or on several ranks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct AsyncRolloutConfig {
     /// Policy versions by which generation runs ahead of the trainer; 0 = synchronous.
     pub staleness: usize,
     /// The policy the clipped ratio is taken against.
     pub proximal: ProximalPolicy,
-    /// Upper bound of the per-token weight π_prox / π_behav (≥ 1).
+    /// Upper bound of the per-token weight π_prox / π_behav; a finite number ≥ 1.
     pub behaviour_weight_cap: f64,
 }
 
@@ -390,13 +458,14 @@ impl Default for AsyncRolloutConfig {
 }
 
 /// `async_rollout.proximal`: the anchor of the clipped ratio on responses of older versions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ProximalPolicy {
     /// Decoupled PPO: the policy as the update starts, recomputed, with truncated behaviour
     /// weights.
     Recompute,
-    /// The behaviour policy's stored log-probs: no extra pass, no correction of the lag.
+    /// The behaviour policy's stored log-probs: no extra pass and no correction of the lag
+    /// (off-policy PPO without a correction, as one-step-off-policy pipelines run it).
     Behaviour,
 }
 
@@ -407,13 +476,14 @@ impl AsyncRolloutConfig {
     }
 }
 
-/// `cache`: rollout KV cache switches.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// `cache`: the rollout engine's KV cache.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheConfig {
-    /// Reuse shared prefixes through the radix tree.
+    /// Reuse shared prefixes through the radix prefix cache; `false`: every sequence is
+    /// prefilled from scratch.
     pub prefix_cache: bool,
-    /// KV slots in the pool (tokens across all live sequences and cached prefixes).
+    /// KV slots in the pool (tokens across all live sequences and cached prefixes); at least 1.
     pub kv_slots: usize,
 }
 
@@ -430,19 +500,22 @@ impl Default for CacheConfig {
 /// the OpenAI-compatible gateway instead of running its own agent loop: clients play episodes
 /// against it, close each session with its reward, and every `train_env_manager.num_env_groups`
 /// groups of `group_size` closed sessions of one task make a rollout batch (the gateway serves
-/// the new weights from the next request on). Validation still runs `val_env_manager`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// the new weights from the next request on). Validation still runs `val_env_manager`. A
+/// `state` critic and `async_rollout` are refused with a gateway. `docs/gateway.md` has the
+/// protocol.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct GatewayConfig {
-    /// `host:port` to listen on (port 0 picks a free one, printed at start).
+    /// `host:port` to listen on (port 0 picks a free one, printed at start). May change on
+    /// `--resume`.
     pub listen: String,
     /// The model id clients send.
     pub served_model_name: String,
-    /// Reply length when a request gives no `max_tokens`.
+    /// Reply length in tokens when a request gives no `max_tokens`; at least 1.
     pub default_max_tokens: usize,
-    /// Seconds an idle session is kept open before it is dropped unrecorded.
+    /// Seconds an idle session is kept open before it is dropped unrecorded; at least 1.
     pub session_ttl_s: u64,
-    /// Largest request body in bytes.
+    /// Largest request body in bytes; at least 1024.
     pub max_body_bytes: usize,
 }
 
@@ -480,161 +553,228 @@ impl GatewayConfig {
 }
 
 /// A whole run configuration.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// Run name: the run directory is `runs/<exp_name>` unless `output_dir` says otherwise.
     pub exp_name: String,
+    /// Base seed of every RNG of the run.
     #[serde(default)]
     pub seed: u64,
-    /// Run directory; `None` = `runs/<exp_name>`.
+    /// Run directory; unset: `runs/<exp_name>`. May change on `--resume`.
     #[serde(default)]
     pub output_dir: Option<String>,
 
     // --- schedule
-    /// Training steps (policy versions).
+    /// Training steps (policy versions); at least 1. May change on `--resume`.
     pub max_steps: usize,
-    /// Validate every this many steps (and at the end); 0 = only at the end.
+    /// Validate every this many steps (and at the end); 0 = only at the end. May change on
+    /// `--resume`.
     #[serde(default)]
     pub eval_steps: usize,
-    /// Checkpoint every this many steps (and at the end); 0 = only at the end.
+    /// Checkpoint every this many steps (and at the end); 0 = only at the end. May change on
+    /// `--resume`.
     #[serde(default)]
     pub save_steps: usize,
-    /// Trajectories per rollout: must equal `train_env_manager.num_env_groups × group_size`.
+    /// Trajectories per step; must equal `train_env_manager.num_env_groups × group_size`.
     pub rollout_batch_size: usize,
-    /// Validation episodes: must equal `val_env_manager.num_env_groups × group_size`.
+    /// Validation episodes; must equal `val_env_manager.num_env_groups × group_size`.
     pub val_batch_size: usize,
 
     // --- model
-    /// `builtin` or an HF checkpoint directory (Qwen2 family).
+    /// The policy: `builtin` (the built-in model of `builtin_size`) or an HF checkpoint
+    /// directory (dense Qwen2/2.5, Qwen3, Llama 3).
     #[serde(default = "builtin")]
     pub pretrain: String,
+    /// Size of the built-in model (`pretrain: builtin`).
     #[serde(default = "small")]
     pub builtin_size: BuiltinSize,
+    /// Where the model computes.
     #[serde(default = "cpu")]
     pub device: DeviceKind,
     /// CPU compute threads (candle/rayon); 0 = one per core. On a small shared machine 1 thread
-    /// measured 3× faster than 2 for this workload (small matrices, oversubscribed cores).
+    /// measured 3× faster than 2 for this workload (small matrices, oversubscribed cores). May
+    /// change on `--resume`.
     #[serde(default)]
     pub cpu_threads: usize,
+    /// The value model.
     #[serde(default)]
     pub critic: CriticConfig,
+    /// Prompt layout of multi-turn trajectories; it also decides what `ppo_mini_batch_size`
+    /// counts.
     #[serde(default = "concat")]
     pub context: ContextLayout,
-    /// Every training-path forward runs on a prefix tree (`train::prefix_tree`): the update's
-    /// mini-batches, the rollout-time critic values and reference log-probs, the feature-critic
-    /// fit, the self-imitation replay and the warm start (`sft`). The sequences of one group share
-    /// the longest common prefix of their tokens (at least the first prompt), forwarded and
-    /// back-propagated once instead of once per sequence, and no padding is computed. The same
-    /// losses, gradients and values as the padded forward to f32 rounding, in both layouts. On by
-    /// default: faster on the embedded default and on the HotpotQA config (BENCHMARKS.md,
-    /// "Group-tree training forward").
+    /// Forward every training-path pass as a prefix tree: the update's mini-batches, the
+    /// rollout-time critic values and reference log-probs, the feature-critic fit, the
+    /// self-imitation replay and the warm start (`sft`). The sequences of one group (same env
+    /// seed) share the longest common prefix of their tokens (at least the first prompt; more
+    /// when every branch sampled the same first responses), which is forwarded and
+    /// back-propagated once, its K/V read by every branch; the tokens are packed without
+    /// padding. Losses, gradients and critic values equal the padded per-sequence forward's to
+    /// f32 rounding (a scored token inside the shared prefix still counts once per branch), in
+    /// both layouts (in `window` the steps of a group share at least the system prompt; in the
+    /// warm start the transcripts of one group share their prompt). On CUDA the tree's attention
+    /// is a matmul per segment (not yet measured on a GPU). On by default: faster on the
+    /// embedded default and on the HotpotQA config (BENCHMARKS.md, "Group-tree training
+    /// forward"); `false`: the padded per-sequence forward.
     #[serde(default = "tree_forward")]
     pub tree_forward: bool,
-    /// Rounds kept in the re-rendered prompt of the `window` layout.
+    /// Rounds kept in the re-rendered prompt of the `window` layout; 0 holds the current state
+    /// only.
     #[serde(default = "two")]
     pub history_length: usize,
-    /// Responses follow the env's answer grammar (`rollout::grammar`): the tags are forced and
-    /// the model only chooses among the action names, in the rollout and in the update alike.
-    /// Needs envs with named actions (not `hotpotqa`).
+    /// Every response follows the env's answer grammar: `<answer>` + one of the action names
+    /// (up to `max_actions_per_turn`, joined by `||`) + `</answer>`, after free
+    /// `<think>…</think>` text when the protocol asks for it. The tags are forced (log-prob 0,
+    /// no gradient) and the model only chooses the actions. The rollout samples, and the update
+    /// scores every response token, over the allowed tokens only, so a negative advantage moves
+    /// probability to the other actions and never out of the format. Needs envs with named
+    /// actions (not `hotpotqa`, nor a `remote` env that answers free text).
     #[serde(default)]
     pub constrained_decoding: bool,
+    /// The rollout engine's KV cache.
     #[serde(default)]
     pub cache: CacheConfig,
-    /// Train from outside agents through the OpenAI-compatible gateway (see [`GatewayConfig`]).
+    /// Train from outside agents through the OpenAI-compatible gateway; unset: the run plays
+    /// its own envs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateway: Option<GatewayConfig>,
+    /// The supervised warm start before RL.
     #[serde(default)]
     pub sft: SftConfig,
+    /// Replay of the better choices of a group.
     #[serde(default)]
     pub self_imitation: SelfImitationConfig,
+    /// Generation running ahead of the trainer.
     #[serde(default)]
     pub async_rollout: AsyncRolloutConfig,
+    /// Decoding of the training rollouts.
     #[serde(default)]
     pub generating_args: GeneratingArgs,
+    /// Decoding of the validation episodes (greedy by default).
     #[serde(default = "greedy")]
     pub val_generating_args: GeneratingArgs,
 
     // --- credit assignment (ROLL names; see `algo::AdvantageConfig`)
+    /// How rewards (and values) become advantages.
     pub adv_estimator: Estimator,
+    /// Discount γ, in [0, 1]: across steps (`step_gae`), across tokens (`token_gae`,
+    /// `reinforce_plus_plus`), or across steps for the returns of the trajectory-score
+    /// estimators.
     #[serde(default = "one_f32")]
     pub gamma: f32,
+    /// GAE λ (ROLL spelling), in [0, 1].
     #[serde(default = "one_f32")]
     pub lambd: f32,
+    /// How the critic-free estimators normalise scores and returns within groups.
     #[serde(default)]
     pub reward_normalization: RewardNormalization,
-    /// `None` = the estimator's own default (on for step_gae and token_gae).
+    /// Whiten the advantages over the batch; unset: the estimator's own default (on for
+    /// `step_gae`, per step row, and for `token_gae`, `reinforce_plus_plus` and
+    /// `reinforce_plus_plus_baseline`, per token; off for the others).
     #[serde(default)]
     pub whiten_advantages: Option<bool>,
+    /// Clamp advantages to ±c after whitening (c > 0); unset: no clamp.
     #[serde(default)]
     pub advantage_clip: Option<f32>,
-    /// Cap at 0 the advantage of steps whose response did not parse (see
-    /// [`AdvantageConfig::clamp_invalid_advantages`]).
+    /// Cap at 0 the advantage of every step whose response did not parse (`action_is_valid`
+    /// false): such a step left the env where it was, so it earns no credit for what the
+    /// trajectory did next; without the cap a malformed answer in a successful trajectory is
+    /// reinforced, rare tokens and all. Logged as `advantage/invalid_clamped_frac`.
     #[serde(default)]
     pub clamp_invalid_advantages: bool,
+    /// Clamp rewards to ±c (c > 0): after normalisation for the trajectory-score estimators, the
+    /// raw step rewards for the GAE and REINFORCE++ ones; unset: no clamp.
     #[serde(default)]
     pub reward_clip: Option<f32>,
-    /// γ of the discounted step returns of `gigpo` and `step_reinforce`.
+    /// γ of the discounted step returns of `gigpo` and `step_reinforce` (and of
+    /// `self_imitation`'s verdicts), in [0, 1].
     #[serde(default = "step_reward_gamma")]
     pub step_reward_gamma: f32,
+    /// GiGPO's settings (`adv_estimator: gigpo`).
     #[serde(default)]
     pub gigpo: GigpoConfig,
-    /// StarPO-S: fraction of groups kept, by in-group reward std (1.0 keeps all).
+    /// StarPO-S: fraction of groups kept, ranked by in-group reward std (`rollout_filter_type`),
+    /// in (0, 1]; 1.0 keeps all.
     #[serde(default = "one_f32")]
     pub rollout_filter_ratio: f32,
+    /// StarPO-S: which groups `rollout_filter_ratio` keeps.
     #[serde(default = "std_filter")]
     pub rollout_filter_type: FilterType,
 
     // --- policy update
+    /// Passes over each batch; at least 1.
     #[serde(default = "one_usize")]
     pub ppo_epochs: usize,
-    /// Trajectories per mini-batch (concat layout) or step rows per mini-batch (window layout).
+    /// Sequences per mini-batch: trajectories in the `concat` layout, step rows in `window`;
+    /// in 1..=`rollout_batch_size`.
     pub ppo_mini_batch_size: usize,
+    /// The actor's AdamW learning rate; > 0.
     pub learning_rate: f64,
+    /// The actor's AdamW weight decay.
     #[serde(default)]
     pub weight_decay: f64,
     /// Linear learning-rate warm-up, in optimizer steps.
     #[serde(default)]
     pub warmup_steps: usize,
+    /// Learning-rate schedule after the warm-up.
     #[serde(default)]
     pub lr_schedule: Schedule,
+    /// PPO clip range below 1 (ε_low): the ratio is clipped at 1 − ε_low; > 0.
     #[serde(default = "clip_02")]
     pub pg_clip_low: f32,
+    /// PPO clip range above 1 (ε_high): the ratio is clipped at 1 + ε_high; > 0 (StarPO-S and
+    /// DAPO's clip-higher: 0.28).
     #[serde(default = "clip_02")]
     pub pg_clip_high: f32,
+    /// Dual-clip PPO: the loss of a negative-advantage token is also bounded by c · |A|, with
+    /// c = 1 + 2 · `pg_clip_low` (ROLL's bound).
     #[serde(default)]
     pub dual_clip_loss: bool,
+    /// What the importance ratio is taken over.
     #[serde(default = "token_ratio")]
     pub ratio_type: RatioType,
+    /// How token losses become one scalar (verl/ROLL `loss_agg_mode`), for the actor and the
+    /// critic. A row is a sequence of the mini-batch: a trajectory in the `concat` layout, a
+    /// step in `window`.
     #[serde(default = "seq_mean_token_mean")]
     pub loss_agg_mode: LossAggMode,
-    /// KL-in-reward coefficient against the reference policy (the policy as training starts,
-    /// after any warm start); 0 = off, no reference model is kept.
+    /// KL-in-reward: each response token's reward is charged `init_kl_coef · KL` against the
+    /// reference policy (the policy as training starts, after any warm start, saved to
+    /// `<run>/reference/`), with the estimator `kl_penalty`. A finite number ≥ 0; 0 = off, and
+    /// no reference model is kept unless `use_kl_loss` is on.
     #[serde(default)]
     pub init_kl_coef: f32,
-    /// KL estimator of the penalty and of the KL loss (ROLL `kl_penalty`): `kl`/`k1` or
-    /// `low_var_kl`/`k3`.
+    /// KL estimator of the penalty and of the KL loss (ROLL `kl_penalty`).
     #[serde(default = "k1")]
     pub kl_penalty: KlEstimator,
     /// KL loss against the reference policy (ROLL/verl `use_kl_loss`): the actor loss gains
-    /// `kl_loss_coef · agg(KL(π ‖ π_ref))` over the response tokens.
+    /// `kl_loss_coef · agg(KL(π ‖ π_ref))` over the response tokens, with the estimator
+    /// `kl_penalty`. Logged as `actor/kl_loss`.
     #[serde(default)]
     pub use_kl_loss: bool,
+    /// Weight of the KL loss; a finite number ≥ 0, and > 0 when `use_kl_loss` is on.
     #[serde(default)]
     pub kl_loss_coef: f32,
+    /// Weight of the entropy bonus in the actor loss.
     #[serde(default)]
     pub entropy_loss_coef: f32,
-    /// Unlikelihood on negative-advantage tokens: the actor loss gains
-    /// `λ · agg(|A| · −log(1 − π))` over the sampled tokens with A < 0, a push away from a bad
-    /// choice that stays strong when the policy is sure of it (the clipped surrogate's gradient
-    /// there scales with 1 − π). 0 = off.
+    /// λ of an unlikelihood term on the sampled tokens with a negative advantage: the actor loss
+    /// gains `λ · agg(|A| · −log(1 − π))`, whose push stays strong where the policy is sure of
+    /// a bad choice (the clipped surrogate's gradient there fades with 1 − π); forced tokens
+    /// are skipped. Logged as `actor/unlikelihood_loss`. A finite number ≥ 0; 0 = off.
     #[serde(default)]
     pub negative_unlikelihood_coef: f32,
+    /// Global gradient-norm clip; > 0.
     #[serde(default = "one_f32")]
     pub max_grad_norm: f32,
 
     // --- environments
+    /// The training rollouts: which envs each step's batch plays, in groups.
     pub train_env_manager: EnvManagerConfig,
+    /// The validation episodes: which envs validation plays, in groups.
     pub val_env_manager: EnvManagerConfig,
+    /// The run's envs, by tag.
     pub custom_envs: BTreeMap<String, CustomEnv>,
 }
 

@@ -4,21 +4,24 @@
 //! every struct rejects unknown keys and has documented defaults. It does not own the trainer's
 //! YAML file, which embeds these structs.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::AlgoError;
 
 /// Which credit-assignment method turns rewards (and values) into advantages.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Estimator {
-    /// StepPO: GAE over interaction steps, critic read at each step's start.
+    /// StepPO: GAE over interaction steps, the critic read at each step's start; needs a critic.
     #[default]
     StepGae,
-    /// PPO baseline: GAE over the generated tokens of the trajectory (`gae` = ROLL's name).
+    /// PPO baseline: GAE over the generated tokens of the trajectory; needs a critic. `gae`
+    /// (ROLL's name) is accepted too.
     #[serde(alias = "gae")]
     TokenGae,
-    /// StarPO / ROLL `reinforce`/`grpo`: trajectory score normalised by `reward_normalization`.
+    /// StarPO / ROLL `reinforce`: trajectory score normalised by `reward_normalization` (GRPO
+    /// with the default normalisation). `grpo` is accepted too.
     #[serde(alias = "grpo")]
     Reinforce,
     /// Dr.GRPO: trajectory score minus its group mean (no std division).
@@ -76,7 +79,7 @@ pub enum CriticTarget {
 }
 
 /// Which rows share normalisation statistics.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Grouping {
     /// The trajectory group (`group_id`: same task and seed) — GRPO.
@@ -92,7 +95,7 @@ pub enum Grouping {
 }
 
 /// How a group's values are normalised.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum NormMethod {
     /// Unchanged.
@@ -102,18 +105,24 @@ pub enum NormMethod {
     /// (x − mean)/(std + 1e-6); a group with ≤ 1 member or std ≤ 1e-6 becomes all zeros.
     #[default]
     MeanStd,
-    /// Same as `mean_std` (ROLL since the Nov-2025 refactor: the [−1, 3] clamp is gone).
+    /// Same as `mean_std` (ROLL's name for it; ROLL no longer clamps it to [−1, 3]).
     AsymClip,
 }
 
-/// ROLL `reward_normalization`: how the score-based estimators normalise rewards. A key the run's
-/// estimator does not read is an error ([`Estimator::reward_normalization_keys`]), so each is
-/// kept as written (`None`: not written, the default applies).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// `reward_normalization` (ROLL): how the critic-free estimators normalise trajectory scores
+/// (`reinforce`) or discounted step returns (`step_reinforce`) within groups of rows; `dr_grpo`,
+/// `rloo` and `reinforce_plus_plus_baseline` take their baseline groups from `grouping`. A key the
+/// run's estimator does not read is an error ([`Estimator::reward_normalization_keys`]): the
+/// other estimators normalise no rewards. `traj_group_id` with `train_env_manager.group_size: 1`
+/// makes every advantage of `reinforce` or `step_reinforce` zero, so it is an error unless
+/// `method` is `identity`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct RewardNormalization {
+    /// Which rows share normalisation statistics (default `traj_group_id`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grouping: Option<Grouping>,
+    /// How a group's values are normalised (default `mean_std`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub method: Option<NormMethod>,
 }
@@ -131,29 +140,36 @@ impl RewardNormalization {
 }
 
 /// GiGPO group normalisation mode (verl-agent names; `mean`/`mean_std` accepted).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum GigpoMode {
-    /// F_norm = 1.
+    /// F_norm = 1: the advantage is x − group mean. `mean` is accepted too.
     #[default]
     #[serde(alias = "mean")]
     MeanNorm,
-    /// F_norm = std + 1e-6 (zero advantages for groups with std ≤ 1e-6).
+    /// F_norm = std + 1e-6 (zero advantages for groups with std ≤ 1e-6). `mean_std` is accepted
+    /// too.
     #[serde(alias = "mean_std")]
     MeanStdNorm,
 }
 
-/// GiGPO settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// `gigpo`: GiGPO's settings (`adv_estimator: gigpo`). A step's advantage is
+/// `episode_weight` · A^E + `step_weight` · A^S: A^E normalises the trajectory scores within the
+/// trajectory group, A^S the discounted step returns (γ = `step_reward_gamma`) within
+/// anchor-state groups, the steps of one trajectory group that start from the same state.
+/// Singleton groups get 0.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct GigpoConfig {
-    /// Weight of the episode-level advantage (default 1).
+    /// Weight of the episode-level advantage; finite.
     pub episode_weight: f32,
-    /// ω, weight of the step-level advantage (default 1).
+    /// ω, weight of the step-level advantage; finite.
     pub step_weight: f32,
+    /// How each group's values are normalised: (x − mean) / F_norm.
     pub mode: GigpoMode,
-    /// When set, states whose observation texts have a Ratcliff/Obershelp similarity ≥ this
-    /// threshold share a step group (paper: 0.9 for search QA); otherwise exact `state_hash`.
+    /// When set, in [0, 1]: states whose observation texts have a Ratcliff/Obershelp similarity
+    /// ≥ this threshold share a step group (paper: 0.9 for search QA); unset: states share a
+    /// group when their `state_hash` is equal.
     pub similarity_threshold: Option<f32>,
 }
 
@@ -216,7 +232,7 @@ impl Default for AdvantageConfig {
 }
 
 /// StarPO-S uncertainty filter ordering.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FilterType {
     /// Keep the groups with the largest in-group reward std.
@@ -246,36 +262,45 @@ impl Default for FilterConfig {
 }
 
 /// One importance ratio per token, or one length-normalised ratio per step row (GSPO).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum RatioType {
+    /// One importance ratio π / π_old per token (PPO).
     #[default]
     Token,
+    /// One length-normalised ratio per sequence (per step in the `window` layout): the
+    /// geometric mean of its tokens' ratios (GSPO-token).
     Segment,
 }
 
-/// How token losses become one scalar (verl/ROLL `loss_agg_mode`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// How token losses become one scalar (verl/ROLL `loss_agg_mode`). A row is a sequence of the
+/// mini-batch (a trajectory in the `concat` layout, a step in `window`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub enum LossAggMode {
+    /// The mean over every scored token of the mini-batch.
     #[serde(rename = "token-mean")]
     TokenMean,
+    /// Each row's token sum, averaged over rows.
     #[serde(rename = "seq-mean-token-sum")]
     SeqMeanTokenSum,
+    /// Each row's token mean, averaged over rows.
     #[default]
     #[serde(rename = "seq-mean-token-mean")]
     SeqMeanTokenMean,
+    /// Each row's token sum divided by the mini-batch's mask width, averaged over rows
+    /// (Dr.GRPO).
     #[serde(rename = "seq-mean-token-sum-norm")]
     SeqMeanTokenSumNorm,
 }
 
 /// KL estimator of log π_θ − log π_ref.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum KlEstimator {
-    /// lr (verl `kl`).
+    /// k1: lr = log π_θ − log π_ref (verl `kl`, which is accepted too).
     #[serde(alias = "kl")]
     K1,
-    /// exp(−lr) + lr − 1, clamped to [−10, 10] (verl `low_var_kl`).
+    /// k3: exp(−lr) + lr − 1, clamped to [−10, 10] (verl `low_var_kl`, which is accepted too).
     #[default]
     #[serde(alias = "low_var_kl")]
     K3,
@@ -361,9 +386,10 @@ impl LossConfig {
 }
 
 /// Learning-rate schedule after warmup.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Schedule {
+    /// The learning rate stays where the warm-up left it.
     #[default]
     Constant,
     /// Cosine decay to 0 at the run's last update.

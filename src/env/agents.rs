@@ -35,6 +35,47 @@ impl AgentKind {
     }
 }
 
+impl AgentKind {
+    /// Every agent, in the order configs document them.
+    const ALL: [AgentKind; 3] = [AgentKind::Random, AgentKind::Oracle, AgentKind::Searcher];
+
+    /// What the agent plays, as the config reference tells it.
+    fn description(self) -> &'static str {
+        match self {
+            AgentKind::Random => {
+                "A uniformly random action: its transcripts teach the answer format, not the task."
+            }
+            AgentKind::Oracle => {
+                "The env's best action: FrozenLake's shortest path, Sokoban's BFS solution, the \
+                 bandit's high-risk arm, HotpotQA's search for each supporting title in turn \
+                 and then the answer (a remote env has none)."
+            }
+            AgentKind::Searcher => {
+                "Search envs: the oracle's searches, then an answer guessed uniformly among \
+                 yes/no for a question that opens like one, among the two options of a choice \
+                 question (\"Who was born first, A or B?\"), else among the names in the \
+                 question and in what it read: it teaches the turn format and searching, not \
+                 the answer."
+            }
+        }
+    }
+}
+
+/// The values a config's `sft.agent` takes (it is read as a string and parsed).
+impl schemars::JsonSchema for AgentKind {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "AgentKind".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let described: Vec<serde_json::Value> = AgentKind::ALL
+            .iter()
+            .map(|a| serde_json::json!({ "const": a.name(), "description": a.description() }))
+            .collect();
+        schemars::json_schema!({ "type": "string", "oneOf": described })
+    }
+}
+
 impl FromStr for AgentKind {
     type Err = String;
 

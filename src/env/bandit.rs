@@ -10,20 +10,31 @@
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{bad_value, env_rng, Action, ActionSpace, Env, EnvError, EnvInfo, Transition};
 
-/// Bandit settings (`--set key=value`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The bandit's own keys (`env_type: bandit`): RAGEN's two-armed, single-turn bandit. The
+/// low-risk arm pays `lo_arm_score`; the high-risk arm pays `hi_arm_hiscore` with probability
+/// `hi_arm_hiscore_prob`, else `hi_arm_loscore`. Success means pulling the high-risk arm (the
+/// higher mean). Which arm is listed first is drawn per reset seed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(default)]
 pub struct BanditConfig {
+    /// Name of the low-risk arm, the action that pulls it: non-empty, without `||`.
     pub lo_arm_name: String,
+    /// Name of the high-risk arm: non-empty, without `||`, different from `lo_arm_name`
+    /// (compared case-insensitively).
     pub hi_arm_name: String,
     /// Fixed payout of the low-risk arm (RAGEN code 0.1, paper 0.15).
     pub lo_arm_score: f32,
+    /// Payout of the high-risk arm when it does not pay `hi_arm_hiscore`.
     pub hi_arm_loscore: f32,
+    /// Payout of the high-risk arm with probability `hi_arm_hiscore_prob`.
     pub hi_arm_hiscore: f32,
+    /// Probability that the high-risk arm pays `hi_arm_hiscore`, in [0, 1].
     pub hi_arm_hiscore_prob: f64,
 }
 

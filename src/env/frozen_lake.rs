@@ -38,6 +38,7 @@ use std::collections::VecDeque;
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{bad_value, env_rng, flag, Action, ActionSpace, Env, EnvError, EnvInfo, Transition};
@@ -52,20 +53,26 @@ const UP: usize = 3;
 const OFFSETS: [(isize, isize); 4] = [(0, -1), (1, 0), (0, 1), (-1, 0)];
 
 /// How a state is written for the agent.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FrozenLakeRender {
-    /// RAGEN's grid: rows joined by `\n`.
+    /// RAGEN's grid unchanged: rows joined by `\n`, no separators; `P` player, `_` frozen, `O`
+    /// hole, `G` goal, `X` player in a hole, `√` player on the goal.
     #[default]
     Grid,
-    /// The grid, then the four moves' outcomes and the goal's offset from the player.
+    /// The grid, then a line per move naming what it leads to (`Left: ice`, `Down: hole`,
+    /// `Right: wall`, `Up: goal`) and the moves that bring the player toward the goal with their
+    /// distance (`Goal:`, `Down 2`, `Left 1`). Every action word starts a line, so it is the
+    /// very token the answer writes. A small model trained from scratch cannot locate cells in a
+    /// row-major grid, so the built-in default uses this render.
     GridLocal,
-    /// `GridLocal` with each goal line also naming what its move leads to.
+    /// `grid_local` with each `Goal:` line also naming what its move leads to (`Down 2: hole`),
+    /// so the direction and its outcome sit on one line.
     GridLocalOutcomes,
 }
 
 /// The distance to the goal that `distance_reward` shapes with.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ShapingDistance {
     /// Rows plus columns, holes ignored: a move into a hole toward the goal earns the bonus.
@@ -76,21 +83,28 @@ pub enum ShapingDistance {
     Path,
 }
 
-/// FrozenLake settings (`--set key=value`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// FrozenLake's own keys (`env_type: frozen_lake`): a random square map of frozen cells and
+/// holes (RAGEN's generator) with a start→goal path that fits in `max_steps`, gymnasium
+/// dynamics, reward 1 on the goal, else 0; the episode ends on the goal or in a hole. Actions:
+/// `Left`, `Down`, `Right`, `Up`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(default)]
 pub struct FrozenLakeConfig {
-    /// Side of the square map.
+    /// Side of the square map, in 2..=64.
     pub size: usize,
-    /// Probability that a cell is frozen (not a hole).
+    /// Probability that a cell is frozen (not a hole), in (0, 1].
     pub p: f64,
-    /// Slippery ice (RAGEN default true; ROLL configs use false).
+    /// Slippery ice: a move goes the intended way with `success_rate` and each perpendicular
+    /// way with (1 − success_rate)/2, as gymnasium's (RAGEN's default; ROLL's configs use
+    /// false).
     pub is_slippery: bool,
-    /// Probability that a slippery move goes the intended way.
+    /// Probability that a slippery move goes the intended way, in [0, 1].
     pub success_rate: f64,
-    /// Env actions per episode.
+    /// Env actions per episode (at least 1); a map is accepted only when its shortest
+    /// start→goal path fits in this many moves, so every episode is solvable.
     pub max_steps: usize,
-    /// Observation text: `grid` (RAGEN), `grid_local` or `grid_local_outcomes`.
+    /// How a state is written for the agent.
     #[serde(default)]
     pub render: FrozenLakeRender,
     /// Per-move shaping added to the reward; 0 (RAGEN's sparse reward) by default. With
@@ -101,7 +115,7 @@ pub struct FrozenLakeConfig {
     /// potential: a bump leaves Φ unchanged but costs a move). Success still means the goal.
     #[serde(default)]
     pub distance_reward: f64,
-    /// Which distance `distance_reward` measures: `manhattan` (default) or `path`.
+    /// Which distance `distance_reward` measures.
     #[serde(default)]
     pub distance: ShapingDistance,
 }

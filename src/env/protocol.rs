@@ -13,6 +13,7 @@
 //! An env that fails (a remote server's error) makes `reset` or `act` return its [`EnvError`]
 //! and ends the episode (`is_done`): nothing is made up for the turn that failed.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{stable_hash, Action, ActionSpace, Env, EnvError};
@@ -36,23 +37,29 @@ pub struct StepInfo {
     pub action_text: String,
 }
 
-/// How the agent talks to the env. Lives in the same JSON config as the env keys.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// How the agent talks to the env: the protocol keys every env config takes next to the env's
+/// own keys. An invalid or unparseable turn does not step the env, counts toward `max_turns`,
+/// is paid `format_penalty` and is marked `(invalid answer)` in the next message; a turn with
+/// any unknown action name is invalid as a whole.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ProtocolConfig {
-    /// Turns (model responses) per episode. Defaults: 10 for FrozenLake (one action per turn, as
-    /// ROLL), enough turns for Sokoban's action cap `max_steps` (which it may not undercut), 1
-    /// for bandit, 4 for hotpotqa.
+    /// Turns (model responses) per episode; at least 1. Defaults: 10 for FrozenLake (one action
+    /// per turn, as ROLL), 1 for bandit, 4 for hotpotqa, 10 for remote; unset for Sokoban,
+    /// enough turns for its action cap `max_steps` (⌈`max_steps` / `max_actions_per_turn`⌉),
+    /// which a value set for Sokoban may not undercut.
     pub max_turns: usize,
-    /// Actions executed per turn; extra `||`-separated actions are dropped. RAGEN uses 5, ROLL 1.
+    /// Actions executed per turn, separated by `||` in one answer; extra actions are dropped.
+    /// At least 1. RAGEN uses 5, ROLL 1.
     pub max_actions_per_turn: usize,
     /// Require `<think>…</think>` before the answer (off by default: the embedded model is tiny).
     pub enable_think: bool,
-    /// Reward of an invalid or unparseable turn (RAGEN −0.1).
+    /// Reward of an invalid or unparseable turn (RAGEN −0.1); finite.
     pub format_penalty: f32,
     /// Write each turn's reward into the next user message (`Reward: r`) and the window history.
-    /// Off, the agent is told only that a turn was invalid: an env that pays shaping rewards
-    /// (a retrieval bonus) in training but not in validation then shows both the same text.
+    /// `false` leaves the line out: the agent is told only that a turn was invalid, so shaping
+    /// paid in training only (such as HotpotQA's `retrieval_bonus`) never makes the training
+    /// text differ from validation's.
     pub show_reward: bool,
 }
 

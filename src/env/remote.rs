@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
+use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -27,15 +28,24 @@ const QUOTED_BODY_CHARS: usize = 200;
 /// the end of a rollout for `timeout` per env.
 const CLOSE_ON_DROP_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Remote env settings (`custom_envs.<tag>.env_config`, next to the protocol keys).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The remote env's own keys (`env_type: remote`): an env served by another process over a
+/// small HTTP/JSON protocol (`GET /spec`, `POST /reset {seed}`, `POST /step {env_id, action}`,
+/// `POST /close {env_id}`; `docs/env-bridge.md` has the bodies, errors and an example, and
+/// README's "Environments in another process" a walk-through). The server lists the actions
+/// (or none, for free text). A server that times out, disconnects or answers nonsense is an
+/// error naming the server and the request. A config is checked without contacting the
+/// server.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(default)]
 pub struct RemoteConfig {
-    /// Base URL of the env server, e.g. `http://127.0.0.1:8765` (required; plain HTTP).
+    /// Base URL of the env server, e.g. `http://127.0.0.1:8765`; required, and plain HTTP
+    /// (`http://`, no TLS is built in).
+    #[schemars(extend("x-required" = true))]
     pub url: String,
-    /// Seconds a request may take, connection included, before it fails.
+    /// Seconds a request may take, connection included, before it fails; > 0.
     pub timeout: f64,
-    /// What a rollout does when a request fails: `fail` (end the run) or `skip` (drop the group).
+    /// What a rollout does when a request fails.
     pub on_error: OnError,
 }
 

@@ -39,6 +39,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use rand::seq::IndexedRandom;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{bad_value, stable_hash, Action, ActionSpace, Env, EnvError, EnvInfo, Transition};
@@ -47,27 +48,36 @@ use data::HotpotRecord;
 use world::{Split, World};
 
 /// Where the records come from when no `data_file` is given.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum WorldKind {
-    /// A world generated from `world_seed` for the split ([`world`]).
+    /// A made-up world of `world_size` entities with `world_questions` bridge and comparison
+    /// questions and `distractors` distractor paragraphs per question, drawn from `world_seed`;
+    /// `split: train` and `split: val` are two worlds of that seed that share no entity name,
+    /// so validation answers can never be memorised. Names are made of 192 invented name words
+    /// shared by both worlds, and a run on generated worlds with the built-in model gives each
+    /// name word and each word of the world's text a whole-word token, so a name is two tokens
+    /// to copy, not ten bytes to spell (the built-in byte and word ids stay as they are; the new
+    /// words follow them, and the special tokens follow the new words).
     Generated,
-    /// The embedded 80-record fixture ([`synthetic`]).
+    /// The embedded 80-record fixture, split by record id hash (`val_fraction`).
     Fixture,
 }
 
 /// What a search runs over.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum CorpusKind {
-    /// The episode record's own context (gold + distractor paragraphs).
+    /// The question's own context: its 2 gold and its distractor paragraphs (HotpotQA's
+    /// distractor setting).
     Distractor,
-    /// Every paragraph of the split's world (fixture or file: of all loaded records).
+    /// Every paragraph of the split's world (fixture or file: every distinct paragraph of the
+    /// loaded records), full-wiki-like.
     World,
 }
 
 /// Which questions an env asks, by the record's `type`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum QuestionType {
     /// Every question of the split.
@@ -100,7 +110,7 @@ impl QuestionType {
 }
 
 /// What an answer is paid. Success, the reported score, is exact match either way.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum AnswerReward {
     /// 1 for an exact match after the official normalization, else 0.
@@ -111,53 +121,89 @@ pub enum AnswerReward {
     F1,
 }
 
-/// HotpotQA settings (`--set key=value`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// HotpotQA's own keys (`env_type: hotpotqa`): multi-hop search QA over a generated world, the
+/// embedded fixture or a records file. `<search>query</search>` returns the BM25 top-k passages
+/// (Search-R1's `<information>` block); `<answer>…</answer>` ends the episode, paid by exact
+/// match after the official normalization (or token F1, `reward: f1`); F1 is reported either
+/// way. The question is part of the instruction and each turn's state is the latest search
+/// result. The episode's record is chosen from the split by the reset seed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(default)]
 pub struct HotpotQaConfig {
-    /// `generated` or `fixture`; unused when `data_file` is set.
+    /// Where the records come from; unused when `data_file` is set.
     pub world: WorldKind,
-    /// Seed of the generated train and val worlds.
+    /// Seed of the generated train and val worlds (and of their shared name partition).
     pub world_seed: u64,
     /// Entities per generated world.
     pub world_size: usize,
-    /// Questions per generated world.
+    /// Questions per generated world, bridge and comparison alternating; at least 1.
     pub world_questions: usize,
-    /// Distractor paragraphs per generated record (the official distractor setting uses 8).
+    /// Distractor paragraphs per generated question (the official distractor setting uses 8).
     pub distractors: usize,
-    /// Records file (official JSON list, HF JSON list or HF JSON Lines); when set, it is the
-    /// data and the `world*` keys are unused.
+    /// Records file (official HotpotQA JSON list, HF JSON list or HF JSON Lines); when set, it
+    /// replaces the world and the `world*` keys are unused.
     pub data_file: Option<String>,
-    /// `train` or `val` (a generated world); `train`, `val` or `all` (fixture or file).
+    /// Which records the env asks.
+    #[schemars(schema_with = "split_schema")]
     pub split: String,
-    /// Fraction of records (by id hash) in the `val` split of a fixture or file.
+    /// Fraction of records (by id hash) in the `val` split of a fixture or file, in [0, 1].
     pub val_fraction: f64,
-    /// `distractor` or `world`.
+    /// What a search runs over.
     pub corpus: CorpusKind,
-    /// Passages returned per search.
+    /// Passages returned per search; at least 1.
     pub topk: usize,
-    /// A generated world of its own for every episode (`world: generated` only): the reset
-    /// seed draws a world of `world_size` entities whose names come from the split's side of
-    /// `world_seed`'s name partition, and one of its questions (one per template). No name
-    /// keeps its facts from one episode to the next, so answers can only be read, never
-    /// remembered, even on the training split.
+    /// A generated world of its own for every episode (`world: generated` and no `data_file`
+    /// only): the reset seed draws a world of `world_size` entities whose names come from the
+    /// split's side of `world_seed`'s name partition, and one of its questions (one per
+    /// template). No name keeps its facts from one episode to the next, so answers can only be
+    /// read, never remembered, even on the training split.
     pub episode_worlds: bool,
-    /// `all`, `bridge` or `comparison`: the env asks only questions of that type (e.g. the
-    /// transcripts of a warm start that teaches one type and leaves the other to RL).
+    /// The env asks only questions of this HotpotQA `type` (e.g. the transcripts of a warm start
+    /// that teaches one type and leaves the other to RL); an error when the split holds none.
     pub question_type: QuestionType,
-    /// `em` or `f1`: what an answer is paid ([`AnswerReward`]).
+    /// What an answer is paid; success and the reported EM stay exact match either way.
     pub reward: AnswerReward,
-    /// Names of the generated question templates the env asks (e.g. `founder_birth_city`);
-    /// empty: every template. Generated worlds only (a warm start on some templates, RL and
-    /// validation on all).
+    /// Names of the generated question templates the env asks, e.g. `[founder_birth_city,
+    /// same_country]`; empty: all twelve (`founder_birth_city`, `born_first`,
+    /// `director_employer`, `same_birth_city`, `headquarters_country`, `founded_earlier`,
+    /// `employer_founder`, `same_employer`, `film_country`, `released_first`,
+    /// `director_birth_city`, `same_country`). Generated worlds only (a warm start on some
+    /// templates, RL and validation on all); an unknown name, or templates with a fixture or a
+    /// file, is an error.
     pub templates: Vec<String>,
-    /// Paid on a search whose top-k first shows one of the question's gold paragraphs, once per
-    /// gold paragraph; in [0, 0.5), so the two of an episode stay below a right answer. Logged
-    /// as the metric `retrieval_bonus`; success stays exact match.
+    /// Paid on a search whose top-k shows one of the question's two gold paragraphs for the
+    /// first time in the episode, once per gold paragraph; in [0, 0.5), so the two of an episode
+    /// stay below a right answer's 1. Logged as the metric `retrieval_bonus`, apart from EM;
+    /// success stays exact match.
     pub retrieval_bonus: f32,
     /// Ends every turn's state with the question again (`Question: …`), so that it sits next to
     /// the search results the next action reads, not only in the first message's instruction.
     pub restate_question: bool,
+}
+
+/// The JSON Schema of `split`: a string read per data source.
+fn split_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "oneOf": [
+            {
+                "const": "train",
+                "description": "The train world (generated), or the records outside the val \
+                    fraction (fixture or file)."
+            },
+            {
+                "const": "val",
+                "description": "The val world (generated: it shares no entity name with the \
+                    train world), or the `val_fraction` of the records by id hash (fixture or \
+                    file)."
+            },
+            {
+                "const": "all",
+                "description": "Every record (fixture or file only)."
+            }
+        ]
+    })
 }
 
 impl Default for HotpotQaConfig {
