@@ -120,10 +120,8 @@ pub enum NormMethod {
 #[serde(deny_unknown_fields, default)]
 pub struct RewardNormalization {
     /// Which rows share normalisation statistics (default `traj_group_id`).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub grouping: Option<Grouping>,
     /// How a group's values are normalised (default `mean_std`).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub method: Option<NormMethod>,
 }
 
