@@ -908,7 +908,6 @@ impl Config {
             step_reward_gamma: self.step_reward_gamma,
             gigpo: self.gigpo.clone(),
             clamp_invalid_advantages: self.clamp_invalid_advantages,
-            ..AdvantageConfig::default()
         }
     }
 

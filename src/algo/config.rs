@@ -493,7 +493,7 @@ impl AdvantageConfig {
             ("method", self.reward_normalization.method.is_some()),
         ];
         let reads = self.adv_estimator.reward_normalization_keys();
-        for (key, _) in written.iter().filter(|(k, w)| *w && !reads.contains(k)) {
+        if let Some((key, _)) = written.iter().find(|(k, w)| *w && !reads.contains(k)) {
             let estimator = serde_json::to_value(self.adv_estimator)
                 .ok()
                 .and_then(|v| v.as_str().map(str::to_string))
