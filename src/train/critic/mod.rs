@@ -102,7 +102,7 @@ impl CriticModel {
     }
 
     /// Writes the critic into checkpoint directory `dir`.
-    pub fn save(&self, dir: &std::path::Path) -> Result<(), TrainError> {
+    pub fn save(&self, dir: &Path) -> Result<(), TrainError> {
         match self {
             CriticModel::Separate(c) => c.save(dir)?,
             CriticModel::Features(c) | CriticModel::State(c) => c.save(dir)?,
@@ -111,7 +111,6 @@ impl CriticModel {
     }
 }
 
-/// The seed of a fresh value head.
 /// Seed of the critic's initial weights.
 pub(super) fn critic_seed(cfg: &Config) -> u64 {
     seed::derive(cfg.seed, &[SEED_CRITIC])
