@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Tables of a paired comparison made by scripts/search_qa_paired.sh: per arm and evaluated step,
+the mean greedy success (EM on search QA) over seeds with its 95 % confidence interval (Student t
+over seeds), and the paired differences of the first arm minus each other arm over the seeds both
+finished, with a 95 % t interval and a 95 % paired-bootstrap interval (10,000 resamples of seeds,
+fixed generator seed). Every figure is read from OUT_DIR's JSON files; nothing is typed by hand.
+
+Usage: scripts/paired_table.py OUT_DIR [--tag HotpotQAVal] [--metric success] [--first step_gae]
+
+A difference is called beyond noise when both intervals exclude 0.
+"""
+import argparse
+import json
+import math
+import random
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+# Two-sided 95 % Student t quantiles by degrees of freedom (1..30); above 30, 1.96 is close enough
+# to the quantile (2.04 at 30) that the last entry is kept instead.
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+       2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+       2.052, 2.048, 2.045, 2.042]
+
+
+def t95(n):
+    return T95[min(n - 1, len(T95)) - 1] if n >= 2 else float("nan")
+
+
+def mean_ci(xs):
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return m, t95(len(xs)) * sd / math.sqrt(len(xs))
+
+
+def bootstrap_ci(diffs, resamples=10_000, seed=0):
+    rng = random.Random(seed)
+    n = len(diffs)
+    means = sorted(sum(rng.choice(diffs) for _ in range(n)) / n for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def read_score(path, tag, metric):
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        sys.exit(f"{path}: cannot read ({e})")
+    for row in rows:
+        if row.get("tag") == tag:
+            if metric not in row:
+                sys.exit(f"{path}: tag {tag} has no {metric!r}")
+            return float(row[metric]), int(row.get("episodes", 0))
+    sys.exit(f"{path}: no tag {tag} (tags: {[r.get('tag') for r in rows]})")
+
+
+def collect(out, tag, metric):
+    """scores[arm][step][seed] and the episodes per evaluation."""
+    scores = defaultdict(lambda: defaultdict(dict))
+    episodes = set()
+    for path in sorted(out.glob("*.json")):
+        if m := re.fullmatch(r"warm_start-(\d+)\.eval\.json", path.name):
+            arm, seed, step = None, int(m[1]), 0
+        elif m := re.fullmatch(r"(.+)-(\d+)\.eval-(\d+)\.json", path.name):
+            arm, seed, step = m[1], int(m[2]), int(m[3])
+        else:
+            continue
+        score, n = read_score(path, tag, metric)
+        episodes.add(n)
+        if arm is None:
+            scores["warm start"][0][seed] = score
+        else:
+            scores[arm][step][seed] = score
+    # Every arm starts from its seed's warm start: step 0 is the same for all.
+    for arm in list(scores):
+        if arm != "warm start":
+            scores[arm][0] = dict(scores["warm start"][0])
+    scores.pop("warm start", None)
+    return scores, episodes
+
+
+def fmt(m, h):
+    return f"{m:.3f} ± {h:.3f}" if not math.isnan(h) else f"{m:.3f}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tag", default="HotpotQAVal")
+    ap.add_argument("--metric", default="success")
+    ap.add_argument("--first", default="step_gae", help="the arm the others are compared with")
+    args = ap.parse_args()
+    scores, episodes = collect(args.out, args.tag, args.metric)
+    if not scores:
+        sys.exit(f"{args.out}: no evaluation JSON yet")
+    arms = [args.first] + sorted(a for a in scores if a != args.first) if args.first in scores \
+        else sorted(scores)
+    steps = sorted({s for a in arms for s in scores[a] if scores[a][s]})
+    print(f"{args.tag} {args.metric}, greedy, {'/'.join(map(str, sorted(episodes)))} episodes per "
+          f"evaluation; mean ± 95 % CI half-width over seeds (n = seeds finished)\n")
+    print("| arm | " + " | ".join(f"step {s}" for s in steps) + " | seeds |")
+    print("|---|" + "--:|" * len(steps) + "---|")
+    for arm in arms:
+        cells = []
+        for s in steps:
+            xs = list(scores[arm][s].values())
+            cells.append(f"{fmt(*mean_ci(xs))} (n={len(xs)})" if xs else "–")
+        last = max(s for s in steps if scores[arm][s])
+        seeds = sorted(scores[arm][last])
+        print(f"| `{arm}` | " + " | ".join(cells) + f" | {', '.join(map(str, seeds))} |")
+    if args.first not in scores:
+        return
+    print(f"\nPaired differences `{args.first}` − arm (same seed, same warm start, same episodes):\n")
+    print("| arm | step | n | mean diff | 95 % t CI | 95 % bootstrap CI | beyond noise |")
+    print("|---|--:|--:|--:|---|---|---|")
+    for arm in arms[1:]:
+        for s in steps:
+            if s == 0:
+                continue
+            common = sorted(set(scores[args.first][s]) & set(scores[arm][s]))
+            if len(common) < 2:
+                continue
+            d = [scores[args.first][s][k] - scores[arm][s][k] for k in common]
+            m, h = mean_ci(d)
+            lo, hi = bootstrap_ci(d)
+            beyond = (m - h > 0 or m + h < 0) and (lo > 0 or hi < 0)
+            print(f"| `{arm}` | {s} | {len(d)} | {m:+.3f} | [{m - h:+.3f}, {m + h:+.3f}] | "
+                  f"[{lo:+.3f}, {hi:+.3f}] | {'yes' if beyond else 'no'} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Paired comparison of advantage estimators on a search-QA config: per seed, one warm start shared
+# by every arm, each arm's RL from it, and greedy EM of every saved checkpoint on held-out episodes
+# (`stepppo eval --episodes N --json`). Resumable: a run whose last checkpoint exists, or an
+# evaluation whose JSON exists, is not redone; a run cut short is started again from scratch.
+# `scripts/paired_table.py OUT` prints the tables (mean and 95 % CI per arm, paired differences).
+#
+# Usage: scripts/search_qa_paired.sh OUT_DIR SEED [SEED ...]
+# Environment (defaults for configs/hotpotqa_steppo.yaml, 60 steps):
+#   CONFIG=configs/hotpotqa_steppo.yaml   MAX_STEPS=(the config's)   EVAL_EVERY=20   EPISODES=256
+#   JOBS=1 (seeds side by side)
+#   ARMS="step_gae token_gae grpo gigpo"  (the first arm's run makes the warm start; the names below)
+#   SETS="key=value ..."                  (overrides for every run)
+#   STEPPPO_BIN=PATH                       (a fixed binary, e.g. a copy, so that rebuilding the tree
+#                                           during a long comparison does not change its later runs)
+# Arms: step_gae (the config as shipped), token_gae (same critic), grpo and gigpo (no critic),
+#   step_gae_boot (gamma 0.99, lambda 0.9: GAE bootstraps from V between steps).
+set -euo pipefail
+out=${1:?usage: scripts/search_qa_paired.sh OUT_DIR SEED [SEED ...]}
+shift
+[ $# -gt 0 ] || { echo "name at least one seed" >&2; exit 2; }
+seeds=("$@")
+root=$(cd "$(dirname "$0")/.." && pwd)
+config=${CONFIG:-$root/configs/hotpotqa_steppo.yaml}
+every=${EVAL_EVERY:-20}
+episodes=${EPISODES:-256}
+jobs=${JOBS:-1}
+read -r -a arms <<< "${ARMS:-step_gae token_gae grpo gigpo}"
+if [ -n "${STEPPPO_BIN:-}" ]; then
+  bin=$STEPPPO_BIN
+else
+  bin="$root/target/release/stepppo"
+  (cd "$root" && cargo build --release --quiet)
+fi
+mkdir -p "$out"
+max_steps=${MAX_STEPS:-$(sed -n 's/^max_steps: *\([0-9]*\).*/\1/p' "$config")}
+[ -n "$max_steps" ] || { echo "$config: no top-level max_steps; set MAX_STEPS" >&2; exit 2; }
+
+sets=(--set max_steps="$max_steps" --set save_steps="$every" --set eval_steps="$max_steps")
+for s in ${SETS:-}; do sets+=(--set "$s"); done
+
+arm_sets() { # arm -> the overrides that make it
+  case $1 in
+    step_gae) ;;
+    token_gae) echo "adv_estimator=token_gae" ;;
+    grpo) echo "adv_estimator=grpo critic.mode=none" ;;
+    gigpo) echo "adv_estimator=gigpo critic.mode=none" ;;
+    step_gae_boot) echo "lambd=0.9" ;;
+    *) echo "unknown arm $1" >&2; return 1 ;;
+  esac
+}
+
+run() { # arm seed first_arm
+  local arm=$1 seed=$2 first=$3 dir="$out/$1-$2" extra=()
+  [ -d "$dir/ckpt-$max_steps" ] && return 0
+  rm -rf "$dir"
+  for s in $(arm_sets "$arm"); do extra+=(--set "$s"); done
+  if [ "$arm" != "$first" ]; then
+    extra+=(--set "pretrain=$out/$first-$seed/warm_start" --set sft.steps=0 --set sft.copy.steps=0)
+  fi
+  "$bin" train --config "$config" --out "$dir" --set "seed=$seed" "${sets[@]}" "${extra[@]}" \
+    > "$dir.log" 2>&1 || { echo "run $arm-$seed failed: $dir.log" >&2; return 1; }
+}
+
+evaluate() { # checkpoint_or_model_dir seed json
+  [ -s "$3" ] && return 0
+  "$bin" eval --checkpoint "$1" --config "$config" --set "seed=$2" ${SETS:+$(printf -- '--set %s ' $SETS)} \
+    --episodes "$episodes" --json > "$3.tmp" 2> "$3.log" && mv "$3.tmp" "$3" \
+    || { echo "eval of $1 failed: $3.log" >&2; return 1; }
+}
+
+one_seed() { # seed
+  local seed=$1 first=${arms[0]}
+  run "$first" "$seed" "$first"
+  evaluate "$out/$first-$seed/warm_start" "$seed" "$out/warm_start-$seed.eval.json"
+  for arm in "${arms[@]}"; do
+    run "$arm" "$seed" "$first"
+    for ((step = every; step <= max_steps; step += every)); do
+      evaluate "$out/$arm-$seed/ckpt-$step" "$seed" "$out/$arm-$seed.eval-$step.json"
+    done
+  done
+  echo "seed $seed done $(date -u +%H:%M)"
+}
+
+pids=()
+failed=0
+for seed in "${seeds[@]}"; do
+  one_seed "$seed" &
+  pids+=($!)
+  if [ ${#pids[@]} -ge "$jobs" ]; then
+    wait "${pids[0]}" || failed=1
+    pids=("${pids[@]:1}")
+  fi
+done
+for p in "${pids[@]}"; do wait "$p" || failed=1; done
+python3 "$root/scripts/paired_table.py" "$out"
+[ "$failed" -eq 0 ] || { echo "some runs failed (their logs are named above)" >&2; exit 1; }
