@@ -589,6 +589,16 @@ pub struct Config {
     /// Size of the built-in model (`pretrain: builtin`).
     #[serde(default = "small")]
     pub builtin_size: BuiltinSize,
+    /// LoRA adapters on the policy's projections: only they (and a shared value head) are
+    /// trained, the base weights (the policy after any warm start) frozen and outside the
+    /// optimizer; the reference policy of a KL term is the base; checkpoints hold the adapters
+    /// in PEFT's layout. Unset: full fine-tuning.
+    #[serde(default)]
+    pub lora: Option<crate::model::LoraSpec>,
+    /// A PEFT LoRA adapter directory to start the policy's adapters from (its rank, alpha and
+    /// target modules must equal `lora`'s when that is set; unset, they become `lora`).
+    #[serde(default)]
+    pub pretrain_adapter: Option<String>,
     /// Where the model computes.
     #[serde(default = "cpu")]
     pub device: DeviceKind,
@@ -1074,6 +1084,7 @@ impl Config {
             );
         }
         check_positive("critic.learning_rate", self.critic.learning_rate)?;
+        self.validate_lora()?;
         if self.critic.pretrain.is_some() && self.critic.mode != CriticMode::Separate {
             return fail(
                 "critic.pretrain",
@@ -1197,6 +1208,27 @@ impl Config {
     /// `sft.copy.until_probability`: a probability in (0, 1] with room above `steps`;
     /// `max_steps` means nothing without it. Both are ignored, as the rest of `sft.copy`, when
     /// the copy pre-training is off (`steps` 0).
+    fn validate_lora(&self) -> Result<(), (String, String)> {
+        if let Some(Err(message)) = self.lora.as_ref().map(|l| l.validate_for_training()) {
+            let (key, message) = message.split_once(": ").unwrap_or(("", &message));
+            return Err((format!("lora.{key}"), message.to_string()));
+        }
+        if self.lora_enabled() && self.critic.mode == CriticMode::Shared {
+            return Err((
+                "critic.mode".into(),
+                "a shared value head reads the policy's trunk, which LoRA freezes; use a \
+                 separate, features or state critic"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the run trains LoRA adapters (`lora` or `pretrain_adapter` set).
+    pub fn lora_enabled(&self) -> bool {
+        self.lora.is_some() || self.pretrain_adapter.is_some()
+    }
+
     fn validate_copy_target(&self) -> Result<(), (String, String)> {
         let fail = |key: &str, msg: String| Err((key.to_string(), msg));
         let copy = &self.sft.copy;

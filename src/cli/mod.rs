@@ -42,6 +42,8 @@ enum Command {
     Generate(model::GenerateArgs),
     /// Write a freshly initialised HF-format model directory.
     InitModel(model::InitModelArgs),
+    /// Fold a PEFT LoRA adapter into its base model and write the merged HF-format directory.
+    MergeAdapter(model::MergeAdapterArgs),
     /// Serve a policy over the OpenAI chat-completions API, recording sessions as steps.
     Serve(serve::ServeArgs),
     /// Browse a run or a dataset in the browser (a read-only local web server).
@@ -64,6 +66,7 @@ impl Cli {
             Command::Dataset(c) => store::dataset(c),
             Command::Generate(a) => model::generate(a),
             Command::InitModel(a) => model::init_model(a),
+            Command::MergeAdapter(a) => model::merge_adapter(a),
             Command::Serve(a) => serve::serve(a),
             Command::View(a) => view::view(a),
             Command::Bench(c) => bench::run(c),

@@ -1,4 +1,4 @@
-//! `stepppo generate`, `stepppo init-model`.
+//! `stepppo generate`, `stepppo init-model`, `stepppo merge-adapter`.
 
 use std::path::PathBuf;
 
@@ -8,7 +8,7 @@ use clap::Args;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
-use stepppo::model::checkpoint::load_policy;
+use stepppo::model::checkpoint::load_policy_with_adapter;
 use stepppo::model::{Model, ModelConfig};
 use stepppo::rollout::generate as generate_tokens;
 use stepppo::rollout::sampling::SamplingParams;
@@ -16,9 +16,13 @@ use stepppo::tokenizer::{ChatTemplate, Tokenizer};
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// `builtin` (the freshly initialised small model, seed 0) or an HF-format model directory.
+    /// `builtin` (the freshly initialised small model, seed 0), an HF-format model directory, or
+    /// a PEFT LoRA adapter directory (on the base its `base_model_name_or_path` names).
     #[arg(long, default_value = "builtin")]
     model: String,
+    /// A PEFT LoRA adapter directory to apply to --model.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     /// Prompt text, wrapped in a chat user turn unless --raw.
     #[arg(
         long,
@@ -52,6 +56,20 @@ pub struct GenerateArgs {
     /// `cpu`, `cuda` or `cuda:N` (CUDA needs a `--features cuda` build).
     #[arg(long, default_value = "cpu")]
     device: String,
+}
+
+#[derive(Args, Debug)]
+pub struct MergeAdapterArgs {
+    /// The base: `builtin` or an HF-format model directory.
+    #[arg(long)]
+    model: String,
+    /// The PEFT LoRA adapter directory to fold into it.
+    #[arg(long)]
+    adapter: PathBuf,
+    /// Directory to write the merged model into (HF layout: config.json, model.safetensors,
+    /// tokenizer.json); transformers loads it without PEFT.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -96,8 +114,8 @@ fn prompt_ids(a: &GenerateArgs, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
 pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let params = sampling_params(&a)?;
     let device = stepppo::device::parse_device(&a.device)?;
-    let (model, tok) =
-        load_policy(&a.model, &device).with_context(|| format!("loading model {}", a.model))?;
+    let (model, tok) = load_policy_with_adapter(&a.model, a.adapter.as_deref(), &device)
+        .with_context(|| format!("loading model {}", a.model))?;
     let prompt = prompt_ids(&a, &tok)?;
     if prompt.is_empty() {
         bail!("the prompt is empty");
@@ -126,6 +144,26 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     } else {
         println!("{text}");
     }
+    Ok(())
+}
+
+pub fn merge_adapter(a: MergeAdapterArgs) -> anyhow::Result<()> {
+    let (model, tok) = load_policy_with_adapter(&a.model, Some(&a.adapter), &Device::Cpu)
+        .with_context(|| {
+            format!(
+                "loading {} with adapter {}",
+                a.model,
+                a.adapter.display()
+            )
+        })?;
+    let rank = model.adapters().map(|ad| ad.spec().rank).unwrap_or_default();
+    model.merged()?.save(&a.out, Some(&tok))?;
+    println!(
+        "wrote {} ({} with the rank-{rank} adapter of {} folded in)",
+        a.out.display(),
+        a.model,
+        a.adapter.display()
+    );
     Ok(())
 }
 

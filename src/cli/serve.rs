@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use stepppo::model::checkpoint::load_policy;
+use stepppo::model::checkpoint::load_policy_with_adapter;
+use stepppo::model::lora::ADAPTER_CONFIG_FILE;
 use stepppo::rollout::engine::{Engine, EngineConfig};
 use stepppo::serve::{self, GatewayOptions, PolicyBackend, Recorder};
 use stepppo::store::WriterOptions;
@@ -18,6 +19,9 @@ pub struct ServeArgs {
     /// directory (its latest checkpoint) or a checkpoint directory.
     #[arg(long, default_value = "builtin")]
     pub model: String,
+    /// A PEFT LoRA adapter directory to apply to --model.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     /// The model id clients send (default: the `--model` value).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -59,6 +63,7 @@ fn model_spec(model: &str) -> anyhow::Result<String> {
     let path = Path::new(model);
     if model == "builtin"
         || path.join("config.json").is_file() && !path.join("ckpt-latest").exists()
+        || path.join(ADAPTER_CONFIG_FILE).is_file()
     {
         return Ok(model.to_string());
     }
@@ -72,8 +77,8 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     super::train::set_cpu_threads(a.threads);
     let device = stepppo::device::parse_device(&a.device)?;
     let spec = model_spec(&a.model)?;
-    let (model, tokenizer) =
-        load_policy(&spec, &device).with_context(|| format!("loading model {spec}"))?;
+    let (model, tokenizer) = load_policy_with_adapter(&spec, a.adapter.as_deref(), &device)
+        .with_context(|| format!("loading model {spec}"))?;
     let engine_cfg = EngineConfig {
         num_slots: a.kv_slots,
         ..EngineConfig::default()

@@ -40,10 +40,13 @@ pub struct TrainArgs {
 
 #[derive(Args, Debug)]
 pub struct EvalArgs {
-    /// A checkpoint directory, a `ckpt-latest` pointer, a run directory, or an HF-layout model
-    /// directory (e.g. the output of `stepppo sft`).
+    /// A checkpoint directory, a `ckpt-latest` pointer, a run directory, an HF-layout model
+    /// directory (e.g. the output of `stepppo sft`) or a PEFT LoRA adapter directory.
     #[arg(long)]
     checkpoint: PathBuf,
+    /// A PEFT LoRA adapter directory to apply to the checkpoint's policy or the model directory.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     /// Config whose validation envs to use (default: the one stored in the checkpoint; for a
     /// model directory, the embedded default).
     #[arg(long)]
@@ -376,16 +379,18 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         m.num_env_groups = n * m.tags.len();
         cfg.val_batch_size = m.num_env_groups;
     }
-    let summaries = eval::evaluate_policy(&policy_dir, &cfg)?;
+    let summaries = eval::evaluate_policy(&policy_dir, a.adapter.as_deref(), &cfg)?;
     print_summaries(&summaries, a.json)
 }
 
 /// An HF-layout model directory: `config.json` plus single-file or sharded safetensors weights
-/// (a run directory without checkpoints also holds a `config.json`, but no weights).
+/// (a run directory without checkpoints also holds a `config.json`, but no weights), or a PEFT
+/// adapter directory.
 fn is_model_dir(dir: &Path) -> bool {
     dir.join("config.json").is_file()
         && (dir.join("model.safetensors").is_file()
             || dir.join("model.safetensors.index.json").is_file())
+        || dir.join(stepppo::model::lora::ADAPTER_CONFIG_FILE).is_file()
 }
 
 /// The config a checkpoint was trained with, with `--set` overrides applied.

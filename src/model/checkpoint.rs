@@ -13,6 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 
 use super::critic::{value_head_shapes, SCORE_WEIGHT};
+use super::lora::{Adapters, ADAPTER_CONFIG_FILE};
 use super::{params, Critic, Model, ModelConfig, ModelError, Result, ValueMlp};
 use crate::tokenizer::Tokenizer;
 
@@ -205,9 +206,18 @@ impl Model {
         Self::from_varmap(&cfg, varmap, device)
     }
 
-    /// Writes `config.json`, `model.safetensors` (every var, f32) and, when given, `tokenizer.json`.
+    /// Writes `config.json`, `model.safetensors` (every var, f32) and, when given, `tokenizer.json`;
+    /// a model with LoRA adapters writes the adapters alone, in PEFT's layout (their
+    /// `base_model_name_or_path` names the base), plus the tokenizer.
     pub fn save(&self, dir: &Path, tokenizer: Option<&Tokenizer>) -> Result<()> {
-        write_dir(dir, self.config(), self.varmap(), tokenizer)
+        let Some(adapters) = self.adapters() else {
+            return write_dir(dir, self.config(), self.varmap(), tokenizer);
+        };
+        adapters.save(dir)?;
+        if let Some(tok) = tokenizer {
+            tok.save_dir(dir)?;
+        }
+        Ok(())
     }
 }
 
@@ -284,13 +294,55 @@ pub fn builtin_policy(device: &Device) -> Result<(Model, Tokenizer)> {
     Ok((model, tok))
 }
 
-/// `builtin` or an HF-layout directory with `tokenizer.json` (and, when present, the chat template
-/// and end-of-turn token of `tokenizer_config.json` / `chat_template.jinja`).
+/// `builtin`, an HF-layout directory with `tokenizer.json` (and, when present, the chat template
+/// and end-of-turn token of `tokenizer_config.json` / `chat_template.jinja`), or a PEFT LoRA
+/// adapter directory, loaded onto the base model its `base_model_name_or_path` names (whose
+/// tokenizer it uses).
 pub fn load_policy(spec: &str, device: &Device) -> Result<(Model, Tokenizer)> {
+    if spec == "builtin" {
+        return builtin_policy(device);
+    }
+    let dir = Path::new(spec);
+    if dir.join(ADAPTER_CONFIG_FILE).is_file() {
+        let base = Adapters::base_model_of(dir)?;
+        if !Path::new(&base).join(CONFIG_FILE).is_file() && base != "builtin" {
+            return Err(ModelError::Config {
+                path: dir.join(ADAPTER_CONFIG_FILE).display().to_string(),
+                message: format!(
+                    "key `base_model_name_or_path`: {base:?} is not a model directory here; \
+                     load the base with --model DIR and this adapter with --adapter"
+                ),
+            });
+        }
+        return load_policy_with_adapter(&base, Some(dir), device);
+    }
+    load_plain_policy(spec, device)
+}
+
+/// `builtin` or an HF-layout model directory (no adapters).
+fn load_plain_policy(spec: &str, device: &Device) -> Result<(Model, Tokenizer)> {
     if spec == "builtin" {
         return builtin_policy(device);
     }
     let dir = Path::new(spec);
     let tok = Tokenizer::from_dir(dir)?;
     Ok((Model::load(dir, device)?, tok))
+}
+
+/// The model `spec` names (`builtin` or an HF-layout directory) with the PEFT LoRA adapter in
+/// `adapter` attached when given.
+pub fn load_policy_with_adapter(
+    spec: &str,
+    adapter: Option<&Path>,
+    device: &Device,
+) -> Result<(Model, Tokenizer)> {
+    let (mut model, tok) = match adapter {
+        Some(_) => load_plain_policy(spec, device)?,
+        None => load_policy(spec, device)?,
+    };
+    if let Some(dir) = adapter {
+        let adapters = Adapters::load(dir, model.config(), device)?;
+        model.attach_adapters(adapters)?;
+    }
+    Ok((model, tok))
 }

@@ -16,6 +16,8 @@ use super::{params, ModelConfig, Result, TrainInput};
 
 /// HF name of the value head's weight `[1, hidden]`.
 pub const SCORE_WEIGHT: &str = "score.weight";
+/// Name prefix of a shared value head's parameters in the policy.
+pub const VALUE_HEAD_PREFIX: &str = "score.";
 /// HF name of the value head's bias `[1]`.
 pub const SCORE_BIAS: &str = "score.bias";
 
@@ -40,10 +42,10 @@ impl ValueHead {
             return Ok(None);
         }
         Ok(Some(Self {
-            linear: Linear {
-                weight: params::var_tensor(varmap, SCORE_WEIGHT)?,
-                bias: Some(params::var_tensor(varmap, SCORE_BIAS)?),
-            },
+            linear: Linear::plain(
+                params::var_tensor(varmap, SCORE_WEIGHT)?,
+                Some(params::var_tensor(varmap, SCORE_BIAS)?),
+            ),
         }))
     }
 
@@ -230,14 +232,8 @@ impl ValueMlp {
         Ok(Self {
             mean: Var::from_tensor(&mean.copy()?)?,
             scale: Var::from_tensor(&scale.copy()?)?,
-            fc1: Linear {
-                weight: get(FC1_WEIGHT)?,
-                bias: Some(get(FC1_BIAS)?),
-            },
-            fc2: Linear {
-                weight: get(FC2_WEIGHT)?,
-                bias: Some(get(FC2_BIAS)?),
-            },
+            fc1: Linear::plain(get(FC1_WEIGHT)?, Some(get(FC1_BIAS)?)),
+            fc2: Linear::plain(get(FC2_WEIGHT)?, Some(get(FC2_BIAS)?)),
             varmap,
         })
     }

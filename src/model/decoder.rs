@@ -40,48 +40,101 @@ struct Block {
     down: Linear,
 }
 
-/// `y = x Wᵀ + b` over the last dimension.
+/// `y = x Wᵀ + b` over the last dimension, plus a LoRA adapter's `scale · (x Aᵀ) Bᵀ` when one is
+/// attached.
 #[derive(Clone)]
 pub(crate) struct Linear {
     pub(crate) weight: Tensor,
     pub(crate) bias: Option<Tensor>,
+    pub(crate) lora: Option<LoraPair>,
+}
+
+/// A low-rank adapter on a [`Linear`]: `a` `[r, in]`, `b` `[out, r]`, `scale` = alpha / r.
+#[derive(Clone)]
+pub(crate) struct LoraPair {
+    pub(crate) a: Tensor,
+    pub(crate) b: Tensor,
+    pub(crate) scale: f64,
 }
 
 impl Linear {
+    /// A layer without an adapter.
+    pub(crate) fn plain(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self {
+            weight,
+            bias,
+            lora: None,
+        }
+    }
+
     /// The layer with the ops of the tensor's device (fused on the CPU).
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_with(x, TrainingOps::for_device(x.device()))
     }
 
-    /// The layer with `ops`: one fused op where it applies, candle's matmul and add otherwise.
+    /// The layer with `ops`: one fused op where it applies, candle's matmul and add otherwise;
+    /// an adapter adds its two thin products.
     pub(crate) fn forward_with(&self, x: &Tensor, ops: TrainingOps) -> Result<Tensor> {
-        if ops == TrainingOps::Fused && fused::applies(x) {
-            return fused::linear(x, &self.weight, self.bias.as_ref());
+        let y = affine(x, &self.weight, self.bias.as_ref(), ops)?;
+        match &self.lora {
+            None => Ok(y),
+            Some(l) => {
+                let low = affine(x, &l.a, None, ops)?;
+                Ok((y + (affine(&low, &l.b, None, ops)? * l.scale)?)?)
+            }
         }
-        let dims = x.dims().to_vec();
-        let rows: usize = dims[..dims.len() - 1].iter().product();
-        let y = x
-            .reshape((rows, dims[dims.len() - 1]))?
-            .matmul(&self.weight.t()?)?;
-        let y = match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        };
-        let mut out_dims = dims;
-        *out_dims.last_mut().expect("rank ≥ 1") = self.weight.dim(0)?;
-        Ok(y.reshape(out_dims)?)
     }
 
+    /// The weight with the adapter folded in: `W + scale · B A` (detached).
+    pub(crate) fn merged_weight(&self) -> Result<Tensor> {
+        let w = self.weight.detach();
+        match &self.lora {
+            None => Ok(w),
+            Some(l) => {
+                let delta = l.b.detach().matmul(&l.a.detach())?;
+                Ok((w + (delta * l.scale)?.to_dtype(self.weight.dtype())?)?)
+            }
+        }
+    }
+
+    /// The layer for the incremental path: the adapter merged, detached, in `dtype`.
     fn rollout_copy(&self, dtype: DType) -> Result<Self> {
-        Ok(Self {
-            weight: rollout_tensor(&self.weight, dtype)?,
-            bias: self
-                .bias
+        Ok(Self::plain(
+            self.merged_weight()?.to_dtype(dtype)?,
+            self.bias
                 .as_ref()
                 .map(|b| rollout_tensor(b, dtype))
                 .transpose()?,
-        })
+        ))
     }
+
+    /// The same layer with its base weight and bias detached (frozen under an adapter).
+    fn frozen_base(&self) -> Self {
+        Self {
+            weight: self.weight.detach(),
+            bias: self.bias.as_ref().map(Tensor::detach),
+            lora: self.lora.clone(),
+        }
+    }
+}
+
+/// `x Wᵀ + b` over the last dimension of `x`: the fused op where it applies.
+fn affine(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, ops: TrainingOps) -> Result<Tensor> {
+    if ops == TrainingOps::Fused && fused::applies(x) {
+        return fused::linear(x, weight, bias);
+    }
+    let dims = x.dims().to_vec();
+    let rows: usize = dims[..dims.len() - 1].iter().product();
+    let y = x
+        .reshape((rows, dims[dims.len() - 1]))?
+        .matmul(&weight.t()?)?;
+    let y = match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    let mut out_dims = dims;
+    *out_dims.last_mut().expect("rank ≥ 1") = weight.dim(0)?;
+    Ok(y.reshape(out_dims)?)
 }
 
 /// Embedding, decoder blocks and final norm.
@@ -137,14 +190,14 @@ impl Trunk {
         get: &impl Fn(&str) -> Result<Tensor>,
     ) -> Result<Self> {
         let linear = |name: &str, bias: bool| -> Result<Linear> {
-            Ok(Linear {
-                weight: get(&format!("{name}.weight"))?,
-                bias: if bias {
+            Ok(Linear::plain(
+                get(&format!("{name}.weight"))?,
+                if bias {
                     Some(get(&format!("{name}.bias"))?)
                 } else {
                     None
                 },
-            })
+            ))
         };
         let blocks = (0..cfg.num_hidden_layers)
             .map(|l| {
@@ -221,6 +274,53 @@ impl Trunk {
             blocks,
             norm: t(&self.norm)?,
         })
+    }
+
+    /// The projections of every block by HF module path (`model.layers.{l}.self_attn.q_proj`,
+    /// `…mlp.down_proj`), for attaching or removing adapters.
+    pub(crate) fn projections_mut(&mut self) -> impl Iterator<Item = (String, &mut Linear)> {
+        self.blocks.iter_mut().enumerate().flat_map(|(l, b)| {
+            let attn = format!("model.layers.{l}.self_attn");
+            let mlp = format!("model.layers.{l}.mlp");
+            [
+                (format!("{attn}.q_proj"), &mut b.q),
+                (format!("{attn}.k_proj"), &mut b.k),
+                (format!("{attn}.v_proj"), &mut b.v),
+                (format!("{attn}.o_proj"), &mut b.o),
+                (format!("{mlp}.gate_proj"), &mut b.gate),
+                (format!("{mlp}.up_proj"), &mut b.up),
+                (format!("{mlp}.down_proj"), &mut b.down),
+            ]
+        })
+    }
+
+    /// The trunk with every base tensor detached (nothing of it is trained or gets a gradient);
+    /// attached adapters stay as they are.
+    pub(crate) fn frozen_base(&self) -> Self {
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|b| Block {
+                input_norm: b.input_norm.detach(),
+                q: b.q.frozen_base(),
+                k: b.k.frozen_base(),
+                v: b.v.frozen_base(),
+                o: b.o.frozen_base(),
+                qk_norm: b.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach())),
+                post_norm: b.post_norm.detach(),
+                gate: b.gate.frozen_base(),
+                up: b.up.frozen_base(),
+                down: b.down.frozen_base(),
+            })
+            .collect();
+        Self {
+            cfg: self.cfg.clone(),
+            ops: self.ops,
+            rope: self.rope.clone(),
+            embed: self.embed.detach(),
+            blocks,
+            norm: self.norm.detach(),
+        }
     }
 
     fn eps(&self) -> f64 {

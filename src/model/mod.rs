@@ -14,6 +14,7 @@ pub mod config;
 pub mod critic;
 pub mod decoder;
 mod fused;
+pub mod lora;
 pub mod params;
 pub mod rope;
 pub mod tree;
@@ -26,6 +27,7 @@ pub use config::ModelConfig;
 pub use critic::{Critic, ValueHead, ValueMlp};
 use decoder::{Linear, Trunk};
 pub use fused::TrainingOps;
+pub use lora::{Adapters, LoraSpec};
 pub use tree::{Segment, TreeBatch};
 
 /// Errors of the model module; file errors name the file and tensor.
@@ -142,6 +144,8 @@ pub struct Model {
     frozen_trunk: Trunk,
     frozen_lm_head: Tensor,
     value_head: Option<ValueHead>,
+    /// LoRA adapters on the projections; while attached, the base weights are frozen.
+    adapters: Option<Adapters>,
 }
 
 impl Model {
@@ -177,6 +181,7 @@ impl Model {
             varmap,
             device: device.clone(),
             value_head,
+            adapters: None,
         })
     }
 
@@ -196,6 +201,66 @@ impl Model {
         let varmap = VarMap::new();
         for (name, var) in self.named_vars() {
             params::insert(&varmap, &name, &var.as_tensor().copy()?)?;
+        }
+        let mut copy = Self::from_varmap(&self.cfg, varmap, &self.device)?;
+        if let Some(adapters) = &self.adapters {
+            copy.attach_adapters(adapters.deep_copy()?)?;
+        }
+        Ok(copy)
+    }
+
+    /// Attaches LoRA `adapters` to the projections they name and freezes every base weight
+    /// (the trunk, the LM head): from now on only the adapters and a shared value head are
+    /// trainable ([`Model::trainable_vars`]). Replaces adapters attached before.
+    pub fn attach_adapters(&mut self, adapters: Adapters) -> Result<()> {
+        let mut trunk = self.trunk.frozen_base();
+        for (path, linear) in trunk.projections_mut() {
+            linear.lora = adapters.pair(&path)?;
+        }
+        self.trunk = trunk;
+        self.lm_head = self.lm_head.detach();
+        self.adapters = Some(adapters);
+        self.refresh_rollout_weights()
+    }
+
+    /// The attached LoRA adapters, if any.
+    pub fn adapters(&self) -> Option<&Adapters> {
+        self.adapters.as_ref()
+    }
+
+    /// The base model under the adapters: the same weights (no copy), no adapters. With none
+    /// attached, the model itself.
+    pub fn without_adapters(&self) -> Result<Self> {
+        let mut trunk = self.trunk.clone();
+        for (_, linear) in trunk.projections_mut() {
+            linear.lora = None;
+        }
+        let dtype = rollout_dtype(&self.device);
+        Ok(Self {
+            cfg: self.cfg.clone(),
+            varmap: self.varmap.clone(),
+            device: self.device.clone(),
+            frozen_trunk: trunk.rollout_copy(dtype)?,
+            frozen_lm_head: decoder::rollout_tensor(&self.lm_head, dtype)?,
+            trunk,
+            lm_head: self.lm_head.clone(),
+            value_head: self.value_head.clone(),
+            adapters: None,
+        })
+    }
+
+    /// A plain model (storage of its own) with the adapters folded into the projections'
+    /// weights, `W + (alpha / r) · B A`: what `merge_and_unload` gives in PEFT.
+    pub fn merged(&self) -> Result<Self> {
+        let varmap = VarMap::new();
+        for (name, var) in self.named_vars() {
+            params::insert(&varmap, &name, &var.as_tensor().copy()?)?;
+        }
+        let mut trunk = self.trunk.clone();
+        for (path, linear) in trunk.projections_mut() {
+            if linear.lora.is_some() {
+                params::insert(&varmap, &format!("{path}.weight"), &linear.merged_weight()?)?;
+            }
         }
         Self::from_varmap(&self.cfg, varmap, &self.device)
     }
@@ -232,9 +297,28 @@ impl Model {
         &self.varmap
     }
 
-    /// Trainable parameters by HF name, sorted by name.
+    /// Every parameter of the model by HF name, sorted by name (the base weights, and a shared
+    /// value head `score.*`; not the adapters).
     pub fn named_vars(&self) -> Vec<(String, Var)> {
         params::named_vars(&self.varmap)
+    }
+
+    /// The parameters an optimizer steps, sorted by name: every one of [`Model::named_vars`]
+    /// without adapters; with adapters, the adapters and a shared value head only.
+    pub fn trainable_vars(&self) -> Vec<(String, Var)> {
+        match &self.adapters {
+            None => self.named_vars(),
+            Some(adapters) => {
+                let mut vars = adapters.named_vars();
+                vars.extend(
+                    self.named_vars()
+                        .into_iter()
+                        .filter(|(name, _)| name.starts_with(critic::VALUE_HEAD_PREFIX)),
+                );
+                vars.sort_by(|a, b| a.0.cmp(&b.0));
+                vars
+            }
+        }
     }
 
     /// Logits of new tokens of a batch of sequences, writing their K/V into `pool`. Prefill and
@@ -322,11 +406,7 @@ impl Model {
     /// Logits `[B, T, vocab]` of a padded batch with a causal + padding mask (differentiable).
     pub fn forward_train(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         let hidden = self.hidden_train(input_ids, attention_mask)?;
-        Linear {
-            weight: self.lm_head.clone(),
-            bias: None,
-        }
-        .forward_with(&hidden, self.trunk.ops)
+        Linear::plain(self.lm_head.clone(), None).forward_with(&hidden, self.trunk.ops)
     }
 
     /// Per position: log-prob of `targets[b, t]` and entropy, both `[B, T]`, under the logits
@@ -385,10 +465,7 @@ impl Model {
         check_temperature(temperature)?;
         let width = hidden.dim(D::Minus1)?;
         let picked = hidden.reshape(((), width))?.index_select(positions, 0)?;
-        let head = Linear {
-            weight: self.lm_head.clone(),
-            bias: None,
-        };
+        let head = Linear::plain(self.lm_head.clone(), None);
         let logits = head.forward_with(&picked, self.trunk.ops)?;
         if self.trunk.ops == TrainingOps::Fused && fused::applies(&logits) {
             let bias = logit_bias.map(|b| b.to_dtype(logits.dtype())).transpose()?;

@@ -23,15 +23,21 @@ fn init_tensor(
     if name.ends_with(".bias") {
         return Ok(Tensor::zeros(shape, candle_core::DType::F32, device)?);
     }
-    let name_hash = name
-        .bytes()
-        .fold(0u64, |h, b| crate::seed::splitmix64(h ^ u64::from(b)));
-    let mut rng = ChaCha8Rng::seed_from_u64(crate::seed::derive(seed, &[name_hash]));
+    let mut rng = name_rng(name, seed);
     let n: usize = shape.iter().product();
     let values: Vec<f32> = (0..n)
         .map(|_| (std * standard_normal(&mut rng)) as f32)
         .collect();
     Ok(Tensor::from_vec(values, shape, device)?)
+}
+
+/// The random stream of parameter `name` under `seed`: one per name, so adding a parameter does
+/// not shift the others.
+pub(crate) fn name_rng(name: &str, seed: u64) -> ChaCha8Rng {
+    let name_hash = name
+        .bytes()
+        .fold(0u64, |h, b| crate::seed::splitmix64(h ^ u64::from(b)));
+    ChaCha8Rng::seed_from_u64(crate::seed::derive(seed, &[name_hash]))
 }
 
 /// One standard normal draw (Box–Muller).

@@ -352,15 +352,20 @@ fn attach_env_scores(summaries: &mut [TagSummary], env_scores: &Scalars) {
     }
 }
 
-/// Loads the policy in HF-layout directory `policy_dir` (a checkpoint's `policy/` or a model
-/// directory) and validates it under `cfg` (`stepppo eval`).
+/// Loads the policy in `policy_dir` (a checkpoint's `policy/`, a model directory or a PEFT
+/// adapter directory), with the PEFT LoRA `adapter` attached when given, and validates it under
+/// `cfg` (`stepppo eval`).
 pub fn evaluate_policy(
     policy_dir: &std::path::Path,
+    adapter: Option<&std::path::Path>,
     cfg: &Config,
 ) -> Result<Vec<TagSummary>, TrainError> {
     let device = device_of(cfg.device)?;
-    let (policy, tok) =
-        crate::model::checkpoint::load_policy(&policy_dir.display().to_string(), &device)?;
+    let (policy, tok) = crate::model::checkpoint::load_policy_with_adapter(
+        &policy_dir.display().to_string(),
+        adapter,
+        &device,
+    )?;
     let mut engine = engine_for(cfg, &policy)?;
     Ok(validate(&mut engine, &policy, &tok, cfg)?.summaries)
 }

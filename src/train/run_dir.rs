@@ -25,6 +25,9 @@ pub const REFERENCE_DIR: &str = "reference";
 /// critic, where the critic is copied from the policy as RL starts; a critic pre-trained apart,
 /// `critic.pretrain`, is not saved here).
 pub const WARM_START_DIR: &str = "warm_start";
+/// The frozen base model of a LoRA run whose base is on no disk otherwise (the built-in model
+/// without a warm start); the adapters of its checkpoints name it.
+pub const LORA_BASE_DIR: &str = "base";
 
 /// Where the run's append-only files stood when a checkpoint was taken.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -71,6 +74,7 @@ const RUN_ENTRIES: &[&str] = &[
     "tb",
     REFERENCE_DIR,
     WARM_START_DIR,
+    LORA_BASE_DIR,
     checkpoint::LATEST,
 ];
 

@@ -38,7 +38,7 @@ use super::ranks;
 use super::run_dir::{self, Rewound, RunPosition};
 use super::scoring::{critic_values, response_logprobs};
 use super::self_imitation::{self, Replay, ReplayBuffer};
-use super::setup::{device_of, engine_for, fresh_policy};
+use super::setup::{attach_run_adapters, device_of, engine_for, fresh_policy};
 use super::sft::{self, CloneSettings, SftReport};
 use super::update::{self, CriticLearner, Learners, UpdateInputs, UpdateSettings};
 use super::TrainError;
@@ -198,7 +198,11 @@ impl Trainer {
             let copy = Critic::from_policy(&policy, critic_seed(&cfg))?;
             critic = Some(CriticModel::Separate(Box::new(copy)));
         }
-        let reference = if cfg.keeps_reference() {
+        let warm_started = cfg.sft.steps > 0 || cfg.sft.copy.steps > 0;
+        attach_run_adapters(&cfg, run_dir, (&mut policy, &tok), warm_started, lead)?;
+        let reference = if cfg.keeps_reference() && policy.adapters().is_some() {
+            Some(policy.without_adapters()?)
+        } else if cfg.keeps_reference() {
             if lead {
                 policy.save(&run_dir.join(run_dir::REFERENCE_DIR), Some(&tok))?;
             }
@@ -269,7 +273,9 @@ impl Trainer {
         if let Some(opt) = critic_opt.as_mut() {
             opt.load(&ckpt.join("optim_critic.safetensors"))?;
         }
-        let reference = if cfg.keeps_reference() {
+        let reference = if cfg.keeps_reference() && policy.adapters().is_some() {
+            Some(policy.without_adapters()?)
+        } else if cfg.keeps_reference() {
             Some(load_reference(run_dir, &device)?)
         } else {
             None
@@ -416,11 +422,13 @@ impl Trainer {
         &self.run_dir
     }
 
-    /// The policy weights by name (for comparisons and tests).
+    /// The policy weights by name, LoRA adapters included (for comparisons and tests).
     pub fn policy_weights(&self) -> Vec<(String, Tensor)> {
+        let adapters = self.policy.adapters().map(|a| a.named_vars());
         self.policy
             .named_vars()
             .into_iter()
+            .chain(adapters.into_iter().flatten())
             .map(|(n, v)| (n, v.as_tensor().clone()))
             .collect()
     }
@@ -1212,9 +1220,9 @@ fn optimizers(
     critic: Option<&CriticModel>,
 ) -> Result<(AdamW, Option<AdamW>), TrainError> {
     let (head, trunk): (Vec<_>, Vec<_>) = policy
-        .named_vars()
+        .trainable_vars()
         .into_iter()
-        .partition(|(name, _)| name.starts_with(VALUE_HEAD_PREFIX));
+        .partition(|(name, _)| name.starts_with(crate::model::critic::VALUE_HEAD_PREFIX));
     let actor_opt = AdamW::new(trunk, &cfg.optimizer_config())?;
     let critic_vars = match critic {
         Some(c) => Some(c.named_vars()),
@@ -1226,9 +1234,6 @@ fn optimizers(
         .transpose()?;
     Ok((actor_opt, critic_opt))
 }
-
-/// Name prefix of a shared value head's parameters in the policy.
-const VALUE_HEAD_PREFIX: &str = "score.";
 
 fn rewind_to(run_dir: &Path, ckpt: &Path) -> Result<Vec<String>, TrainError> {
     let name = ckpt.file_name().unwrap_or_default().to_string_lossy();

@@ -73,33 +73,52 @@ fn forward(
     y
 }
 
-/// `∂x`, `∂W` and, `with_bias`, `∂b` from the output gradient `g [rows, out]`.
+/// Which input gradients a backward computes: none for an input that nothing trains (a frozen
+/// base weight under a LoRA adapter, or the embeddings feeding the first block), which saves
+/// the product.
+#[derive(Clone, Copy)]
+struct Wanted {
+    x: bool,
+    w: bool,
+    bias: bool,
+}
+
+/// Host gradients of x, W and b; `None` where not [`Wanted`].
+type HostGrads = (Option<Vec<f32>>, Option<Vec<f32>>, Option<Vec<f32>>);
+
+/// `∂x`, `∂W` and `∂b` (each where `wanted`) from the output gradient `g [rows, out]`.
 fn backward(
     [x, w, g]: [&[f32]; 3],
     (rows, inner, out): (usize, usize, usize),
-    with_bias: bool,
-) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
-    let mut dx = vec![0.0f32; rows * inner];
-    let operands = [Operand::rows(g, out), Operand::rows(w, inner)];
-    matmul_on(
-        &mut dx,
-        Shape2(rows, inner),
-        out,
-        operands,
-        Accumulate::No(1.0),
-        parallelism(),
-    );
-    let mut dw = vec![0.0f32; out * inner];
-    let operands = [Operand::transposed(g, out), Operand::rows(x, inner)];
-    matmul_on(
-        &mut dw,
-        Shape2(out, inner),
-        rows,
-        operands,
-        Accumulate::No(1.0),
-        parallelism(),
-    );
-    let db = with_bias.then(|| {
+    wanted: Wanted,
+) -> HostGrads {
+    let dx = wanted.x.then(|| {
+        let mut dx = vec![0.0f32; rows * inner];
+        let operands = [Operand::rows(g, out), Operand::rows(w, inner)];
+        matmul_on(
+            &mut dx,
+            Shape2(rows, inner),
+            out,
+            operands,
+            Accumulate::No(1.0),
+            parallelism(),
+        );
+        dx
+    });
+    let dw = wanted.w.then(|| {
+        let mut dw = vec![0.0f32; out * inner];
+        let operands = [Operand::transposed(g, out), Operand::rows(x, inner)];
+        matmul_on(
+            &mut dw,
+            Shape2(out, inner),
+            rows,
+            operands,
+            Accumulate::No(1.0),
+            parallelism(),
+        );
+        dw
+    });
+    let db = wanted.bias.then(|| {
         let mut db = vec![0.0f32; out];
         for row in g.chunks_exact(out) {
             db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
@@ -134,7 +153,7 @@ impl CustomOp2 for Linear {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = grads(x, w, grad, None)?;
-        Ok((Some(dx), Some(dw)))
+        Ok((dx, dw))
     }
 }
 
@@ -166,27 +185,35 @@ impl CustomOp3 for Linear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = grads(x, w, grad, Some(b))?;
-        Ok((Some(dx), Some(dw), db))
+        grads(x, w, grad, Some(b))
     }
 }
 
-/// `∂x`, `∂W` and, given the bias, `∂b` as tensors of the inputs' shapes.
+/// `∂x`, `∂W` and, given the bias, `∂b` as tensors of the inputs' shapes, each only for an input
+/// that autograd tracks.
+#[allow(clippy::type_complexity)] // three optional gradients, as candle's `CustomOp3::bwd` returns
 fn grads(
     x: &Tensor,
     w: &Tensor,
     grad: &Tensor,
     bias: Option<&Tensor>,
-) -> candle_core::Result<(Tensor, Tensor, Option<Tensor>)> {
+) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
     let (d, _) = dims(x.shape(), w.shape(), None)?;
+    let wanted = Wanted {
+        x: x.track_op(),
+        w: w.track_op(),
+        bias: bias.is_some_and(Tensor::track_op),
+    };
     let (dx, dw, db) = with_host(x, NAME, |xs| {
         with_host(w, NAME, |ws| {
-            with_host(grad, NAME, |g| Ok(backward([xs, ws, g], d, bias.is_some())))
+            with_host(grad, NAME, |g| Ok(backward([xs, ws, g], d, wanted)))
         })
     })?;
+    let dx = dx.map(|dx| from_host(dx, x.shape())).transpose()?;
+    let dw = dw.map(|dw| from_host(dw, w.shape())).transpose()?;
     let db = match (db, bias) {
         (Some(db), Some(b)) => Some(from_host(db, b.shape())?),
         _ => None,
     };
-    Ok((from_host(dx, x.shape())?, from_host(dw, w.shape())?, db))
+    Ok((dx, dw, db))
 }

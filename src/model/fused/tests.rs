@@ -249,9 +249,8 @@ fn the_fused_training_path_has_the_composed_paths_loss_and_gradients() {
 #[test]
 fn linear_matches_the_composed_ops_and_finite_differences() {
     let (x, w, b) = (random((3, 7, 10), 1), random((6, 10), 2), random(6, 3));
-    let layer = |bias: Option<&Tensor>| crate::model::decoder::Linear {
-        weight: w.as_tensor().clone(),
-        bias: bias.cloned(),
+    let layer = |bias: Option<&Tensor>| {
+        crate::model::decoder::Linear::plain(w.as_tensor().clone(), bias.cloned())
     };
     for bias in [None, Some(b.as_tensor())] {
         let fused = linear(&x, &w, bias).unwrap();
