@@ -2,7 +2,9 @@
 //! `scripts/make_hf_fixtures.py`): each loads and generates, greedily, the tokens transformers
 //! generated, with log-probs within 1e-4 (f32), on both of stepppo's forward paths. Covers
 //! Qwen2, Qwen3 and Llama 3, both config layouts, RoPE scaling variants, bf16/f16 weights, shards,
-//! the export round trip, and errors for config keys stepppo cannot honour.
+//! the export round trip, and errors for config keys stepppo cannot honour. LoRA adapters PEFT
+//! wrote (`tests/fixtures/peft/`, made by `scripts/make_peft_fixtures.py`) are held to the same
+//! bound against PEFT's model, attached, merged and after stepppo's own save.
 
 use std::path::{Path, PathBuf};
 
@@ -10,7 +12,8 @@ use candle_core::Device;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
-use stepppo::model::{Model, PaddedBatch};
+use stepppo::model::lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
+use stepppo::model::{Adapters, Model, PaddedBatch};
 use stepppo::rollout::generate;
 use stepppo::rollout::sampling::SamplingParams;
 
@@ -77,14 +80,19 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Greedy generation on the incremental path and the training path's log-probs of the same
 /// tokens, both compared with transformers.
 fn check_against_transformers(model_dir: &Path, expected_dir: &Path) {
-    let want = expected(expected_dir);
     let model = Model::load(model_dir, &Device::Cpu)
         .unwrap_or_else(|e| panic!("{}: {e}", model_dir.display()));
+    check_model_against(&model, expected_dir);
+}
+
+/// [`check_against_transformers`] of a loaded model.
+fn check_model_against(model: &Model, expected_dir: &Path) {
+    let want = expected(expected_dir);
     let n = want.tokens.len();
     let mut pool = KvPool::new(model.config(), want.prompt.len() + n, &Device::Cpu).unwrap();
     let mut rngs = [ChaCha8Rng::seed_from_u64(0)];
     let gens = generate(
-        &model,
+        model,
         &mut pool,
         std::slice::from_ref(&want.prompt),
         n,
@@ -103,7 +111,7 @@ fn check_against_transformers(model_dir: &Path, expected_dir: &Path) {
     let name = expected_dir.file_name().unwrap().to_string_lossy();
     assert_eq!(matched, n, "{name}: greedy tokens match {matched} of {n}");
     let rollout_diff = max_diff(&got.logprobs, &want.logprobs);
-    let train_diff = max_diff(&training_logprobs(&model, &want), &want.logprobs);
+    let train_diff = max_diff(&training_logprobs(model, &want), &want.logprobs);
     eprintln!(
         "{name}: {matched}/{n} tokens; max |Δ log-prob| rollout {rollout_diff:.2e}, training {train_diff:.2e}"
     );
@@ -308,9 +316,7 @@ fn tensor_specs(dir: &Path) -> Vec<(String, Vec<usize>, candle_core::DType)> {
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "safetensors") {
-            for (name, t) in candle_core::safetensors::load(&path, &Device::Cpu).unwrap() {
-                specs.push((name, t.dims().to_vec(), t.dtype()));
-            }
+            specs.extend(tensor_specs_of(&path));
         }
     }
     specs.sort_by(|a, b| a.0.cmp(&b.0));
@@ -341,4 +347,152 @@ fn export_writes_what_transformers_wrote() {
 
         check_against_transformers(out.path(), &src);
     }
+}
+
+fn peft_fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/peft")
+        .join(name)
+}
+
+/// The PEFT fixtures and the base each adapts.
+const ADAPTERS: [(&str, &str); 3] = [
+    ("qwen2-all", "qwen2"),
+    ("qwen3-qv", "qwen3"),
+    ("llama3-mlp", "llama3"),
+];
+
+/// The fixture `base` (weights only, no tokenizer) with the adapter in `dir` attached.
+fn try_with_adapter(base: &str, dir: &Path) -> Result<Model, stepppo::model::ModelError> {
+    let mut model = Model::load(&fixture(base), &Device::Cpu)?;
+    let adapters = Adapters::load(dir, model.config(), &Device::Cpu)?;
+    model.attach_adapters(adapters)?;
+    Ok(model)
+}
+
+fn with_adapter(base: &str, adapter: &Path) -> Model {
+    try_with_adapter(base, adapter).unwrap_or_else(|e| panic!("{}: {e}", adapter.display()))
+}
+
+#[test]
+fn peft_adapters_match_peft_attached_merged_and_saved_again() {
+    for (name, base) in ADAPTERS {
+        let dir = peft_fixture(name);
+        let model = with_adapter(base, &dir);
+        check_model_against(&model, &dir);
+        check_model_against(&model.merged().unwrap(), &dir);
+        // The base's own greedy tokens differ: the adapter is really applied.
+        let plain = expected(&fixture(base));
+        assert_ne!(plain.tokens, expected(&dir).tokens, "{name}");
+        let again = tempfile::tempdir().unwrap();
+        model.save(again.path(), None).unwrap();
+        check_model_against(&with_adapter(base, again.path()), &dir);
+        assert_eq!(
+            tensor_specs_of(&dir.join(ADAPTER_WEIGHTS_FILE)),
+            tensor_specs_of(&again.path().join(ADAPTER_WEIGHTS_FILE)),
+            "{name}: the tensors PEFT wrote, by name, shape and dtype"
+        );
+    }
+}
+
+#[test]
+fn merge_adapter_writes_a_model_that_loads_without_peft() {
+    let (name, base) = ADAPTERS[0];
+    let out = tempfile::tempdir().unwrap();
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_stepppo"))
+        .args(["merge-adapter", "--model"])
+        .arg(fixture(base))
+        .arg("--adapter")
+        .arg(peft_fixture(name))
+        .arg("--out")
+        .arg(out.path())
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    assert_eq!(tensor_specs(out.path()), tensor_specs(&fixture(base)));
+    check_against_transformers(out.path(), &peft_fixture(name));
+}
+
+/// A copy of fixture `name` whose `adapter_config.json` has `key` set to `value`.
+fn adapter_with(name: &str, key: &str, value: serde_json::Value) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let src = peft_fixture(name);
+    std::fs::copy(
+        src.join(ADAPTER_WEIGHTS_FILE),
+        dir.path().join(ADAPTER_WEIGHTS_FILE),
+    )
+    .unwrap();
+    let path = src.join(ADAPTER_CONFIG_FILE);
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    config[key] = value;
+    std::fs::write(
+        dir.path().join(ADAPTER_CONFIG_FILE),
+        serde_json::to_string(&config).unwrap(),
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn adapters_stepppo_cannot_compute_exactly_are_errors_naming_the_key() {
+    let (name, base) = ADAPTERS[0];
+    let refused = |dir: &Path, needle: &str| {
+        let err = try_with_adapter(base, dir)
+            .err()
+            .unwrap_or_else(|| panic!("{needle}: loaded"))
+            .to_string();
+        assert!(err.contains(needle), "{needle}: {err}");
+    };
+    use serde_json::json;
+    for (key, value) in [
+        ("use_dora", json!(true)),
+        ("use_rslora", json!(true)),
+        ("rank_pattern", json!({"q_proj": 8})),
+        ("alpha_pattern", json!({"q_proj": 8})),
+        ("bias", json!("lora_only")),
+        ("modules_to_save", json!(["lm_head"])),
+        ("layers_to_transform", json!([0])),
+        ("fan_in_fan_out", json!(true)),
+    ] {
+        refused(adapter_with(name, key, value).path(), key);
+    }
+    refused(
+        adapter_with(name, "target_modules", json!(".*proj")).path(),
+        "target_modules",
+    );
+    refused(
+        adapter_with(name, "target_modules", json!(["q_proj", "lm_head"])).path(),
+        "lm_head",
+    );
+    refused(adapter_with(name, "r", json!(8)).path(), "lora_A");
+    refused(
+        adapter_with(name, "peft_type", json!("IA3")).path(),
+        "peft_type",
+    );
+    // An adapter on fewer modules than its weights hold: the extra tensors are unexpected.
+    refused(
+        adapter_with(name, "target_modules", json!(["q_proj"])).path(),
+        "layers.0.mlp.down_proj.lora_A.weight` is not a LoRA A or B",
+    );
+    // Its weights on another model shape.
+    let err = try_with_adapter("qwen3", &peft_fixture(name))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("shape") || err.contains("missing"), "{err}");
+}
+
+fn tensor_specs_of(file: &Path) -> Vec<(String, Vec<usize>, candle_core::DType)> {
+    let mut specs: Vec<_> = candle_core::safetensors::load(file, &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, t.dims().to_vec(), t.dtype()))
+        .collect();
+    specs.sort_by(|a, b| a.0.cmp(&b.0));
+    specs
 }

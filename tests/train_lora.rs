@@ -15,22 +15,35 @@ use stepppo::train::Trainer;
 
 const LORA: &str = "lora={rank: 2, alpha: 4, target_modules: all-linear}";
 
-fn weights(t: &Trainer) -> Vec<(String, Vec<f32>)> {
+/// Tensors by name, as flat values.
+type Named = Vec<(String, Vec<f32>)>;
+
+fn weights(t: &Trainer) -> Named {
     t.policy_weights()
         .into_iter()
         .map(|(n, w)| (n, w.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
         .collect()
 }
 
-fn split(weights: Vec<(String, Vec<f32>)>) -> (Vec<(String, Vec<f32>)>, Vec<(String, Vec<f32>)>) {
+/// The adapters' tensors and the base's.
+fn split(weights: Named) -> (Named, Named) {
     weights.into_iter().partition(|(n, _)| n.contains(".lora_"))
 }
 
-fn model_weights(model: &Model) -> Vec<(String, Vec<f32>)> {
+fn model_weights(model: &Model) -> Named {
     model
         .named_vars()
         .into_iter()
-        .map(|(n, v)| (n, v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .map(|(n, v)| {
+            (
+                n,
+                v.as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
+            )
+        })
         .collect()
 }
 
@@ -42,7 +55,11 @@ fn only_the_adapters_train_and_a_lora_run_resumes_exactly() {
 
     let mut straight = Trainer::create(cfg(), &a).unwrap();
     let (fresh_adapters, _) = split(weights(&straight));
-    assert_eq!(fresh_adapters.len(), 2 * 7 * 2, "A and B on 7 projections of 2 layers");
+    assert_eq!(
+        fresh_adapters.len(),
+        2 * 7 * 2,
+        "A and B on 7 projections of 2 layers"
+    );
     straight.run(4, &mut |_| {}).unwrap();
     let expected = weights(&straight);
     let (adapters, base) = split(expected.clone());
@@ -52,7 +69,10 @@ fn only_the_adapters_train_and_a_lora_run_resumes_exactly() {
 
     let ckpt = a.join("ckpt-4/policy");
     assert!(ckpt.join(ADAPTER_CONFIG_FILE).is_file() && ckpt.join(ADAPTER_WEIGHTS_FILE).is_file());
-    assert!(!ckpt.join("model.safetensors").exists(), "a LoRA checkpoint holds no base weights");
+    assert!(
+        !ckpt.join("model.safetensors").exists(),
+        "a LoRA checkpoint holds no base weights"
+    );
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(ckpt.join(ADAPTER_CONFIG_FILE)).unwrap())
             .unwrap();
@@ -70,7 +90,10 @@ fn only_the_adapters_train_and_a_lora_run_resumes_exactly() {
         .into_iter()
         .map(|(n, _)| n)
         .collect();
-    assert_eq!(names, adapters.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>());
+    assert_eq!(
+        names,
+        adapters.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>()
+    );
 
     let mut first = Trainer::create(cfg(), &b).unwrap();
     first.run(2, &mut |_| {}).unwrap();
@@ -100,12 +123,21 @@ fn the_kl_reference_of_a_lora_run_is_the_base() {
         }
     })
     .unwrap();
-    assert!(!root.path().join("reference").exists(), "no second copy of the model");
+    assert!(
+        !root.path().join("reference").exists(),
+        "no second copy of the model"
+    );
     // Step 1 samples from fresh adapters (B = 0), which are the base: only the float noise
     // between the rollout and training paths.
     assert!(kl[0].abs() < 1e-3, "{kl:?}");
-    assert!(kl_loss.iter().all(|&k| k.is_finite() && k >= 0.0), "{kl_loss:?}");
-    assert!(kl_loss[2] > 0.0, "the adapters move away from the base: {kl_loss:?}");
+    assert!(
+        kl_loss.iter().all(|&k| k.is_finite() && k >= 0.0),
+        "{kl_loss:?}"
+    );
+    assert!(
+        kl_loss[2] > 0.0,
+        "the adapters move away from the base: {kl_loss:?}"
+    );
 }
 
 #[test]
@@ -129,7 +161,10 @@ fn a_run_starts_from_a_saved_adapter_that_agrees_with_its_lora() {
         .err()
         .unwrap()
         .to_string();
-    assert!(err.contains("pretrain_adapter") && err.contains("rank 3"), "{err}");
+    assert!(
+        err.contains("pretrain_adapter") && err.contains("rank 3"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -148,6 +183,12 @@ fn lora_configs_that_cannot_be_trained_exactly_are_refused() {
     };
     refused(&["lora={rank: 4, alpha: 8, dropout: 0.05}"], "lora.dropout");
     refused(&["lora={rank: 0, alpha: 8}"], "lora.rank");
-    refused(&["lora={rank: 4, alpha: 8, target_modules: [lm_head]}"], "lm_head");
-    refused(&["lora={rank: 4, alpha: 8}", "critic.mode=shared"], "critic.mode");
+    refused(
+        &["lora={rank: 4, alpha: 8, target_modules: [lm_head]}"],
+        "lm_head",
+    );
+    refused(
+        &["lora={rank: 4, alpha: 8}", "critic.mode=shared"],
+        "critic.mode",
+    );
 }

@@ -8,8 +8,8 @@ use clap::Args;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
-use stepppo::model::checkpoint::load_policy_with_adapter;
-use stepppo::model::{Model, ModelConfig};
+use stepppo::model::checkpoint::{builtin_policy, load_policy_with_adapter, TOKENIZER_FILE};
+use stepppo::model::{Adapters, Model, ModelConfig};
 use stepppo::rollout::generate as generate_tokens;
 use stepppo::rollout::sampling::SamplingParams;
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
@@ -148,21 +148,37 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
 }
 
 pub fn merge_adapter(a: MergeAdapterArgs) -> anyhow::Result<()> {
-    let (model, tok) = load_policy_with_adapter(&a.model, Some(&a.adapter), &Device::Cpu)
-        .with_context(|| {
-            format!(
-                "loading {} with adapter {}",
-                a.model,
-                a.adapter.display()
-            )
-        })?;
-    let rank = model.adapters().map(|ad| ad.spec().rank).unwrap_or_default();
-    model.merged()?.save(&a.out, Some(&tok))?;
+    let context = || format!("loading {} with adapter {}", a.model, a.adapter.display());
+    let (mut model, tok) = if a.model == "builtin" {
+        let (model, tok) = builtin_policy(&Device::Cpu)?;
+        (model, Some(tok))
+    } else {
+        // A base without a tokenizer (weights and config only) merges too, into a directory
+        // without one.
+        let dir = std::path::Path::new(&a.model);
+        let tok = dir
+            .join(TOKENIZER_FILE)
+            .is_file()
+            .then(|| Tokenizer::from_dir(dir))
+            .transpose()
+            .with_context(context)?;
+        (Model::load(dir, &Device::Cpu).with_context(context)?, tok)
+    };
+    let adapters =
+        Adapters::load(&a.adapter, model.config(), &Device::Cpu).with_context(context)?;
+    let rank = adapters.spec().rank;
+    model.attach_adapters(adapters)?;
+    model.merged()?.save(&a.out, tok.as_ref())?;
     println!(
-        "wrote {} ({} with the rank-{rank} adapter of {} folded in)",
+        "wrote {} ({} with the rank-{rank} adapter of {} folded in{})",
         a.out.display(),
         a.model,
-        a.adapter.display()
+        a.adapter.display(),
+        if tok.is_none() {
+            "; the base has no tokenizer.json, so neither has this"
+        } else {
+            ""
+        }
     );
     Ok(())
 }

@@ -390,7 +390,9 @@ fn is_model_dir(dir: &Path) -> bool {
     dir.join("config.json").is_file()
         && (dir.join("model.safetensors").is_file()
             || dir.join("model.safetensors.index.json").is_file())
-        || dir.join(stepppo::model::lora::ADAPTER_CONFIG_FILE).is_file()
+        || dir
+            .join(stepppo::model::lora::ADAPTER_CONFIG_FILE)
+            .is_file()
 }
 
 /// The config a checkpoint was trained with, with `--set` overrides applied.

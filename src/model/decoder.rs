@@ -79,8 +79,9 @@ impl Linear {
         match &self.lora {
             None => Ok(y),
             Some(l) => {
-                let low = affine(x, &l.a, None, ops)?;
-                Ok((y + (affine(&low, &l.b, None, ops)? * l.scale)?)?)
+                // The scale on the thin `[rows, r]` product, not on the full-width output.
+                let low = (affine(x, &l.a, None, ops)? * l.scale)?;
+                Ok((y + affine(&low, &l.b, None, ops)?)?)
             }
         }
     }
@@ -97,15 +98,30 @@ impl Linear {
         }
     }
 
-    /// The layer for the incremental path: the adapter merged, detached, in `dtype`.
-    fn rollout_copy(&self, dtype: DType) -> Result<Self> {
-        Ok(Self::plain(
-            self.merged_weight()?.to_dtype(dtype)?,
-            self.bias
-                .as_ref()
-                .map(|b| rollout_tensor(b, dtype))
-                .transpose()?,
-        ))
+    /// The layer for the incremental path, detached, in `dtype`: an adapter merged into the
+    /// weight, or (`merge` false) kept beside it.
+    fn rollout_copy(&self, dtype: DType, merge: bool) -> Result<Self> {
+        let bias = self
+            .bias
+            .as_ref()
+            .map(|b| rollout_tensor(b, dtype))
+            .transpose()?;
+        if merge {
+            return Ok(Self::plain(self.merged_weight()?.to_dtype(dtype)?, bias));
+        }
+        let lora = match &self.lora {
+            Some(l) => Some(LoraPair {
+                a: rollout_tensor(&l.a, dtype)?,
+                b: rollout_tensor(&l.b, dtype)?,
+                scale: l.scale,
+            }),
+            None => None,
+        };
+        Ok(Self {
+            weight: rollout_tensor(&self.weight, dtype)?,
+            bias,
+            lora,
+        })
     }
 
     /// The same layer with its base weight and bias detached (frozen under an adapter).
@@ -241,8 +257,9 @@ impl Trunk {
     /// The weights for the incremental path: detached from autograd, in `dtype`. In the
     /// weights' own dtype (f32 on CPU) they share storage with the trained `Var`s, so updates
     /// show through; in another dtype (bf16 on CUDA) they are a copy, refreshed after updates
-    /// by [`crate::model::Model::refresh_rollout_weights`].
-    pub(crate) fn rollout_copy(&self, dtype: DType) -> Result<Self> {
+    /// by [`crate::model::Model::refresh_rollout_weights`]. LoRA adapters are folded into their
+    /// projection's weight (a copy) with `merge`, else kept as they are.
+    pub(crate) fn rollout_copy(&self, dtype: DType, merge: bool) -> Result<Self> {
         let t = |x: &Tensor| rollout_tensor(x, dtype);
         let blocks = self
             .blocks
@@ -250,19 +267,19 @@ impl Trunk {
             .map(|b| {
                 Ok(Block {
                     input_norm: t(&b.input_norm)?,
-                    q: b.q.rollout_copy(dtype)?,
-                    k: b.k.rollout_copy(dtype)?,
-                    v: b.v.rollout_copy(dtype)?,
-                    o: b.o.rollout_copy(dtype)?,
+                    q: b.q.rollout_copy(dtype, merge)?,
+                    k: b.k.rollout_copy(dtype, merge)?,
+                    v: b.v.rollout_copy(dtype, merge)?,
+                    o: b.o.rollout_copy(dtype, merge)?,
                     qk_norm: b
                         .qk_norm
                         .as_ref()
                         .map(|(q, k)| Ok::<_, ModelError>((t(q)?, t(k)?)))
                         .transpose()?,
                     post_norm: t(&b.post_norm)?,
-                    gate: b.gate.rollout_copy(dtype)?,
-                    up: b.up.rollout_copy(dtype)?,
-                    down: b.down.rollout_copy(dtype)?,
+                    gate: b.gate.rollout_copy(dtype, merge)?,
+                    up: b.up.rollout_copy(dtype, merge)?,
+                    down: b.down.rollout_copy(dtype, merge)?,
                 })
             })
             .collect::<Result<_>>()?;

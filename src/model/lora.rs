@@ -70,7 +70,9 @@ fn all_linear() -> Vec<String> {
     vec![ALL_LINEAR.to_string()]
 }
 
-fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Vec<String>, D::Error> {
+fn one_or_many<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Vec<String>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum OneOrMany {
@@ -341,8 +343,9 @@ impl Adapters {
     }
 }
 
-/// Keys of PEFT's `LoraConfig` that describe an adapter without changing what it computes.
-const METADATA_KEYS: [&str; 9] = [
+/// Keys of PEFT's `LoraConfig` that describe an adapter without changing what it computes
+/// (`qalora_group_size` only counts with `use_qalora`, which must be false).
+const METADATA_KEYS: [&str; 11] = [
     "peft_type",
     "task_type",
     "base_model_name_or_path",
@@ -352,6 +355,8 @@ const METADATA_KEYS: [&str; 9] = [
     "auto_mapping",
     "peft_version",
     "lora_dropout",
+    "megatron_core",
+    "qalora_group_size",
 ];
 
 /// The spec and base model of a PEFT `adapter_config.json`: `r`, `lora_alpha`, `lora_dropout` and
@@ -383,7 +388,9 @@ fn read_peft_config(path: &Path) -> Result<(LoraSpec, String)> {
     };
     let rank = number("r")?;
     if rank < 1.0 || rank.fract() != 0.0 {
-        return Err(bad(format!("key `r`: must be a positive integer, got {rank}")));
+        return Err(bad(format!(
+            "key `r`: must be a positive integer, got {rank}"
+        )));
     }
     let target_modules = match map.get("target_modules") {
         Some(serde_json::Value::String(s)) if s == ALL_LINEAR => vec![s.clone()],
@@ -449,10 +456,12 @@ fn is_neutral(key: &str, value: &serde_json::Value) -> bool {
 }
 
 fn unexpected(name: &str, file: &Path) -> ModelError {
-    ModelError::UnexpectedTensor {
-        name: name.to_string(),
-        file: file.display().to_string(),
-        model_type: "LoRA adapter".into(),
+    ModelError::Safetensors {
+        path: file.display().to_string(),
+        message: format!(
+            "tensor `{name}` is not a LoRA A or B of a module that {ADAPTER_CONFIG_FILE}'s \
+             target_modules name on this model"
+        ),
     }
 }
 

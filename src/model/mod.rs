@@ -132,6 +132,17 @@ fn rollout_dtype(device: &Device) -> DType {
     }
 }
 
+/// How the incremental (rollout) path applies LoRA adapters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AdapterRollout {
+    /// Folded into the projections' weights after each update (`W + scale · B A`, a copy): the
+    /// decode costs what the base model's does.
+    #[default]
+    Merged,
+    /// Kept beside the weights: two thin products more per projection and token, no copy.
+    Unmerged,
+}
+
 /// The policy: decoder trunk + LM head over `Var`s in a `VarMap`.
 pub struct Model {
     cfg: ModelConfig,
@@ -146,6 +157,7 @@ pub struct Model {
     value_head: Option<ValueHead>,
     /// LoRA adapters on the projections; while attached, the base weights are frozen.
     adapters: Option<Adapters>,
+    adapter_rollout: AdapterRollout,
 }
 
 impl Model {
@@ -174,7 +186,7 @@ impl Model {
         let rollout_dtype = rollout_dtype(device);
         Ok(Self {
             cfg: cfg.clone(),
-            frozen_trunk: trunk.rollout_copy(rollout_dtype)?,
+            frozen_trunk: trunk.rollout_copy(rollout_dtype, true)?,
             frozen_lm_head: decoder::rollout_tensor(&lm_head, rollout_dtype)?,
             trunk,
             lm_head,
@@ -182,15 +194,17 @@ impl Model {
             device: device.clone(),
             value_head,
             adapters: None,
+            adapter_rollout: AdapterRollout::default(),
         })
     }
 
     /// Re-reads the incremental path's weights from the trained ones. Needed after an optimizer
-    /// step only where the rollout weights are a copy (bf16 on CUDA); on the CPU they share
-    /// storage and this is cheap.
+    /// step where the rollout weights are a copy (bf16 on CUDA, merged LoRA adapters); on the
+    /// CPU without adapters they share storage and this is cheap.
     pub fn refresh_rollout_weights(&mut self) -> Result<()> {
         let dtype = rollout_dtype(&self.device);
-        self.frozen_trunk = self.trunk.rollout_copy(dtype)?;
+        let merge = self.adapter_rollout == AdapterRollout::Merged;
+        self.frozen_trunk = self.trunk.rollout_copy(dtype, merge)?;
         self.frozen_lm_head = decoder::rollout_tensor(&self.lm_head, dtype)?;
         Ok(())
     }
@@ -223,6 +237,13 @@ impl Model {
         self.refresh_rollout_weights()
     }
 
+    /// Chooses how generation applies the adapters (merged by default: `benches/lora.rs`
+    /// measures both) and refreshes the rollout weights.
+    pub fn set_adapter_rollout(&mut self, mode: AdapterRollout) -> Result<()> {
+        self.adapter_rollout = mode;
+        self.refresh_rollout_weights()
+    }
+
     /// The attached LoRA adapters, if any.
     pub fn adapters(&self) -> Option<&Adapters> {
         self.adapters.as_ref()
@@ -240,12 +261,13 @@ impl Model {
             cfg: self.cfg.clone(),
             varmap: self.varmap.clone(),
             device: self.device.clone(),
-            frozen_trunk: trunk.rollout_copy(dtype)?,
+            frozen_trunk: trunk.rollout_copy(dtype, true)?,
             frozen_lm_head: decoder::rollout_tensor(&self.lm_head, dtype)?,
             trunk,
             lm_head: self.lm_head.clone(),
             value_head: self.value_head.clone(),
             adapters: None,
+            adapter_rollout: AdapterRollout::default(),
         })
     }
 
