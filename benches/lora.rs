@@ -134,7 +134,8 @@ fn update(model: &Model, opt: &mut AdamW, batch: usize, len: usize) -> f64 {
     loss.to_dtype(DType::F64).unwrap().to_scalar().unwrap()
 }
 
-/// Decode tokens/s of greedy generation from `GEN`'s prompts.
+/// Decode tokens/s of greedy generation from `GEN`'s prompts: the time of the whole generation
+/// less that of its prefill (the same prompts with one new token).
 fn decode_rate(model: &Model) -> f64 {
     let (n, prompt_len, new) = GEN;
     let prompts: Vec<Vec<u32>> = (0..n)
@@ -144,22 +145,19 @@ fn decode_rate(model: &Model) -> f64 {
                 .collect()
         })
         .collect();
-    let mut pool = KvPool::new(model.config(), n * (prompt_len + new) + 64, &Device::Cpu).unwrap();
-    let mut rngs: Vec<ChaCha8Rng> = (0..n)
-        .map(|i| ChaCha8Rng::seed_from_u64(i as u64))
-        .collect();
-    let start = Instant::now();
-    generate(
-        model,
-        &mut pool,
-        &prompts,
-        new,
-        &SamplingParams::greedy(),
-        &mut rngs,
-        None,
-    )
-    .unwrap();
-    (n * new) as f64 / start.elapsed().as_secs_f64()
+    let run = |new: usize| {
+        let mut pool =
+            KvPool::new(model.config(), n * (prompt_len + new) + 64, &Device::Cpu).unwrap();
+        let mut rngs: Vec<ChaCha8Rng> = (0..n)
+            .map(|i| ChaCha8Rng::seed_from_u64(i as u64))
+            .collect();
+        let start = Instant::now();
+        let params = SamplingParams::greedy();
+        generate(model, &mut pool, &prompts, new, &params, &mut rngs, None).unwrap();
+        start.elapsed().as_secs_f64()
+    };
+    let prefill = run(1);
+    (n * (new - 1)) as f64 / (run(new) - prefill)
 }
 
 fn peak_rss_mb() -> f64 {
