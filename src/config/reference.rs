@@ -665,6 +665,7 @@ fn field_orders() -> BTreeMap<String, &'static [&'static str]> {
         GatewayConfig,
         RewardNormalization,
         GigpoConfig,
+        crate::model::LoraSpec,
         ProtocolConfig,
         FrozenLakeConfig,
         SokobanConfig,
