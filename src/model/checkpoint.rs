@@ -14,6 +14,7 @@ use candle_nn::VarMap;
 
 use super::critic::{value_head_shapes, SCORE_WEIGHT};
 use super::lora::{Adapters, ADAPTER_CONFIG_FILE};
+pub use super::params::write_safetensors;
 use super::{params, Critic, Model, ModelConfig, ModelError, Result, ValueMlp};
 use crate::tokenizer::Tokenizer;
 
@@ -135,21 +136,6 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     files.sort();
     Ok(files.into_iter().map(|f| dir.join(f)).collect())
-}
-
-/// Writes `tensors` as one safetensors file with `{"format": "pt"}` metadata.
-pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
-    let metadata = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
-    let contiguous: Vec<(String, Tensor)> = tensors
-        .iter()
-        .map(|(n, t)| Ok((n.clone(), t.contiguous()?)))
-        .collect::<Result<_>>()?;
-    safetensors::tensor::serialize_to_file(contiguous, metadata, path).map_err(|e| {
-        ModelError::Safetensors {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        }
-    })
 }
 
 fn write_dir(

@@ -22,7 +22,6 @@ use rand::Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint::write_safetensors;
 use super::decoder::LoraPair;
 use super::{params, ModelConfig, ModelError, Result};
 
@@ -281,7 +280,7 @@ impl Adapters {
             .into_iter()
             .map(|(n, v)| (format!("{PEFT_PREFIX}{n}"), v.as_tensor().detach()))
             .collect();
-        write_safetensors(&dir.join(ADAPTER_WEIGHTS_FILE), &tensors)
+        params::write_safetensors(&dir.join(ADAPTER_WEIGHTS_FILE), &tensors)
     }
 
     /// Reads a PEFT adapter directory for a model of `cfg`; see the module doc for what is

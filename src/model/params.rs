@@ -1,6 +1,10 @@
-//! Named parameters: deterministic HF-style initialisation into a `VarMap`, lookup by name, and
-//! the sorted list the optimiser and checkpoints walk. The RNG is a ChaCha8 stream seeded through
+//! Named parameters: deterministic HF-style initialisation into a `VarMap`, lookup by name, the
+//! sorted list the optimiser and checkpoints walk, and the safetensors file named tensors are
+//! written to. The RNG is a ChaCha8 stream seeded through
 //! [`crate::seed::derive`], one stream per parameter name so adding a head does not shift others.
+
+use std::collections::HashMap;
+use std::path::Path;
 
 use candle_core::{Device, Tensor, Var};
 use candle_nn::VarMap;
@@ -111,6 +115,21 @@ pub(crate) fn named_vars(varmap: &VarMap) -> Vec<(String, Var)> {
     let mut vars: Vec<(String, Var)> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     vars
+}
+
+/// Writes `tensors` as one safetensors file with `{"format": "pt"}` metadata.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let metadata = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
+    let contiguous: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), t.contiguous()?)))
+        .collect::<Result<_>>()?;
+    safetensors::tensor::serialize_to_file(contiguous, metadata, path).map_err(|e| {
+        ModelError::Safetensors {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        }
+    })
 }
 
 #[cfg(test)]
