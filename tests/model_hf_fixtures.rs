@@ -458,6 +458,7 @@ fn adapters_stepppo_cannot_compute_exactly_are_errors_naming_the_key() {
         ("modules_to_save", json!(["lm_head"])),
         ("layers_to_transform", json!([0])),
         ("fan_in_fan_out", json!(true)),
+        ("init_lora_weights", json!("pissa")),
     ] {
         refused(adapter_with(name, key, value).path(), key);
     }

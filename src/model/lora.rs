@@ -344,13 +344,12 @@ impl Adapters {
 
 /// Keys of PEFT's `LoraConfig` that describe an adapter without changing what it computes
 /// (`qalora_group_size` only counts with `use_qalora`, which must be false).
-const METADATA_KEYS: [&str; 11] = [
+const METADATA_KEYS: [&str; 10] = [
     "peft_type",
     "task_type",
     "base_model_name_or_path",
     "revision",
     "inference_mode",
-    "init_lora_weights",
     "auto_mapping",
     "peft_version",
     "lora_dropout",
@@ -413,8 +412,22 @@ fn read_peft_config(path: &Path) -> Result<(LoraSpec, String)> {
             )))
         }
     };
+    // PEFT re-runs the initialisation when it loads an adapter; PiSSA, OLoRA, LoftQ and the like
+    // rewrite the base weights then, so the adapter only means something on that rewritten base.
+    match map.get("init_lora_weights") {
+        None | Some(serde_json::Value::Bool(_)) => {}
+        Some(serde_json::Value::String(s)) if s == "gaussian" => {}
+        Some(other) => {
+            return Err(bad(format!(
+                "key `init_lora_weights` = {other}: this initialisation rewrites the base weights \
+                 when PEFT loads the adapter, which stepppo does not do (convert the adapter to \
+                 plain LoRA first)"
+            )))
+        }
+    }
     for (key, value) in map {
-        let read = ["r", "lora_alpha", "target_modules"].contains(&key.as_str());
+        let read =
+            ["r", "lora_alpha", "target_modules", "init_lora_weights"].contains(&key.as_str());
         if read || METADATA_KEYS.contains(&key.as_str()) || is_neutral(key, value) {
             continue;
         }
