@@ -205,11 +205,6 @@ impl Adapters {
         &self.spec
     }
 
-    /// The base model's name or directory, as `adapter_config.json` records it.
-    pub fn base_model(&self) -> &str {
-        &self.base_model
-    }
-
     /// The same adapters recorded as adapting `base_model`.
     pub fn with_base_model(self, base_model: &str) -> Self {
         Self {
