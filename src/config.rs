@@ -507,7 +507,9 @@ impl Default for CacheConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct GatewayConfig {
     /// `host:port` to listen on (port 0 picks a free one, printed at start). May change on
-    /// `--resume`.
+    /// `--resume`. An address other than loopback needs an API key in the `STEPPPO_API_KEY`
+    /// environment variable (never in the config, so never in the run directory); with the
+    /// variable set, every request must send it as `Authorization: Bearer <key>`.
     pub listen: String,
     /// The model id clients send.
     pub served_model_name: String,
@@ -517,6 +519,9 @@ pub struct GatewayConfig {
     pub session_ttl_s: u64,
     /// Largest request body in bytes; at least 1024.
     pub max_body_bytes: usize,
+    /// Added to the reward of a step whose reply tried to call a tool and the call did not
+    /// parse (the reply is returned as text; the step records `tool_call_error`); ≤ 0.
+    pub tool_call_penalty: f32,
 }
 
 impl Default for GatewayConfig {
@@ -527,6 +532,7 @@ impl Default for GatewayConfig {
             default_max_tokens: 64,
             session_ttl_s: 600,
             max_body_bytes: 1 << 20,
+            tool_call_penalty: -0.1,
         }
     }
 }
@@ -546,6 +552,12 @@ impl GatewayConfig {
             return Err((
                 "gateway.max_body_bytes".into(),
                 format!("must be at least 1024, got {}", self.max_body_bytes),
+            ));
+        }
+        if !(self.tool_call_penalty <= 0.0 && self.tool_call_penalty.is_finite()) {
+            return Err((
+                "gateway.tool_call_penalty".into(),
+                format!("must be finite and ≤ 0, got {}", self.tool_call_penalty),
             ));
         }
         Ok(())

@@ -14,12 +14,14 @@
 
 mod hf_files;
 pub mod jinja;
+pub mod tool_calls;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
 pub use jinja::{JinjaTemplate, Message};
+pub use tool_calls::{ToolCall, ToolCallFormat};
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
@@ -255,6 +257,11 @@ impl Tokenizer {
         self.chat_template.as_deref()
     }
 
+    /// How this tokenizer's chat template writes tool calls (the built-in one: Hermes).
+    pub fn tool_call_format(&self) -> std::result::Result<ToolCallFormat, String> {
+        ToolCallFormat::of_template(self.chat_template().map(JinjaTemplate::source))
+    }
+
     /// Writes `tokenizer.json` that [`Tokenizer::from_file`] (and HF) load back identically.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
@@ -425,39 +432,57 @@ impl ChatTemplate {
     /// `apply_chat_template(messages, add_generation_prompt=True)` gives, tokenised (built in:
     /// each message as `<|im_start|>{role}\n{content}<|im_end|>\n`).
     pub fn conversation(&self, tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
+        self.conversation_with_tools(tok, messages, &[])
+    }
+
+    /// [`ChatTemplate::conversation`] offering the functions `tools` (their JSON schemas as
+    /// sent): `apply_chat_template(messages, tools=tools, add_generation_prompt=True)`.
+    pub fn conversation_with_tools(
+        &self,
+        tok: &Tokenizer,
+        messages: &[Message],
+        tools: &[String],
+    ) -> Result<Vec<u32>> {
         if let Some(t) = tok.chat_template() {
-            return render_ids(tok, t, messages, true);
+            return Ok(tok.encode(&t.render(messages, tools, true)?));
         }
-        let mut ids: Vec<u32> = messages
+        Ok(self.builtin_conversation(tok, &builtin_turns(messages, tools, true)))
+    }
+
+    fn builtin_conversation(&self, tok: &Tokenizer, turns: &[(String, String)]) -> Vec<u32> {
+        let mut ids: Vec<u32> = turns
             .iter()
-            .flat_map(|m| self.message(tok, m.role, m.content))
+            .flat_map(|(role, text)| self.message(tok, role, text))
             .collect();
         ids.push(im_start_id(tok));
         ids.extend(tok.encode("assistant\n"));
-        Ok(ids)
+        ids
     }
 
     /// The tokens that follow a sampled `response` (the reply to `history`) when the messages
     /// `trailing` come after it: what closes the response, the trailing messages and the
     /// generation prompt, as the template renders the whole conversation. The response itself
-    /// is never re-tokenised, so a context built this way extends the last one.
+    /// is never re-tokenised, so a context built this way extends the last one. `tools` are the
+    /// conversation's function schemas (the template may render later turns differently with
+    /// them).
     pub fn after_reply(
         &self,
         tok: &Tokenizer,
         response: &[u32],
         history: &[Message],
         trailing: &[Message],
+        tools: &[String],
     ) -> Result<Vec<u32>> {
         let Some(t) = tok.chat_template() else {
             let mut ids = self.close_response(tok, response)?;
-            let rest = self.conversation(tok, trailing)?;
-            ids.extend(rest);
+            let turns = builtin_turns(trailing, tools, false);
+            ids.extend(self.builtin_conversation(tok, &turns));
             return Ok(ids);
         };
         let mut messages = history.to_vec();
         messages.push(msg("assistant", RESPONSE_MARK));
         messages.extend_from_slice(trailing);
-        let after = suffix_after_mark(t, &t.render(&messages, true)?)?;
+        let after = suffix_after_mark(t, &t.render(&messages, tools, true)?)?;
         Ok(tok.encode(strip_eos(tok, response, &after)))
     }
 
@@ -479,7 +504,51 @@ impl ChatTemplate {
 }
 
 fn msg<'a>(role: &'a str, content: &'a str) -> Message<'a> {
-    Message { role, content }
+    Message::text(role, content)
+}
+
+/// A conversation as the built-in template sees it: plain (role, text) turns, with tools in the
+/// Hermes layout of [`tool_calls`] — the schemas appended to the system message (one is added
+/// when the conversation has none), calls written into their assistant turn, and each run of
+/// tool results as one user turn. `opening` says whether `messages` start the conversation
+/// (only then do the schemas go in).
+fn builtin_turns(messages: &[Message], tools: &[String], opening: bool) -> Vec<(String, String)> {
+    let mut turns: Vec<(String, String)> = Vec::new();
+    let mut rest = messages;
+    if opening && !tools.is_empty() {
+        let system = match messages.first() {
+            Some(m) if m.role == "system" => {
+                rest = &messages[1..];
+                m.content
+            }
+            _ => None,
+        };
+        turns.push((
+            "system".into(),
+            tool_calls::builtin_tools_system(system, tools),
+        ));
+    }
+    let mut i = 0;
+    while i < rest.len() {
+        let m = &rest[i];
+        if m.role == "tool" {
+            let run = rest[i..].iter().take_while(|m| m.role == "tool").count();
+            let results = rest[i..i + run]
+                .iter()
+                .map(|m| m.content.unwrap_or_default());
+            turns.push(("user".into(), tool_calls::builtin_tool_results(results)));
+            i += run;
+            continue;
+        }
+        let text = if m.tool_calls.is_empty() {
+            m.content.unwrap_or_default().to_string()
+        } else {
+            tool_calls::builtin_call_text(m.content, m.tool_calls)
+        };
+        turns.push((m.role.to_string(), text));
+        i += 1;
+    }
+    turns
 }
 
 fn render_ids(
@@ -488,7 +557,7 @@ fn render_ids(
     messages: &[Message],
     add_generation_prompt: bool,
 ) -> Result<Vec<u32>> {
-    Ok(tok.encode(&template.render(messages, add_generation_prompt)?))
+    Ok(tok.encode(&template.render(messages, &[], add_generation_prompt)?))
 }
 
 /// What the template renders after an assistant turn: `(close, next)`, where `close` ends the
@@ -500,12 +569,12 @@ fn after_response(template: &JinjaTemplate, user: Option<&str>) -> Result<(Strin
         msg("user", "U"),
         msg("assistant", RESPONSE_MARK),
     ];
-    let close = suffix_after_mark(template, &template.render(&messages, false)?)?;
+    let close = suffix_after_mark(template, &template.render(&messages, &[], false)?)?;
     let Some(user) = user else {
         return Ok((close.clone(), close));
     };
     messages.push(msg("user", user));
-    let next = suffix_after_mark(template, &template.render(&messages, true)?)?;
+    let next = suffix_after_mark(template, &template.render(&messages, &[], true)?)?;
     if !next.starts_with(&close) {
         return Err(TokenizerError::Template {
             path: template.origin().to_string(),

@@ -4,7 +4,9 @@
 //! recording server.
 
 mod examples_python;
+mod http_client;
 use examples_python::examples_python;
+use http_client::{agent, get, post, sse_chunks};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -43,38 +45,6 @@ fn start_gateway_with(model: Model, tokenizer: Tokenizer, record: Option<&Path>)
         recorder,
     });
     url
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .build()
-        .into()
-}
-
-/// POSTs `body` (raw text) with optional headers; returns status and parsed body.
-fn post(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
-    let mut req = agent().post(url).header("content-type", "application/json");
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let mut resp = req.send(body).unwrap();
-    let status = resp.status().as_u16();
-    let text = resp.body_mut().read_to_string().unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
-}
-
-fn get(url: &str) -> (u16, Value) {
-    let mut resp = agent().get(url).call().unwrap();
-    let status = resp.status().as_u16();
-    let text = resp.body_mut().read_to_string().unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
 }
 
 fn chat_body<S: AsRef<str>>(messages: &[(&str, S)], extra: Value) -> String {
@@ -223,18 +193,6 @@ fn a_checkpoint_template_continues_sessions_with_the_sampled_tokens() {
 }
 
 /// Parses a server-sent event stream into its JSON chunks (without the final `[DONE]`).
-fn sse_chunks(text: &str) -> Vec<Value> {
-    let data: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
-    assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
-    data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect()
-}
-
 #[test]
 fn a_stream_carries_the_same_text_as_the_plain_reply() {
     let url = start_gateway(None);

@@ -41,6 +41,8 @@ fn trajectory(traj_id: u64, group_id: u64, turns: u32, new_tokens: u32) -> Vec<S
                     num_actions: t + 1,
                     observation_text: format!("state of {traj_id} at turn {t}\n_P_G ✓"),
                     action_text: format!("<answer>Right || Down {t}</answer>"),
+                    tool_call_error: t % 4 == 1,
+                    context_rebuilt: false,
                 },
                 critic_state: (0..(group_id % 3) as usize)
                     .map(|i| i as f32 - 0.5)

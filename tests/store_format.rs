@@ -1,6 +1,7 @@
-//! The on-disk format stays readable: segments written by format versions 1, 2 and 3 are pinned
-//! here byte for byte; arbitrary or mutated bytes never make the reader panic or return a changed
-//! record (backward text references included); appending to a dataset whose last segment is an
+//! The on-disk format stays readable: segments written by format versions 1 to 5 are pinned
+//! here byte for byte (records of versions before 5 read with `tool_call_error` and
+//! `context_rebuilt` false); arbitrary or mutated bytes never make the reader panic or return a
+//! changed record (backward text references included); appending to a dataset whose last segment is an
 //! unsealed older-format one seals that segment and continues in a new one.
 
 use proptest::prelude::*;
@@ -33,6 +34,8 @@ fn pinned_record() -> StepRecord {
             num_actions: 2,
             observation_text: "#P_#".into(),
             action_text: "<answer>Up</answer>".into(),
+            tool_call_error: false,
+            context_rebuilt: false,
         },
         critic_state: Vec::new(),
     }
@@ -223,7 +226,68 @@ const V4_SEGMENT: &str = "\
 
 #[test]
 fn version_4_segments_stay_readable_and_are_still_written_identically() {
-    check_pinned(V4_SEGMENT, 4, &pinned_records_v4());
+    let (bytes, scan) = check_pinned(V4_SEGMENT, 4, &pinned_records_v4());
+    for frame in &scan.frames {
+        let meta = scan.view(&bytes, frame).meta_view().unwrap();
+        assert!(!meta.tool_call_error && !meta.context_rebuilt);
+    }
+}
+
+/// The records of the pinned version-5 segment: those of version 4, one whose tool call did
+/// not parse and one whose context was rebuilt (both flags set).
+fn pinned_records_v5() -> Vec<StepRecord> {
+    let mut fifth = StepRecord {
+        traj_id: 9,
+        ..pinned_record()
+    };
+    fifth.info.action_is_valid = false;
+    fifth.info.tool_call_error = true;
+    let mut sixth = StepRecord {
+        step_index: 2,
+        context_len: 0,
+        ..fifth.clone()
+    };
+    sixth.info.context_rebuilt = true;
+    let mut records = pinned_records_v4();
+    records.extend([fifth, sixth]);
+    records
+}
+
+/// `seg-000000.stp` holding [`pinned_records_v5`], as written by format version 5.
+const V5_SEGMENT: &str = "\
+    535450504f534547050000000000000053545046640000006a277c7000050201\
+    090302020a000000000000bf000000c00a00000b00005b50020000002a00005d\
+    50027a000823505f23263c616e737765723e55703c2f616e737765723e07736f\
+    6b6f62616e4d00000000000000efcdab89674523010302cdccccbdcdccccbd00\
+    53545046440000003ee35990010602010901020208000000000000bf000000c0\
+    0c0000002a00005d50027a00030307736f6b6f62616e4d00000000000000efcd\
+    ab896745230103020000803fcdccccbd5354504650000000f7917dc102070201\
+    0901020204000000000040bf01000080070000002c01ffff1a00052a3c616e73\
+    7765723e446f776e3c2f616e737765723e07736f6b6f62616e4d000000000000\
+    00efcdab89674523010302005354504660000000f6c0f31e0308020109030202\
+    0a000000000000bf000000c00a00000b00005b50020000002a00005d5002fa00\
+    070707736f6b6f62616e4d00000000000000efcdab89674523010302cdccccbd\
+    cdccccbd040000803f00000000000000bf01000080000000535450464c000000\
+    67968c1e04090201090302020a000000000000bf000000c00a00000b00005b50\
+    020000002a00005d50027201090907736f6b6f62616e4d00000000000000efcd\
+    ab89674523010302cdccccbdcdccccbd535450464c0000003cb7a1e205090202\
+    000302020a000000000000bf000000c00a00000b00005b50020000002a00005d\
+    500272030b0b07736f6b6f62616e4d00000000000000efcdab89674523010302\
+    cdccccbdcdccccbd535450530600000000000000050000000000000010000000\
+    00000000060000000000000080000000000000000700000000000000d0000000\
+    0000000008000000000000002c01000000000000090000000000000098010000\
+    000000000900000000000000f001000000000000360d5ebd6800000053545045\
+";
+
+#[test]
+fn version_5_segments_stay_readable_and_are_still_written_identically() {
+    let (bytes, scan) = check_pinned(V5_SEGMENT, 5, &pinned_records_v5());
+    let flags: Vec<(bool, bool)> = (scan.frames.iter())
+        .map(|f| scan.view(&bytes, f).meta_view().unwrap())
+        .map(|m| (m.tool_call_error, m.context_rebuilt))
+        .collect();
+    let (none, tool, both) = ((false, false), (true, false), (true, true));
+    assert_eq!(flags, [none, none, none, none, tool, both]);
 }
 
 #[test]
@@ -321,6 +385,23 @@ proptest! {
         }
         bytes.truncate(cut.index(bytes.len() + 1));
         let originals = pinned_records_v3();
+        for record in read_all(&bytes).into_iter().flatten() {
+            prop_assert!(originals.contains(&record), "{record:?}");
+        }
+    }
+
+    #[test]
+    fn mutated_version_5_segments_never_return_a_changed_record(
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let mut bytes = unhex(V5_SEGMENT);
+        for (at, value) in edits {
+            let i = at.index(bytes.len());
+            bytes[i] = value;
+        }
+        bytes.truncate(cut.index(bytes.len() + 1));
+        let originals = pinned_records_v5();
         for record in read_all(&bytes).into_iter().flatten() {
             prop_assert!(originals.contains(&record), "{record:?}");
         }

@@ -60,11 +60,11 @@ fn render(tok: &Tokenizer, case: &Case) -> String {
     let messages: Vec<Message> = case
         .messages
         .iter()
-        .map(|(role, content)| Message { role, content })
+        .map(|(role, content)| Message::text(role, content))
         .collect();
     tok.chat_template()
         .unwrap()
-        .render(&messages, case.add_generation_prompt)
+        .render(&messages, &[], case.add_generation_prompt)
         .unwrap()
 }
 
@@ -154,13 +154,7 @@ fn template_file_wins_and_errors_name_the_file() {
     let text = tok
         .chat_template()
         .unwrap()
-        .render(
-            &[Message {
-                role: "user",
-                content: " hi ",
-            }],
-            false,
-        )
+        .render(&[Message::text("user", " hi ")], &[], false)
         .unwrap();
     assert_eq!(text, "[USER]hi");
 
@@ -182,4 +176,105 @@ fn builtin_tokenizer_keeps_the_builtin_template() {
         tok.decode(&ids),
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     );
+}
+
+/// A case of `tests/fixtures/hf/chat-tools/<family>/expected.json` (written by
+/// `scripts/make_tool_template_fixtures.py` with transformers): raw JSON kept for the tool
+/// schemas and call arguments, whose key order the template's `tojson` must keep.
+#[derive(serde::Deserialize)]
+struct ToolCase {
+    name: String,
+    messages: Vec<FixtureMessage>,
+    tools: Option<Vec<Box<serde_json::value::RawValue>>>,
+    add_generation_prompt: bool,
+    text: String,
+    ids: Vec<u32>,
+}
+
+#[derive(serde::Deserialize)]
+struct FixtureMessage {
+    role: String,
+    content: Option<String>,
+    #[serde(default)]
+    tool_calls: Vec<FixtureCall>,
+    tool_call_id: Option<String>,
+    name: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+struct FixtureCall {
+    id: String,
+    function: FixtureFunction,
+}
+
+#[derive(serde::Deserialize)]
+struct FixtureFunction {
+    name: String,
+    arguments: Box<serde_json::value::RawValue>,
+}
+
+#[test]
+fn tool_templates_render_what_apply_chat_template_renders() {
+    use stepppo::tokenizer::{ToolCall, ToolCallFormat};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/chat-tools");
+    for (family, format) in [
+        ("qwen2.5", ToolCallFormat::Hermes),
+        ("qwen3", ToolCallFormat::Hermes),
+        ("llama3.1", ToolCallFormat::Llama3Json),
+    ] {
+        let dir = root.join(family);
+        let tok = Tokenizer::from_dir(&dir).unwrap();
+        assert_eq!(tok.tool_call_format(), Ok(format), "{family}");
+        #[derive(serde::Deserialize)]
+        struct Cases {
+            cases: Vec<ToolCase>,
+        }
+        let text = std::fs::read_to_string(dir.join("expected.json")).unwrap();
+        let cases: Cases = serde_json::from_str(&text).unwrap();
+        assert!(cases.cases.len() >= 6, "{family}");
+        for case in &cases.cases {
+            let calls: Vec<Vec<ToolCall>> = case
+                .messages
+                .iter()
+                .map(|m| {
+                    m.tool_calls
+                        .iter()
+                        .map(|c| ToolCall::new(&c.id, &c.function.name, c.function.arguments.get()))
+                        .collect()
+                })
+                .collect();
+            let messages: Vec<Message> = case
+                .messages
+                .iter()
+                .zip(&calls)
+                .map(|(m, calls)| Message {
+                    role: &m.role,
+                    content: m.content.as_deref(),
+                    tool_calls: calls,
+                    tool_call_id: m.tool_call_id.as_deref(),
+                    name: m.name.as_deref(),
+                })
+                .collect();
+            let tools: Vec<String> = case
+                .tools
+                .iter()
+                .flatten()
+                .map(|t| t.get().to_string())
+                .collect();
+            let label = format!("{family}/{}", case.name);
+            let rendered = tok
+                .chat_template()
+                .unwrap()
+                .render(&messages, &tools, case.add_generation_prompt)
+                .unwrap_or_else(|e| panic!("{label}: {e}"));
+            assert_eq!(rendered, case.text, "{label}");
+            assert_eq!(tok.encode(&rendered), case.ids, "{label}");
+            if case.add_generation_prompt {
+                let ids = ChatTemplate
+                    .conversation_with_tools(&tok, &messages, &tools)
+                    .unwrap();
+                assert_eq!(ids, case.ids, "{label}");
+            }
+        }
+    }
 }

@@ -47,6 +47,8 @@ fn record(traj: u64, group: u64, step: u32, version: u64, last: bool, action: &s
                 "F F\nF G".into()
             },
             action_text: action.into(),
+            tool_call_error: false,
+            context_rebuilt: false,
         },
         critic_state: Vec::new(),
     }

@@ -9,7 +9,7 @@ use clap::Args;
 use stepppo::model::checkpoint::load_policy_with_adapter;
 use stepppo::model::lora::ADAPTER_CONFIG_FILE;
 use stepppo::rollout::engine::{Engine, EngineConfig};
-use stepppo::serve::{self, GatewayOptions, PolicyBackend, Recorder};
+use stepppo::serve::{self, ApiKey, GatewayOptions, PolicyBackend, Recorder, API_KEY_ENV};
 use stepppo::store::WriterOptions;
 use stepppo::train::checkpoint;
 
@@ -25,9 +25,14 @@ pub struct ServeArgs {
     /// The model id clients send (default: the `--model` value).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Address to bind. The default serves this machine only.
+    /// Address to bind. The default serves this machine only; any other address needs an API
+    /// key.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
+    /// The key clients must send (`Authorization: Bearer <key>`, the OpenAI clients' `api_key`).
+    /// Prefer the STEPPPO_API_KEY environment variable: a flag shows in the process list.
+    #[arg(long)]
+    pub api_key: Option<String>,
     /// Port to listen on; 0 picks a free one (printed).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
@@ -38,6 +43,9 @@ pub struct ServeArgs {
     /// Reply length when a request gives no `max_tokens`.
     #[arg(long, default_value_t = 256)]
     pub default_max_tokens: usize,
+    /// Added to the reward of a recorded step whose tool call did not parse (≤ 0).
+    #[arg(long, default_value_t = serve::DEFAULT_TOOL_CALL_PENALTY, allow_negative_numbers = true)]
+    pub tool_call_penalty: f32,
     /// Seconds an idle session is kept open before it is dropped unrecorded.
     #[arg(long, default_value_t = 600)]
     pub session_ttl: u64,
@@ -102,14 +110,27 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     );
     opts.host = a.host;
     opts.port = a.port;
+    opts.api_key = ApiKey::from_flag_or_env(a.api_key)
+        .map_err(|e| anyhow::anyhow!("--api-key / {API_KEY_ENV}: {e}"))?;
     opts.max_body_bytes = a.max_body_bytes;
     opts.worker.default_max_tokens = a.default_max_tokens;
     opts.worker.session_ttl = Duration::from_secs(a.session_ttl);
+    anyhow::ensure!(
+        a.tool_call_penalty <= 0.0 && a.tool_call_penalty.is_finite(),
+        "--tool-call-penalty: must be finite and ≤ 0, got {}",
+        a.tool_call_penalty
+    );
+    opts.worker.tool_call_penalty = a.tool_call_penalty;
     let gateway = serve::start(&opts)?;
     println!(
-        "stepppo serve: http://{}/v1 serving `{}`{} (Ctrl-C stops)",
+        "stepppo serve: http://{}/v1 serving `{}`{}{} (Ctrl-C stops)",
         gateway.addr(),
         opts.model_name,
+        if opts.api_key.is_some() {
+            ", API key required"
+        } else {
+            ""
+        },
         a.record
             .as_ref()
             .map(|d| format!(", recording into {}", d.display()))

@@ -4,7 +4,7 @@ use anyhow::Context;
 use clap::Args;
 use std::path::{Path, PathBuf};
 use stepppo::config::{Config, DeviceKind, GatewayConfig};
-use stepppo::serve::{self, GatewayOptions};
+use stepppo::serve::{self, ApiKey, GatewayOptions, API_KEY_ENV};
 use stepppo::store::Dataset;
 use stepppo::train::checkpoint;
 use stepppo::train::eval::{self, TagSummary};
@@ -223,7 +223,10 @@ fn train_from_gateway(
     let mut opts = GatewayOptions::new(&gateway.served_model_name, max_context, cfg.seed);
     opts.host = host;
     opts.port = port;
+    opts.api_key = ApiKey::from_flag_or_env(None)
+        .map_err(|e| anyhow::anyhow!("key `gateway`: {API_KEY_ENV}: {e}"))?;
     opts.max_body_bytes = gateway.max_body_bytes;
+    opts.worker.tool_call_penalty = gateway.tool_call_penalty;
     opts.worker.default_max_tokens = gateway.default_max_tokens;
     opts.worker.session_ttl = std::time::Duration::from_secs(gateway.session_ttl_s);
     let served = serve::start(&opts)?;

@@ -35,6 +35,18 @@ pub struct StepInfo {
     pub observation_text: String,
     /// The response text the agent produced (decoded from `response_ids`).
     pub action_text: String,
+    /// The response held text that looked like a tool call but did not parse as one (the
+    /// OpenAI-compatible gateway returns such text as plain content and records this flag).
+    /// False in records read from segments of format versions before 5.
+    #[serde(default)]
+    pub tool_call_error: bool,
+    /// This step's context was re-rendered from the client's message history, because that
+    /// history did not continue the tokens already sampled in the trajectory (edited history,
+    /// or a chat template that re-renders past turns differently): the step starts a fresh
+    /// context (`context_len` 0) although it is not the trajectory's first step. False in
+    /// records read from segments of format versions before 5.
+    #[serde(default)]
+    pub context_rebuilt: bool,
 }
 
 /// How the agent talks to the env: the protocol keys every env config takes next to the env's
@@ -604,5 +616,22 @@ mod tests {
             Some(vec![Action::Answer("Velmora".into())])
         );
         assert_eq!(parse_response("<search></search>", &qa, false, 1), None);
+    }
+
+    #[test]
+    fn step_info_json_without_the_gateway_flags_parses_with_both_false() {
+        let old = r#"{"success": true, "action_is_valid": true, "action_is_effective": false,
+            "format_penalty": 0.0, "num_actions": 1, "observation_text": "o", "action_text": "a"}"#;
+        let info: StepInfo = serde_json::from_str(old).unwrap();
+        assert!(info.success && !info.tool_call_error && !info.context_rebuilt);
+        let flagged = StepInfo {
+            tool_call_error: true,
+            context_rebuilt: true,
+            ..info
+        };
+        let json = serde_json::to_value(&flagged).unwrap();
+        assert_eq!(json["tool_call_error"], true);
+        assert_eq!(json["context_rebuilt"], true);
+        assert_eq!(serde_json::from_value::<StepInfo>(json).unwrap(), flagged);
     }
 }

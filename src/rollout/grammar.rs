@@ -5,6 +5,9 @@
 //! thoughts are free text that may not contain the end-of-turn token or the first token of
 //! `</think>`. Every response the grammar admits parses as a valid turn.
 //!
+//! A request of the gateway that forces a tool call samples under [`ResponseGrammar::tool_call`]:
+//! the opening of a call of an allowed function, then free text.
+//!
 //! The grammar is a small nondeterministic automaton over token ids (action names may share
 //! tokens; nothing needs to be merged). [`ResponseGrammar::allowed`] walks it over the tokens
 //! generated so far and returns the tokens that may come next. The rollout samples among those
@@ -130,6 +133,31 @@ impl ResponseGrammar {
             max_actions: protocol.max_actions_per_turn,
         };
         Ok(Self::build(&pieces, tok.eos_id()))
+    }
+
+    /// A reply that opens with one of `openings` (e.g. the start of a call of each function
+    /// `tool_choice` allows), then free text: what a request forcing a tool call samples under.
+    pub fn tool_call(tok: &Tokenizer, openings: &[String]) -> Result<Self, GrammarError> {
+        let mut g = ResponseGrammar {
+            nodes: vec![Node::default()],
+            eos: tok.eos_id(),
+        };
+        let free = g.add(Node {
+            free_except: Some(vec![tok.eos_id()]),
+            accepting: true,
+            ..Node::default()
+        });
+        for opening in openings {
+            let ids = tok.encode(opening);
+            if ids.is_empty() {
+                return Err(GrammarError::EmptyPiece {
+                    env: "tool_choice".into(),
+                    text: opening.clone(),
+                });
+            }
+            g.literal(0, &ids, Some(free));
+        }
+        Ok(g)
     }
 
     fn build(p: &Pieces, eos: u32) -> Self {

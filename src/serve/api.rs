@@ -1,10 +1,15 @@
 //! The OpenAI wire format of the gateway: the chat-completion request as clients send it (every
 //! field named, unknown ones rejected), its checks, the response and stream-chunk bodies, and the
-//! OpenAI-style error body every failure answers with. It knows nothing of models or sessions:
+//! OpenAI-style error body every failure answers with. Function calling: `tools`, `tool_choice`,
+//! `parallel_tool_calls`, assistant `tool_calls` and `tool` messages in the history, each checked
+//! and named when refused. It knows nothing of models or sessions:
 //! [`ChatRequest::check`] turns a request into the [`Completion`] the worker runs.
 
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
+
+use crate::tokenizer::{Message, ToolCall};
 
 use axum::http::StatusCode;
 
@@ -53,12 +58,66 @@ impl ApiError {
     }
 }
 
-/// A message as the client sent it: `content` a string or a list of text parts.
+/// A message as the client sent it: `content` a string or a list of text parts; an assistant
+/// message's `tool_calls`, a tool message's `tool_call_id`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WireMessage {
     pub role: String,
     pub content: Option<Content>,
+    pub name: Option<String>,
+    pub tool_calls: Option<Vec<WireToolCall>>,
+    pub tool_call_id: Option<String>,
+    /// Fields of a response message that clients echo back when they append it as it came:
+    /// accepted when null (there is nothing to render), refused otherwise.
+    pub refusal: Option<Value>,
+    pub function_call: Option<Value>,
+    pub audio: Option<Value>,
+    /// Output metadata of a response message (e.g. URL citations); not rendered.
+    #[serde(rename = "annotations")]
+    pub _annotations: Option<Vec<Value>>,
+}
+
+/// A call in an assistant message of the history.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WireToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: WireFunctionCall,
+    /// Present when a client rebuilt the message from streamed deltas; not rendered.
+    #[serde(rename = "index")]
+    pub _index: Option<u32>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WireFunctionCall {
+    pub name: String,
+    /// The arguments as JSON text (as OpenAI's API sends them).
+    pub arguments: String,
+}
+
+/// One entry of `tools`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WireTool {
+    #[serde(rename = "type")]
+    kind: String,
+    function: WireFunction,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WireFunction {
+    name: String,
+    // Checked for type only: the template reads them from the tool's JSON as sent.
+    #[serde(rename = "description")]
+    _description: Option<String>,
+    parameters: Option<Value>,
+    #[serde(rename = "strict")]
+    _strict: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -113,13 +172,82 @@ pub struct ChatRequest {
     pub user: Option<String>,
     /// `task` (the group of sessions), `env` (the env tag of its records), `seed`.
     pub metadata: Option<serde_json::Map<String, Value>>,
+    /// Functions the model may call, kept as sent (their JSON reaches the chat template).
+    pub tools: Option<Vec<Box<RawValue>>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// A checked chat message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatMessage {
     pub role: String,
-    pub content: String,
+    /// `None`: sent as null (an assistant turn that only calls tools).
+    pub content: Option<String>,
+    pub tool_calls: Vec<ToolCall>,
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of `role` with text `content` only.
+    pub fn text(role: &str, content: &str) -> Self {
+        Self {
+            role: role.into(),
+            content: Some(content.into()),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+        }
+    }
+
+    /// The text content (empty when null).
+    pub fn content_text(&self) -> &str {
+        self.content.as_deref().unwrap_or_default()
+    }
+
+    /// The message as the chat template sees it.
+    pub fn as_message(&self) -> Message<'_> {
+        Message {
+            role: &self.role,
+            content: self.content.as_deref(),
+            tool_calls: &self.tool_calls,
+            tool_call_id: self.tool_call_id.as_deref(),
+            name: self.name.as_deref(),
+        }
+    }
+}
+
+/// `tool_choice`: whether and which function the reply must call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// No calls are read from the reply (the default without tools).
+    None,
+    /// The model decides (the default with tools).
+    Auto,
+    /// The reply must call one of the tools.
+    Required,
+    /// The reply must call this function.
+    Function(String),
+}
+
+/// The functions a request offers and how the reply may use them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolSet {
+    /// Each tool's JSON as sent, for the chat template.
+    pub schemas: Vec<String>,
+    /// The function names, in order.
+    pub names: Vec<String>,
+    pub choice: ToolChoice,
+    /// `false`: a reply with more than one call is a malformed call.
+    pub parallel: bool,
+}
+
+impl ToolSet {
+    /// Whether calls are read from the reply.
+    pub fn parses_calls(&self) -> bool {
+        !self.names.is_empty() && self.choice != ToolChoice::None
+    }
 }
 
 /// A checked request: what the worker needs to render, generate and record it.
@@ -141,6 +269,7 @@ pub struct Completion {
     pub task: Option<String>,
     pub env_tag: Option<String>,
     pub env_seed: Option<u64>,
+    pub tools: ToolSet,
 }
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
@@ -217,6 +346,7 @@ impl ChatRequest {
                 format!("up to {MAX_STOP} non-empty strings"),
             ));
         }
+        let tools = check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)?;
         let metadata = Metadata::parse(self.metadata)?;
         let session = session_header.or(self.user);
         if session.as_deref() == Some("") {
@@ -244,6 +374,7 @@ impl ChatRequest {
             task: task_header.or(metadata.task),
             env_tag: metadata.env,
             env_seed: metadata.seed,
+            tools,
         })
     }
 }
@@ -290,29 +421,228 @@ fn check_messages(wire: Vec<WireMessage>) -> Result<Vec<ChatMessage>, ApiError> 
     if wire.is_empty() {
         return Err(ApiError::invalid(Some("messages"), "at least one message"));
     }
-    wire.into_iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let param = format!("messages[{i}]");
-            if !ROLES.contains(&m.role.as_str()) {
-                return Err(ApiError::invalid(
-                    Some(&format!("{param}.role")),
-                    format!("unknown role `{}` (known: {})", m.role, ROLES.join(", ")),
-                ));
+    let mut call_ids: Vec<String> = Vec::new();
+    let mut out = Vec::with_capacity(wire.len());
+    for (i, m) in wire.into_iter().enumerate() {
+        let message = check_message(i, m, &call_ids)?;
+        call_ids.extend(message.tool_calls.iter().map(|c| c.id.clone()));
+        out.push(message);
+    }
+    Ok(out)
+}
+
+/// Checks message `i`; `call_ids` are the ids of the calls before it.
+fn check_message(i: usize, m: WireMessage, call_ids: &[String]) -> Result<ChatMessage, ApiError> {
+    let param = |field: &str| format!("messages[{i}].{field}");
+    let invalid = |field: &str, message: String| ApiError::invalid(Some(&param(field)), message);
+    if !ROLES.contains(&m.role.as_str()) {
+        return Err(invalid(
+            "role",
+            format!("unknown role `{}` (known: {})", m.role, ROLES.join(", ")),
+        ));
+    }
+    for (field, value) in [
+        ("refusal", &m.refusal),
+        ("function_call", &m.function_call),
+        ("audio", &m.audio),
+    ] {
+        if value.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(invalid(
+                field,
+                format!("`{field}` is not supported in the history (send null or leave it out)"),
+            ));
+        }
+    }
+    let content = match m.content {
+        None => None,
+        Some(Content::Text(t)) => Some(t),
+        Some(Content::Parts(parts)) => Some(text_parts(&format!("messages[{i}]"), parts)?),
+    };
+    let tool_calls = match m.tool_calls {
+        Some(_) if m.role != "assistant" => {
+            return Err(invalid(
+                "tool_calls",
+                format!("only assistant messages carry tool calls, not {}", m.role),
+            ))
+        }
+        Some(calls) if calls.is_empty() => {
+            return Err(invalid(
+                "tool_calls",
+                "an empty list: leave `tool_calls` out instead".into(),
+            ))
+        }
+        Some(calls) => check_calls(i, calls)?,
+        None => Vec::new(),
+    };
+    if content.is_none() && tool_calls.is_empty() {
+        return Err(invalid(
+            "content",
+            format!("a {} message needs content", m.role),
+        ));
+    }
+    match (&m.tool_call_id, m.role.as_str()) {
+        (None, "tool") => {
+            return Err(invalid(
+                "tool_call_id",
+                "a tool message names the call it answers".into(),
+            ))
+        }
+        (Some(id), "tool") if !call_ids.contains(id) => {
+            return Err(invalid(
+                "tool_call_id",
+                format!("no earlier assistant message made a call with id `{id}`"),
+            ))
+        }
+        (Some(_), role) if role != "tool" => {
+            return Err(invalid(
+                "tool_call_id",
+                format!("only tool messages answer calls, not {role}"),
+            ))
+        }
+        _ => {}
+    }
+    let role = if m.role == "developer" {
+        "system".into()
+    } else {
+        m.role
+    };
+    Ok(ChatMessage {
+        role,
+        content,
+        tool_calls,
+        tool_call_id: m.tool_call_id,
+        name: m.name,
+    })
+}
+
+fn check_calls(i: usize, calls: Vec<WireToolCall>) -> Result<Vec<ToolCall>, ApiError> {
+    let mut out: Vec<ToolCall> = Vec::with_capacity(calls.len());
+    for (k, c) in calls.into_iter().enumerate() {
+        let param = format!("messages[{i}].tool_calls[{k}]");
+        if c.kind != "function" {
+            return Err(ApiError::invalid(
+                Some(&format!("{param}.type")),
+                format!("`{}`: only `function` calls exist", c.kind),
+            ));
+        }
+        if c.id.is_empty() || out.iter().any(|o| o.id == c.id) {
+            return Err(ApiError::invalid(
+                Some(&format!("{param}.id")),
+                "call ids are non-empty and unique in a message",
+            ));
+        }
+        if c.function.name.is_empty() {
+            return Err(ApiError::invalid(
+                Some(&format!("{param}.function.name")),
+                "empty function name",
+            ));
+        }
+        out.push(ToolCall {
+            id: c.id,
+            name: c.function.name,
+            arguments: c.function.arguments,
+        });
+    }
+    Ok(out)
+}
+
+/// OpenAI's rule for function names.
+fn valid_function_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+fn check_tools(
+    tools: Option<Vec<Box<RawValue>>>,
+    choice: Option<Value>,
+    parallel: Option<bool>,
+) -> Result<ToolSet, ApiError> {
+    let tools = tools.unwrap_or_default();
+    let mut schemas = Vec::with_capacity(tools.len());
+    let mut names: Vec<String> = Vec::with_capacity(tools.len());
+    for (i, raw) in tools.iter().enumerate() {
+        let param = format!("tools[{i}]");
+        let tool: WireTool = serde_json::from_str(raw.get())
+            .map_err(|e| ApiError::invalid(Some(&param), format!("not a function tool: {e}")))?;
+        if tool.kind != "function" {
+            return Err(ApiError::invalid(
+                Some(&format!("{param}.type")),
+                format!("`{}`: only `function` tools are supported", tool.kind),
+            ));
+        }
+        let name = tool.function.name;
+        if !valid_function_name(&name) {
+            return Err(ApiError::invalid(
+                Some(&format!("{param}.function.name")),
+                format!("`{name}`: 1 to 64 letters, digits, `_` or `-`"),
+            ));
+        }
+        if names.contains(&name) {
+            return Err(ApiError::invalid(
+                Some(&format!("{param}.function.name")),
+                format!("`{name}` is offered twice"),
+            ));
+        }
+        if tool
+            .function
+            .parameters
+            .as_ref()
+            .is_some_and(|p| !p.is_object())
+        {
+            return Err(ApiError::invalid(
+                Some(&format!("{param}.function.parameters")),
+                "a JSON schema object",
+            ));
+        }
+        schemas.push(raw.get().to_string());
+        names.push(name);
+    }
+    let choice = match choice {
+        None if names.is_empty() => ToolChoice::None,
+        None => ToolChoice::Auto,
+        Some(c) => check_tool_choice(c, &names)?,
+    };
+    Ok(ToolSet {
+        schemas,
+        names,
+        choice,
+        parallel: parallel.unwrap_or(true),
+    })
+}
+
+fn check_tool_choice(choice: Value, names: &[String]) -> Result<ToolChoice, ApiError> {
+    let invalid = |m: String| ApiError::invalid(Some("tool_choice"), m);
+    let choice = match &choice {
+        Value::String(s) if s == "none" => return Ok(ToolChoice::None),
+        Value::String(s) if s == "auto" => ToolChoice::Auto,
+        Value::String(s) if s == "required" => ToolChoice::Required,
+        Value::Object(o) => {
+            let name = (o.get("type").and_then(Value::as_str) == Some("function"))
+                .then(|| o.get("function")?.get("name")?.as_str())
+                .flatten()
+                .ok_or_else(|| {
+                    invalid(
+                        "a named choice is {\"type\": \"function\", \"function\": {\"name\": …}}"
+                            .into(),
+                    )
+                })?;
+            if !names.iter().any(|n| n == name) {
+                return Err(invalid(format!("`{name}` is not among the tools")));
             }
-            let content = match m.content {
-                None => String::new(),
-                Some(Content::Text(t)) => t,
-                Some(Content::Parts(parts)) => text_parts(&param, parts)?,
-            };
-            let role = if m.role == "developer" {
-                "system".into()
-            } else {
-                m.role
-            };
-            Ok(ChatMessage { role, content })
-        })
-        .collect()
+            ToolChoice::Function(name.to_string())
+        }
+        other => {
+            return Err(invalid(format!(
+                "`{other}`: none, auto, required or a named function"
+            )))
+        }
+    };
+    if names.is_empty() && choice != ToolChoice::Auto {
+        return Err(invalid("a tool choice needs `tools`".into()));
+    }
+    Ok(choice)
 }
 
 fn text_parts(param: &str, parts: Vec<ContentPart>) -> Result<String, ApiError> {
@@ -332,9 +662,11 @@ fn text_parts(param: &str, parts: Vec<ContentPart>) -> Result<String, ApiError> 
 }
 
 /// Why a choice ended, in OpenAI's words.
-pub fn finish_reason_name(length_cut: bool) -> &'static str {
+pub fn finish_reason_name(length_cut: bool, called_tools: bool) -> &'static str {
     if length_cut {
         "length"
+    } else if called_tools {
+        "tool_calls"
     } else {
         "stop"
     }

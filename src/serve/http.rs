@@ -3,6 +3,7 @@
 //! OpenAI-style error bodies for every failure (unknown routes included). Each handler hands its
 //! work to the generation thread as a [`Job`] and awaits the reply; nothing here touches a model.
 //!
+//! Every route answers 401 first when the gateway has an API key and the request lacks it.
 //! Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`,
 //! `POST /v1/sessions/{id}/close`, `GET /v1/stats`, `GET /health`.
 
@@ -12,8 +13,10 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::header::AUTHORIZATION;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -25,8 +28,10 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use super::api::{logprob_entries, ApiError, ChatRequest};
+use super::auth::ApiKey;
 use super::session::CloseRequest;
 use super::worker::{Finished, Job, Reply};
+use crate::tokenizer::ToolCall;
 
 /// Header naming the session (trajectory) of a completion; the `user` field is the fallback.
 pub const SESSION_HEADER: &str = "x-session-id";
@@ -38,6 +43,8 @@ pub const VERSION_HEADER: &str = "x-policy-version";
 /// What every handler reads.
 pub struct Gate {
     pub model_name: String,
+    /// Requests without this key are answered 401 (none: every request is served).
+    pub api_key: Option<ApiKey>,
     pub jobs: Sender<Job>,
     /// Completions answered so far (their ids count up from the server's start time).
     pub completions: AtomicU64,
@@ -73,7 +80,30 @@ pub fn router(gate: Shared, max_body_bytes: usize) -> Router {
                 .with_code(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed")
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(middleware::from_fn_with_state(gate.clone(), authorize))
         .with_state(gate)
+}
+
+/// Answers 401 before any route (unknown ones and `/health` included) when the gateway has an
+/// API key and the request does not carry it.
+async fn authorize(State(g): State<Shared>, request: Request, next: Next) -> Response {
+    if let Some(key) = &g.api_key {
+        let sent = request
+            .headers()
+            .get(AUTHORIZATION)
+            .map(HeaderValue::as_bytes);
+        if !key.admits(sent) {
+            let message = if sent.is_none() {
+                "no API key: send `Authorization: Bearer <key>` (the OpenAI clients' api_key)"
+            } else {
+                "incorrect API key"
+            };
+            return ApiError::invalid(None, message)
+                .with_code(StatusCode::UNAUTHORIZED, "invalid_api_key")
+                .into_response();
+        }
+    }
+    next.run(request).await
 }
 
 fn model_object(name: &str) -> Value {
@@ -143,7 +173,7 @@ async fn chat(
     send(
         &g,
         Job::Complete {
-            completion,
+            completion: Box::new(completion),
             reply: tx,
         },
     )?;
@@ -204,9 +234,13 @@ fn completion_response(model: &str, id: String, f: Finished) -> Response {
         .iter()
         .enumerate()
         .map(|(i, c)| {
+            let mut message = json!({"role": "assistant", "content": c.content});
+            if !c.tool_calls.is_empty() {
+                message["tool_calls"] = tool_calls_json(&c.tool_calls, false);
+            }
             json!({
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": if c.logprobs.is_empty() { Value::Null } else { logprob_entries(&c.logprobs) },
                 "finish_reason": c.finish_reason,
             })
@@ -269,17 +303,25 @@ impl ChunkWriter {
                 )]
             }
             Reply::Done(Ok(f)) => {
-                let mut out: Vec<Value> = f
+                let calls = f
                     .choices
                     .iter()
                     .enumerate()
+                    .filter(|(_, c)| !c.tool_calls.is_empty())
                     .map(|(i, c)| {
+                        let delta = json!({"tool_calls": tool_calls_json(&c.tool_calls, true)});
                         self.chunk(
-                            json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": c.finish_reason}]),
+                            json!([{"index": i, "delta": delta, "logprobs": null, "finish_reason": null}]),
                             None,
                         )
-                    })
-                    .collect();
+                    });
+                let ends = f.choices.iter().enumerate().map(|(i, c)| {
+                    self.chunk(
+                        json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": c.finish_reason}]),
+                        None,
+                    )
+                });
+                let mut out: Vec<Value> = calls.chain(ends).collect();
                 if self.include_usage {
                     out.push(self.chunk(json!([]), Some(json!(f.usage))));
                 }
@@ -288,6 +330,24 @@ impl ChunkWriter {
             Reply::Done(Err(e)) => vec![e.body()],
         }
     }
+}
+
+/// `tool_calls` of a message, or of a stream delta (which numbers each call with `index`).
+fn tool_calls_json(calls: &[ToolCall], indexed: bool) -> Value {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(k, c)| {
+            let mut call = json!({
+                "id": c.id, "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            });
+            if indexed {
+                call["index"] = json!(k);
+            }
+            call
+        })
+        .collect()
 }
 
 async fn close(

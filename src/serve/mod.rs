@@ -12,6 +12,7 @@
 //! protocol, with examples, is in `docs/guides/gateway.md`.
 
 mod api;
+mod auth;
 mod backend;
 mod http;
 mod session;
@@ -26,11 +27,16 @@ use std::time::Duration;
 use crossbeam::channel::Receiver;
 use tokio::sync::oneshot;
 
-pub use api::{ApiError, ChatMessage, Completion};
+pub use api::{ApiError, ChatMessage, Completion, ToolChoice, ToolSet};
+pub use auth::{is_loopback, ApiKey, API_KEY_ENV};
 pub use backend::{PolicyBackend, Recorder};
 pub use http::{SESSION_HEADER, TASK_HEADER, VERSION_HEADER};
 pub use session::{CloseRequest, ClosedTrajectory, DEFAULT_ENV_TAG};
 pub use worker::{Backend, WorkerOptions};
+
+/// Reward added to a recorded step whose tool call did not parse, unless configured (the envs'
+/// default format penalty).
+pub const DEFAULT_TOOL_CALL_PENALTY: f32 = -0.1;
 
 /// Where and how the gateway serves.
 #[derive(Clone, Debug)]
@@ -42,6 +48,10 @@ pub struct GatewayOptions {
     pub model_name: String,
     /// Larger request bodies are refused with 413.
     pub max_body_bytes: usize,
+    /// The key every request must send as `Authorization: Bearer <key>` (401 otherwise, nothing
+    /// recorded). Required to bind an address other than loopback: the close route posts the
+    /// rewards a training run learns from.
+    pub api_key: Option<ApiKey>,
     pub worker: WorkerOptions,
 }
 
@@ -54,11 +64,13 @@ impl GatewayOptions {
             port: 8000,
             model_name: model_name.into(),
             max_body_bytes: 1 << 20,
+            api_key: None,
             worker: WorkerOptions {
                 default_max_tokens: 256,
                 max_context,
                 session_ttl: Duration::from_secs(600),
                 seed,
+                tool_call_penalty: DEFAULT_TOOL_CALL_PENALTY,
             },
         }
     }
@@ -75,7 +87,19 @@ pub struct Gateway {
 }
 
 /// Binds the socket and starts serving HTTP (requests queue until [`Gateway::serve`] runs).
+/// Refuses a non-loopback address without an API key.
 pub fn start(opts: &GatewayOptions) -> std::io::Result<Gateway> {
+    if opts.api_key.is_none() && !is_loopback(&opts.host) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "binding {}: an address other than loopback needs an API key (--api-key, or the \
+                 {API_KEY_ENV} environment variable), or anyone who reaches it could post the \
+                 rewards a run learns from",
+                opts.host
+            ),
+        ));
+    }
     let listener = TcpListener::bind((opts.host.as_str(), opts.port)).map_err(|e| {
         std::io::Error::new(
             e.kind(),
@@ -87,6 +111,7 @@ pub fn start(opts: &GatewayOptions) -> std::io::Result<Gateway> {
     let (jobs_tx, jobs) = crossbeam::channel::unbounded();
     let gate = Arc::new(http::Gate {
         model_name: opts.model_name.clone(),
+        api_key: opts.api_key.clone(),
         jobs: jobs_tx,
         completions: AtomicU64::new(0),
         started: worker::now_secs(),

@@ -7,8 +7,12 @@
 //! the context grow and the record stores only the new tokens (`context_len` > 0). A
 //! conversation that does not continue (edited history, a new task in the same session) starts a
 //! fresh context: the whole rendered prompt with `context_len` 0, which training reads as the
-//! start of a new sequence. Closing a session with its reward(s) yields its step records; the
-//! caller assigns trajectory and group ids. Sessions idle past their time to live are dropped.
+//! start of a new sequence, and its record says so (`context_rebuilt`). A request offering
+//! different tools than the session's last one does not continue it either (the template renders
+//! the tools at the start). A reply whose tool call did not parse is recorded with
+//! `tool_call_error` and pays the tool-call penalty. Closing a session with its reward(s) yields
+//! its step records; the caller assigns trajectory and group ids. Sessions idle past their time
+//! to live are dropped.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -34,6 +38,9 @@ pub struct Prompt {
     pub context_len: usize,
     /// The new messages of this step, as text (the record's observation).
     pub observation_text: String,
+    /// The session had turns but the client's messages did not continue them: the context was
+    /// rendered afresh from the messages.
+    pub rebuilt: bool,
 }
 
 impl Prompt {
@@ -51,6 +58,8 @@ struct Turn {
     policy_version: u64,
     observation_text: String,
     action_text: String,
+    tool_call_error: bool,
+    context_rebuilt: bool,
 }
 
 struct Session {
@@ -58,9 +67,10 @@ struct Session {
     env_tag: String,
     env_seed: u64,
     turns: Vec<Turn>,
-    /// The messages of the last request and the reply returned to it.
+    /// The messages and tools of the last request, and the reply returned to it.
     history: Vec<ChatMessage>,
-    reply: String,
+    tools: Vec<String>,
+    reply: ChatMessage,
     /// The last context followed by its sampled response.
     context: Vec<u32>,
     busy: bool,
@@ -71,8 +81,12 @@ struct Session {
 pub struct Sampled<'a> {
     pub response_ids: &'a [u32],
     pub response_logprobs: &'a [f32],
-    /// The reply text returned to the client.
-    pub reply: String,
+    /// The sampled text (the record's action text).
+    pub text: String,
+    /// The assistant message returned to the client (content and tool calls).
+    pub reply: ChatMessage,
+    /// The reply tried to call a tool and the call did not parse.
+    pub tool_call_error: bool,
     pub policy_version: u64,
 }
 
@@ -102,13 +116,17 @@ pub struct ClosedTrajectory {
 pub struct Sessions {
     open: HashMap<String, Session>,
     ttl: Duration,
+    tool_call_penalty: f32,
 }
 
 impl Sessions {
-    pub fn new(ttl: Duration) -> Self {
+    /// Sessions dropped after `ttl` idle; a step whose tool call did not parse is paid
+    /// `tool_call_penalty` (added to its reward).
+    pub fn new(ttl: Duration, tool_call_penalty: f32) -> Self {
         Self {
             open: HashMap::new(),
             ttl,
+            tool_call_penalty,
         }
     }
 
@@ -126,7 +144,8 @@ impl Sessions {
             env_seed: c.env_seed.unwrap_or(0),
             turns: Vec::new(),
             history: Vec::new(),
-            reply: String::new(),
+            tools: Vec::new(),
+            reply: ChatMessage::text("assistant", ""),
             context: Vec::new(),
             busy: false,
             touched: Instant::now(),
@@ -147,7 +166,7 @@ impl Sessions {
                 ),
             ));
         }
-        let prompt = match continued(session, &c.messages) {
+        let prompt = match continued(session, &c.messages, &c.tools.schemas) {
             Some(trailing) => {
                 let history = as_messages(&session.history);
                 let last_response = &session
@@ -156,7 +175,13 @@ impl Sessions {
                     .expect("a continued session has turns")
                     .response_ids;
                 let after = ChatTemplate
-                    .after_reply(tok, last_response, &history, &as_messages(trailing))
+                    .after_reply(
+                        tok,
+                        last_response,
+                        &history,
+                        &as_messages(trailing),
+                        &c.tools.schemas,
+                    )
                     .map_err(|e| ApiError::internal(e.to_string()))?;
                 let mut tokens = session.context.clone();
                 tokens.extend(after);
@@ -164,17 +189,29 @@ impl Sessions {
                     tokens,
                     context_len: session.context.len(),
                     observation_text: transcript(trailing),
+                    rebuilt: false,
                 }
             }
-            None => fresh_prompt(tok, &c.messages)?,
+            None => Prompt {
+                rebuilt: !session.turns.is_empty(),
+                ..fresh_prompt(tok, &c.messages, &c.tools.schemas)?
+            },
         };
         session.busy = true;
         session.touched = Instant::now();
         Ok(prompt)
     }
 
-    /// Adds the sampled turn to session `id` and frees it for its next turn.
-    pub fn finish(&mut self, id: &str, messages: Vec<ChatMessage>, prompt: Prompt, s: Sampled) {
+    /// Adds the sampled turn to session `id` (asked with `messages` offering `tools`) and frees
+    /// it for its next turn.
+    pub fn finish(
+        &mut self,
+        id: &str,
+        messages: Vec<ChatMessage>,
+        tools: Vec<String>,
+        prompt: Prompt,
+        s: Sampled,
+    ) {
         let Some(session) = self.open.get_mut(id) else {
             return;
         };
@@ -187,9 +224,12 @@ impl Sessions {
             response_logprobs: s.response_logprobs.to_vec(),
             policy_version: s.policy_version,
             observation_text: prompt.observation_text,
-            action_text: s.reply.clone(),
+            action_text: s.text,
+            tool_call_error: s.tool_call_error,
+            context_rebuilt: prompt.rebuilt,
         });
         session.history = messages;
+        session.tools = tools;
         session.reply = s.reply;
         session.busy = false;
         session.touched = Instant::now();
@@ -219,6 +259,7 @@ impl Sessions {
         }
         let rewards = step_rewards(req, session.turns.len())?;
         let session = self.open.remove(id).expect("checked above");
+        let penalty = self.tool_call_penalty;
         let last = session.turns.len() - 1;
         let records = session
             .turns
@@ -227,6 +268,7 @@ impl Sessions {
             .enumerate()
             .map(|(i, (turn, reward))| {
                 let end = i == last;
+                let format_penalty = if turn.tool_call_error { penalty } else { 0.0 };
                 StepRecord {
                     step_index: i as u32,
                     env_tag: session.env_tag.clone(),
@@ -237,17 +279,19 @@ impl Sessions {
                     obs_ids: turn.obs_ids,
                     response_ids: turn.response_ids,
                     response_logprobs: turn.response_logprobs,
-                    reward,
+                    reward: reward + format_penalty,
                     terminated: end && !req.truncated,
                     truncated: end && req.truncated,
                     info: StepInfo {
                         success: end && req.success,
-                        action_is_valid: true,
+                        action_is_valid: !turn.tool_call_error,
                         action_is_effective: true,
-                        format_penalty: 0.0,
+                        format_penalty,
                         num_actions: 1,
                         observation_text: turn.observation_text,
                         action_text: turn.action_text,
+                        tool_call_error: turn.tool_call_error,
+                        context_rebuilt: turn.context_rebuilt,
                     },
                     ..StepRecord::default()
                 }
@@ -271,48 +315,68 @@ impl Sessions {
 }
 
 /// The messages after the last reply when `messages` continue `session` (its last request's
-/// messages, then that reply as an assistant message, then at least one more message).
-fn continued<'m>(session: &Session, messages: &'m [ChatMessage]) -> Option<&'m [ChatMessage]> {
+/// messages and tools, then that reply as an assistant message — the same text, the same
+/// calls —, then at least one more message).
+fn continued<'m>(
+    session: &Session,
+    messages: &'m [ChatMessage],
+    tools: &[String],
+) -> Option<&'m [ChatMessage]> {
     let n = session.history.len();
-    if session.turns.is_empty() || messages.len() < n + 2 || messages[..n] != session.history[..] {
+    if session.turns.is_empty()
+        || messages.len() < n + 2
+        || messages[..n] != session.history[..]
+        || tools != session.tools
+    {
         return None;
     }
-    let reply = &messages[n];
-    (reply.role == "assistant" && reply.content.trim() == session.reply.trim())
+    let (reply, sent) = (&messages[n], &session.reply);
+    (reply.role == "assistant"
+        && reply.content_text().trim() == sent.content_text().trim()
+        && reply.tool_calls == sent.tool_calls)
         .then(|| &messages[n + 1..])
 }
 
-pub fn fresh_prompt(tok: &Tokenizer, messages: &[ChatMessage]) -> Result<Prompt, ApiError> {
+/// The prompt of `messages` offering `tools`, rendered whole (a fresh context).
+pub fn fresh_prompt(
+    tok: &Tokenizer,
+    messages: &[ChatMessage],
+    tools: &[String],
+) -> Result<Prompt, ApiError> {
     let tokens = ChatTemplate
-        .conversation(tok, &as_messages(messages))
+        .conversation_with_tools(tok, &as_messages(messages), tools)
         .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
     Ok(Prompt {
         tokens,
         context_len: 0,
         observation_text: transcript(messages),
+        rebuilt: false,
     })
 }
 
 fn as_messages(messages: &[ChatMessage]) -> Vec<Message<'_>> {
-    messages
-        .iter()
-        .map(|m| Message {
-            role: &m.role,
-            content: &m.content,
-        })
-        .collect()
+    messages.iter().map(ChatMessage::as_message).collect()
 }
 
-/// The messages as one text: the content alone for a single message, `role: content` lines
-/// otherwise.
+/// The messages as one text: the content alone for a single plain message, `role: content`
+/// lines otherwise, with each tool call as `name(arguments)` and each tool result under the id
+/// of its call.
 fn transcript(messages: &[ChatMessage]) -> String {
+    let line = |m: &ChatMessage| {
+        let mut text = match &m.tool_call_id {
+            Some(id) => format!("{} ({id}): {}", m.role, m.content_text()),
+            None => format!("{}: {}", m.role, m.content_text()),
+        };
+        for call in &m.tool_calls {
+            text.push_str(&format!(" [{}({})]", call.name, call.arguments));
+        }
+        text
+    };
     match messages {
-        [one] => one.content.clone(),
-        many => many
-            .iter()
-            .map(|m| format!("{}: {}", m.role, m.content))
-            .collect::<Vec<_>>()
-            .join("\n"),
+        [one] if one.tool_calls.is_empty() && one.tool_call_id.is_none() => {
+            one.content_text().to_string()
+        }
+        many => many.iter().map(line).collect::<Vec<_>>().join("\n"),
     }
 }
 
@@ -348,15 +412,13 @@ fn step_rewards(req: &CloseRequest, steps: usize) -> Result<Vec<f32>, ApiError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::serve::api::{ToolChoice, ToolSet};
 
     fn completion(messages: &[(&str, &str)]) -> Completion {
         Completion {
             messages: messages
                 .iter()
-                .map(|(r, c)| ChatMessage {
-                    role: r.to_string(),
-                    content: c.to_string(),
-                })
+                .map(|(r, c)| ChatMessage::text(r, c))
                 .collect(),
             max_tokens: None,
             temperature: 1.0,
@@ -371,6 +433,12 @@ mod tests {
             task: Some("t".into()),
             env_tag: None,
             env_seed: None,
+            tools: ToolSet {
+                schemas: Vec::new(),
+                names: Vec::new(),
+                choice: ToolChoice::None,
+                parallel: true,
+            },
         }
     }
 
@@ -396,17 +464,19 @@ mod tests {
         let sampled = Sampled {
             response_ids: &ids,
             response_logprobs: &lps,
-            reply: text.into(),
+            text: text.into(),
+            reply: ChatMessage::text("assistant", text),
+            tool_call_error: false,
             policy_version: version,
         };
-        sessions.finish(id, c.messages.clone(), prompt.clone(), sampled);
+        sessions.finish(id, c.messages.clone(), Vec::new(), prompt.clone(), sampled);
         (prompt, ids)
     }
 
     #[test]
     fn a_continued_conversation_extends_its_context_in_token_space() {
         let tok = Tokenizer::builtin();
-        let mut sessions = Sessions::new(Duration::from_secs(60));
+        let mut sessions = Sessions::new(Duration::from_secs(60), -0.1);
         let first = completion(&[("system", "Play."), ("user", "Turn 1: go")]);
         let (p1, ids) = take_turn(&mut sessions, &tok, "s", &first, "<answer>Left</answer>", 3);
         assert_eq!(p1.context_len, 0);
@@ -437,7 +507,7 @@ mod tests {
     #[test]
     fn idle_sessions_expire_but_not_busy_ones() {
         let tok = Tokenizer::builtin();
-        let mut sessions = Sessions::new(Duration::from_millis(0));
+        let mut sessions = Sessions::new(Duration::from_millis(0), -0.1);
         let c = completion(&[("user", "Turn 1")]);
         sessions.begin(&tok, "busy", &c).unwrap();
         take_turn(&mut sessions, &tok, "idle", &c, "Up", 0);
@@ -453,7 +523,7 @@ mod tests {
     #[test]
     fn an_edited_history_starts_a_fresh_context() {
         let tok = Tokenizer::builtin();
-        let mut sessions = Sessions::new(Duration::from_secs(60));
+        let mut sessions = Sessions::new(Duration::from_secs(60), -0.1);
         let first = completion(&[("user", "Turn 1")]);
         take_turn(&mut sessions, &tok, "s", &first, "Up", 0);
         let edited = completion(&[
@@ -463,13 +533,14 @@ mod tests {
         ]);
         let p2 = sessions.begin(&tok, "s", &edited).unwrap();
         assert_eq!(p2.context_len, 0);
+        assert!(p2.rebuilt);
         assert!(p2.observation_text.contains("assistant: Down"));
     }
 
     #[test]
     fn closing_assigns_rewards_and_end_flags() {
         let tok = Tokenizer::builtin();
-        let mut sessions = Sessions::new(Duration::from_secs(60));
+        let mut sessions = Sessions::new(Duration::from_secs(60), -0.1);
         let mut messages = vec![("user", "Turn 1")];
         for turn in 0..3 {
             let c = completion(&messages);

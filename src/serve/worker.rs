@@ -7,7 +7,10 @@
 //! and recorded in its session the moment its last choice ends. Session closes and stats wait
 //! for the end of the call (none joins it once one waits), then go to the [`Backend`] (a
 //! dataset, or the trainer), which may update the policy before the next round: requests
-//! arriving meanwhile wait and are served by the new weights.
+//! arriving meanwhile wait and are served by the new weights. A request offering tools has its
+//! reply read for calls in the template's format ([`ToolCallFormat`]): text from where a call may
+//! start is held back from the stream, calls go out with ids and `finish_reason: tool_calls`,
+//! and a call that does not parse goes out as text and is recorded as a tool-call error.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -17,7 +20,10 @@ use crossbeam::channel::{Receiver, RecvTimeoutError};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
-use super::api::{finish_reason_name, ApiError, Completion, PromptTokensDetails, Usage};
+use super::api::{
+    finish_reason_name, ApiError, ChatMessage, Completion, PromptTokensDetails, ToolChoice,
+    ToolSet, Usage,
+};
 use super::session::{CloseRequest, ClosedTrajectory, Prompt, Sampled, Sessions, DEFAULT_ENV_TAG};
 use crate::model::Model;
 use crate::rollout::engine::{
@@ -26,12 +32,13 @@ use crate::rollout::engine::{
 use crate::rollout::grammar::ResponseGrammar;
 use crate::rollout::sampling::SamplingParams;
 use crate::seed;
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::tool_calls::ParsedReply;
+use crate::tokenizer::{Tokenizer, ToolCall, ToolCallFormat};
 
 /// Work for the generation thread.
 pub enum Job {
     Complete {
-        completion: Completion,
+        completion: Box<Completion>,
         reply: mpsc::UnboundedSender<Reply>,
     },
     Close {
@@ -65,7 +72,9 @@ pub struct Finished {
 }
 
 pub struct Choice {
-    pub text: String,
+    /// `None` when the reply is calls only.
+    pub content: Option<String>,
+    pub tool_calls: Vec<ToolCall>,
     pub finish_reason: &'static str,
     pub logprobs: Vec<(String, f32)>,
 }
@@ -80,6 +89,12 @@ pub trait Backend {
     /// (constrained decoding; none by default).
     fn grammars(&self) -> BTreeMap<String, Arc<ResponseGrammar>> {
         BTreeMap::new()
+    }
+    /// Whether a request may constrain its own reply (`tool_choice` required or named). A
+    /// trainer, which scores tokens under the env grammars only, says no: its log-probs would
+    /// not match what was sampled.
+    fn request_grammars(&self) -> bool {
+        true
     }
     /// The engine's counters of one generation call (prefix reuse, tokens, forward time).
     fn generated(&mut self, _counters: &CacheCounters) {}
@@ -103,6 +118,8 @@ pub struct WorkerOptions {
     pub session_ttl: Duration,
     /// Seed of choices whose request gives none (with a per-request counter).
     pub seed: u64,
+    /// Added to the reward of a recorded step whose tool call did not parse (≤ 0).
+    pub tool_call_penalty: f32,
 }
 
 /// Completions one engine call takes in; later ones wait for the next call, so a call under
@@ -116,7 +133,7 @@ pub fn run(
     opts: &WorkerOptions,
 ) -> anyhow::Result<()> {
     let mut worker = Worker {
-        sessions: Sessions::new(opts.session_ttl),
+        sessions: Sessions::new(opts.session_ttl, opts.tool_call_penalty),
         opts: opts.clone(),
         requests_seen: 0,
         counters: CacheCounters::default(),
@@ -153,6 +170,9 @@ struct Running {
     reply: mpsc::UnboundedSender<Reply>,
     prompt: Prompt,
     max_tokens: usize,
+    request_seed: u64,
+    /// How the reply's tool calls are read (`None`: they are not).
+    call_format: Option<ToolCallFormat>,
     streams: Vec<ChoiceStream>,
     generations: Vec<Option<Generation>>,
 }
@@ -164,6 +184,7 @@ struct Call<'a> {
     worker: &'a mut Worker,
     tok: &'a Tokenizer,
     grammars: &'a BTreeMap<String, Arc<ResponseGrammar>>,
+    request_grammars: bool,
     jobs: &'a Receiver<Job>,
     first: Option<Job>,
     version: u64,
@@ -182,7 +203,7 @@ impl GenerationFeed for Call<'_> {
             };
             match job {
                 Job::Complete { completion, reply } => {
-                    self.accept(completion, reply, &mut requests)
+                    self.accept(*completion, reply, &mut requests)
                 }
                 other => self.deferred.push(other),
             }
@@ -223,10 +244,23 @@ impl Call<'_> {
         requests: &mut Vec<GenRequest>,
     ) {
         let tag = completion.env_tag.as_deref().unwrap_or(DEFAULT_ENV_TAG);
-        let grammar = self.grammars.get(tag).cloned();
-        let accepted = self
-            .worker
-            .accept(self.tok, completion, grammar, reply.clone(), requests);
+        let env_grammar = self.grammars.get(tag).cloned();
+        let accepted = tool_plan(
+            self.tok,
+            &completion.tools,
+            env_grammar,
+            self.request_grammars,
+        )
+        .and_then(|(format, grammar)| {
+            self.worker.accept(
+                self.tok,
+                completion,
+                format,
+                grammar,
+                reply.clone(),
+                requests,
+            )
+        });
         match accepted {
             Ok(run) => {
                 let r = self.running.len();
@@ -244,11 +278,13 @@ impl Worker {
     fn run_round(&mut self, backend: &mut dyn Backend, first: Job, jobs: &Receiver<Job>) {
         let version = backend.policy_version();
         let grammars = backend.grammars();
+        let request_grammars = backend.request_grammars();
         let (engine, model, tok) = backend.parts();
         let mut call = Call {
             worker: self,
             tok,
             grammars: &grammars,
+            request_grammars,
             jobs,
             first: Some(first),
             version,
@@ -293,18 +329,21 @@ impl Worker {
     }
 
     /// Renders a completion's prompt, checks its length and queues one engine request per
-    /// choice (sampled under `grammar` when there is one).
+    /// choice (sampled under `grammar` when there is one; tool calls read in `call_format`).
     fn accept(
         &mut self,
         tok: &Tokenizer,
         completion: Completion,
+        call_format: Option<ToolCallFormat>,
         grammar: Option<Arc<ResponseGrammar>>,
         reply: mpsc::UnboundedSender<Reply>,
         requests: &mut Vec<GenRequest>,
     ) -> Result<Running, ApiError> {
         let prompt = match &completion.session {
             Some(id) => self.sessions.begin(tok, id, &completion)?,
-            None => super::session::fresh_prompt(tok, &completion.messages)?,
+            None => {
+                super::session::fresh_prompt(tok, &completion.messages, &completion.tools.schemas)?
+            }
         };
         let max_tokens = match self.max_tokens(&completion, prompt.tokens.len()) {
             Ok(m) => m,
@@ -338,7 +377,7 @@ impl Worker {
             });
         }
         let streams = (0..completion.n)
-            .map(|_| ChoiceStream::new(stop_tokens.clone(), completion.stop.clone()))
+            .map(|_| ChoiceStream::new(stop_tokens.clone(), completion.stop.clone(), call_format))
             .collect();
         Ok(Running {
             generations: vec![None; completion.n],
@@ -346,6 +385,8 @@ impl Worker {
             reply,
             prompt,
             max_tokens,
+            request_seed,
+            call_format,
             streams,
         })
     }
@@ -369,20 +410,27 @@ impl Worker {
             .map(|g| g.expect("finish runs when every choice is done"))
             .collect();
         let mut choices = Vec::with_capacity(gens.len());
+        let mut first_reply = None;
         for (c, gen) in gens.iter().enumerate() {
             let stream = &mut run.streams[c];
             let text = stream.final_text(tok, gen);
+            let id_seed = seed::derive(run.request_seed, &[c as u64, CALL_ID_STREAM]);
+            let read = read_reply(&run.completion.tools, run.call_format, &text, id_seed);
             if run.completion.stream {
-                let rest = stream.take_rest(&text);
+                let rest = stream.take_rest(read.content.as_deref().unwrap_or_default());
                 if !rest.text.is_empty() || !rest.logprobs.is_empty() {
                     drop(run.reply.send(rest.into_reply(c, run.completion.logprobs)));
                 }
             }
             let length_cut =
                 gen.finish == FinishReason::Length && gen.tokens.len() >= run.max_tokens;
+            if c == 0 {
+                first_reply = Some((text, read.error.is_some()));
+            }
             choices.push(Choice {
-                text,
-                finish_reason: finish_reason_name(length_cut),
+                finish_reason: finish_reason_name(length_cut, !read.calls.is_empty()),
+                content: read.content,
+                tool_calls: read.calls,
                 logprobs: std::mem::take(&mut stream.all_logprobs),
             });
         }
@@ -397,14 +445,23 @@ impl Worker {
         };
         if let Some(id) = &run.completion.session {
             let gen = &gens[0];
+            let (text, tool_call_error) = first_reply.expect("a completion has a choice");
             let sampled = Sampled {
                 response_ids: &gen.tokens,
                 response_logprobs: &gen.logprobs,
-                reply: choices[0].text.clone(),
+                text,
+                reply: ChatMessage {
+                    content: choices[0].content.clone(),
+                    tool_calls: choices[0].tool_calls.clone(),
+                    ..ChatMessage::text("assistant", "")
+                },
+                tool_call_error,
                 policy_version: version,
             };
             let messages = std::mem::take(&mut run.completion.messages);
-            self.sessions.finish(id, messages, run.prompt, sampled);
+            let tools = std::mem::take(&mut run.completion.tools.schemas);
+            self.sessions
+                .finish(id, messages, tools, run.prompt, sampled);
         }
         let finished = Finished {
             created: now_secs(),
@@ -431,6 +488,112 @@ impl Worker {
             "forward_s": c.forward_s,
             "backend": backend.stats(),
         })
+    }
+}
+
+/// Seed stream of the ids of a choice's tool calls.
+const CALL_ID_STREAM: u64 = 0x7001;
+
+/// How a request's reply is read and constrained: the tool-call format when calls are read, and
+/// the grammar it is sampled under (the env's, or the forced opening of a call when
+/// `tool_choice` is required or names a function).
+fn tool_plan(
+    tok: &Tokenizer,
+    tools: &ToolSet,
+    env_grammar: Option<Arc<ResponseGrammar>>,
+    request_grammars: bool,
+) -> Result<(Option<ToolCallFormat>, Option<Arc<ResponseGrammar>>), ApiError> {
+    if !tools.parses_calls() {
+        return Ok((None, env_grammar));
+    }
+    let format = tok.tool_call_format().map_err(|e| {
+        ApiError::invalid(
+            Some("tools"),
+            format!("the served model cannot call tools: {e}"),
+        )
+    })?;
+    let forced: Vec<&str> = match &tools.choice {
+        ToolChoice::Required => tools.names.iter().map(String::as_str).collect(),
+        ToolChoice::Function(name) => vec![name.as_str()],
+        ToolChoice::Auto | ToolChoice::None => return Ok((Some(format), env_grammar)),
+    };
+    let refuse = |why: &str| Err(ApiError::invalid(Some("tool_choice"), why.to_string()));
+    if !request_grammars {
+        return refuse(
+            "this gateway trains its policy, whose update scores tokens without a request's \
+             constraint: use `auto` (a reply without a call can be penalised by the reward)",
+        );
+    }
+    if env_grammar.is_some() {
+        return refuse("this session's env tag already constrains its answers");
+    }
+    let openings: Vec<String> = forced.iter().map(|n| format.call_opening(n)).collect();
+    let grammar = ResponseGrammar::tool_call(tok, &openings)
+        .map_err(|e| ApiError::invalid(Some("tool_choice"), e.to_string()))?;
+    Ok((Some(format), Some(Arc::new(grammar))))
+}
+
+/// A reply as the client gets it.
+struct ReadReply {
+    content: Option<String>,
+    calls: Vec<ToolCall>,
+    /// Why a call it attempted did not parse (the text is then the content).
+    error: Option<String>,
+}
+
+/// Reads the calls in a choice's `text` (ids drawn from `id_seed`).
+fn read_reply(
+    tools: &ToolSet,
+    format: Option<ToolCallFormat>,
+    text: &str,
+    id_seed: u64,
+) -> ReadReply {
+    let as_content = |error: Option<String>| ReadReply {
+        content: Some(text.to_string()),
+        calls: Vec::new(),
+        error,
+    };
+    let Some(format) = format else {
+        return as_content(None);
+    };
+    let known: Vec<&str> = tools.names.iter().map(String::as_str).collect();
+    let (content, calls) = match format.parse(text, &known) {
+        ParsedReply::Content if tools.choice == ToolChoice::Auto => return as_content(None),
+        ParsedReply::Content => {
+            return as_content(Some(
+                "tool_choice asks for a call and the reply made none".into(),
+            ))
+        }
+        ParsedReply::Malformed { reason } => return as_content(Some(reason)),
+        ParsedReply::Calls { content, calls } => (content, calls),
+    };
+    if !tools.parallel && calls.len() > 1 {
+        return as_content(Some(format!(
+            "{} calls with parallel_tool_calls false",
+            calls.len()
+        )));
+    }
+    if let ToolChoice::Function(name) = &tools.choice {
+        if let Some(other) = calls.iter().find(|c| &c.name != name) {
+            return as_content(Some(format!(
+                "tool_choice names `{name}`, the reply called `{}`",
+                other.name
+            )));
+        }
+    }
+    let calls = calls
+        .into_iter()
+        .enumerate()
+        .map(|(k, c)| ToolCall {
+            id: format!("call_{:016x}", seed::derive(id_seed, &[k as u64])),
+            name: c.name,
+            arguments: c.arguments,
+        })
+        .collect();
+    ReadReply {
+        content,
+        calls,
+        error: None,
     }
 }
 
@@ -462,6 +625,8 @@ fn context_exceeded(prompt: usize, asked: usize, max: usize) -> ApiError {
 struct ChoiceStream {
     stop_tokens: Vec<u32>,
     stop_strings: Vec<String>,
+    /// Text from where a tool call may start is held back until the reply ends.
+    call_format: Option<ToolCallFormat>,
     tokens: Vec<u32>,
     sent: usize,
     unsent_logprobs: Vec<(String, f32)>,
@@ -489,10 +654,15 @@ impl Delta {
 }
 
 impl ChoiceStream {
-    fn new(stop_tokens: Vec<u32>, stop_strings: Vec<String>) -> Self {
+    fn new(
+        stop_tokens: Vec<u32>,
+        stop_strings: Vec<String>,
+        call_format: Option<ToolCallFormat>,
+    ) -> Self {
         Self {
             stop_tokens,
             stop_strings,
+            call_format,
             tokens: Vec::new(),
             sent: 0,
             unsent_logprobs: Vec::new(),
@@ -511,11 +681,14 @@ impl ChoiceStream {
         self.tokens.push(token);
         let text = tok.decode(&self.tokens);
         let visible = cut_at_stop(&text, &self.stop_strings);
-        let safe = if visible.len() < text.len() {
+        let mut safe = if visible.len() < text.len() {
             visible.len()
         } else {
             safe_prefix_len(visible, &self.stop_strings)
         };
+        if let Some(start) = self.call_format.and_then(|f| f.call_start(visible)) {
+            safe = safe.min(start);
+        }
         if safe <= self.sent {
             return None;
         }
@@ -539,7 +712,8 @@ impl ChoiceStream {
         cut_at_stop(&tok.decode(&body), &self.stop_strings).to_string()
     }
 
-    /// What was not streamed yet of the final `text`.
+    /// What was not streamed yet of the final `text` (the reply's content: calls are sent
+    /// apart, and were held back).
     fn take_rest(&mut self, text: &str) -> Delta {
         let rest = text.get(self.sent..).unwrap_or_default().to_string();
         self.sent = text.len();
@@ -608,7 +782,7 @@ mod tests {
     fn streamed_deltas_add_up_to_the_final_text() {
         let tok = Tokenizer::builtin();
         let stops = vec!["</answer>".to_string()];
-        let mut stream = ChoiceStream::new(vec![tok.eos_id()], stops);
+        let mut stream = ChoiceStream::new(vec![tok.eos_id()], stops, None);
         let mut tokens = tok.encode("<answer>Left</answer>");
         tokens.push(tok.eos_id());
         let mut streamed = String::new();

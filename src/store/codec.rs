@@ -1,7 +1,7 @@
 //! Byte layout of one stored record (the payload of a segment frame) and the borrowed views over
 //! it. This is the only module that calls bincode (formats 1 and 2 only).
 //!
-//! Format version 4 (written by this build), little-endian, payload 4-byte aligned when the frame
+//! Format version 5 (written by this build), little-endian, payload 4-byte aligned when the frame
 //! is:
 //!
 //! | bytes | content |
@@ -13,23 +13,25 @@
 //! | response ids | `n_response` ids of the response width |
 //! | metadata | to the end of the payload (see below), then 0 to 3 zero bytes of padding |
 //!
-//! Version-4 metadata: one flag byte (bit 0 terminated, 1 truncated, 2 success,
+//! Version-5 metadata: one flag byte (bit 0 terminated, 1 truncated, 2 success,
 //! 3 action_is_valid, 4 action_is_effective, 5 `reward` stored, 6 `format_penalty` stored,
 //! 7 `critic_state` stored; a float that is not stored is +0.0, a critic state that is not
-//! stored is empty); two text entries `observation_text`, `action_text`; `env_tag` (varint
-//! length, UTF-8 bytes); `seed: u64`, `state_hash: u64`; varints `policy_version`,
-//! `num_actions`; then `reward: f32` and `format_penalty: f32` when their flag is set; then,
-//! when its flag is set, `critic_state` as a varint count and that many `f32`. A text entry
-//! starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes following; odd = a
-//! backward reference: the frame numbered `v / 2` (1 to [`REFERENCE_WINDOW`]) before this one in the same segment holds the identical text inline in
+//! stored is empty); a second flag byte (bit 0 tool_call_error, bit 1 context_rebuilt, bits 2-7
+//! zero: a set unknown bit is an error); two text entries `observation_text`, `action_text`;
+//! `env_tag` (varint length, UTF-8 bytes); `seed: u64`, `state_hash: u64`; varints
+//! `policy_version`, `num_actions`; then `reward: f32` and `format_penalty: f32` when their
+//! flag is set; then, when its flag is set, `critic_state` as a varint count and that many
+//! `f32`. A text entry starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes
+//! following; odd = a backward reference: the frame numbered `v / 2` (1 to
+//! [`REFERENCE_WINDOW`]) before this one in the same segment holds the identical text inline in
 //! the same field (the writer keeps a text → frame cache per segment, compares texts, not
 //! hashes, and refers only to frames of the same block of [`REFERENCE_BLOCK`] frames, storing a
 //! text inline again in the first frame of each block that uses it, so a damaged frame can only
 //! cost the texts of the records of its block; segments written before that rule refer anywhere
-//! in the window, and read the same). A
-//! reader finds the referenced frame in O(1) through the scan's frame list (by binary search
-//! over frame numbers when damaged frames were skipped in between); when it is not a valid
-//! earlier frame the referencing record reports an error, never a wrong text.
+//! in the window, and read the same). A reader finds the referenced frame in O(1) through the
+//! scan's frame list (by binary search over frame numbers when damaged frames were skipped in
+//! between); when it is not a valid earlier frame the referencing record reports an error,
+//! never a wrong text.
 //!
 //! Ids come first so that readers can index and group records without decoding the metadata;
 //! arrays are viewed in place: log-probs as `&[f32]` (copied only when misaligned or on a
@@ -37,11 +39,16 @@
 //!
 //! - version 1: a 40-byte header (`traj_id, group_id: u64`, `step_index, context_len, n_obs,
 //!   n_response, n_logprobs, meta_len: u32`), `u32` ids and `f32` log-probs, then [`StepMeta`]
-//!   in bincode (`config::standard`, serde), zero padding to a multiple of 4;
+//!   without `tool_call_error` and `context_rebuilt` in bincode (`config::standard`, serde),
+//!   zero padding to a multiple of 4;
 //! - version 2: as version 1, but the metadata is two text entries (`observation_text`,
 //!   `action_text`; a reference holds the byte offset of the earlier frame instead of a frame
 //!   count) followed by bincode of every other field (`info` flattened);
-//! - version 3: as version 4, with flag bit 7 zero (no critic state).
+//! - version 3: as version 4, with flag bit 7 zero (no critic state);
+//! - version 4: as version 5 without the second flag byte (the text entries follow the first).
+//!
+//! Versions 1 to 4 do not store `tool_call_error` and `context_rebuilt`: their records read
+//! with both false.
 
 use std::borrow::Cow;
 use std::path::Path;
@@ -66,7 +73,7 @@ pub const REFERENCE_WINDOW: u64 = 256;
 /// segments written before the rule have them.
 pub const REFERENCE_BLOCK: u64 = 32;
 /// Segment format version written by this build.
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 /// Segment format versions whose payloads this build decodes.
 pub const SUPPORTED_VERSIONS: std::ops::RangeInclusive<u32> = 1..=FORMAT_VERSION;
 
@@ -85,8 +92,8 @@ fn meta_config() -> MetaConfig {
 #[error("{0}")]
 pub struct CodecError(pub String);
 
-/// Every field of a record that is not an id or an array, owned (and, as is, the bincode block
-/// of format version 1).
+/// Every field of a record that is not an id or an array, owned (format version 1 stored it in
+/// bincode, before `info` had `tool_call_error` and `context_rebuilt`: see `MetaV1`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepMeta {
     pub env_tag: String,
@@ -119,6 +126,10 @@ pub struct StepMetaView<'a> {
     pub action_text: &'a str,
     /// `critic_state` as stored: little-endian `f32`s (empty before format version 4).
     pub critic_state: &'a [u8],
+    /// `info.tool_call_error` (false before format version 5).
+    pub tool_call_error: bool,
+    /// `info.context_rebuilt` (false before format version 5).
+    pub context_rebuilt: bool,
 }
 
 impl StepMetaView<'_> {
@@ -148,12 +159,15 @@ impl StepMetaView<'_> {
                 num_actions: self.num_actions,
                 observation_text: self.observation_text.to_string(),
                 action_text: self.action_text.to_string(),
+                tool_call_error: self.tool_call_error,
+                context_rebuilt: self.context_rebuilt,
             },
         }
     }
 }
 
-/// Version-1 metadata read in place (same bincode layout as [`StepMeta`]).
+/// Version-1 metadata read in place (the bincode layout of [`StepMeta`] before `info` had its
+/// two format-5 flags).
 #[derive(Deserialize)]
 struct MetaV1<'a> {
     env_tag: &'a str,
@@ -196,7 +210,7 @@ struct FieldsV2<'a> {
 }
 
 /// A stored text: inline (UTF-8 not yet checked), or a reference to an earlier frame (format 2:
-/// its byte offset; formats 3 and 4: how many frame numbers back).
+/// its byte offset; formats 3 to 5: how many frame numbers back).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum StoredText<'a> {
     Inline(&'a [u8]),
@@ -211,8 +225,8 @@ pub enum TextField {
 }
 
 impl TextField {
-    /// The text entries at the start of a version-2 metadata block and after the flag byte of
-    /// a version-3 or -4 one, in stored order.
+    /// The text entries at the start of a version-2 metadata block, after the flag byte of a
+    /// version-3 or -4 one and after the two flag bytes of a version-5 one, in stored order.
     pub const ALL: [TextField; 2] = [TextField::Observation, TextField::Action];
 
     fn name(self) -> &'static str {
@@ -243,6 +257,10 @@ const FLAG_EFFECTIVE: u8 = 1 << 4;
 const FLAG_REWARD: u8 = 1 << 5;
 const FLAG_PENALTY: u8 = 1 << 6;
 const FLAG_CRITIC_STATE: u8 = 1 << 7;
+/// Bits of the second flag byte (format version 5).
+const FLAG2_TOOL_CALL_ERROR: u8 = 1;
+const FLAG2_CONTEXT_REBUILT: u8 = 1 << 1;
+const FLAGS2_KNOWN: u8 = FLAG2_TOOL_CALL_ERROR | FLAG2_CONTEXT_REBUILT;
 
 fn encode_varint(mut v: u64, out: &mut Vec<u8>) {
     while v >= 0x80 {
@@ -346,9 +364,19 @@ fn encode_text(text: &str, back: Option<u64>, out: &mut Vec<u8>) -> Result<(), C
     Ok(())
 }
 
+/// Flag bytes before the text entries of a metadata block of format `version` (none in
+/// version 2, whose block starts with the texts; version 1 has no text entries).
+fn flag_bytes(version: u32) -> usize {
+    match version {
+        ..=2 => 0,
+        3 | 4 => 1,
+        _ => 2,
+    }
+}
+
 /// The entry of `field` in a metadata block of `version` (texts of earlier fields skipped).
 fn text_entry(version: u32, meta: &[u8], field: TextField) -> Result<StoredText<'_>, CodecError> {
-    let start = if version == 2 { 0 } else { 1 };
+    let start = flag_bytes(version);
     let mut cursor = Cursor {
         rest: meta.get(start..).unwrap_or_default(),
     };
@@ -389,7 +417,7 @@ impl Frame {
 /// [`parse_layout`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PayloadLayout {
-    /// Number of the frame in its segment (formats 3 and 4; 0 in older formats).
+    /// Number of the frame in its segment (formats 3 and later; 0 in older formats).
     pub ordinal: u64,
     pub traj_id: u64,
     pub group_id: u64,
@@ -422,7 +450,7 @@ fn pad4(out: &mut Vec<u8>, start: usize) {
     out.resize(start + align4(out.len() - start), 0);
 }
 
-/// Appends the version-4 payload of `record` as frame number `ordinal` of its segment (padded
+/// Appends the version-5 payload of `record` as frame number `ordinal` of its segment (padded
 /// to a multiple of 4) to `out`, storing each text with a `refs` entry as a reference. On error
 /// `out` may hold a partial payload.
 pub fn encode_payload(
@@ -470,11 +498,15 @@ fn encode_meta(record: &StepRecord, refs: TextRefs, out: &mut Vec<u8>) -> Result
         (stored(info.format_penalty), FLAG_PENALTY),
         (!record.critic_state.is_empty(), FLAG_CRITIC_STATE),
     ];
-    out.push(
-        flags
-            .iter()
-            .fold(0, |acc, &(set, bit)| acc | (bit * set as u8)),
-    );
+    let flags2 = [
+        (info.tool_call_error, FLAG2_TOOL_CALL_ERROR),
+        (info.context_rebuilt, FLAG2_CONTEXT_REBUILT),
+    ];
+    let byte = |bits: &[(bool, u8)]| {
+        bits.iter()
+            .fold(0, |acc, &(set, bit)| acc | (bit * set as u8))
+    };
+    out.extend_from_slice(&[byte(&flags), byte(&flags2)]);
     for (field, back) in TextField::ALL.into_iter().zip(refs) {
         encode_text(field.of(info), back, out)?;
     }
@@ -645,8 +677,9 @@ fn decode_exact<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError
     Ok(value)
 }
 
-/// The texts a version-4 payload stores inline (`None` for references), indexed like
-/// [`TextField::ALL`]; used to rebuild a writer's text table when it resumes a segment.
+/// The texts a payload of the current format version stores inline (`None` for references),
+/// indexed like [`TextField::ALL`]; used to rebuild a writer's text table when it resumes a
+/// segment.
 pub fn inline_texts<'a>(
     payload: &'a [u8],
     layout: &PayloadLayout,
@@ -749,7 +782,7 @@ impl<'a> StepView<'a> {
         match self.format_version {
             1 => self.meta_v1(),
             2 => self.meta_v2(),
-            3 | 4 => self.meta_v3(),
+            3..=5 => self.meta_v3(),
             other => Err(self.corrupt(format!(
                 "segment format version {other} is not supported by this build"
             ))),
@@ -779,6 +812,8 @@ impl<'a> StepView<'a> {
             observation_text: m.info.observation_text,
             action_text: m.info.action_text,
             critic_state: &[],
+            tool_call_error: false,
+            context_rebuilt: false,
         })
     }
 
@@ -812,10 +847,12 @@ impl<'a> StepView<'a> {
             observation_text: texts[0],
             action_text: texts[1],
             critic_state: &[],
+            tool_call_error: false,
+            context_rebuilt: false,
         })
     }
 
-    /// Versions 3 and 4 (4 adds the critic state behind flag bit 7).
+    /// Versions 3 to 5 (4 adds the critic state behind flag bit 7, 5 the second flag byte).
     fn meta_v3(&self) -> Result<StepMetaView<'a>, StoreError> {
         self.decode_v3().map_err(|e| self.corrupt(e.0))
     }
@@ -827,6 +864,16 @@ impl<'a> StepView<'a> {
         let [flags] = cursor.array::<1>("the flags")?;
         if flags & FLAG_CRITIC_STATE != 0 && self.format_version == 3 {
             return Err(CodecError(format!("unknown flag bits {flags:#x}")));
+        }
+        let flags2 = match self.format_version {
+            ..=4 => 0,
+            _ => cursor.array::<1>("the second flag byte")?[0],
+        };
+        if flags2 & !FLAGS2_KNOWN != 0 {
+            let unknown = flags2 & !FLAGS2_KNOWN;
+            return Err(CodecError(format!(
+                "unknown flag bits {unknown:#x} in the second flag byte"
+            )));
         }
         let mut texts = [""; 2];
         for (text, field) in texts.iter_mut().zip(TextField::ALL) {
@@ -875,11 +922,13 @@ impl<'a> StepView<'a> {
             observation_text: texts[0],
             action_text: texts[1],
             critic_state,
+            tool_call_error: flags2 & FLAG2_TOOL_CALL_ERROR != 0,
+            context_rebuilt: flags2 & FLAG2_CONTEXT_REBUILT != 0,
         })
     }
 
     /// The validated frame before this one that a reference points at: format 2 by byte offset,
-    /// formats 3 and 4 by frame number (`earlier` numbers back; found at once when no damaged
+    /// formats 3 to 5 by frame number (`earlier` numbers back; found at once when no damaged
     /// frame was skipped in between, else by binary search).
     fn referenced_frame(&self, earlier: u64) -> Option<&'a Frame> {
         let before = self.frames.get(..self.index)?;
@@ -974,9 +1023,17 @@ mod tests {
                 num_actions: 2,
                 observation_text: "_P_\nG__".into(),
                 action_text: "<answer>Left</answer>".into(),
+                tool_call_error: false,
+                context_rebuilt: false,
             },
             critic_state: Vec::new(),
         }
+    }
+
+    /// Where the metadata of a payload of the current version starts.
+    fn meta_start(payload: &[u8]) -> usize {
+        let layout = parse_layout(payload, FORMAT_VERSION).unwrap();
+        layout.meta_range().start
     }
 
     fn encoded(record: &StepRecord, refs: TextRefs) -> Vec<u8> {
@@ -1037,7 +1094,9 @@ mod tests {
         assert!(error.contains("unknown flag bits 0x"), "{error}");
         // A count past the end of the metadata is an error, never a huge allocation.
         let mut cut = encoded(&record, [None; 2]);
-        let count_at = cut.len() - 4 * 3 - 1;
+        let mut meta = Vec::new();
+        encode_meta(&record, [None; 2], &mut meta).unwrap();
+        let count_at = meta_start(&cut) + meta.len() - 4 * 3 - 1;
         cut[count_at] = 0x7f;
         let error = StepView::parse(&cut, FORMAT_VERSION)
             .unwrap()
@@ -1045,6 +1104,74 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("critic_state"), "{error}");
+    }
+
+    /// The payload of `record` as format version 4 wrote it: that of the current version
+    /// without the second flag byte.
+    fn as_version_4(record: &StepRecord) -> Vec<u8> {
+        let bytes = encoded(record, [None; 2]);
+        let mut v4 = bytes[..meta_start(&bytes)].to_vec();
+        let mut meta = Vec::new();
+        encode_meta(record, [None; 2], &mut meta).unwrap();
+        meta.remove(1);
+        v4.extend_from_slice(&meta);
+        pad4(&mut v4, 0);
+        v4
+    }
+
+    #[test]
+    fn both_flags_of_the_second_flag_byte_round_trip() {
+        for (tool_call_error, context_rebuilt) in [(true, false), (false, true), (true, true)] {
+            let mut record = sample();
+            record.info.tool_call_error = tool_call_error;
+            record.info.context_rebuilt = context_rebuilt;
+            record.critic_state = vec![0.5];
+            let bytes = encoded(&record, [None; 2]);
+            let view = StepView::parse(&bytes, FORMAT_VERSION).unwrap();
+            assert_eq!(view.to_record().unwrap(), record);
+            let meta = view.meta_view().unwrap();
+            assert_eq!(
+                (meta.tool_call_error, meta.context_rebuilt),
+                (tool_call_error, context_rebuilt)
+            );
+            let flags2 = bytes[meta_start(&bytes) + 1];
+            assert_eq!(flags2, tool_call_error as u8 | (context_rebuilt as u8) << 1);
+        }
+    }
+
+    #[test]
+    fn a_version_4_payload_reads_with_both_flags_false() {
+        let mut record = sample();
+        record.critic_state = vec![1.0, -2.0];
+        let v4 = as_version_4(&record);
+        let back = StepView::parse(&v4, 4).unwrap().to_record().unwrap();
+        assert_eq!(back, record);
+        assert!(!back.info.tool_call_error && !back.info.context_rebuilt);
+        // A version-4 payload is not a version-5 one (its first text entry is no flag byte).
+        assert!(StepView::parse(&v4, FORMAT_VERSION)
+            .unwrap()
+            .meta()
+            .is_err());
+        // Text references of version 4 skip one flag byte, of version 5 two.
+        let meta = &v4[parse_layout(&v4, 4).unwrap().meta_range()];
+        let entry = text_entry(4, meta, TextField::Action).unwrap();
+        assert_eq!(entry, StoredText::Inline(b"<answer>Left</answer>"));
+    }
+
+    #[test]
+    fn unknown_bits_of_the_second_flag_byte_are_an_error_naming_them() {
+        let mut bytes = encoded(&sample(), [None; 2]);
+        let at = meta_start(&bytes) + 1;
+        for (byte, named) in [(0x04, "0x4"), (0x83, "0x80"), (0xff, "0xfc")] {
+            bytes[at] = byte;
+            let error = StepView::parse(&bytes, FORMAT_VERSION)
+                .unwrap()
+                .to_record()
+                .unwrap_err()
+                .to_string();
+            let expected = format!("unknown flag bits {named} in the second flag byte");
+            assert!(error.contains(&expected), "{error}");
+        }
     }
 
     #[test]

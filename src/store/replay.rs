@@ -6,8 +6,10 @@
 //! `context_len` (tokens before this step's `obs_ids`), `obs_ids`, `response_ids`,
 //! `response_logprobs` (behaviour log-probs; 0.0 for model-free agents), `reward`,
 //! `terminated`, `truncated`, `state_hash`, and `info` = {`success`, `action_is_valid`,
-//! `action_is_effective`, `format_penalty`, `num_actions`, `observation_text`, `action_text`}.
-//! Each line parses back into a `StepRecord` with serde_json.
+//! `action_is_effective`, `format_penalty`, `num_actions`, `observation_text`, `action_text`,
+//! `tool_call_error`, `context_rebuilt`} (the last two false for records of format versions
+//! before 5). Each line parses back into a `StepRecord` with serde_json (lines written before
+//! those two fields existed too: they default to false).
 //!
 //! Open trajectories: a trajectory whose last stored step is neither terminated nor truncated
 //! has no end yet ([`Trajectory::is_open`]): it is still being written, or its writer stopped
@@ -73,6 +75,12 @@ fn flags(info: &crate::env::StepInfo) -> String {
     }
     if info.success {
         parts.push("success");
+    }
+    if info.tool_call_error {
+        parts.push("tool call error");
+    }
+    if info.context_rebuilt {
+        parts.push("context rebuilt");
     }
     parts.join(", ")
 }

@@ -16,13 +16,16 @@
 //! The header's version and flags fields have a second copy: the manifest lists each segment's
 //! format version (checksummed), and the flags are 0 in every version (a writer that needs a
 //! flag writes a new version). A header that disagrees with that copy, names a version or flags
-//! this build does not read, or under whose version no frame decodes, is read under the listed
-//! version when records decode under it, else (no listed copy: an old manifest, a damaged one)
-//! under the supported version under which the most records decode; each field that disagrees
-//! is a [`ProblemKind::DamagedHeader`] at its offset (8 or 12) that `repair` rewrites, and no
-//! record is lost. A version the manifest lists and this build does not read, or an unknown
-//! version with no listed copy and no frame decoding under any known version, is a newer format:
-//! the segment is refused ([`ProblemKind::BadHeader`]) and none of its frames is read.
+//! this build does not read, or under whose version no frame decodes (with no listed copy to
+//! agree with: under whose version some frame's metadata does not decode, since versions 4 and
+//! 5, one bit apart, frame records alike and differ only in their metadata), is read under the
+//! listed version when records decode under it, else (no listed copy: an old manifest, a
+//! damaged one) under the supported version under which the most records decode (the header's
+//! own on a tie); each field that disagrees is a [`ProblemKind::DamagedHeader`] at its offset
+//! (8 or 12) that `repair` rewrites, and no record is lost. A version the manifest lists and
+//! this build does not read, or an unknown version with no listed copy and no frame decoding
+//! under any known version, is a newer format: the segment is refused
+//! ([`ProblemKind::BadHeader`]) and none of its frames is read.
 //!
 //! The writer encodes each frame straight into an in-memory buffer (no per-record allocation or
 //! system call); when the buffer passes [`WRITE_BUFFER_BYTES`] it goes to the segment's I/O
@@ -287,7 +290,8 @@ pub fn scan_listed(bytes: &[u8], listed: Option<u32>) -> SegmentScan {
     let header = HeaderFields::read(bytes);
     let as_stored = (header.readable() && listed.is_none_or(|v| v == header.version))
         .then(|| scan_frames(bytes, header.version))
-        .filter(|scan| !scan.frames.is_empty() || scan.problems.is_empty());
+        .filter(|scan| !scan.frames.is_empty() || scan.problems.is_empty())
+        .filter(|scan| listed.is_some() || every_record_decodes(bytes, scan));
     let mut scan = as_stored.unwrap_or_else(|| recover_version(bytes, header, listed));
     if bytes[..8] != SEGMENT_MAGIC {
         let wrong = ProblemKind::DamagedHeader("wrong magic".into());
@@ -297,9 +301,10 @@ pub fn scan_listed(bytes: &[u8], listed: Option<u32>) -> SegmentScan {
 }
 
 /// Reads a segment whose header cannot be taken at its word (a version or flags this build
-/// does not read, a version other than the manifest's `listed` one, or no frame decoding under
-/// it): under `listed` when records decode under it, else under the supported version under
-/// which the most records decode; each header field that disagrees is a
+/// does not read, a version other than the manifest's `listed` one, no frame decoding under
+/// it, or, with nothing listed, a record whose metadata does not decode under it): under
+/// `listed` when records decode under it, else under the supported version under which the
+/// most records decode (the header's on a tie); each header field that disagrees is a
 /// [`ProblemKind::DamagedHeader`]. Refused (no frame read) when the manifest lists a version this
 /// build does not read, or when the manifest lists none, no version decodes a record, and the
 /// header's version or flags are unknown: a newer format, as far as this build can tell.
@@ -318,7 +323,7 @@ fn recover_version(bytes: &[u8], header: HeaderFields, listed: Option<u32>) -> S
         .map(|v| scan_frames(bytes, v))
         .map(|scan| (decoded_records(bytes, &scan), scan))
         .filter(|(decoded, _)| *decoded > 0)
-        .max_by_key(|(decoded, _)| *decoded);
+        .max_by_key(|(decoded, scan)| (*decoded, scan.format_version == header.version));
     match (best, listed) {
         (Some((_, scan)), _) => with_header_problems(scan, header, "its records decode as"),
         (None, Some(version)) => {
@@ -327,6 +332,12 @@ fn recover_version(bytes: &[u8], header: HeaderFields, listed: Option<u32>) -> S
         (None, None) if header.readable() => scan_frames(bytes, header.version),
         (None, None) => refused(header),
     }
+}
+
+/// Whether the metadata of every valid frame of `scan` decodes (stops at the first that does
+/// not).
+fn every_record_decodes(bytes: &[u8], scan: &SegmentScan) -> bool {
+    (scan.frames.iter()).all(|frame| scan.view(bytes, frame).meta_view().is_ok())
 }
 
 /// Valid frames of `scan` whose metadata decodes.

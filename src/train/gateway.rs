@@ -127,6 +127,10 @@ impl Backend for GatewayTrainer<'_> {
         self.grammars.clone()
     }
 
+    fn request_grammars(&self) -> bool {
+        false
+    }
+
     fn generated(&mut self, counters: &CacheCounters) {
         self.counters.add(counters);
         self.counters.forward_s += counters.forward_s;

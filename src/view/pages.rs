@@ -329,6 +329,8 @@ fn step_section(step: &StepDetail) -> String {
     }];
     flags.extend(r.info.action_is_effective.then_some("effective"));
     flags.extend(r.info.success.then_some("success"));
+    flags.extend(r.info.tool_call_error.then_some("tool call error"));
+    flags.extend(r.info.context_rebuilt.then_some("context rebuilt"));
     flags.extend(r.terminated.then_some("terminated"));
     flags.extend((r.truncated && !r.terminated).then_some("truncated"));
     let adv = step.scores.as_ref().map_or(0.0, |s| s.advantage);

@@ -1,0 +1,470 @@
+//! Function calling through the gateway over real HTTP on loopback: a small model taught (by
+//! behaviour cloning) to call `search` answers with `tool_calls` in plain and streamed replies,
+//! its session continues in token space through the tool results, a call that does not parse
+//! comes back as text and is recorded with `tool_call_error` and the penalty, bad tool requests
+//! get named 400s, and the API key guards every route. The official `openai` client drives the
+//! same model where Python has it.
+
+mod examples_python;
+mod http_client;
+use examples_python::examples_python;
+use http_client::{agent, get, sse_chunks};
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::{json, Value};
+use stepppo::model::{Model, ModelConfig};
+use stepppo::rollout::engine::{Engine, EngineConfig};
+use stepppo::serve::{self, ApiKey, GatewayOptions, PolicyBackend, Recorder};
+use stepppo::store::{self, Dataset, StepRecord, WriterOptions};
+use stepppo::tokenizer::{ChatTemplate, Message, Tokenizer};
+use stepppo::train::sft::{behaviour_clone, CloneSettings};
+use stepppo::train::BatchLayout;
+
+const MODEL: &str = "tiny-tools";
+const SYSTEM: &str = "Answer questions; search first.";
+const QUESTION: &str = "What is the capital of France?";
+const CALL: &str =
+    "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"query\": \"capital of France\"}}\n</tool_call>";
+
+fn tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "search", "description": "Search Wikipedia.",
+         "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}},
+        {"type": "function", "function": {"name": "answer", "description": "Give the final answer.",
+         "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    ])
+}
+
+fn tool_schemas() -> Vec<String> {
+    tools()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(Value::to_string)
+        .collect()
+}
+
+fn opening_messages() -> Value {
+    json!([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+}
+
+/// The tiny built-in model taught to answer the opening prompt with [`CALL`].
+fn tool_calling_model() -> (Model, Tokenizer) {
+    let tok = Tokenizer::builtin();
+    let model = Model::new(
+        &ModelConfig::tiny(tok.vocab_size()),
+        11,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let prompt = ChatTemplate
+        .conversation_with_tools(
+            &tok,
+            &[
+                Message::text("system", SYSTEM),
+                Message::text("user", QUESTION),
+            ],
+            &tool_schemas(),
+        )
+        .unwrap();
+    let mut response = tok.encode(CALL);
+    response.push(tok.eos_id());
+    let record = StepRecord {
+        obs_ids: prompt,
+        response_logprobs: vec![0.0; response.len()],
+        response_ids: response,
+        terminated: true,
+        ..StepRecord::default()
+    };
+    let settings = CloneSettings {
+        steps: 120,
+        batch_size: 1,
+        lr: 3e-3,
+        observation_loss_coef: 0.0,
+        seed: 0,
+        layout: BatchLayout {
+            pad_id: tok.pad_id(),
+            tree: false,
+        },
+    };
+    behaviour_clone(&model, &[record], settings, None).unwrap();
+    (model, tok)
+}
+
+fn start(model: Model, tokenizer: Tokenizer, record: Option<&Path>, key: Option<&str>) -> String {
+    let device = candle_core::Device::Cpu;
+    let engine = Engine::new(model.config(), EngineConfig::default(), &device).unwrap();
+    let recorder = record.map(|d| Recorder::open(d, WriterOptions::default()).unwrap());
+    let mut opts = GatewayOptions::new(MODEL, 1024, 0);
+    opts.port = 0;
+    opts.api_key = key.map(|k| ApiKey::new(k).unwrap());
+    opts.worker.default_max_tokens = 128;
+    let gateway = serve::start(&opts).unwrap();
+    let url = format!("http://{}", gateway.addr());
+    gateway.spawn(PolicyBackend {
+        model,
+        tokenizer,
+        engine,
+        recorder,
+    });
+    url
+}
+
+fn post(url: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, Value) {
+    http_client::post(url, &body.to_string(), headers)
+}
+
+fn request(messages: Value, extra: Value) -> Value {
+    let mut body = json!({"model": MODEL, "messages": messages, "tools": tools(),
+                          "temperature": 0, "max_tokens": 128});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// Every record of the dataset at `dir`, trajectory by trajectory (none when it has none yet).
+fn recorded(dir: &Path) -> Vec<StepRecord> {
+    let Ok(dataset) = Dataset::open(dir) else {
+        return Vec::new();
+    };
+    dataset
+        .trajectories()
+        .iter()
+        .flat_map(|t| store::decode_trajectory(t).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_model_that_calls_tools_is_served_and_recorded_as_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("tools-data");
+    let (model, tok) = tool_calling_model();
+    let url = start(model, tok.clone(), Some(&data), None);
+    let chat = format!("{url}/v1/chat/completions");
+    let session = [("x-session-id", "agent-1")];
+
+    let (status, reply) = post(&chat, &request(opening_messages(), json!({})), &session);
+    assert_eq!(status, 200, "{reply}");
+    let choice = &reply["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{reply}");
+    let message = &choice["message"];
+    assert!(message["content"].is_null(), "{message}");
+    let call = &message["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "search");
+    assert_eq!(
+        call["function"]["arguments"],
+        r#"{"query":"capital of France"}"#
+    );
+    assert!(call["id"].as_str().unwrap().starts_with("call_"));
+
+    // The stream carries the same call as deltas the official client assembles.
+    let mut resp = agent()
+        .post(&chat)
+        .header("content-type", "application/json")
+        .send(request(opening_messages(), json!({"stream": true})).to_string())
+        .unwrap();
+    let chunks = sse_chunks(&resp.body_mut().read_to_string().unwrap());
+    let streamed_text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed_text, "", "the call is never streamed as text");
+    let deltas: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"].get("tool_calls"))
+        .collect();
+    assert_eq!(deltas.len(), 1);
+    assert_eq!(deltas[0][0]["index"], 0);
+    assert_eq!(deltas[0][0]["function"], call["function"]);
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, [&json!("tool_calls")]);
+
+    // The agent runs the call and sends the result: the session continues in token space.
+    let mut messages = opening_messages().as_array().unwrap().clone();
+    messages.push(message.clone());
+    messages.push(json!({"role": "tool", "tool_call_id": call["id"], "content": "Paris is the capital of France."}));
+    let (status, second) = post(
+        &chat,
+        &request(Value::Array(messages), json!({"max_tokens": 4})),
+        &session,
+    );
+    assert_eq!(status, 200, "{second}");
+    let (status, closed) = post(
+        &format!("{url}/v1/sessions/agent-1/close"),
+        &json!({"reward": 1.0, "success": true}),
+        &[],
+    );
+    assert_eq!(status, 200, "{closed}");
+
+    let records = recorded(&data);
+    assert_eq!(records.len(), 2);
+    let (first, next) = (&records[0], &records[1]);
+    assert_eq!(
+        tok.decode(&first.response_ids)
+            .trim_end_matches("<|im_end|>"),
+        CALL
+    );
+    assert!(!first.info.tool_call_error && first.info.action_is_valid);
+    assert_eq!(
+        next.context_len as usize,
+        first.obs_ids.len() + first.response_ids.len(),
+        "the tool result extends the sampled call"
+    );
+    assert!(!next.info.context_rebuilt);
+    let observed = tok.decode(&next.obs_ids);
+    assert!(
+        observed.contains("<tool_response>\nParis is the capital of France.\n</tool_response>"),
+        "{observed:?}"
+    );
+    assert!(
+        next.info.observation_text.contains("tool ("),
+        "{}",
+        next.info.observation_text
+    );
+    assert_eq!(next.reward, 1.0);
+}
+
+#[test]
+fn a_call_that_does_not_parse_comes_back_as_text_and_costs_the_penalty() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("bad-calls");
+    let tok = Tokenizer::builtin();
+    let model = Model::new(
+        &ModelConfig::tiny(tok.vocab_size()),
+        7,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let url = start(model, tok, Some(&data), None);
+    let chat = format!("{url}/v1/chat/completions");
+    // Forced to open a call of `answer`, the untrained model writes no valid JSON after it.
+    let named = json!({"type": "function", "function": {"name": "answer"}});
+    let (status, reply) = post(
+        &chat,
+        &request(
+            opening_messages(),
+            json!({"tool_choice": named, "max_tokens": 40, "temperature": 1.0, "seed": 2}),
+        ),
+        &[("x-session-id", "bad")],
+    );
+    assert_eq!(status, 200, "{reply}");
+    let message = &reply["choices"][0]["message"];
+    assert!(message.get("tool_calls").is_none(), "{message}");
+    let text = message["content"].as_str().unwrap();
+    assert!(
+        text.starts_with("<tool_call>\n{\"name\": \"answer\", \"arguments\": "),
+        "the forced opening: {text:?}"
+    );
+    let (status, _) = post(
+        &format!("{url}/v1/sessions/bad/close"),
+        &json!({"reward": 0.5}),
+        &[],
+    );
+    assert_eq!(status, 200);
+    let records = recorded(&data);
+    let info = &records[0].info;
+    assert!(info.tool_call_error && !info.action_is_valid);
+    assert_eq!(info.format_penalty, serve::DEFAULT_TOOL_CALL_PENALTY);
+    assert_eq!(records[0].reward, 0.5 + serve::DEFAULT_TOOL_CALL_PENALTY);
+}
+
+#[test]
+fn bad_tool_requests_are_refused_naming_the_parameter() {
+    let tok = Tokenizer::builtin();
+    let model = Model::new(
+        &ModelConfig::tiny(tok.vocab_size()),
+        7,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let url = start(model, tok, None, None);
+    let chat = format!("{url}/v1/chat/completions");
+    let user = json!({"role": "user", "content": "hi"});
+    let call =
+        json!({"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}});
+    let cases = [
+        (
+            request(json!([user]), json!({"tools": [{"type": "retrieval"}]})),
+            "tools[0]",
+        ),
+        (
+            request(
+                json!([user]),
+                json!({"tools": [{"type": "function", "function": {"name": "bad name"}}]}),
+            ),
+            "tools[0].function.name",
+        ),
+        (
+            request(
+                json!([user]),
+                json!({"tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            ),
+            "tool_choice",
+        ),
+        (
+            json!({"model": MODEL, "messages": [user], "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            request(
+                json!([user, {"role": "tool", "tool_call_id": "c9", "content": "x"}]),
+                json!({}),
+            ),
+            "messages[1].tool_call_id",
+        ),
+        (
+            request(
+                json!([{"role": "user", "content": "hi", "tool_calls": [call]}]),
+                json!({}),
+            ),
+            "messages[0].tool_calls",
+        ),
+        (
+            request(
+                json!([user, {"role": "assistant", "content": null}]),
+                json!({}),
+            ),
+            "messages[1].content",
+        ),
+        (
+            request(
+                json!([user, {"role": "assistant", "content": "no", "refusal": "I refuse"}]),
+                json!({}),
+            ),
+            "messages[1].refusal",
+        ),
+    ];
+    for (body, param) in cases {
+        let (status, v) = post(&chat, &body, &[]);
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+    // A history echoed back as clients append response messages is accepted.
+    let echoed = json!([user, {"role": "assistant", "content": null, "refusal": null,
+                               "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "c1", "content": "result"}]);
+    let (status, v) = post(&chat, &request(echoed, json!({"max_tokens": 2})), &[]);
+    assert_eq!(status, 200, "{v}");
+}
+
+#[test]
+fn the_api_key_guards_every_route() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("guarded");
+    let tok = Tokenizer::builtin();
+    let model = Model::new(
+        &ModelConfig::tiny(tok.vocab_size()),
+        7,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let url = start(model, tok, Some(&data), Some("sk-local-test"));
+    let chat = format!("{url}/v1/chat/completions");
+    let body =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let good = [
+        ("authorization", "Bearer sk-local-test"),
+        ("x-session-id", "s"),
+    ];
+    let (status, _) = post(&chat, &body, &good);
+    assert_eq!(status, 200);
+    for headers in [&[][..], &[("authorization", "Bearer sk-wrong")][..]] {
+        for route in [
+            "/v1/chat/completions",
+            "/v1/sessions/s/close",
+            "/v1/nowhere",
+        ] {
+            let (status, v) = post(&format!("{url}{route}"), &json!({"reward": 1.0}), headers);
+            assert_eq!(status, 401, "{route}: {v}");
+            assert_eq!(v["error"]["code"], "invalid_api_key");
+        }
+        let (status, v) = get(&format!("{url}/v1/stats"));
+        assert_eq!(status, 401);
+        assert!(!v.to_string().contains("sk-local-test"), "{v}");
+    }
+    assert!(
+        recorded(&data).is_empty(),
+        "a refused close records nothing"
+    );
+    let (status, v) = post(
+        &format!("{url}/v1/sessions/s/close"),
+        &json!({"reward": 1.0}),
+        &good,
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(recorded(&data).len(), 1);
+
+    // Without a key, only loopback may be bound.
+    let mut opts = GatewayOptions::new(MODEL, 64, 0);
+    opts.host = "0.0.0.0".into();
+    opts.port = 0;
+    let err = serve::start(&opts).err().expect("refused").to_string();
+    assert!(
+        err.contains("API key") && err.contains("STEPPPO_API_KEY"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_official_openai_client_calls_tools_through_the_gateway() {
+    let Some(python) =
+        examples_python("the_official_openai_client_calls_tools_through_the_gateway")
+    else {
+        return;
+    };
+    let (model, tok) = tool_calling_model();
+    let url = start(model, tok, None, Some("sk-py"));
+    let script = r#"
+import json, sys, openai
+client = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="sk-py")
+tools = json.loads(sys.argv[2])
+msgs = [{"role": "system", "content": sys.argv[3]}, {"role": "user", "content": sys.argv[4]}]
+plain = client.chat.completions.create(model="tiny-tools", messages=msgs, tools=tools,
+                                       temperature=0, max_tokens=128)
+message = plain.choices[0].message
+with client.chat.completions.stream(model="tiny-tools", messages=msgs, tools=tools,
+                                    temperature=0, max_tokens=128) as stream:
+    final = stream.get_final_completion()
+streamed = final.choices[0].message
+msgs.append(message)
+msgs.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "Paris."})
+after = client.chat.completions.create(model="tiny-tools", messages=msgs, tools=tools,
+                                       temperature=0, max_tokens=4)
+try:
+    openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="wrong").models.list()
+    denied = None
+except openai.AuthenticationError as e:
+    denied = e.status_code
+call = message.tool_calls[0]
+print(json.dumps({"finish": plain.choices[0].finish_reason, "name": call.function.name,
+                  "arguments": json.loads(call.function.arguments),
+                  "streamed": [streamed.tool_calls[0].function.name, streamed.tool_calls[0].function.arguments],
+                  "after": after.choices[0].finish_reason is not None, "denied": denied}))
+"#;
+    let out = Command::new(python)
+        .args(["-c", script, &url, &tools().to_string(), SYSTEM, QUESTION])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["finish"], "tool_calls");
+    assert_eq!(v["name"], "search");
+    assert_eq!(v["arguments"], json!({"query": "capital of France"}));
+    assert_eq!(
+        v["streamed"],
+        json!(["search", r#"{"query":"capital of France"}"#])
+    );
+    assert_eq!(v["after"], true);
+    assert_eq!(v["denied"], 401);
+}
