@@ -16,6 +16,8 @@ use stepppo::view::{self, ViewOptions};
 
 const HOSTILE_ACTION: &str = "<answer>Left</answer></pre><script>alert(1)</script>";
 const HOSTILE_OBS: &str = "<img src=x onerror=alert(2)> grid </pre>";
+const TOOL_CALL: &str =
+    "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": \"<x>\"}}\n</tool_call>";
 
 fn record(traj: u64, group: u64, step: u32, version: u64, last: bool, action: &str) -> StepRecord {
     let tok = Tokenizer::builtin();
@@ -28,7 +30,11 @@ fn record(traj: u64, group: u64, step: u32, version: u64, last: bool, action: &s
         seed: group * 10,
         policy_version: version,
         context_len: 0,
-        obs_ids: tok.encode("obs"),
+        obs_ids: if traj == 1 {
+            tok.encode(&format!("<|im_start|>user\n{HOSTILE_OBS}<|im_end|>\n"))
+        } else {
+            tok.encode("obs")
+        },
         response_logprobs: (0..response_ids.len()).map(|i| -0.1 * i as f32).collect(),
         response_ids,
         reward: if last { traj as f32 } else { -0.1 },
@@ -82,7 +88,11 @@ fn make_run(dir: &Path) {
                 1,
                 version,
                 true,
-                "<answer>Right</answer>",
+                if traj == 1 {
+                    TOOL_CALL
+                } else {
+                    "<answer>Right</answer>"
+                },
             ))
             .unwrap();
     }
@@ -238,6 +248,17 @@ fn pages_lists_and_trajectories_are_served_escaped_and_read_only() {
         "{traj}"
     );
     assert!(traj.contains("&lt;img src=x onerror=alert(2)&gt;"));
+    // Everything the model saw at a context's start, template markers included, shown open.
+    assert!(
+        traj.contains("<details class=\"context\" open><summary>the ")
+            && traj.contains("<pre class=\"obs-raw\">&lt;|im_start|&gt;user\n&lt;img src=x"),
+        "{traj}"
+    );
+    // The tool call of the last step, read in the built-in template's format.
+    assert!(
+        traj.contains("<ul class=\"calls\"><li><code>search(") && traj.contains("&lt;x&gt;"),
+        "{traj}"
+    );
     assert!(
         !traj.contains("<script>") && !traj.contains("<img"),
         "unescaped text: {traj}"

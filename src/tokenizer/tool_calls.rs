@@ -90,20 +90,26 @@ impl ToolCallFormat {
 
     /// Finds the calls in `text`, the reply of a request offering the functions `known`.
     pub fn parse(self, text: &str, known: &[&str]) -> ParsedReply {
+        let reply = self.find_calls(text);
+        if let ParsedReply::Calls { calls, .. } = &reply {
+            if let Some(unknown) = calls.iter().find(|c| !known.contains(&c.name.as_str())) {
+                return ParsedReply::Malformed {
+                    reason: format!("call of unknown function `{}`", unknown.name),
+                };
+            }
+        }
+        reply
+    }
+
+    /// Finds the calls in `text` whatever functions they name (for showing a recorded reply).
+    pub fn find_calls(self, text: &str) -> ParsedReply {
         let parsed = match self {
             Self::Hermes => parse_hermes(text),
             Self::Llama3Json => parse_llama3(text),
         };
         match parsed {
             Ok(None) => ParsedReply::Content,
-            Ok(Some((content, calls))) => {
-                match calls.iter().find(|c| !known.contains(&c.name.as_str())) {
-                    Some(unknown) => ParsedReply::Malformed {
-                        reason: format!("call of unknown function `{}`", unknown.name),
-                    },
-                    None => ParsedReply::Calls { content, calls },
-                }
-            }
+            Ok(Some((content, calls))) => ParsedReply::Calls { content, calls },
             Err(reason) => ParsedReply::Malformed { reason },
         }
     }

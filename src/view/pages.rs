@@ -337,8 +337,8 @@ fn step_section(step: &StepDetail) -> String {
     format!(
         "<section class=\"step\" id=\"step-{i}\" data-advantage=\"{adv}\"><h2>Step {i}</h2>\
          <p class=\"facts\">reward <b>{reward}</b>{scores} · {flags} · tokens: context {ctx}, obs {obs}, response {resp}</p>\
-         <h3>observation</h3><pre class=\"obs\">{obs_text}</pre>\
-         <h3>response</h3><div class=\"tokens\">{tokens}</div></section>",
+         <h3>observation</h3><pre class=\"obs\">{obs_text}</pre>{context}\
+         <h3>response</h3><div class=\"tokens\">{tokens}</div>{calls}</section>",
         i = r.step_index,
         adv = if adv.is_finite() { adv } else { 0.0 },
         reward = num(f64::from(r.reward), 3),
@@ -347,8 +347,52 @@ fn step_section(step: &StepDetail) -> String {
         obs = r.obs_ids.len(),
         resp = r.response_ids.len(),
         obs_text = esc(r.info.observation_text.trim_end()),
+        context = context_block(step),
         tokens = token_spans(step),
+        calls = calls_block(step),
     )
+}
+
+/// The step's new context tokens decoded, collapsible (open where a context starts: that is
+/// where the instruction and the task are).
+fn context_block(step: &StepDetail) -> String {
+    let r = &step.record;
+    let after = if r.context_len > 0 {
+        format!(", after the {} tokens of the steps before", r.context_len)
+    } else {
+        String::new()
+    };
+    format!(
+        "<details class=\"context\"{open}><summary>the {n} new context tokens as the model saw \
+         them{after}</summary><pre class=\"obs-raw\">{text}</pre></details>",
+        open = if r.context_len == 0 { " open" } else { "" },
+        n = r.obs_ids.len(),
+        text = esc(&step.observation),
+    )
+}
+
+/// The tool calls of the response, or why its attempted call did not parse.
+fn calls_block(step: &StepDetail) -> String {
+    match &step.calls {
+        Ok(calls) if calls.is_empty() => String::new(),
+        Ok(calls) => {
+            let items: String = calls
+                .iter()
+                .map(|c| {
+                    format!(
+                        "<li><code>{}({})</code></li>",
+                        esc(&c.name),
+                        esc(&c.arguments)
+                    )
+                })
+                .collect();
+            format!("<h3>tool calls</h3><ul class=\"calls\">{items}</ul>")
+        }
+        Err(why) => format!(
+            "<p class=\"note call-error\">tool call did not parse: {}</p>",
+            esc(why)
+        ),
+    }
 }
 
 fn token_spans(step: &StepDetail) -> String {

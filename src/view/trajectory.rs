@@ -1,10 +1,13 @@
-//! What the trajectory page shows, gathered from a snapshot: each step's texts, its response
+//! What the trajectory page shows, gathered from a snapshot: each step's texts, the new context
+//! tokens decoded whole (what the model saw, template markers included), the tool calls of its
+//! response, its response
 //! tokens decoded one id at a time (so their exact boundaries are visible) with behaviour
 //! log-probs, value / advantage / return scored on the fly with a chosen estimator, and the
 //! other trajectories of the group as one line of moves and rewards each. Rendering is `pages`'.
 
 use crate::algo::{self, AdvantageConfig, AdvantageInputs, ReplayRow};
 use crate::store::{decode_trajectory, StepRecord, StoreError, Trajectory};
+use crate::tokenizer::tool_calls::{ParsedCall, ParsedReply};
 use crate::tokenizer::Tokenizer;
 
 use super::index::{Snapshot, TrajSummary};
@@ -23,7 +26,13 @@ pub struct Token {
 #[derive(Clone, Debug)]
 pub struct StepDetail {
     pub record: StepRecord,
+    /// The tokens new in the context at this step (`obs_ids`) decoded, chat-template markers
+    /// included: the instruction, the question and tool results as the model saw them.
+    pub observation: String,
     pub tokens: Vec<Token>,
+    /// The tool calls the response made, read in the tokenizer's format (none when it made none
+    /// or the template has no tool format); `Err` when it tried and the call did not parse.
+    pub calls: Result<Vec<ParsedCall>, String>,
     /// The estimator's row for this step (none for an open trajectory or a failed scoring).
     pub scores: Option<ReplayRow>,
 }
@@ -82,7 +91,9 @@ pub fn gather(
         .map(|record| {
             let scores = rows.iter().find(|r| r.step_index == record.step_index);
             StepDetail {
+                observation: tokenizer.decode(&record.obs_ids),
                 tokens: tokens(&record, tokenizer),
+                calls: calls(&record.info.action_text, tokenizer),
                 scores: scores.cloned(),
                 record,
             }
@@ -100,6 +111,17 @@ pub fn gather(
         scoring,
         group,
     }))
+}
+
+fn calls(response: &str, tokenizer: &Tokenizer) -> Result<Vec<ParsedCall>, String> {
+    let Ok(format) = tokenizer.tool_call_format() else {
+        return Ok(Vec::new());
+    };
+    match format.find_calls(response) {
+        ParsedReply::Content => Ok(Vec::new()),
+        ParsedReply::Calls { calls, .. } => Ok(calls),
+        ParsedReply::Malformed { reason } => Err(reason),
+    }
 }
 
 fn tokens(record: &StepRecord, tokenizer: &Tokenizer) -> Vec<Token> {
