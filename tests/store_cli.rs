@@ -5,6 +5,7 @@ use std::process::{Command, Output};
 
 use stepppo::env::StepInfo;
 use stepppo::store::{scan_segment, DatasetWriter, StepRecord, WriterOptions};
+use stepppo::tokenizer::Tokenizer;
 
 fn stepppo(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_stepppo"))
@@ -26,7 +27,7 @@ fn records() -> Vec<StepRecord> {
         env_tag: "frozen_lake".into(),
         seed: 11,
         context_len: step_index * 6,
-        obs_ids: vec![1, 2, 3, 4],
+        obs_ids: Tokenizer::builtin().encode("<|im_start|>user\nWhich way?<|im_end|>\n"),
         response_ids: vec![5, 6],
         response_logprobs: vec![0.0, 0.0],
         reward,
@@ -71,6 +72,17 @@ fn replay_prints_transcripts_jsonl_and_stats() {
         "{text}"
     );
     assert!(!text.contains("obs 1/0"));
+    // The new context tokens, decoded: everything the model saw, template markers included.
+    assert!(
+        text.contains("new tokens]\n<|im_start|>user\nWhich way?<|im_end|>\n[observation]"),
+        "{text}"
+    );
+    let bad = stepppo(&["replay", path, "--tokenizer", "/no/such/dir"]);
+    assert!(!bad.status.success());
+    assert!(
+        stdout(&bad).is_empty()
+            && String::from_utf8_lossy(&bad.stderr).contains("--tokenizer /no/such/dir")
+    );
 
     let jsonl = stdout(&stepppo(&["replay", path, "--format", "jsonl"]));
     let parsed: Vec<StepRecord> = jsonl

@@ -20,6 +20,7 @@ use stepppo::env::{self, AgentKind};
 use stepppo::model::Critic;
 use stepppo::store::{self, Dataset, Trajectory};
 use stepppo::tokenizer::Tokenizer;
+use stepppo::view::Source;
 
 #[derive(Args, Debug)]
 pub struct CollectArgs {
@@ -70,6 +71,10 @@ pub struct ReplayArgs {
     /// Output format: `text` by default, `jsonl` (the only one) with --advantages.
     #[arg(long, value_enum)]
     pub format: Option<ReplayFormat>,
+    /// Tokenizer directory (or `builtin`) that decodes each step's new context tokens in the text
+    /// transcript; default: the run's own when DATASET is a run's `dataset/`, else the built-in.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Print statistics (trajectories, steps, success rate, reward, steps per trajectory, per env).
     #[arg(long)]
     pub stats: bool,
@@ -212,6 +217,7 @@ fn replay_output(dataset: &Dataset, a: &ReplayArgs, out: &mut impl Write) -> any
         let cfg = advantage_config(estimator, a)?;
         return replay_advantages(dataset, &cfg, a, out);
     }
+    let tokenizer = replay_tokenizer(a)?;
     let trajectories = match a.traj {
         Some(id) => vec![dataset
             .trajectory(id)
@@ -224,7 +230,7 @@ fn replay_output(dataset: &Dataset, a: &ReplayArgs, out: &mut impl Write) -> any
             continue;
         }
         match a.format.unwrap_or(ReplayFormat::Text) {
-            ReplayFormat::Text => writeln!(out, "{}", store::transcript(traj)?)?,
+            ReplayFormat::Text => writeln!(out, "{}", store::transcript(traj, Some(&tokenizer))?)?,
             ReplayFormat::Jsonl => {
                 for record in store::decode_trajectory(traj)? {
                     writeln!(out, "{}", store::jsonl_line(&record, marks)?)?;
@@ -233,6 +239,25 @@ fn replay_output(dataset: &Dataset, a: &ReplayArgs, out: &mut impl Write) -> any
         }
     }
     Ok(out.flush()?)
+}
+
+/// The tokenizer that decodes the context tokens of a text replay: `--tokenizer`, else the run's
+/// own when the dataset is a run's `dataset/`, else the built-in one with the dataset's words.
+fn replay_tokenizer(a: &ReplayArgs) -> anyhow::Result<Tokenizer> {
+    match a.tokenizer.as_deref() {
+        Some(dir) if dir == Path::new("builtin") => Ok(Tokenizer::builtin()),
+        Some(dir) => {
+            Tokenizer::from_dir(dir).with_context(|| format!("--tokenizer {}", dir.display()))
+        }
+        None => {
+            let run = a
+                .dataset
+                .parent()
+                .filter(|p| a.dataset.ends_with("dataset") && p.join("dataset").is_dir());
+            let source = Source::locate(run.unwrap_or(&a.dataset))?;
+            Ok(source.tokenizer()?)
+        }
+    }
 }
 
 pub fn dataset(c: DatasetCommand) -> anyhow::Result<()> {

@@ -33,6 +33,7 @@ use serde::Serialize;
 use super::dataset::{Dataset, Trajectory};
 use super::error::StoreError;
 use super::record::StepRecord;
+use crate::tokenizer::Tokenizer;
 
 /// Whether a trajectory's figures are those of a finished episode: the marks the replay output
 /// puts on it.
@@ -85,8 +86,13 @@ fn flags(info: &crate::env::StepInfo) -> String {
     parts.join(", ")
 }
 
-/// A readable transcript of one trajectory: observation, action, reward and flags per step.
-pub fn transcript(traj: &Trajectory<'_>) -> Result<String, StoreError> {
+/// A readable transcript of one trajectory: observation, action, reward and flags per step; with
+/// a tokenizer, each step's new context tokens decoded too (what the model saw: the instruction
+/// and the task at a context's start, tool results, template markers).
+pub fn transcript(
+    traj: &Trajectory<'_>,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<String, StoreError> {
     let steps = decode_trajectory(traj)?;
     let mut out = String::new();
     let ret: f32 = steps.iter().map(|s| s.reward).sum();
@@ -123,6 +129,14 @@ pub fn transcript(traj: &Trajectory<'_>) -> Result<String, StoreError> {
             step.obs_ids.len(),
             step.response_ids.len()
         );
+        if let Some(tok) = tokenizer {
+            let _ = writeln!(
+                out,
+                "[context: {} new tokens]\n{}",
+                step.obs_ids.len(),
+                tok.decode(&step.obs_ids).trim_end()
+            );
+        }
         let _ = writeln!(
             out,
             "[observation]\n{}",
