@@ -217,7 +217,11 @@ fn replay_output(dataset: &Dataset, a: &ReplayArgs, out: &mut impl Write) -> any
         let cfg = advantage_config(estimator, a)?;
         return replay_advantages(dataset, &cfg, a, out);
     }
-    let tokenizer = replay_tokenizer(a)?;
+    let format = a.format.unwrap_or(ReplayFormat::Text);
+    let tokenizer = match format {
+        ReplayFormat::Text => Some(replay_tokenizer(a)?),
+        ReplayFormat::Jsonl => None,
+    };
     let trajectories = match a.traj {
         Some(id) => vec![dataset
             .trajectory(id)
@@ -229,8 +233,10 @@ fn replay_output(dataset: &Dataset, a: &ReplayArgs, out: &mut impl Write) -> any
         if marks.open && a.skip_open {
             continue;
         }
-        match a.format.unwrap_or(ReplayFormat::Text) {
-            ReplayFormat::Text => writeln!(out, "{}", store::transcript(traj, Some(&tokenizer))?)?,
+        match format {
+            ReplayFormat::Text => {
+                writeln!(out, "{}", store::transcript(traj, tokenizer.as_ref())?)?
+            }
             ReplayFormat::Jsonl => {
                 for record in store::decode_trajectory(traj)? {
                     writeln!(out, "{}", store::jsonl_line(&record, marks)?)?;

@@ -76,6 +76,10 @@ pub struct WireMessage {
     /// Output metadata of a response message (e.g. URL citations); not rendered.
     #[serde(rename = "annotations")]
     pub _annotations: Option<Vec<Value>>,
+    /// The official client's parsed-output field (`chat.completions.parse`/`stream`); not
+    /// rendered.
+    #[serde(rename = "parsed")]
+    pub _parsed: Option<Value>,
 }
 
 /// A call in an assistant message of the history.
@@ -97,6 +101,9 @@ pub struct WireFunctionCall {
     pub name: String,
     /// The arguments as JSON text (as OpenAI's API sends them).
     pub arguments: String,
+    /// The official client's parsed copy of the arguments; not rendered.
+    #[serde(rename = "parsed_arguments")]
+    pub _parsed_arguments: Option<Value>,
 }
 
 /// One entry of `tools`.

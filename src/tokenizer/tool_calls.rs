@@ -55,7 +55,7 @@ pub struct ParsedCall {
 pub enum ParsedReply {
     /// No call attempted: the text is the content.
     Content,
-    /// Calls, and the text before them (trimmed; `None` when empty).
+    /// Calls, and the text before them as written (what a stream sent; `None` when blank).
     Calls {
         content: Option<String>,
         calls: Vec<ParsedCall>,
@@ -165,7 +165,7 @@ fn parse_hermes(text: &str) -> Result<Found, String> {
         }
         return Ok(None);
     };
-    let content = Some(text[..first].trim()).filter(|c| !c.is_empty());
+    let content = Some(&text[..first]).filter(|c| !c.trim().is_empty());
     let mut calls = Vec::new();
     let mut rest = &text[first..];
     while let Some(after_open) = rest.strip_prefix(HERMES_OPEN) {
@@ -354,7 +354,7 @@ mod tests {
     fn hermes_calls_and_the_text_before_them() {
         let text = "Let me look.\n<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": \"a b\", \"k\": 2}}\n</tool_call>\n<tool_call>\n{\"name\": \"answer\", \"arguments\": {}}\n</tool_call>";
         let (content, found) = calls(ToolCallFormat::Hermes.parse(text, &KNOWN));
-        assert_eq!(content.as_deref(), Some("Let me look."));
+        assert_eq!(content.as_deref(), Some("Let me look.\n"), "as streamed");
         assert_eq!(
             found,
             vec![
