@@ -49,6 +49,18 @@ fn opening_messages() -> Value {
     json!([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
 }
 
+/// The tiny built-in model, untrained.
+fn untrained_model() -> (Model, Tokenizer) {
+    let tok = Tokenizer::builtin();
+    let model = Model::new(
+        &ModelConfig::tiny(tok.vocab_size()),
+        7,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    (model, tok)
+}
+
 /// The tiny built-in model taught to answer the opening prompt with [`CALL`].
 fn tool_calling_model() -> (Model, Tokenizer) {
     let tok = Tokenizer::builtin();
@@ -235,32 +247,24 @@ fn a_model_that_calls_tools_is_served_and_recorded_as_steps() {
 fn a_call_that_does_not_parse_comes_back_as_text_and_costs_the_penalty() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("bad-calls");
-    let tok = Tokenizer::builtin();
-    let model = Model::new(
-        &ModelConfig::tiny(tok.vocab_size()),
-        7,
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
+    let (model, tok) = tool_calling_model();
     let url = start(model, tok, Some(&data), None);
     let chat = format!("{url}/v1/chat/completions");
-    // Forced to open a call of `answer`, the untrained model writes no valid JSON after it.
-    let named = json!({"type": "function", "function": {"name": "answer"}});
+    // Cut before its closing tag by a stop string, the model's call does not parse.
     let (status, reply) = post(
         &chat,
-        &request(
-            opening_messages(),
-            json!({"tool_choice": named, "max_tokens": 40, "temperature": 1.0, "seed": 2}),
-        ),
+        &request(opening_messages(), json!({"stop": ["</tool_call>"]})),
         &[("x-session-id", "bad")],
     );
     assert_eq!(status, 200, "{reply}");
     let message = &reply["choices"][0]["message"];
     assert!(message.get("tool_calls").is_none(), "{message}");
+    assert_eq!(reply["choices"][0]["finish_reason"], "stop");
     let text = message["content"].as_str().unwrap();
-    assert!(
-        text.starts_with("<tool_call>\n{\"name\": \"answer\", \"arguments\": "),
-        "the forced opening: {text:?}"
+    assert_eq!(
+        text,
+        CALL.trim_end_matches("</tool_call>"),
+        "returned as text"
     );
     let (status, _) = post(
         &format!("{url}/v1/sessions/bad/close"),
@@ -273,17 +277,22 @@ fn a_call_that_does_not_parse_comes_back_as_text_and_costs_the_penalty() {
     assert!(info.tool_call_error && !info.action_is_valid);
     assert_eq!(info.format_penalty, serve::DEFAULT_TOOL_CALL_PENALTY);
     assert_eq!(records[0].reward, 0.5 + serve::DEFAULT_TOOL_CALL_PENALTY);
+
+    // A recording gateway refuses a forced call: the constrained log-probs would be stored as if
+    // sampled freely.
+    let named = json!({"type": "function", "function": {"name": "answer"}});
+    let (status, v) = post(
+        &chat,
+        &request(opening_messages(), json!({"tool_choice": named})),
+        &[],
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "tool_choice");
 }
 
 #[test]
 fn bad_tool_requests_are_refused_naming_the_parameter() {
-    let tok = Tokenizer::builtin();
-    let model = Model::new(
-        &ModelConfig::tiny(tok.vocab_size()),
-        7,
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
+    let (model, tok) = untrained_model();
     let url = start(model, tok, None, None);
     let chat = format!("{url}/v1/chat/completions");
     let user = json!({"role": "user", "content": "hi"});
@@ -352,19 +361,32 @@ fn bad_tool_requests_are_refused_naming_the_parameter() {
                         {"role": "tool", "tool_call_id": "c1", "content": "result"}]);
     let (status, v) = post(&chat, &request(echoed, json!({"max_tokens": 2})), &[]);
     assert_eq!(status, 200, "{v}");
+
+    // Forced to open a call of `answer`, the untrained model writes no valid JSON after it.
+    let named = json!({"type": "function", "function": {"name": "answer"}});
+    let (status, reply) = post(
+        &chat,
+        &request(
+            json!([user]),
+            json!({"tool_choice": named, "max_tokens": 40, "temperature": 1.0, "seed": 2}),
+        ),
+        &[],
+    );
+    assert_eq!(status, 200, "{reply}");
+    let message = &reply["choices"][0]["message"];
+    assert!(message.get("tool_calls").is_none(), "{message}");
+    let text = message["content"].as_str().unwrap();
+    assert!(
+        text.starts_with("<tool_call>\n{\"name\": \"answer\", \"arguments\": "),
+        "the forced opening: {text:?}"
+    );
 }
 
 #[test]
 fn the_api_key_guards_every_route() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("guarded");
-    let tok = Tokenizer::builtin();
-    let model = Model::new(
-        &ModelConfig::tiny(tok.vocab_size()),
-        7,
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
+    let (model, tok) = untrained_model();
     let url = start(model, tok, Some(&data), Some("sk-local-test"));
     let chat = format!("{url}/v1/chat/completions");
     let body =

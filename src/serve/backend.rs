@@ -104,6 +104,10 @@ impl Backend for PolicyBackend {
         (&mut self.engine, &self.model, &self.tokenizer)
     }
 
+    fn request_grammars(&self) -> bool {
+        self.recorder.is_none()
+    }
+
     fn policy_version(&self) -> u64 {
         self.engine.policy_version()
     }

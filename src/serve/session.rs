@@ -182,7 +182,7 @@ impl Sessions {
                         &as_messages(trailing),
                         &c.tools.schemas,
                     )
-                    .map_err(|e| ApiError::internal(e.to_string()))?;
+                    .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
                 let mut tokens = session.context.clone();
                 tokens.extend(after);
                 Prompt {

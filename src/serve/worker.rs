@@ -91,8 +91,8 @@ pub trait Backend {
         BTreeMap::new()
     }
     /// Whether a request may constrain its own reply (`tool_choice` required or named). A
-    /// trainer, which scores tokens under the env grammars only, says no: its log-probs would
-    /// not match what was sampled.
+    /// backend that records or trains says no: the constrained log-probs would be stored without
+    /// the constraint, and an update would score the tokens under a different distribution.
     fn request_grammars(&self) -> bool {
         true
     }
@@ -136,6 +136,7 @@ pub fn run(
         sessions: Sessions::new(opts.session_ttl, opts.tool_call_penalty),
         opts: opts.clone(),
         requests_seen: 0,
+        completions_accepted: 0,
         counters: CacheCounters::default(),
         expired: 0,
     };
@@ -160,6 +161,9 @@ struct Worker {
     sessions: Sessions,
     opts: WorkerOptions,
     requests_seen: u64,
+    /// Completions accepted so far (numbers the seeds of tool-call ids, so that a client that
+    /// fixes `seed` still gets ids unique across its turns).
+    completions_accepted: u64,
     counters: CacheCounters,
     expired: usize,
 }
@@ -170,7 +174,8 @@ struct Running {
     reply: mpsc::UnboundedSender<Reply>,
     prompt: Prompt,
     max_tokens: usize,
-    request_seed: u64,
+    /// Seed of the ids of the reply's tool calls (unique per completion the worker accepted).
+    call_id_seed: u64,
     /// How the reply's tool calls are read (`None`: they are not).
     call_format: Option<ToolCallFormat>,
     streams: Vec<ChoiceStream>,
@@ -354,6 +359,9 @@ impl Worker {
                 return Err(e);
             }
         };
+        self.completions_accepted += 1;
+        let call_id_seed =
+            seed::derive(self.opts.seed, &[CALL_ID_STREAM, self.completions_accepted]);
         let request_seed = completion.seed.unwrap_or_else(|| {
             self.requests_seen += 1;
             seed::derive(self.opts.seed, &[self.requests_seen])
@@ -385,7 +393,7 @@ impl Worker {
             reply,
             prompt,
             max_tokens,
-            request_seed,
+            call_id_seed,
             call_format,
             streams,
         })
@@ -414,7 +422,7 @@ impl Worker {
         for (c, gen) in gens.iter().enumerate() {
             let stream = &mut run.streams[c];
             let text = stream.final_text(tok, gen);
-            let id_seed = seed::derive(run.request_seed, &[c as u64, CALL_ID_STREAM]);
+            let id_seed = seed::derive(run.call_id_seed, &[c as u64]);
             let read = read_reply(&run.completion.tools, run.call_format, &text, id_seed);
             if run.completion.stream {
                 let rest = stream.take_rest(read.content.as_deref().unwrap_or_default());
@@ -520,8 +528,9 @@ fn tool_plan(
     let refuse = |why: &str| Err(ApiError::invalid(Some("tool_choice"), why.to_string()));
     if !request_grammars {
         return refuse(
-            "this gateway trains its policy, whose update scores tokens without a request's \
-             constraint: use `auto` (a reply without a call can be penalised by the reward)",
+            "this gateway records or trains on its replies, whose log-probs would be stored \
+             without the request's constraint: use `auto` (a reply without a call can be \
+             penalised by the reward)",
         );
     }
     if env_grammar.is_some() {

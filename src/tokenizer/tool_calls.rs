@@ -5,7 +5,8 @@
 //! and the built-in template) writes each call as `<tool_call>\n{"name": …, "arguments": {…}}
 //! \n</tool_call>` after optional text; [`ToolCallFormat::Llama3Json`] (Llama 3.1 and later)
 //! writes the whole reply as `{"name": …, "parameters": {…}}`, optionally after
-//! `<|python_tag|>`, several calls separated by `;`. The format is read from the template
+//! `<|python_tag|>`, one call per reply (its template refuses a message with several; a JSON
+//! reply without a `name` that is not tagged is plain content). The format is read from the template
 //! itself. Parsing never fails: a reply is plain content, a list of calls (with the content
 //! before them), or — when it tries to call and the call does not parse (an unclosed tag,
 //! invalid JSON, an unknown function, arguments that are not an object) — plain content with
@@ -38,7 +39,7 @@ impl ToolCall {
 pub enum ToolCallFormat {
     /// `<tool_call>\n{"name": "f", "arguments": {…}}\n</tool_call>` blocks after optional text.
     Hermes,
-    /// The whole reply `{"name": "f", "parameters": {…}}` (`;`-separated for several).
+    /// The whole reply `{"name": "f", "parameters": {…}}`, one call.
     Llama3Json,
 }
 
@@ -75,7 +76,13 @@ impl ToolCallFormat {
         let Some(source) = source else {
             return Ok(Self::Hermes);
         };
-        if source.contains(HERMES_OPEN) {
+        if source.contains("<function=") {
+            Err(
+                "the chat template writes XML tool calls (`<function=…>`, as Qwen3-Coder's), \
+                 which stepppo does not parse"
+                    .into(),
+            )
+        } else if source.contains(HERMES_OPEN) {
             Ok(Self::Hermes)
         } else if source.contains("\"parameters\": ") || source.contains(PYTHON_TAG) {
             Ok(Self::Llama3Json)
@@ -190,30 +197,43 @@ fn parse_hermes(text: &str) -> Result<Found, String> {
 
 fn parse_llama3(text: &str) -> Result<Found, String> {
     let trimmed = text.trim();
-    let body = trimmed
-        .strip_prefix(PYTHON_TAG)
-        .unwrap_or(trimmed)
-        .trim_start();
+    let (tagged, body) = match trimmed.strip_prefix(PYTHON_TAG) {
+        Some(rest) => (true, rest.trim_start()),
+        None => (false, trimmed),
+    };
     if !body.starts_with('{') {
         return Ok(None);
     }
-    let mut calls = Vec::new();
-    let mut rest = body;
-    while !rest.is_empty() {
-        let mut stream = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
-        let Some(next) = stream.next() else { break };
-        let n = calls.len() + 1;
-        next.map_err(|e| format!("call {n} is not JSON: {e}"))?;
-        let consumed = stream.byte_offset();
-        calls.push(call_object(&rest[..consumed], "parameters", n)?);
-        rest = rest[consumed..].trim_start();
-        if let Some(after) = rest.strip_prefix(';') {
-            rest = after.trim_start();
-        } else if !rest.is_empty() {
-            return Err(format!("text after call {n}: {:?}", clip(rest)));
-        }
+    if !tagged && !names_a_function(body) {
+        return Ok(None);
     }
-    Ok(Some((None, calls)))
+    let mut stream = serde_json::Deserializer::from_str(body).into_iter::<Value>();
+    if let Some(Err(e)) = stream.next() {
+        return Err(format!("call 1 is not JSON: {e}"));
+    }
+    let consumed = stream.byte_offset();
+    let rest = body[consumed..].trim_start();
+    if !rest.is_empty() {
+        return Err(format!(
+            "text after the call (Llama 3's template renders one call per message): {:?}",
+            clip(rest)
+        ));
+    }
+    Ok(Some((
+        None,
+        vec![call_object(&body[..consumed], "parameters", 1)?],
+    )))
+}
+
+/// Whether an untagged JSON reply means to call: it has a top-level `"name"` key, or is not JSON
+/// at all (cut or broken, so nothing else it could be).
+fn names_a_function(body: &str) -> bool {
+    let mut stream = serde_json::Deserializer::from_str(body).into_iter::<Value>();
+    match stream.next() {
+        Some(Ok(Value::Object(object))) => object.contains_key("name"),
+        Some(Ok(_)) => false,
+        _ => true,
+    }
 }
 
 /// One call object `{"name": "f", "<arguments_key>": {…}}` (`arguments` also read for Llama).
@@ -312,10 +332,19 @@ pub fn builtin_call_text(content: Option<&str>, calls: &[ToolCall]) -> String {
         text.push_str(&format!(
             "{HERMES_OPEN}\n{{\"name\": {}, \"arguments\": {}}}\n{HERMES_CLOSE}",
             json_string(&call.name),
-            compact(&call.arguments)
+            arguments_json(&call.arguments)
         ));
     }
     text
+}
+
+/// A call's arguments as the built-in template writes them: compact JSON when they are JSON,
+/// else the text as a JSON string (as the checkpoint templates' `tojson` writes a string).
+fn arguments_json(arguments: &str) -> String {
+    match serde_json::from_str::<serde::de::IgnoredAny>(arguments) {
+        Ok(_) => compact(arguments),
+        Err(_) => json_string(arguments),
+    }
 }
 
 /// Consecutive tool results of the built-in template, as one user turn's text.
@@ -428,13 +457,25 @@ mod tests {
     fn llama3_json_calls() {
         let l = ToolCallFormat::Llama3Json;
         let (content, found) = calls(l.parse(
-            "<|python_tag|>{\"name\": \"search\", \"parameters\": {\"q\": \"x\"}}; {\"name\": \"answer\", \"parameters\": {\"t\": 1}}",
+            "<|python_tag|>{\"name\": \"search\", \"parameters\": {\"q\": \"x\"}}",
             &KNOWN,
         ));
         assert_eq!(content, None);
-        assert_eq!(found[0], ("search".into(), r#"{"q":"x"}"#.into()));
-        assert_eq!(found[1], ("answer".into(), r#"{"t":1}"#.into()));
+        assert_eq!(found, [("search".into(), r#"{"q":"x"}"#.into())]);
+        let (_, untagged) =
+            calls(l.parse("{\"name\": \"answer\", \"parameters\": {\"t\": 1}}", &KNOWN));
+        assert_eq!(untagged, [("answer".into(), r#"{"t":1}"#.into())]);
         assert_eq!(l.parse("Paris.", &KNOWN), ParsedReply::Content);
+        assert_eq!(
+            l.parse("{\"answer\": 42}", &KNOWN),
+            ParsedReply::Content,
+            "a JSON answer is not a call"
+        );
+        assert!(malformed(l.parse(
+            "{\"name\": \"search\", \"parameters\": {}}; {\"name\": \"answer\", \"parameters\": {}}",
+            &KNOWN
+        ))
+        .contains("one call per message"));
         assert!(
             malformed(l.parse("{\"name\": \"search\", \"parameters\": {", &KNOWN))
                 .contains("not JSON")
@@ -473,9 +514,26 @@ mod tests {
             Ok(ToolCallFormat::Llama3Json)
         );
         assert!(ToolCallFormat::of_template(Some("{{ messages }}")).is_err());
+        let xml = "{{- '<tool_call>\\n<function=' + name + '>' }}";
+        assert!(ToolCallFormat::of_template(Some(xml))
+            .unwrap_err()
+            .contains("XML"));
         assert_eq!(
             ToolCallFormat::Hermes.call_opening("search"),
             "<tool_call>\n{\"name\": \"search\", \"arguments\": "
+        );
+    }
+
+    #[test]
+    fn builtin_calls_keep_arguments_that_are_not_json() {
+        let calls = [
+            ToolCall::new("a", "search", "{ \"q\" : \"x y\" }"),
+            ToolCall::new("b", "search", "hello world"),
+        ];
+        assert_eq!(
+            builtin_call_text(None, &calls),
+            "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\":\"x y\"}}\n</tool_call>\n\
+             <tool_call>\n{\"name\": \"search\", \"arguments\": \"hello world\"}\n</tool_call>"
         );
     }
 
