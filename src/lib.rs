@@ -6,7 +6,8 @@
 //! radix-tree KV cache ([`kv`]); every interaction round becomes a [`store::StepRecord`] in a
 //! memory-mapped segment store ([`store`]); credit assignment and PPO-family losses live in
 //! [`algo`]; the trainer ([`train`]) ties them together under a YAML config ([`config`]);
-//! [`view`] serves runs and datasets to a browser.
+//! [`view`] serves runs and datasets to a browser; [`interchange`] moves datasets to and from
+//! Parquet and OpenAI chat logs.
 
 pub mod algo;
 pub mod config;
@@ -14,6 +15,7 @@ pub mod crash;
 pub mod device;
 pub mod dist;
 pub mod env;
+pub mod interchange;
 pub mod kv;
 pub mod model;
 pub mod rollout;

@@ -486,6 +486,46 @@ impl ChatTemplate {
         Ok(tok.encode(strip_eos(tok, response, &after)))
     }
 
+    /// The tokens of the assistant message `reply` as the model samples them after the generation
+    /// prompt of `history`: what the template renders for it up to its end of turn, the
+    /// end-of-turn token included when the template closes a turn with it (built in: the text,
+    /// any tool calls in the Hermes layout, then `<|im_end|>`).
+    pub fn reply_ids(
+        &self,
+        tok: &Tokenizer,
+        history: &[Message],
+        reply: &Message,
+        tools: &[String],
+    ) -> Result<Vec<u32>> {
+        let Some(t) = tok.chat_template() else {
+            let turns = builtin_turns(std::slice::from_ref(reply), &[], false);
+            let mut ids = tok.encode(&turns[0].1);
+            ids.push(tok.eos_id());
+            return Ok(ids);
+        };
+        let prompt = t.render(history, tools, true)?;
+        let mut messages = history.to_vec();
+        messages.push(*reply);
+        let full = t.render(&messages, tools, false)?;
+        let (close, _) = after_response(t, None)?;
+        let body = full
+            .strip_prefix(prompt.as_str())
+            .and_then(|rest| rest.strip_suffix(close.as_str()))
+            .ok_or_else(|| TokenizerError::Template {
+                path: t.origin().to_string(),
+                message: format!(
+                    "the assistant message after {} messages does not render as the generation \
+                     prompt followed by the reply and {close:?}",
+                    history.len()
+                ),
+            })?;
+        let mut ids = tok.encode(body);
+        if close.starts_with(tok.decode(&[tok.eos_id()]).as_str()) {
+            ids.push(tok.eos_id());
+        }
+        Ok(ids)
+    }
+
     fn builtin_user_turn(&self, tok: &Tokenizer, text: &str) -> Vec<u32> {
         let mut ids = self.message(tok, "user", text);
         ids.push(im_start_id(tok));

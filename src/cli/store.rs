@@ -8,6 +8,7 @@
 //! A trajectory that lost a step that way is marked incomplete, and `--stats` / `--advantages`
 //! leave it out and say so, as they do with open trajectories.
 
+use std::collections::HashMap;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
@@ -17,6 +18,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use serde_json::Value;
 use stepppo::algo::{self, AdvantageConfig, AdvantageInputs};
 use stepppo::env::{self, AgentKind};
+use stepppo::interchange;
 use stepppo::model::Critic;
 use stepppo::store::{self, Dataset, Trajectory};
 use stepppo::tokenizer::Tokenizer;
@@ -76,7 +78,7 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Print statistics (trajectories, steps, success rate, reward, steps per trajectory, per env).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "advantages")]
     pub stats: bool,
     /// Leave out trajectories with no terminal step yet (still being written, or cut short);
     /// by default they are printed and marked (`open` in the text header, `"open": true` in
@@ -88,10 +90,23 @@ pub struct ReplayArgs {
     /// With --stats: print one JSON object.
     #[arg(long, requires = "stats")]
     pub json: bool,
+    #[command(flatten)]
+    pub scoring: ScoringArgs,
+    /// Exit non-zero when the dataset is damaged (any problem found at open, any record
+    /// skipped because it does not decode), after printing what is readable.
+    #[arg(long)]
+    pub strict: bool,
+}
+
+/// Re-scoring a dataset with an advantage estimator (`replay --advantages`, `dataset export
+/// --advantages`).
+#[derive(Args, Debug, Default)]
+pub struct ScoringArgs {
     /// Re-score the dataset with this advantage estimator (`adv_estimator` names: step_gae,
-    /// token_gae, grpo, reinforce, dr_grpo, rloo, gigpo, step_reinforce, ...) and print one JSONL
-    /// row per step: traj_id, group_id, step_index, reward, value, advantage_raw, advantage, return.
-    #[arg(long, conflicts_with = "stats")]
+    /// token_gae, grpo, reinforce, dr_grpo, rloo, gigpo, step_reinforce, ...): replay prints one
+    /// JSONL row per step (traj_id, group_id, step_index, reward, value, advantage_raw,
+    /// advantage, return); export adds those columns.
+    #[arg(long)]
     pub advantages: Option<String>,
     /// Discount γ (`gamma`).
     #[arg(long, requires = "advantages")]
@@ -107,10 +122,6 @@ pub struct ReplayArgs {
     /// step's last pre-response token. Without it, critic-based estimators use zero values.
     #[arg(long, requires = "advantages")]
     pub critic: Option<PathBuf>,
-    /// Exit non-zero when the dataset is damaged (any problem found at open, any record
-    /// skipped because it does not decode), after printing what is readable.
-    #[arg(long)]
-    pub strict: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -119,6 +130,81 @@ pub enum DatasetCommand {
     Verify { dataset: PathBuf },
     /// Truncate torn tails, rewrite damaged segments with their valid records, rebuild the manifest.
     Repair { dataset: PathBuf },
+    /// Write a dataset as a Parquet file: one row per step, typed columns (pandas, polars,
+    /// DuckDB, pyarrow and HF datasets read it; columns: docs/guides/datasets.md).
+    Export(ExportArgs),
+    /// Create a dataset from a Parquet file of `dataset export`, or from OpenAI chat-format
+    /// JSONL (one conversation per line, one step per assistant message).
+    Import(ImportArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ExportFormat {
+    Parquet,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum CompressionArg {
+    Zstd,
+    Snappy,
+    None,
+}
+
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// Dataset directory.
+    pub dataset: PathBuf,
+    /// File to write (through `OUT.partial`, renamed when complete).
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, value_enum, default_value = "parquet")]
+    pub format: ExportFormat,
+    /// Add `obs_text` and `response_text`: each step's new context tokens and its response decoded.
+    #[arg(long)]
+    pub text: bool,
+    /// Tokenizer directory (or `builtin`) that decodes --text; default: the run's own when DATASET
+    /// is a run's `dataset/`, else the built-in one with the dataset's words.
+    #[arg(long, requires = "text")]
+    pub tokenizer: Option<PathBuf>,
+    /// Page compression.
+    #[arg(long, value_enum, default_value = "zstd")]
+    pub compression: CompressionArg,
+    /// Close a row group once its encoded size reaches this many MiB (what a reader holds at once).
+    #[arg(long, default_value_t = 64)]
+    pub row_group_mib: usize,
+    #[command(flatten)]
+    pub scoring: ScoringArgs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ImportFormat {
+    /// A file written by `stepppo dataset export`.
+    Parquet,
+    /// OpenAI chat-format JSONL: `{"messages": [...], "tools": [...], "reward": R}` per line.
+    ChatJsonl,
+}
+
+#[derive(Args, Debug)]
+pub struct ImportArgs {
+    /// File to import.
+    pub input: PathBuf,
+    /// Dataset directory to create (must not exist).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Input format; default: from the extension (`.parquet`; `.jsonl`, `.json`).
+    #[arg(long, value_enum)]
+    pub format: Option<ImportFormat>,
+    /// Checkpoint directory (or `builtin`) whose chat template tokenises chat logs (required for
+    /// chat-jsonl); for Parquet, token ids are checked against its vocabulary (default: the
+    /// vocabulary size the file's metadata records).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Env tag of imported conversations whose line names none (`env`).
+    #[arg(long, default_value = stepppo::interchange::DEFAULT_CHAT_ENV_TAG)]
+    pub env_tag: String,
+    /// Fail on the first conversation that cannot be imported instead of skipping it.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 pub fn collect(a: CollectArgs) -> anyhow::Result<()> {
@@ -213,13 +299,12 @@ fn replay_output(dataset: &Dataset, a: &ReplayArgs, out: &mut impl Write) -> any
         }
         return Ok(out.flush()?);
     }
-    if let Some(estimator) = &a.advantages {
-        let cfg = advantage_config(estimator, a)?;
-        return replay_advantages(dataset, &cfg, a, out);
+    if a.scoring.advantages.is_some() {
+        return replay_advantages(dataset, a, out);
     }
     let format = a.format.unwrap_or(ReplayFormat::Text);
     let tokenizer = match format {
-        ReplayFormat::Text => Some(replay_tokenizer(a)?),
+        ReplayFormat::Text => Some(dataset_tokenizer(&a.dataset, a.tokenizer.as_deref())?),
         ReplayFormat::Jsonl => None,
     };
     let trajectories = match a.traj {
@@ -247,21 +332,25 @@ fn replay_output(dataset: &Dataset, a: &ReplayArgs, out: &mut impl Write) -> any
     Ok(out.flush()?)
 }
 
-/// The tokenizer that decodes the context tokens of a text replay: `--tokenizer`, else the run's
-/// own when the dataset is a run's `dataset/`, else the built-in one with the dataset's words.
-fn replay_tokenizer(a: &ReplayArgs) -> anyhow::Result<Tokenizer> {
-    match a.tokenizer.as_deref() {
-        Some(dir) if dir == Path::new("builtin") => Ok(Tokenizer::builtin()),
-        Some(dir) => {
-            Tokenizer::from_dir(dir).with_context(|| format!("--tokenizer {}", dir.display()))
-        }
-        None => {
-            let run = a
-                .dataset
-                .parent()
-                .filter(|p| a.dataset.ends_with("dataset") && p.join("dataset").is_dir());
-            let source = Source::locate(run.unwrap_or(&a.dataset))?;
-            Ok(source.tokenizer()?)
+/// The tokenizer that decodes a dataset's tokens: `choice` (a directory or `builtin`), else the
+/// run's own when `dataset` is a run's `dataset/`, else the built-in one with the dataset's words.
+fn dataset_tokenizer(dataset: &Path, choice: Option<&Path>) -> anyhow::Result<Tokenizer> {
+    if let Some(choice) = choice {
+        return load_tokenizer(choice);
+    }
+    let run = dataset
+        .parent()
+        .filter(|p| dataset.ends_with("dataset") && p.join("dataset").is_dir());
+    let source = Source::locate(run.unwrap_or(dataset))?;
+    Ok(source.tokenizer()?)
+}
+
+/// `--tokenizer DIR|builtin`.
+fn load_tokenizer(choice: &Path) -> anyhow::Result<Tokenizer> {
+    match choice == Path::new("builtin") {
+        true => Ok(Tokenizer::builtin()),
+        false => {
+            Tokenizer::from_dir(choice).with_context(|| format!("--tokenizer {}", choice.display()))
         }
     }
 }
@@ -283,6 +372,8 @@ pub fn dataset(c: DatasetCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        DatasetCommand::Export(a) => export(a),
+        DatasetCommand::Import(a) => import(a),
         DatasetCommand::Repair { dataset } => {
             let report = store::repair(&dataset)?;
             for action in &report.actions {
@@ -299,7 +390,7 @@ pub fn dataset(c: DatasetCommand) -> anyhow::Result<()> {
 
 /// `AdvantageConfig` from its defaults, `--advantages`, `--gamma`, `--lam` and every `--set`,
 /// applied in that order; an error names the option and the key.
-fn advantage_config(estimator: &str, a: &ReplayArgs) -> anyhow::Result<AdvantageConfig> {
+fn advantage_config(estimator: &str, a: &ScoringArgs) -> anyhow::Result<AdvantageConfig> {
     let mut overrides = vec![(
         format!("--advantages {estimator}"),
         "adv_estimator".to_string(),
@@ -438,24 +529,12 @@ fn complete_trajectories(dataset: &Dataset) -> anyhow::Result<Vec<Trajectory<'_>
     Ok(kept)
 }
 
-fn replay_advantages(
-    dataset: &Dataset,
-    cfg: &AdvantageConfig,
-    a: &ReplayArgs,
-    out: &mut impl Write,
-) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        !matches!(a.format, Some(ReplayFormat::Text)),
-        "--advantages prints JSONL rows: use `--format jsonl` (or no --format)"
-    );
+/// Scores every complete trajectory of `dataset` as `--advantages` asks: the rows in trajectory
+/// order (a note on stderr when zero values stand in for a critic).
+fn score_steps(dataset: &Dataset, a: &ScoringArgs) -> anyhow::Result<Vec<algo::ReplayRow>> {
+    let estimator = a.advantages.as_deref().unwrap_or_default();
+    let cfg = advantage_config(estimator, a)?;
     let trajectories = complete_trajectories(dataset)?;
-    if let Some(id) = a.traj {
-        anyhow::ensure!(
-            trajectories.iter().any(|t| t.traj_id == id),
-            "{}: no trajectory {id} to score (open and incomplete trajectories are left out)",
-            a.dataset.display()
-        );
-    }
     let mut records = Vec::new();
     for traj in &trajectories {
         records.extend(store::decode_trajectory(traj)?);
@@ -469,19 +548,154 @@ fn replay_advantages(
         token_values: values.as_ref().map(|v| v.tokens.as_slice()),
         ..AdvantageInputs::default()
     };
-    let export = algo::replay_rows(&records, &inputs, cfg)?;
+    let export = algo::replay_rows(&records, &inputs, &cfg)?;
     if export.zero_values {
         eprintln!(
-            "note: `{}` reads critic values and no --critic was given: every value is 0",
-            a.advantages.as_deref().unwrap_or_default()
+            "note: `{estimator}` reads critic values and no --critic was given: every value is 0"
         );
     }
-    let selected = export
-        .rows
+    Ok(export.rows)
+}
+
+fn replay_advantages(
+    dataset: &Dataset,
+    a: &ReplayArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !matches!(a.format, Some(ReplayFormat::Text)),
+        "--advantages prints JSONL rows: use `--format jsonl` (or no --format)"
+    );
+    let rows = score_steps(dataset, &a.scoring)?;
+    if let Some(id) = a.traj {
+        anyhow::ensure!(
+            rows.iter().any(|r| r.traj_id == id),
+            "{}: no trajectory {id} to score (open and incomplete trajectories are left out)",
+            a.dataset.display()
+        );
+    }
+    let selected = rows
         .iter()
         .filter(|r| a.traj.is_none_or(|id| r.traj_id == id));
     for row in selected {
         writeln!(out, "{}", serde_json::to_string(row)?)?;
     }
     Ok(out.flush()?)
+}
+
+fn export(a: ExportArgs) -> anyhow::Result<()> {
+    let ExportFormat::Parquet = a.format;
+    let mut dataset = Dataset::open(&a.dataset)?;
+    let skipped = dataset.skip_undecodable();
+    warn_damage(&dataset, &skipped);
+    let tokenizer = match a.text {
+        true => Some(dataset_tokenizer(&a.dataset, a.tokenizer.as_deref())?),
+        false => None,
+    };
+    let scores = match a.scoring.advantages {
+        Some(_) => Some(
+            score_steps(&dataset, &a.scoring)?
+                .into_iter()
+                .map(|r| {
+                    let scores = interchange::StepScores {
+                        value: r.value,
+                        advantage_raw: r.advantage_raw,
+                        advantage: r.advantage,
+                        ret: r.ret,
+                    };
+                    ((r.traj_id, r.step_index), scores)
+                })
+                .collect::<HashMap<_, _>>(),
+        ),
+        None => None,
+    };
+    let opts = interchange::ExportOptions {
+        compression: match a.compression {
+            CompressionArg::Zstd => interchange::ParquetCompression::Zstd,
+            CompressionArg::Snappy => interchange::ParquetCompression::Snappy,
+            CompressionArg::None => interchange::ParquetCompression::None,
+        },
+        row_group_bytes: a.row_group_mib.max(1) << 20,
+        text: tokenizer.as_ref(),
+        scores: scores.as_ref(),
+    };
+    let summary = interchange::export_parquet(&dataset, &a.out, &opts)?;
+    println!(
+        "{}: {} rows in {} row groups, {} bytes",
+        a.out.display(),
+        summary.rows,
+        summary.row_groups,
+        summary.bytes
+    );
+    Ok(())
+}
+
+fn import(a: ImportArgs) -> anyhow::Result<()> {
+    let format = match a.format {
+        Some(f) => f,
+        None => match a.input.extension().and_then(|e| e.to_str()) {
+            Some("parquet") => ImportFormat::Parquet,
+            Some("jsonl" | "json") => ImportFormat::ChatJsonl,
+            _ => anyhow::bail!(
+                "{}: cannot tell the format from the extension; give --format parquet or --format chat-jsonl",
+                a.input.display()
+            ),
+        },
+    };
+    let summary = match format {
+        ImportFormat::Parquet => {
+            let vocab_size = match &a.tokenizer {
+                Some(choice) => Some(load_tokenizer(choice)?.vocab_size()),
+                None => None,
+            };
+            let opts = interchange::ImportOptions {
+                vocab_size,
+                roll_bytes: None,
+            };
+            interchange::import_parquet(&a.input, &a.out, &opts)?
+        }
+        ImportFormat::ChatJsonl => {
+            let choice = a.tokenizer.as_deref().context(
+                "--tokenizer DIR|builtin: the checkpoint whose chat template tokenises the conversations",
+            )?;
+            let tokenizer = load_tokenizer(choice)?;
+            let kind = if choice == Path::new("builtin") {
+                "builtin"
+            } else {
+                "hf"
+            };
+            let description = serde_json::json!({
+                "kind": kind, "dir": choice.display().to_string(),
+                "vocab_size": tokenizer.vocab_size(), "eos_id": tokenizer.eos_id(),
+            });
+            let opts = interchange::ChatImportOptions {
+                tokenizer: &tokenizer,
+                env_tag: a.env_tag.clone(),
+                strict: a.strict,
+                roll_bytes: None,
+                metadata: [("tokenizer".to_string(), description)].into(),
+            };
+            interchange::import_chat_jsonl(&a.input, &a.out, &opts)?
+        }
+    };
+    for why in summary.skipped.iter().take(SHOWN_PROBLEMS) {
+        eprintln!("skipped: {}: {why}", a.input.display());
+    }
+    if summary.skipped.len() > SHOWN_PROBLEMS {
+        eprintln!(
+            "skipped: ... and {} more (--strict stops at the first)",
+            summary.skipped.len() - SHOWN_PROBLEMS
+        );
+    }
+    println!(
+        "{}: {} trajectories, {} records{}",
+        a.out.display(),
+        summary.trajectories,
+        summary.records,
+        match summary.skipped.len() {
+            0 => String::new(),
+            n => format!(" ({n} skipped)"),
+        }
+    );
+    Ok(())
 }

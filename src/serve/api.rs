@@ -424,7 +424,9 @@ impl Metadata {
     }
 }
 
-fn check_messages(wire: Vec<WireMessage>) -> Result<Vec<ChatMessage>, ApiError> {
+/// The messages of a request (or of a logged conversation) checked in order: roles, contents,
+/// each tool message answering an earlier call.
+pub fn check_messages(wire: Vec<WireMessage>) -> Result<Vec<ChatMessage>, ApiError> {
     if wire.is_empty() {
         return Err(ApiError::invalid(Some("messages"), "at least one message"));
     }
@@ -561,7 +563,8 @@ fn valid_function_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
-fn check_tools(
+/// `tools`, `tool_choice` and `parallel_tool_calls` checked into the request's [`ToolSet`].
+pub fn check_tools(
     tools: Option<Vec<Box<RawValue>>>,
     choice: Option<Value>,
     parallel: Option<bool>,

@@ -27,7 +27,10 @@ use std::time::Duration;
 use crossbeam::channel::Receiver;
 use tokio::sync::oneshot;
 
-pub use api::{ApiError, ChatMessage, Completion, ToolChoice, ToolSet};
+pub use api::{
+    check_messages, check_tools, ApiError, ChatMessage, Completion, ToolChoice, ToolSet,
+    WireMessage,
+};
 pub use auth::{is_loopback, ApiKey, API_KEY_ENV};
 pub use backend::{PolicyBackend, Recorder};
 pub use http::{SESSION_HEADER, TASK_HEADER, VERSION_HEADER};

@@ -605,14 +605,7 @@ impl Trajectory<'_> {
     /// from 0 to the last): a step lost to damage (a corrupt frame, a record that does not
     /// decode). The trajectory's return, length and advantages are then not its episode's.
     pub fn missing_step(&self) -> Option<u32> {
-        let mut next = 0u32;
-        for step in &self.steps {
-            if step.step_index > next {
-                return Some(next);
-            }
-            next = next.max(step.step_index.saturating_add(1));
-        }
-        None
+        first_missing_step(self.steps.iter().map(|s| s.step_index))
     }
 
     /// The full token context in front of step `t`'s response: the `obs_ids ++ response_ids`
@@ -634,6 +627,19 @@ impl Trajectory<'_> {
         tokens.extend(step.obs_ids.iter());
         tokens
     }
+}
+
+/// The first index absent from the ascending step indices `sorted` (`None` when they hold every
+/// index from 0 to the last).
+pub fn first_missing_step(sorted: impl IntoIterator<Item = u32>) -> Option<u32> {
+    let mut next = 0u32;
+    for index in sorted {
+        if index > next {
+            return Some(next);
+        }
+        next = next.max(index.saturating_add(1));
+    }
+    None
 }
 
 /// The trajectories of one group, ordered by `traj_id`.

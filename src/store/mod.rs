@@ -68,7 +68,8 @@ pub use error::{Problem, ProblemKind, StoreError};
 pub use manifest::{LoadedManifest, Manifest, ManifestDamage, SegmentEntry, MANIFEST_FILE};
 pub use record::StepRecord;
 pub use replay::{
-    decode_trajectory, jsonl_line, transcript, Completeness, DatasetStats, Stats, Summary,
+    completeness_by_trajectory, decode_trajectory, jsonl_line, transcript, Completeness,
+    DatasetStats, Stats, Summary,
 };
 pub use segment::{scan as scan_segment, SegmentScan, FORMAT_VERSION, SEGMENT_MAGIC};
 pub use tokens::{TokenIds, TokenIter};

@@ -25,12 +25,12 @@
 //! figure and count it apart (`incomplete_trajectories`; a trajectory that is both is counted
 //! here, not as open).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::{self, Write as _};
 
 use serde::Serialize;
 
-use super::dataset::{Dataset, Trajectory};
+use super::dataset::{first_missing_step, Dataset, Trajectory};
 use super::error::StoreError;
 use super::record::StepRecord;
 use crate::tokenizer::Tokenizer;
@@ -57,6 +57,32 @@ impl Completeness {
     pub fn is_complete(&self) -> bool {
         !self.open && self.missing_step.is_none()
     }
+}
+
+/// The marks of every trajectory of `dataset`, from one pass over the records' step indices and
+/// end flags (16 bytes a record are held, not the records).
+pub fn completeness_by_trajectory(
+    dataset: &Dataset,
+) -> Result<HashMap<u64, Completeness>, StoreError> {
+    let mut steps = Vec::with_capacity(dataset.len());
+    for view in dataset.records() {
+        let meta = view.meta_view()?;
+        steps.push((
+            view.traj_id,
+            view.step_index,
+            meta.terminated || meta.truncated,
+        ));
+    }
+    steps.sort_unstable();
+    let mut out = HashMap::new();
+    for traj in steps.chunk_by(|a, b| a.0 == b.0) {
+        let marks = Completeness {
+            open: !traj.last().is_some_and(|s| s.2),
+            missing_step: first_missing_step(traj.iter().map(|s| s.1)),
+        };
+        out.insert(traj[0].0, marks);
+    }
+    Ok(out)
 }
 
 /// The steps of a trajectory decoded into records.
