@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates target/examples-venv with the Python packages of examples/requirements.txt (gymnasium,
-# the official `openai` client). Tests that drive the examples use `$STEPPPO_PYTHON` when set,
-# else this venv's python when it exists, and skip with a message otherwise (a failure under
-# STEPPPO_REQUIRE_PYTHON=1, which .ci/run sets). Idempotent.
+# the official `openai` client, the Parquet readers). Tests that drive the examples use
+# `$STEPPPO_PYTHON` when set, else this venv's python when it exists, and skip with a message
+# otherwise (a failure under STEPPPO_REQUIRE_PYTHON=1, which .ci/run sets). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=target/examples-venv

@@ -1,8 +1,8 @@
 //! A step dataset as a Parquet file and back ([`export_parquet`], [`import_parquet`]), through
 //! arrow-rs. The export streams the dataset's records in file order (the order they were
 //! written; sort by `traj_id`, `step_index` for trajectory order) into row groups of at most
-//! [`ExportOptions::row_group_bytes`], so memory holds one row group plus 16 bytes a record for
-//! the trajectory marks. The dataset manifest's `metadata` travels in the file's key-value
+//! 131,072 rows and [`ExportOptions::row_group_bytes`], so memory holds one row group plus 16
+//! bytes a record for the trajectory marks. The dataset manifest's `metadata` travels in the file's key-value
 //! metadata (`stepppo.metadata`) and comes back with the import, which reads one batch at a time.
 
 use std::collections::HashMap;
@@ -28,6 +28,9 @@ pub const METADATA_KEY: &str = "stepppo.metadata";
 pub const SOURCE_KEY: &str = "stepppo.source";
 /// Rows per batch handed to the writer, and read back per batch.
 const BATCH_ROWS: usize = 8192;
+/// Rows per row group at most (fewer when [`ExportOptions::row_group_bytes`] is reached first):
+/// enough row groups in a large export for readers to split the work and stream it.
+const ROW_GROUP_ROWS: usize = 131_072;
 
 /// Page compression of an export.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -96,6 +99,7 @@ pub fn export_parquet(
     let props = WriterProperties::builder()
         .set_compression(opts.compression.codec())
         .set_max_row_group_bytes(Some(opts.row_group_bytes.max(1)))
+        .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
         .set_key_value_metadata(Some(vec![
             KeyValue::new(
                 METADATA_KEY.into(),
