@@ -659,15 +659,15 @@ fn import(a: ImportArgs) -> anyhow::Result<()> {
                 "--tokenizer DIR|builtin: the checkpoint whose chat template tokenises the conversations",
             )?;
             let tokenizer = load_tokenizer(choice)?;
-            let kind = if choice == Path::new("builtin") {
-                "builtin"
-            } else {
-                "hf"
-            };
-            let description = serde_json::json!({
-                "kind": kind, "dir": choice.display().to_string(),
-                "vocab_size": tokenizer.vocab_size(), "eos_id": tokenizer.eos_id(),
+            let mut description = serde_json::json!({
+                "kind": "builtin", "vocab_size": tokenizer.vocab_size(), "eos_id": tokenizer.eos_id(),
             });
+            if choice != Path::new("builtin") {
+                let dir = std::fs::canonicalize(choice)
+                    .with_context(|| format!("--tokenizer {}", choice.display()))?;
+                description["kind"] = "hf".into();
+                description[store::TOKENIZER_DIR_KEY] = dir.display().to_string().into();
+            }
             let opts = interchange::ChatImportOptions {
                 tokenizer: &tokenizer,
                 env_tag: a.env_tag.clone(),

@@ -5,7 +5,7 @@
 //! bytes a record for the trajectory marks. The dataset manifest's `metadata` travels in the file's key-value
 //! metadata (`stepppo.metadata`) and comes back with the import, which reads one batch at a time.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -19,7 +19,7 @@ use serde_json::Value;
 
 use super::columns::{records_of_batch, Extras, RowBuilder, StepScores};
 use super::staging::StagedDataset;
-use crate::store::{completeness_by_trajectory, Dataset, StepRecord, WriterOptions};
+use crate::store::{completeness_by_trajectory, Completeness, Dataset, StepRecord, WriterOptions};
 use crate::tokenizer::Tokenizer;
 
 /// Key of the file metadata entry holding the dataset manifest's `metadata` map (JSON).
@@ -95,7 +95,6 @@ pub fn export_parquet(
         text: opts.text.is_some(),
         scores: opts.scores.is_some(),
     };
-    let mut rows = RowBuilder::new(extras);
     let props = WriterProperties::builder()
         .set_compression(opts.compression.codec())
         .set_max_row_group_bytes(Some(opts.row_group_bytes.max(1)))
@@ -109,7 +108,34 @@ pub fn export_parquet(
         ]))
         .build();
     let partial = partial_path(out);
-    let file = File::create(&partial).with_context(|| format!("creating {}", partial.display()))?;
+    let written = write_rows(dataset, &partial, props, &marks, extras, opts);
+    let (rows, row_groups) = match written {
+        Ok(done) => done,
+        Err(e) => {
+            let _ = std::fs::remove_file(&partial);
+            return Err(e);
+        }
+    };
+    std::fs::rename(&partial, out)
+        .with_context(|| format!("renaming {} to {}", partial.display(), out.display()))?;
+    Ok(ExportSummary {
+        rows,
+        row_groups,
+        bytes: std::fs::metadata(out)?.len(),
+    })
+}
+
+/// Streams the records of `dataset` into the Parquet file `path`; returns rows and row groups.
+fn write_rows(
+    dataset: &Dataset,
+    path: &Path,
+    props: WriterProperties,
+    marks: &HashMap<u64, Completeness>,
+    extras: Extras,
+    opts: &ExportOptions<'_>,
+) -> anyhow::Result<(u64, usize)> {
+    let mut rows = RowBuilder::new(extras);
+    let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut writer = ArrowWriter::try_new(file, rows.schema().clone(), Some(props))?;
     let mut written = 0u64;
     for view in dataset.records() {
@@ -134,13 +160,7 @@ pub fn export_parquet(
         writer.write(&rows.finish()?)?;
     }
     let meta = writer.close()?;
-    std::fs::rename(&partial, out)
-        .with_context(|| format!("renaming {} to {}", partial.display(), out.display()))?;
-    Ok(ExportSummary {
-        rows: written,
-        row_groups: meta.row_groups().len(),
-        bytes: std::fs::metadata(out)?.len(),
-    })
+    Ok((written, meta.row_groups().len()))
 }
 
 fn partial_path(out: &Path) -> PathBuf {
@@ -196,7 +216,7 @@ pub fn import_parquet(
     let mut staged = StagedDataset::create(out, writer_opts)?;
     let reader = builder.with_batch_size(BATCH_ROWS).build()?;
     let mut summary = ImportSummary::default();
-    let mut last_traj = None;
+    let mut trajectories = HashSet::new();
     for batch in reader {
         let batch = batch.map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         let records = records_of_batch(&batch, summary.records).map_err(at)?;
@@ -204,15 +224,13 @@ pub fn import_parquet(
             let row = summary.records + i as u64;
             check_record(record, vocab_size)
                 .with_context(|| format!("{}: row {row}", path.display()))?;
-            if last_traj != Some(record.traj_id) {
-                summary.trajectories += 1;
-                last_traj = Some(record.traj_id);
-            }
+            trajectories.insert(record.traj_id);
             staged.append(record)?;
         }
         summary.records += records.len() as u64;
     }
     staged.commit()?;
+    summary.trajectories = trajectories.len() as u64;
     Ok(summary)
 }
 

@@ -40,6 +40,10 @@ pub struct CollectConfig {
 /// extended with ([`Tokenizer::builtin_with_words`]), so a reader decodes with the same ids.
 pub const EXTRA_WORDS_KEY: &str = "extra_words";
 
+/// The key of the manifest's `tokenizer` entry naming the checkpoint directory whose tokenizer
+/// produced the ids (an imported chat log's), so a reader decodes with it.
+pub const TOKENIZER_DIR_KEY: &str = "dir";
+
 impl CollectConfig {
     /// The run description stored in the manifest's `metadata` map.
     pub fn metadata(&self, tokenizer: &Tokenizer) -> Vec<(String, Value)> {

@@ -59,6 +59,7 @@ mod verify;
 pub use codec::{StepMeta, StepMetaView, StepView, REFERENCE_BLOCK};
 pub use collect::{
     agent_episode, collect, CollectConfig, CollectSummary, EpisodeIds, EXTRA_WORDS_KEY,
+    TOKENIZER_DIR_KEY,
 };
 pub use dataset::{
     rewind, Dataset, DatasetPosition, DatasetWriter, Group, RecordLocation, SegmentId, Trajectory,

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use crate::algo::AdvantageConfig;
 use crate::config::Config;
-use crate::store::{Manifest, EXTRA_WORDS_KEY, MANIFEST_FILE};
+use crate::store::{Manifest, EXTRA_WORDS_KEY, MANIFEST_FILE, TOKENIZER_DIR_KEY};
 use crate::tokenizer::Tokenizer;
 use crate::train::checkpoint;
 
@@ -56,9 +56,14 @@ impl Source {
 
     /// The run's tokenizer: its latest checkpoint's `policy/tokenizer.json` when there is one,
     /// else the built-in tokenizer with the words the records were tokenised with (a run's
-    /// `config.json` envs, a collected dataset's manifest list).
+    /// `config.json` envs, a collected dataset's manifest list). A bare dataset whose manifest
+    /// names the checkpoint that tokenised it (an imported chat log) reads with that one.
     pub fn tokenizer(&self) -> Result<Tokenizer, ViewError> {
         if !self.is_run() {
+            if let Some(dir) = self.recorded_tokenizer_dir() {
+                return Tokenizer::from_dir(&dir)
+                    .map_err(|source| ViewError::Tokenizer { path: dir, source });
+            }
             return Ok(Tokenizer::builtin_with_words(&self.collected_words()));
         }
         let latest = checkpoint::latest(&self.root).ok().flatten();
@@ -77,14 +82,24 @@ impl Source {
         }
     }
 
+    /// The dataset manifest's `tokenizer` entry `key`, when there is one.
+    fn tokenizer_entry(&self, key: &str) -> Option<serde_json::Value> {
+        let manifest = Manifest::read(&self.dataset).ok()?;
+        manifest.metadata.get("tokenizer")?.get(key).cloned()
+    }
+
     /// The extra built-in words a collected dataset's manifest lists (none when it lists none).
     fn collected_words(&self) -> Vec<String> {
-        Manifest::read(&self.dataset)
-            .ok()
-            .and_then(|m| m.metadata.get("tokenizer").cloned())
-            .and_then(|t| t.get(EXTRA_WORDS_KEY).cloned())
+        self.tokenizer_entry(EXTRA_WORDS_KEY)
             .and_then(|words| serde_json::from_value(words).ok())
             .unwrap_or_default()
+    }
+
+    /// The checkpoint directory the manifest says tokenised the records, when it still holds a
+    /// `tokenizer.json`.
+    fn recorded_tokenizer_dir(&self) -> Option<PathBuf> {
+        let dir = PathBuf::from(self.tokenizer_entry(TOKENIZER_DIR_KEY)?.as_str()?);
+        dir.join("tokenizer.json").is_file().then_some(dir)
     }
 
     /// The advantage settings the run trained with (its `config.json`), else the defaults.
