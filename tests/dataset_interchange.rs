@@ -523,7 +523,10 @@ fn chat_logs_import_as_steps_with_the_checkpoint_template() {
     assert!(ok(&["dataset", "verify", path(&out)]).contains("sound"));
     // The manifest names the checkpoint, so the transcript decodes with its tokenizer.
     let transcript = ok(&["replay", path(&out), "--traj", "0"]);
-    assert!(transcript.contains("<|im_start|>user\nAnd what about Japan"), "{transcript}");
+    assert!(
+        transcript.contains("<|im_start|>user\nAnd what about Japan"),
+        "{transcript}"
+    );
 
     // --strict stops at the first bad line and leaves nothing.
     let strict = tmp.path().join("strict");
