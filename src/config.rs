@@ -158,6 +158,11 @@ pub struct CriticConfig {
     /// directory. Unset: a copy of the policy as RL starts (after the warm start), with a fresh
     /// value head. An error with any other `mode`.
     pub pretrain: Option<String>,
+    /// LoRA adapters on a `separate` critic's projections (same keys as the policy's `lora`):
+    /// only they and the value head train; the critic's base is frozen and, when the critic is
+    /// a copy of a LoRA policy, shares the policy's base weights instead of copying them. An
+    /// error with any other `mode`.
+    pub lora: Option<crate::model::LoraSpec>,
     /// Learning rate of the critic's AdamW optimizer (> 0), which follows the actor's schedule,
     /// warm-up and gradient clip.
     pub learning_rate: f64,
@@ -196,6 +201,7 @@ impl Default for CriticConfig {
         CriticConfig {
             mode: CriticMode::None,
             pretrain: None,
+            lora: None,
             learning_rate: 1e-4,
             weight_decay: 0.0,
             value_clip: None,
@@ -1221,9 +1227,20 @@ impl Config {
     /// `max_steps` means nothing without it. Both are ignored, as the rest of `sft.copy`, when
     /// the copy pre-training is off (`steps` 0).
     fn validate_lora(&self) -> Result<(), (String, String)> {
-        if let Some(Err(message)) = self.lora.as_ref().map(|l| l.validate_for_training()) {
-            let (key, message) = message.split_once(": ").unwrap_or(("", &message));
-            return Err((format!("lora.{key}"), message.to_string()));
+        for (prefix, spec) in [("lora", &self.lora), ("critic.lora", &self.critic.lora)] {
+            if let Some(Err(message)) = spec.as_ref().map(|l| l.validate_for_training()) {
+                let (key, message) = message.split_once(": ").unwrap_or(("", &message));
+                return Err((format!("{prefix}.{key}"), message.to_string()));
+            }
+        }
+        if self.critic.lora.is_some() && self.critic.mode != CriticMode::Separate {
+            return Err((
+                "critic.lora".into(),
+                format!(
+                    "adapters need a critic model of their own (critic.mode separate), not {}",
+                    format!("{:?}", self.critic.mode).to_lowercase()
+                ),
+            ));
         }
         if self.lora_enabled() && self.critic.mode == CriticMode::Shared {
             return Err((

@@ -122,7 +122,7 @@ fn fit(critic: &CriticModel, policy: &Model, plan: &Plan) -> (f64, f64, Scalars)
         ..OptimizerConfig::default()
     };
     let mut actor_opt = AdamW::new(policy.named_vars(), &opt_cfg).unwrap();
-    let mut critic_opt = AdamW::new(critic.named_vars(), &opt_cfg).unwrap();
+    let mut critic_opt = AdamW::new(critic.trainable_vars(), &opt_cfg).unwrap();
     let records = records();
     let sequences: Vec<Vec<usize>> = (0..records.len()).map(|i| vec![i]).collect();
     let before = explained(critic, policy, &records, &sequences);
@@ -272,7 +272,7 @@ impl Flat for candle_core::Tensor {
 fn a_critic_copied_from_the_policy_starts_from_its_trunk_and_owns_its_weights() {
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
-    let critic = Critic::from_policy(&policy, 2).unwrap();
+    let critic = Critic::from_policy(&policy, 2, false).unwrap();
     let policy_vars: std::collections::HashMap<String, Vec<f32>> = policy
         .named_vars()
         .into_iter()

@@ -1,7 +1,8 @@
 //! LoRA in the training loop (tiny model, short FrozenLake runs): only the adapters move, the
 //! base stays byte for byte what the warm start left; checkpoints hold the adapters alone in
 //! PEFT's layout and resume exactly; the KL reference is the base; `pretrain_adapter` starts a
-//! run from a saved adapter and must agree with `lora`.
+//! run from a saved adapter and must agree with `lora`; a separate critic with `critic.lora`
+//! trains its adapters and head only, on the policy's base, and resumes exactly.
 
 mod common;
 
@@ -19,7 +20,11 @@ const LORA: &str = "lora={rank: 2, alpha: 4, target_modules: all-linear}";
 type Named = Vec<(String, Vec<f32>)>;
 
 fn weights(t: &Trainer) -> Named {
-    t.policy_weights()
+    flat(t.policy_weights())
+}
+
+fn flat(tensors: Vec<(String, candle_core::Tensor)>) -> Named {
+    tensors
         .into_iter()
         .map(|(n, w)| (n, w.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
         .collect()
@@ -168,6 +173,104 @@ fn a_run_starts_from_a_saved_adapter_that_agrees_with_its_lora() {
 }
 
 #[test]
+fn a_separate_critic_with_lora_trains_its_adapters_and_head_on_a_frozen_base_and_resumes() {
+    let cfg = || {
+        common::tiny_config(&[
+            LORA,
+            "critic.mode=separate",
+            "critic.history_batches=1",
+            "critic.learning_rate=1e-3",
+            "critic.lora={rank: 2, alpha: 4, target_modules: [q_proj, v_proj]}",
+        ])
+    };
+    let root = tempfile::tempdir().unwrap();
+    let (a, b) = (root.path().join("a"), root.path().join("b"));
+    let mut straight = Trainer::create(cfg(), &a).unwrap();
+    let fresh = flat(straight.critic_weights());
+    let (fresh_adapters, _) = split(fresh.clone());
+    assert_eq!(
+        fresh_adapters.len(),
+        2 * 2 * 2,
+        "A and B on q and v of 2 layers"
+    );
+    straight.run(4, &mut |_| {}).unwrap();
+    let expected = flat(straight.critic_weights());
+    let (adapters, rest) = split(expected.clone());
+    let (head, base): (Named, Named) = rest.into_iter().partition(|(n, _)| n.starts_with("score."));
+    let (fresh_head, fresh_base): (Named, Named) = split(fresh)
+        .1
+        .into_iter()
+        .partition(|(n, _)| n.starts_with("score."));
+    assert_ne!(adapters, fresh_adapters, "the critic's adapters must train");
+    assert_ne!(head, fresh_head, "the value head must train");
+    assert_eq!(base, fresh_base, "the critic's base must not move");
+    let (warm, _) = load_policy(&a.join("warm_start").display().to_string(), &Device::Cpu).unwrap();
+    let warm_trunk: Named = model_weights(&warm)
+        .into_iter()
+        .filter(|(n, _)| base.iter().any(|(b, _)| b == n))
+        .collect();
+    assert_eq!(
+        base, warm_trunk,
+        "the critic's base is the policy's warm start"
+    );
+
+    let ckpt = a.join("ckpt-4/critic");
+    assert!(ckpt.join(ADAPTER_CONFIG_FILE).is_file());
+    assert!(ckpt
+        .join(stepppo::model::checkpoint::VALUE_HEAD_FILE)
+        .is_file());
+    assert!(
+        !ckpt.join("model.safetensors").exists(),
+        "no base weights in the checkpoint"
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join(ADAPTER_CONFIG_FILE)).unwrap())
+            .unwrap();
+    assert_eq!(
+        Path::new(config["base_model_name_or_path"].as_str().unwrap()),
+        std::path::absolute(a.join("warm_start")).unwrap()
+    );
+
+    let mut first = Trainer::create(cfg(), &b).unwrap();
+    first.run(2, &mut |_| {}).unwrap();
+    let after_two = flat(first.critic_weights());
+    drop(first);
+    let mut resumed = Trainer::resume(cfg(), &b).unwrap();
+    assert_eq!(flat(resumed.critic_weights()), after_two);
+    resumed.run(4, &mut |_| {}).unwrap();
+    assert_eq!(flat(resumed.critic_weights()), expected);
+    assert_eq!(weights(&resumed), weights(&straight));
+}
+
+#[test]
+fn a_lora_critic_on_a_fresh_trunk_writes_its_base_and_reloads_from_it() {
+    let root = tempfile::tempdir().unwrap();
+    let run = root.path().join("run");
+    let cfg = common::tiny_config(&[
+        "critic.mode=separate",
+        "critic.pretrain=builtin",
+        "critic.history_batches=1",
+        "critic.lora={rank: 2, alpha: 4}",
+        "max_steps=1",
+    ]);
+    let mut t = Trainer::create(cfg.clone(), &run).unwrap();
+    t.run(1, &mut |_| {}).unwrap();
+    let weights = flat(t.critic_weights());
+    drop(t);
+    assert!(run.join("critic_base/model.safetensors").is_file());
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(run.join("ckpt-1/critic").join(ADAPTER_CONFIG_FILE)).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        Path::new(config["base_model_name_or_path"].as_str().unwrap()),
+        std::path::absolute(run.join("critic_base")).unwrap()
+    );
+    let resumed = Trainer::resume(cfg, &run).unwrap();
+    assert_eq!(flat(resumed.critic_weights()), weights);
+}
+
+#[test]
 fn lora_configs_that_cannot_be_trained_exactly_are_refused() {
     let refused = |sets: &[&str], key: &str| {
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
@@ -190,5 +293,14 @@ fn lora_configs_that_cannot_be_trained_exactly_are_refused() {
     refused(
         &["lora={rank: 4, alpha: 8}", "critic.mode=shared"],
         "critic.mode",
+    );
+    refused(&["critic.lora={rank: 4, alpha: 8}"], "critic.lora");
+    refused(
+        &[
+            "critic.mode=separate",
+            "critic.history_batches=1",
+            "critic.lora={rank: 4, alpha: 8, dropout: 0.1}",
+        ],
+        "critic.lora.dropout",
     );
 }

@@ -31,7 +31,15 @@ struct Loaded {
 
 impl Loaded {
     fn read(dir: &Path, device: &Device) -> Result<Self> {
-        let files = weight_files(dir)?;
+        Self::read_files(weight_files(dir)?, device)
+    }
+
+    /// The tensors of one safetensors file.
+    fn read_file(file: &Path, device: &Device) -> Result<Self> {
+        Self::read_files(vec![file.to_path_buf()], device)
+    }
+
+    fn read_files(files: Vec<PathBuf>, device: &Device) -> Result<Self> {
         let mut tensors = HashMap::new();
         for file in &files {
             let loaded = candle_core::safetensors::load(file, device).map_err(|e| {
@@ -207,10 +215,20 @@ impl Model {
     }
 }
 
+/// The value head of a critic with LoRA adapters (`score.weight`, `score.bias`), beside the
+/// adapter's PEFT files in its directory.
+pub const VALUE_HEAD_FILE: &str = "value_head.safetensors";
+
 impl Critic {
     /// Loads a critic directory; a policy directory without `score.*` gives a critic whose trunk
-    /// starts from the policy's weights and whose head is initialised from `seed`.
+    /// starts from the policy's weights and whose head is initialised from `seed`. A directory
+    /// that [`Critic::save`] wrote for a critic with LoRA adapters (PEFT's adapter files and
+    /// [`VALUE_HEAD_FILE`]) gives its base (`base_model_name_or_path`) with the adapters and the
+    /// head attached.
     pub fn load(dir: &Path, device: &Device, seed: u64) -> Result<Self> {
+        if dir.join(ADAPTER_CONFIG_FILE).is_file() {
+            return Self::load_adapted(dir, device, seed);
+        }
         let cfg = ModelConfig::from_file(&dir.join(CONFIG_FILE))?;
         let loaded = Loaded::read(dir, device)?;
         let varmap = VarMap::new();
@@ -223,9 +241,49 @@ impl Critic {
         Self::from_varmap(&cfg, varmap, device)
     }
 
-    /// Writes `config.json` and `model.safetensors` (trunk + `score.*`).
+    /// A critic with adapters: the base its adapter names, the head of [`VALUE_HEAD_FILE`].
+    fn load_adapted(dir: &Path, device: &Device, seed: u64) -> Result<Self> {
+        let base = Adapters::base_model_of(dir)?;
+        let base_dir = Path::new(&base);
+        if !base_dir.join(CONFIG_FILE).is_file() {
+            return Err(ModelError::Config {
+                path: dir.join(ADAPTER_CONFIG_FILE).display().to_string(),
+                message: format!(
+                    "key `base_model_name_or_path`: {base:?} is not a model directory here"
+                ),
+            });
+        }
+        let plain = Self::load(base_dir, device, seed)?;
+        let cfg = plain.config().clone();
+        let head_file = dir.join(VALUE_HEAD_FILE);
+        let head = Loaded::read_file(&head_file, device)?;
+        let varmap = VarMap::new();
+        for (name, var) in plain.named_vars() {
+            if !name.starts_with(super::critic::VALUE_HEAD_PREFIX) {
+                params::insert(&varmap, &name, var.as_tensor())?;
+            }
+        }
+        head.take(&value_head_shapes(&cfg), &varmap)?;
+        head.check_all_used(&varmap, &cfg.model_type)?;
+        let mut critic = Self::from_varmap(&cfg, varmap, device)?;
+        critic.attach_adapters(Adapters::load(dir, &cfg, device)?)?;
+        Ok(critic)
+    }
+
+    /// Writes `config.json` and `model.safetensors` (trunk + `score.*`); a critic with LoRA
+    /// adapters writes the adapters in PEFT's layout (their `base_model_name_or_path` names the
+    /// base) and its head in [`VALUE_HEAD_FILE`].
     pub fn save(&self, dir: &Path) -> Result<()> {
-        write_dir(dir, self.config(), self.varmap(), None)
+        let Some(adapters) = self.adapters() else {
+            return write_dir(dir, self.config(), self.varmap(), None);
+        };
+        adapters.save(dir)?;
+        let head: Vec<(String, Tensor)> = self
+            .head_vars()
+            .into_iter()
+            .map(|(name, var)| (name, var.as_tensor().detach()))
+            .collect();
+        write_safetensors(&dir.join(VALUE_HEAD_FILE), &head)
     }
 }
 

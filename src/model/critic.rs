@@ -12,6 +12,7 @@ use candle_core::{Device, Tensor, Var, D};
 use candle_nn::VarMap;
 
 use super::decoder::{Linear, Trunk};
+use super::lora::Adapters;
 use super::{params, ModelConfig, Result, TrainInput};
 
 /// HF name of the value head's weight `[1, hidden]`.
@@ -67,12 +68,15 @@ impl ValueHead {
 }
 
 /// A separate critic: a trunk of the policy's family with its own weights and a value head.
+/// With LoRA adapters attached ([`Critic::attach_adapters`]) the trunk is a frozen base and only
+/// the adapters and the head train.
 pub struct Critic {
     cfg: ModelConfig,
     varmap: VarMap,
     device: Device,
     trunk: Trunk,
     head: ValueHead,
+    adapters: Option<Adapters>,
 }
 
 impl Critic {
@@ -82,18 +86,18 @@ impl Critic {
         Self::from_varmap(cfg, varmap, device)
     }
 
-    /// A critic whose trunk is a copy of `policy`'s trunk as it is now (its own storage: training
-    /// one never moves the other) under a fresh value head from `seed`: the critic every LLM-agent
-    /// recipe starts from, features that already read the observation.
-    pub fn from_policy(policy: &super::Model, seed: u64) -> Result<Self> {
+    /// A critic whose trunk is `policy`'s trunk as it is now under a fresh value head from
+    /// `seed`: the critic every LLM-agent recipe starts from, features that already read the
+    /// observation. The trunk is a copy in storage of its own (training one never moves the
+    /// other), or with `share_base` the policy's own tensors: only for a critic that will get
+    /// LoRA adapters beside a policy whose base LoRA freezes too, so neither ever writes them.
+    pub fn from_policy(policy: &super::Model, seed: u64, share_base: bool) -> Result<Self> {
         let cfg = policy.config();
         let varmap = VarMap::new();
         for (name, _) in super::decoder::trunk_param_shapes(cfg) {
-            params::insert(
-                &varmap,
-                &name,
-                &params::var_tensor(policy.varmap(), &name)?.copy()?,
-            )?;
+            let tensor = params::var_tensor(policy.varmap(), &name)?;
+            let tensor = if share_base { tensor } else { tensor.copy()? };
+            params::insert(&varmap, &name, &tensor)?;
         }
         params::insert_init(&varmap, cfg, &value_head_shapes(cfg), seed, policy.device())?;
         Self::from_varmap(cfg, varmap, policy.device())
@@ -113,7 +117,25 @@ impl Critic {
             device: device.clone(),
             trunk,
             head,
+            adapters: None,
         })
+    }
+
+    /// Attaches LoRA `adapters` to the trunk's projections and freezes every base weight of the
+    /// trunk: from now on only the adapters and the value head train ([`Critic::trainable_vars`]).
+    pub fn attach_adapters(&mut self, adapters: Adapters) -> Result<()> {
+        let mut trunk = self.trunk.frozen_base();
+        for (path, linear) in trunk.projections_mut() {
+            linear.lora = adapters.pair(&path)?;
+        }
+        self.trunk = trunk;
+        self.adapters = Some(adapters);
+        Ok(())
+    }
+
+    /// The attached LoRA adapters, if any.
+    pub fn adapters(&self) -> Option<&Adapters> {
+        self.adapters.as_ref()
     }
 
     /// HF names and shapes: the trunk (`model.*`) and `score.*`.
@@ -135,9 +157,30 @@ impl Critic {
         &self.varmap
     }
 
-    /// Trainable parameters by HF name, sorted by name.
+    /// Every parameter of the critic by HF name, sorted by name (the trunk and `score.*`; not the
+    /// adapters).
     pub fn named_vars(&self) -> Vec<(String, Var)> {
         params::named_vars(&self.varmap)
+    }
+
+    /// The parameters an optimizer steps, sorted by name: every one of [`Critic::named_vars`]
+    /// without adapters; with adapters, the adapters and the value head.
+    pub fn trainable_vars(&self) -> Vec<(String, Var)> {
+        let Some(adapters) = &self.adapters else {
+            return self.named_vars();
+        };
+        let mut vars = adapters.named_vars();
+        vars.extend(self.head_vars());
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        vars
+    }
+
+    /// The value head's parameters (`score.*`).
+    pub fn head_vars(&self) -> Vec<(String, Var)> {
+        self.named_vars()
+            .into_iter()
+            .filter(|(name, _)| name.starts_with(VALUE_HEAD_PREFIX))
+            .collect()
     }
 
     /// Values `[B, T]`: the head on the final hidden state of each position (differentiable).

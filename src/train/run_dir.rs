@@ -28,6 +28,9 @@ pub const WARM_START_DIR: &str = "warm_start";
 /// The frozen base model of a LoRA run whose base is on no disk otherwise (the built-in model
 /// without a warm start); the adapters of its checkpoints name it.
 pub const LORA_BASE_DIR: &str = "base";
+/// The frozen base of a separate critic with LoRA adapters, where it is on no disk otherwise (a
+/// built-in trunk, or a critic the warm start trained); the critic's adapters name it.
+pub const CRITIC_BASE_DIR: &str = "critic_base";
 
 /// Where the run's append-only files stood when a checkpoint was taken.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -75,6 +78,7 @@ const RUN_ENTRIES: &[&str] = &[
     REFERENCE_DIR,
     WARM_START_DIR,
     LORA_BASE_DIR,
+    CRITIC_BASE_DIR,
     checkpoint::LATEST,
 ];
 

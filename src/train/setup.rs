@@ -1,11 +1,13 @@
 //! Construction shared by the training loop, the warm start and evaluation: the device a config
 //! names ([`device_of`]), the rollout engine of a policy ([`engine_for`]) and the policy a fresh
-//! run starts from ([`fresh_policy`]) with its LoRA adapters ([`attach_run_adapters`]). It builds things from a config; it runs nothing and holds
-//! no run state (the loop's critic, optimizers and checkpoints are [`super::trainer`]'s).
+//! run starts from ([`fresh_policy`]) with its LoRA adapters ([`attach_run_adapters`]), and a
+//! separate critic's adapters ([`attach_critic_adapters`]). It builds things from a config; it
+//! runs nothing and holds no run state (the loop's critic, optimizers and checkpoints are
+//! [`super::trainer`]'s).
 
 use super::{run_dir, TrainError};
 use crate::config::{BuiltinSize, Config, DeviceKind};
-use crate::model::{Adapters, LoraSpec, Model, ModelConfig};
+use crate::model::{Adapters, Critic, LoraSpec, Model, ModelConfig};
 use crate::rollout::engine::{CacheMode, Engine, EngineConfig};
 use crate::seed;
 use crate::tokenizer::Tokenizer;
@@ -62,6 +64,8 @@ pub(crate) fn fresh_policy(
 
 /// Seed-path tag of a fresh LoRA adapter's initialisation.
 const SEED_ADAPTERS: u64 = 6;
+/// Seed-path tag of a separate critic's fresh LoRA adapters.
+const SEED_CRITIC_ADAPTERS: u64 = 7;
 
 /// Where a LoRA run's base model lives: the warm start when one ran, `<run>/base` for a built-in
 /// model used as it was initialised (written by [`attach_run_adapters`]), else `pretrain`.
@@ -86,15 +90,16 @@ pub(crate) fn attach_run_adapters(
     warm_started: bool,
     write_base: bool,
 ) -> Result<(), TrainError> {
-    let base = lora_base_dir(cfg, run_dir, warm_started);
-    if write_base && !warm_started && cfg.pretrain == "builtin" {
-        policy.save(&base, Some(tok))?;
+    if !cfg.lora_enabled() {
+        return Ok(());
     }
-    let base = std::path::absolute(&base).map_err(|source| TrainError::Io {
-        path: base.clone(),
-        source,
-    })?;
-    let base = base.display().to_string();
+    let base = absolute(&policy_base(
+        cfg,
+        run_dir,
+        (policy, tok),
+        warm_started,
+        write_base,
+    )?)?;
     let adapters = match (&cfg.pretrain_adapter, &cfg.lora) {
         (Some(dir), spec) => {
             let loaded = Adapters::load(Path::new(dir), policy.config(), policy.device())?;
@@ -113,6 +118,78 @@ pub(crate) fn attach_run_adapters(
         (None, None) => return Ok(()),
     };
     policy.attach_adapters(adapters)?;
+    Ok(())
+}
+
+/// The directory of the policy as RL starts, for adapters to name as their base
+/// ([`lora_base_dir`]); a built-in policy without a warm start is written there first by rank 0
+/// (`write_base`), once.
+fn policy_base(
+    cfg: &Config,
+    run_dir: &Path,
+    (policy, tok): (&Model, &Tokenizer),
+    warm_started: bool,
+    write_base: bool,
+) -> Result<PathBuf, TrainError> {
+    let base = lora_base_dir(cfg, run_dir, warm_started);
+    let on_disk = base.join(crate::model::checkpoint::CONFIG_FILE).is_file();
+    if write_base && !warm_started && cfg.pretrain == "builtin" && !on_disk {
+        policy.save(&base, Some(tok))?;
+    }
+    Ok(base)
+}
+
+/// `path` made absolute, as an adapter records its base.
+fn absolute(path: &Path) -> Result<String, TrainError> {
+    let path = std::path::absolute(path).map_err(|source| TrainError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(path.display().to_string())
+}
+
+/// Attaches fresh adapters of `critic.lora` to a fresh run's separate `critic` (as the warm start
+/// left it, which becomes its frozen base). The base they record: `critic.pretrain` when the
+/// critic is that directory unchanged; the policy's base when the critic is a copy of the policy
+/// as RL starts ([`Critic::from_policy`]); else `<run>/critic_base`, which rank 0 (`write_base`)
+/// writes. Call before the policy's own adapters attach, so a built-in base is still the policy.
+pub(crate) fn attach_critic_adapters(
+    cfg: &Config,
+    run_dir: &Path,
+    (critic, policy, tok): (&mut Critic, &Model, &Tokenizer),
+    warm_started: bool,
+    write_base: bool,
+) -> Result<(), TrainError> {
+    let Some(spec) = &cfg.critic.lora else {
+        return Ok(());
+    };
+    if critic.adapters().is_some() {
+        return Err(TrainError::Data(format!(
+            "critic.pretrain {}: a critic with LoRA adapters of its own; critic.lora adds fresh \
+             ones on a plain base (merge the adapters into a model directory first)",
+            cfg.critic.pretrain.as_deref().unwrap_or_default()
+        )));
+    }
+    let critic_warmed = cfg.sft.steps > 0 && cfg.sft.value_loss_coef > 0.0;
+    let base = match cfg.critic.pretrain.as_deref() {
+        None => policy_base(cfg, run_dir, (policy, tok), warm_started, write_base)?,
+        Some(dir) if dir != "builtin" && !critic_warmed => PathBuf::from(dir),
+        Some(_) => {
+            let base = run_dir.join(run_dir::CRITIC_BASE_DIR);
+            if write_base {
+                critic.save(&base)?;
+            }
+            base
+        }
+    };
+    let adapters = Adapters::fresh(
+        critic.config(),
+        spec,
+        seed::derive(cfg.seed, &[SEED_CRITIC_ADAPTERS]),
+        critic.device(),
+        &absolute(&base)?,
+    )?;
+    critic.attach_adapters(adapters)?;
     Ok(())
 }
 

@@ -38,7 +38,9 @@ use super::ranks;
 use super::run_dir::{self, Rewound, RunPosition};
 use super::scoring::{critic_values, response_logprobs};
 use super::self_imitation::{self, Replay, ReplayBuffer};
-use super::setup::{attach_run_adapters, device_of, engine_for, fresh_policy};
+use super::setup::{
+    attach_critic_adapters, attach_run_adapters, device_of, engine_for, fresh_policy,
+};
 use super::sft::{self, CloneSettings, SftReport};
 use super::update::{self, CriticLearner, Learners, UpdateInputs, UpdateSettings};
 use super::TrainError;
@@ -195,10 +197,15 @@ impl Trainer {
             broadcast_weights(dist.as_ref(), &c.named_vars())?;
         }
         if cfg.critic.mode == CriticMode::Separate && critic.is_none() {
-            let copy = Critic::from_policy(&policy, critic_seed(&cfg))?;
+            // A LoRA critic beside a LoRA policy reads the policy's frozen base: no second copy.
+            let share_base = cfg.lora_enabled() && cfg.critic.lora.is_some();
+            let copy = Critic::from_policy(&policy, critic_seed(&cfg), share_base)?;
             critic = Some(CriticModel::Separate(Box::new(copy)));
         }
         let warm_started = cfg.sft.steps > 0 || cfg.sft.copy.steps > 0;
+        if let Some(CriticModel::Separate(c)) = critic.as_mut() {
+            attach_critic_adapters(&cfg, run_dir, (c, &policy, &tok), warm_started, lead)?;
+        }
         attach_run_adapters(&cfg, run_dir, (&mut policy, &tok), warm_started, lead)?;
         let reference = if cfg.keeps_reference() && policy.adapters().is_some() {
             Some(policy.without_adapters()?)
@@ -429,6 +436,25 @@ impl Trainer {
             .named_vars()
             .into_iter()
             .chain(adapters.into_iter().flatten())
+            .map(|(n, v)| (n, v.as_tensor().clone()))
+            .collect()
+    }
+
+    /// The critic model's weights by name, LoRA adapters included (for comparisons and tests);
+    /// empty without a critic model.
+    pub fn critic_weights(&self) -> Vec<(String, Tensor)> {
+        let vars = match &self.critic {
+            Some(CriticModel::Separate(c)) => {
+                let adapters = c.adapters().map(|a| a.named_vars());
+                c.named_vars()
+                    .into_iter()
+                    .chain(adapters.into_iter().flatten())
+                    .collect()
+            }
+            Some(other) => other.trainable_vars(),
+            None => Vec::new(),
+        };
+        vars.into_iter()
             .map(|(n, v)| (n, v.as_tensor().clone()))
             .collect()
     }
@@ -1098,7 +1124,7 @@ impl Trainer {
         crash::point("checkpoint.partial");
         self.actor_opt.save(&tmp.join("optim_actor.safetensors"))?;
         if let Some(critic) = &self.critic {
-            let vars = critic.named_vars();
+            let vars = critic.trainable_vars();
             writer.ensure_finite(vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
             critic.save(&tmp.join("critic"))?;
         }
@@ -1225,7 +1251,7 @@ fn optimizers(
         .partition(|(name, _)| name.starts_with(crate::model::critic::VALUE_HEAD_PREFIX));
     let actor_opt = AdamW::new(trunk, &cfg.optimizer_config())?;
     let critic_vars = match critic {
-        Some(c) => Some(c.named_vars()),
+        Some(c) => Some(c.trainable_vars()),
         None if !head.is_empty() => Some(head),
         None => None,
     };

@@ -93,10 +93,11 @@ impl CriticModel {
         })
     }
 
-    /// Trainable parameters by name, sorted by name.
-    pub fn named_vars(&self) -> Vec<(String, candle_core::Var)> {
+    /// The parameters its optimizer steps, by name, sorted by name (a separate critic with LoRA
+    /// adapters: the adapters and its value head).
+    pub fn trainable_vars(&self) -> Vec<(String, candle_core::Var)> {
         match self {
-            CriticModel::Separate(c) => c.named_vars(),
+            CriticModel::Separate(c) => c.trainable_vars(),
             CriticModel::Features(c) | CriticModel::State(c) => c.named_vars(),
         }
     }
