@@ -8,7 +8,8 @@
 //! vocabulary 151,936, tied head) at 2 × 256; random weights, the second half of each sequence
 //! its response, the PPO loss with an entropy term, gradient clipping at 1 and AdamW. LoRA: rank
 //! 16, alpha 32, on all seven projections. Each (shape, arm) runs in a child process of its own,
-//! so its peak RSS (`VmHWM`) is its own.
+//! so its peak RSS (`VmHWM`) is its own; beside it, the peak `stepppo plan` predicts for the case
+//! ([`stepppo::train::memory_plan`]) and its error.
 //!
 //! `cargo bench --bench lora [-- FILTER]` (FILTER picks shapes by name); `STEPPPO_BENCH_RUNS`
 //! sets the timed updates (default 3, after one warm-up); `STEPPPO_BENCH_THREADS` the compute
@@ -29,6 +30,7 @@ use stepppo::model::{AdapterRollout, Adapters, LoraSpec, Model, ModelConfig, Pad
 use stepppo::rollout::generate;
 use stepppo::rollout::sampling::SamplingParams;
 use stepppo::tokenizer::Tokenizer;
+use stepppo::train::memory_plan::{MemoryPlan, PlanDevice, PlanShape, TrainedModel};
 
 /// Set in a child: `SHAPE ARM`, the case it measures.
 const CASE_VAR: &str = "STEPPPO_LORA_CASE";
@@ -68,6 +70,8 @@ fn lora_spec() -> LoraSpec {
 struct Report {
     update_ms: f64,
     peak_rss_mb: f64,
+    /// The memory plan's peak of the same update.
+    planned_peak_mb: f64,
     trained_params: usize,
     checkpoint_mb: f64,
     /// Generation (90M only): merged and unmerged decode tokens/s, one merge's milliseconds.
@@ -169,6 +173,26 @@ fn peak_rss_mb() -> f64 {
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
+/// The memory plan's peak (MiB) of one update of `batch` × `len` tokens, half of them scored.
+fn planned_peak_mb(cfg: &ModelConfig, lora: bool, batch: usize, len: usize) -> f64 {
+    let shape = PlanShape {
+        policy: TrainedModel {
+            config: cfg.clone(),
+            lora: lora.then(lora_spec),
+            is_critic: false,
+            shares_policy_weights: false,
+        },
+        critic: None,
+        device: PlanDevice::Cpu,
+        batch_tokens: batch * len,
+        logit_rows: batch * (len / 2),
+        sequence_tokens: len,
+        kv_slots: 0,
+        extra_policy_copies: 0,
+    };
+    MemoryPlan::of(&shape).peak() as f64 / (1u64 << 20) as f64
+}
+
 fn dir_mb(dir: &Path) -> f64 {
     std::fs::read_dir(dir)
         .unwrap()
@@ -198,6 +222,7 @@ fn child(shape: &str, arm: &str) -> Report {
         .collect();
     ms.sort_by(f64::total_cmp);
     let peak_rss_mb = peak_rss_mb();
+    let planned_peak_mb = planned_peak_mb(&cfg, lora, batch, len);
     let ckpt = tempfile::tempdir().unwrap();
     model.save(ckpt.path(), None).unwrap();
     let checkpoint_mb = dir_mb(ckpt.path());
@@ -212,6 +237,7 @@ fn child(shape: &str, arm: &str) -> Report {
     Report {
         update_ms: ms[ms.len() / 2],
         peak_rss_mb,
+        planned_peak_mb,
         trained_params,
         checkpoint_mb,
         generation,
@@ -235,9 +261,9 @@ fn main() {
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     println!("LoRA rank 16 (alpha 32, all seven projections) against full fine-tuning, {threads} thread(s)");
     println!(
-        "| shape | arm | update ms | peak RSS MB | trained params | checkpoint MB | decode tok/s merged / unmerged | one merge ms |"
+        "| shape | arm | update ms | peak RSS MB | planned peak MB (error) | trained params | checkpoint MB | decode tok/s merged / unmerged | one merge ms |"
     );
-    println!("|---|---|--:|--:|--:|--:|--:|--:|");
+    println!("|---|---|--:|--:|--:|--:|--:|--:|--:|");
     for (name, ..) in shapes() {
         if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
             continue;
@@ -262,8 +288,13 @@ fn main() {
                 None => ("–".into(), "–".into()),
             };
             println!(
-                "| {name} | {arm} | {:.0} | {:.0} | {} | {:.2} | {generation} | {merge} |",
-                r.update_ms, r.peak_rss_mb, r.trained_params, r.checkpoint_mb
+                "| {name} | {arm} | {:.0} | {:.0} | {:.0} ({:+.1} %) | {} | {:.2} | {generation} | {merge} |",
+                r.update_ms,
+                r.peak_rss_mb,
+                r.planned_peak_mb,
+                100.0 * (r.planned_peak_mb / r.peak_rss_mb - 1.0),
+                r.trained_params,
+                r.checkpoint_mb
             );
         }
     }

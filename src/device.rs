@@ -1,7 +1,7 @@
 //! Choosing the compute device from a user string (`cpu`, `cuda`, `cuda:N`), and the
 //! process-wide settings CPU training runs under ([`prepare_cpu_process`]). Asking for CUDA in
 //! a build without the `cuda` feature is an error that says how to rebuild, never a silent CPU
-//! fallback.
+//! fallback. Also how much memory a run may grow into ([`memory_available`]).
 
 use candle_core::Device;
 
@@ -75,6 +75,35 @@ fn cuda_device(name: &str, ordinal: usize) -> Result<Device, DeviceError> {
 #[cfg(not(feature = "cuda"))]
 fn cuda_device(name: &str, _ordinal: usize) -> Result<Device, DeviceError> {
     Err(DeviceError::NotBuilt(name.into()))
+}
+
+/// Bytes of memory this process may grow into on `device`, counting what it holds already:
+/// on the CPU the kernel's `MemAvailable` plus the process's resident set, capped by the
+/// cgroup's `memory.max` when one is set. `None` where it is not known (non-Linux, CUDA: not
+/// queried yet).
+pub fn memory_available(device: &Device) -> Option<u64> {
+    if !device.is_cpu() {
+        return None;
+    }
+    let kib = |text: &str, key: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(key))?;
+        let value = line[key.len()..].trim().trim_end_matches("kB").trim();
+        value.parse::<u64>().ok().map(|k| k * 1024)
+    };
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let resident = kib(&status, "VmRSS:").unwrap_or(0);
+    let available = kib(&meminfo, "MemAvailable:")? + resident;
+    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok());
+    let used = std::fs::read_to_string("/sys/fs/cgroup/memory.current")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok());
+    Some(match (cgroup, used) {
+        (Some(max), Some(used)) => available.min(max.saturating_sub(used) + resident),
+        _ => available,
+    })
 }
 
 #[cfg(test)]

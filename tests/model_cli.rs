@@ -1,4 +1,4 @@
-//! `stepppo init-model` and `stepppo generate` through the binary.
+//! `stepppo init-model`, `stepppo generate` and `stepppo plan` through the binary.
 
 use std::process::Command;
 
@@ -104,4 +104,55 @@ fn builtin_generates_from_text_and_bad_flags_fail() {
         "/tmp/never",
     ]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/config.json"));
+}
+
+#[test]
+fn plan_prints_each_part_and_lora_shrinks_the_peak() {
+    let peak = |extra: &[&str]| -> f64 {
+        let mut args = vec![
+            "plan",
+            "--model",
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/configs/models/qwen2.5-0.5b.json"
+            ),
+            "--batch-tokens",
+            "512",
+            "--memory-gib",
+            "12",
+        ];
+        args.extend_from_slice(extra);
+        let out = stepppo(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        for part in [
+            "weights (494032768 parameters",
+            "gradients",
+            "optimizer",
+            "activations",
+        ] {
+            assert!(text.contains(part), "{part}: {text}");
+        }
+        assert!(text.contains("largest forward that fits"), "{text}");
+        let line = text
+            .lines()
+            .find(|l| l.contains("peak of an update"))
+            .unwrap();
+        line.split("**")
+            .nth(3)
+            .unwrap()
+            .trim_end_matches(" GiB")
+            .parse()
+            .unwrap()
+    };
+    let (full, lora) = (peak(&[]), peak(&["--lora-rank", "16"]));
+    assert!(full > 8.0 && full < 10.0, "{full}");
+    assert!(lora < 0.75 * full, "{lora} vs {full}");
+    let bad = stepppo(&["plan", "--model", "no/such/dir"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("no/such/dir"));
 }

@@ -170,6 +170,7 @@ fn fit(critic: &CriticModel, policy: &Model, plan: &Plan) -> (f64, f64, Scalars)
             freeze_actor: true,
             dist: &stepppo::dist::Single,
             tree_forward: TREE.tree,
+            memory: None,
         };
         let learner = match critic {
             CriticModel::Separate(c) => CriticLearner::Separate(c, &mut critic_opt),

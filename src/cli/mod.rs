@@ -3,6 +3,7 @@
 mod bench;
 mod env;
 mod model;
+mod plan;
 mod serve;
 mod store;
 mod train;
@@ -28,6 +29,8 @@ enum Command {
     Sft(train::SftArgs),
     /// Draw learning curves of a run directory.
     Plot(train::PlotArgs),
+    /// The memory a training update needs, part by part, and the largest forward that fits.
+    Plan(plan::PlanArgs),
     /// List environments or play them with a model-free agent.
     #[command(subcommand)]
     Env(env::EnvCommand),
@@ -60,6 +63,7 @@ impl Cli {
             Command::Eval(a) => train::eval(a),
             Command::Sft(a) => train::sft(a),
             Command::Plot(a) => train::plot(a),
+            Command::Plan(a) => plan::plan(a),
             Command::Env(c) => env::run(c),
             Command::Collect(a) => store::collect(a),
             Command::Replay(a) => store::replay(a),

@@ -335,6 +335,12 @@ impl Adapters {
     pub fn base_model_of(dir: &Path) -> Result<String> {
         Ok(read_peft_config(&dir.join(ADAPTER_CONFIG_FILE))?.1)
     }
+
+    /// The spec (rank, alpha, target modules) of the adapter directory `dir`, from its config
+    /// alone.
+    pub fn spec_of(dir: &Path) -> Result<LoraSpec> {
+        Ok(read_peft_config(&dir.join(ADAPTER_CONFIG_FILE))?.0)
+    }
 }
 
 /// Keys of PEFT's `LoraConfig` that describe an adapter without changing what it computes

@@ -123,6 +123,17 @@ pub enum TrainInput {
     Tree(TreeBatch),
 }
 
+impl TrainInput {
+    /// Positions a forward computes: `B × T` padded (padding included), the packed tokens of a
+    /// tree.
+    pub fn positions(&self) -> usize {
+        match self {
+            TrainInput::Padded(b) => b.input_ids.elem_count(),
+            TrainInput::Tree(t) => t.len(),
+        }
+    }
+}
+
 /// Dtype of the incremental (rollout) path: f32 on the CPU, bf16 on an accelerator.
 fn rollout_dtype(device: &Device) -> DType {
     if device.is_cpu() {

@@ -28,6 +28,7 @@ mod device_batch;
 pub mod eval;
 pub mod gateway;
 pub mod masks;
+pub mod memory_plan;
 pub mod metrics;
 mod optimizer_step;
 pub mod plot;
@@ -76,6 +77,9 @@ pub enum TrainError {
     Batch(#[from] batch::BatchError),
     #[error("env: {0}")]
     Env(String),
+    /// The memory plan of the run exceeds what the machine has ([`memory_plan`]).
+    #[error("out of memory: {0}")]
+    Memory(String),
     #[error("{0}")]
     Data(String),
     #[error("{path}: {source}")]

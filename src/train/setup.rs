@@ -193,6 +193,15 @@ pub(crate) fn attach_critic_adapters(
     Ok(())
 }
 
+/// The LoRA adapters a fresh run of `cfg` trains: `lora`, else `pretrain_adapter`'s.
+pub(crate) fn run_lora_spec(cfg: &Config) -> Result<Option<LoraSpec>, TrainError> {
+    Ok(match (&cfg.lora, &cfg.pretrain_adapter) {
+        (Some(spec), _) => Some(spec.clone()),
+        (None, Some(dir)) => Some(Adapters::spec_of(Path::new(dir))?),
+        (None, None) => None,
+    })
+}
+
 /// `pretrain_adapter`'s spec must be the `lora` the config states (rank, alpha, modules).
 fn check_same_adapter(want: &LoraSpec, found: &LoraSpec, dir: &str) -> Result<(), TrainError> {
     let targets = |s: &LoraSpec| s.targets().unwrap_or_default();

@@ -33,13 +33,14 @@ use super::critic::{critic_seed, CriticModel, CriticOrigin};
 use super::device_batch::BatchLayout;
 use super::eval::{self, TagSummary, Validation, VAL_SEED_OFFSET};
 use super::masks::{response_masks, ResponseMasks};
+use super::memory_plan::MemoryBudget;
 use super::metrics::{MetricsSink, Scalars};
 use super::ranks;
 use super::run_dir::{self, Rewound, RunPosition};
 use super::scoring::{critic_values, response_logprobs};
 use super::self_imitation::{self, Replay, ReplayBuffer};
 use super::setup::{
-    attach_critic_adapters, attach_run_adapters, device_of, engine_for, fresh_policy,
+    attach_critic_adapters, attach_run_adapters, device_of, engine_for, fresh_policy, run_lora_spec,
 };
 use super::sft::{self, CloneSettings, SftReport};
 use super::update::{self, CriticLearner, Learners, UpdateInputs, UpdateSettings};
@@ -56,7 +57,7 @@ use crate::config::{config_name, Config, CriticMode, ProximalPolicy};
 use crate::crash;
 use crate::dist::{Collective, Metered, Single};
 use crate::env::AgentKind;
-use crate::model::{Critic, Model};
+use crate::model::{Critic, LoraSpec, Model};
 use crate::rollout::engine::{CacheCounters, Engine};
 use crate::rollout::grammar::ResponseGrammar;
 use crate::seed;
@@ -137,6 +138,8 @@ pub struct Trainer {
     /// The state critic's fitting history (`critic.history_batches`); `None` without a state
     /// critic.
     critic_history: Option<CriticHistory>,
+    /// The run's memory plan against the machine's memory; `None` where that is not known.
+    memory: Option<MemoryBudget>,
     /// Warnings found while opening the run or during a step or validation, reported with the
     /// next event.
     pending_warnings: Vec<String>,
@@ -176,6 +179,7 @@ impl Trainer {
         }
         let (mut policy, tok) = fresh_policy(&cfg, &device)?;
         let mut critic = CriticModel::open(&cfg, &mut policy, CriticOrigin::Fresh)?;
+        check_memory(&cfg, &policy, run_lora_spec(&cfg)?)?;
         // Only now that the device and every model directory were found good does the run
         // directory come into being: a config that fails leaves nothing behind.
         if lead {
@@ -275,6 +279,7 @@ impl Trainer {
         )?;
         let critic_dir = ckpt.join("critic");
         let critic = CriticModel::open(&cfg, &mut policy, CriticOrigin::Checkpoint(&critic_dir))?;
+        check_memory(&cfg, &policy, policy.adapters().map(|a| a.spec().clone()))?;
         let (mut actor_opt, mut critic_opt) = optimizers(&cfg, &policy, critic.as_ref())?;
         actor_opt.load(&ckpt.join("optim_actor.safetensors"))?;
         if let Some(opt) = critic_opt.as_mut() {
@@ -338,6 +343,13 @@ impl Trainer {
         state: TrainState,
         warm_start: Option<SftReport>,
     ) -> Result<Self, TrainError> {
+        // Before the KV pool and the rollout's weights are allocated.
+        let memory = MemoryBudget::for_run(
+            &cfg,
+            policy.config(),
+            policy.adapters().map(|a| a.spec().clone()),
+            policy.device(),
+        );
         policy.refresh_rollout_weights()?;
         let mut engine = engine_for(&cfg, &policy)?;
         engine.set_policy_version(state.step)?;
@@ -376,6 +388,7 @@ impl Trainer {
             critic_history,
             pending_warnings: Vec::new(),
             rollout_worker: None,
+            memory,
         })
     }
 
@@ -1072,6 +1085,7 @@ impl Trainer {
             freeze_actor: update_index < self.cfg.critic.warmup_steps,
             dist: self.dist.as_ref(),
             tree_forward: self.cfg.tree_forward,
+            memory: self.memory.as_ref(),
         };
         let shared_head = self.cfg.critic.mode == CriticMode::Shared;
         let mut learners = Learners {
@@ -1237,6 +1251,15 @@ fn broadcast_weights(dist: &dyn Collective, vars: &[(String, Var)]) -> Result<()
 
 /// Brings the run's dataset and metrics back to the position `ckpt` recorded; returns the
 /// warnings to report (what was removed, or that an older checkpoint recorded no position).
+/// Stops a run whose memory plan (weights, optimizer, KV pool, the smallest mini-batch) does
+/// not fit in the machine's memory, with the plan's table, before anything large is allocated.
+fn check_memory(cfg: &Config, policy: &Model, lora: Option<LoraSpec>) -> Result<(), TrainError> {
+    match MemoryBudget::for_run(cfg, policy.config(), lora, policy.device()) {
+        Some(budget) => budget.check_start().map_err(TrainError::Memory),
+        None => Ok(()),
+    }
+}
+
 /// The optimizers of a run: the actor's over the policy's parameters less a shared value head
 /// (`optimizer_config`), and the critic's over the separate critic or the shared head, at the
 /// critic's own learning rate and weight decay (`critic_optimizer_config`).

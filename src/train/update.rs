@@ -19,6 +19,7 @@ use super::critic::fit::{self, FitBatch, FitSettings};
 use super::critic::history::CriticHistory;
 use super::device_batch::{BatchLayout, DeviceBatch};
 use super::masks::ResponseMasks;
+use super::memory_plan::MemoryBudget;
 use super::metrics::Scalars;
 use super::optimizer_step::{backward, step_critic, Means};
 use super::self_imitation::Replay;
@@ -102,6 +103,8 @@ pub struct UpdateSettings<'a> {
     /// prefix, forwarded once ([`super::prefix_tree`]); the same losses and gradients as padded
     /// sequences, to float rounding.
     pub tree_forward: bool,
+    /// The run's memory plan: each mini-batch is checked against it before its forward.
+    pub memory: Option<&'a MemoryBudget>,
 }
 
 impl UpdateSettings<'_> {
@@ -327,6 +330,12 @@ fn local_batch(
         policy.device(),
     )?
     .constrained(&packed, inputs.records, settings.masks)?;
+    if let Some(memory) = settings.memory {
+        let logit_rows = packed.rows * packed.max_response_len;
+        memory
+            .check_forward(batch.input.positions(), logit_rows, packed.seq_len)
+            .map_err(TrainError::Memory)?;
+    }
     Ok(Some((packed, batch)))
 }
 
@@ -805,6 +814,7 @@ mod tests {
             freeze_actor: false,
             dist: &crate::dist::Single,
             tree_forward: false,
+            memory: None,
         };
         let mut learners = Learners {
             policy: &policy,
@@ -1003,6 +1013,7 @@ mod tests {
             freeze_actor: false,
             dist: &crate::dist::Single,
             tree_forward,
+            memory: None,
         }
     }
 

@@ -1,0 +1,121 @@
+//! `stepppo plan`: the memory a training update of a model needs, part by part, and the largest
+//! forward that fits in a given memory ([`stepppo::train::memory_plan`]).
+
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use stepppo::model::checkpoint::CONFIG_FILE;
+use stepppo::model::{LoraSpec, ModelConfig};
+use stepppo::tokenizer::Tokenizer;
+use stepppo::train::memory_plan::{MemoryPlan, PlanDevice, PlanShape, TrainedModel};
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// `builtin` (the `small` model), an HF model directory, or a model config JSON file
+    /// (e.g. `configs/models/qwen2.5-0.5b.json`).
+    #[arg(long, default_value = "builtin")]
+    model: String,
+    /// Train LoRA adapters of this rank on every projection instead of the weights.
+    #[arg(long)]
+    lora_rank: Option<usize>,
+    /// Where the update runs.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceArg,
+    /// Positions of one forward (a mini-batch's tokens, padding included).
+    #[arg(long, default_value_t = 4096)]
+    batch_tokens: usize,
+    /// Positions whose logits the loss reads (the response tokens); default half of
+    /// --batch-tokens.
+    #[arg(long)]
+    response_tokens: Option<usize>,
+    /// Longest sequence of a mini-batch (the CUDA attention's scores grow with it); default
+    /// --batch-tokens.
+    #[arg(long)]
+    sequence_tokens: Option<usize>,
+    /// Slots of the rollout's KV pool (`cache.kv_slots`).
+    #[arg(long, default_value_t = 0)]
+    kv_slots: usize,
+    /// A separate critic of the policy's shape trains beside it (with LoRA when --lora-rank is
+    /// given, sharing the policy's base).
+    #[arg(long)]
+    separate_critic: bool,
+    /// Memory to hold the plan against, in GiB; default what this machine has available (CPU).
+    #[arg(long)]
+    memory_gib: Option<f64>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
+    let config = model_config(&a.model)?;
+    let lora = a.lora_rank.map(|rank| LoraSpec {
+        rank,
+        alpha: 2.0 * rank as f64,
+        dropout: 0.0,
+        target_modules: vec!["all-linear".into()],
+    });
+    if let Some(spec) = &lora {
+        spec.validate_for_training()
+            .map_err(|e| anyhow::anyhow!("--lora-rank: {e}"))?;
+    }
+    let batch_tokens = a.batch_tokens;
+    let shape = PlanShape {
+        policy: TrainedModel {
+            config: config.clone(),
+            lora: lora.clone(),
+            is_critic: false,
+            shares_policy_weights: false,
+        },
+        critic: a.separate_critic.then(|| TrainedModel {
+            config,
+            lora: lora.clone(),
+            is_critic: true,
+            shares_policy_weights: lora.is_some(),
+        }),
+        device: match a.device {
+            DeviceArg::Cpu => PlanDevice::Cpu,
+            DeviceArg::Cuda => PlanDevice::Cuda,
+        },
+        batch_tokens,
+        logit_rows: a
+            .response_tokens
+            .unwrap_or(batch_tokens / 2)
+            .min(batch_tokens),
+        sequence_tokens: a.sequence_tokens.unwrap_or(batch_tokens),
+        kv_slots: a.kv_slots,
+        extra_policy_copies: 0,
+    };
+    let available = match a.memory_gib {
+        Some(gib) if gib.is_finite() && gib > 0.0 => Some((gib * (1u64 << 30) as f64) as u64),
+        Some(gib) => bail!("--memory-gib: must be positive, got {gib}"),
+        None => match a.device {
+            DeviceArg::Cpu => stepppo::device::memory_available(&candle_core::Device::Cpu),
+            DeviceArg::Cuda => None,
+        },
+    };
+    print!("{}", MemoryPlan::of(&shape).table(&shape, available));
+    Ok(())
+}
+
+/// The model shape `spec` names.
+fn model_config(spec: &str) -> anyhow::Result<ModelConfig> {
+    if spec == "builtin" {
+        return Ok(ModelConfig::small(Tokenizer::builtin().vocab_size()));
+    }
+    let path = Path::new(spec);
+    let file = if path.is_dir() {
+        path.join(CONFIG_FILE)
+    } else {
+        path.to_path_buf()
+    };
+    let config = ModelConfig::from_file(&file).with_context(|| format!("--model {spec}"))?;
+    config
+        .validate()
+        .map_err(|e| anyhow::anyhow!("--model {spec}: {}: {e}", file.display()))?;
+    Ok(config)
+}

@@ -1,0 +1,493 @@
+//! The memory a training run needs, planned from the model's shape before anything is allocated
+//! ([`MemoryPlan`]): the weights, the rollout's copy of them, the gradients, AdamW's moments, the
+//! activations the backward keeps, the logits of the trained positions and the rollout's KV pool,
+//! and the peak of one update. `stepppo plan` prints it; `stepppo train` checks it against the
+//! machine's memory before the first step and before each update ([`MemoryPlan::check`]), so a
+//! run that cannot fit stops with the table instead of dying of an out-of-memory later.
+//!
+//! The activation count follows the CPU training forward (f32, fused ops): per layer and token
+//! the backward keeps `11·hidden + 4·kv + 3·intermediate` floats (the block's input, normed
+//! input, q before and after RoPE, k likewise, v and its head-major copy, the attention output
+//! and its token-major copy, the output projection and the residual sum, the MLP's normed input,
+//! gate, up, their SwiGLU product, down and the residual sum). A LoRA projection keeps its
+//! adapter's output and the sum with the base's besides (two outputs' worth). The matmul
+//! attention of other devices also keeps `3·heads·T` scores, probabilities and their bias per
+//! token. Measured against the process's peak on the CPU in `benches/memory_plan.rs`.
+
+use std::fmt::Write as _;
+
+use crate::config::{Config, CriticMode};
+use crate::model::lora::adapter_param_shapes;
+use crate::model::{LoraSpec, Model, ModelConfig};
+
+/// Bytes of an f32.
+const F32: u64 = 4;
+/// Bytes of a bf16.
+const BF16: u64 = 2;
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Where the run computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanDevice {
+    /// f32 everywhere; the rollout reads the trained weights in place.
+    Cpu,
+    /// f32 training, a bf16 copy of the weights and a bf16 KV pool for the rollout.
+    Cuda,
+}
+
+/// One model the run trains: the policy, or a separate critic of its shape.
+#[derive(Clone, Debug)]
+pub struct TrainedModel {
+    pub config: ModelConfig,
+    /// LoRA adapters trained instead of the weights.
+    pub lora: Option<LoraSpec>,
+    /// A critic reads no vocabulary: no LM head, no logits (a value head instead).
+    pub is_critic: bool,
+    /// A LoRA critic copied from a LoRA policy reads the policy's frozen base: only its value
+    /// head is weights of its own.
+    pub shares_policy_weights: bool,
+}
+
+/// What a plan is made for.
+#[derive(Clone, Debug)]
+pub struct PlanShape {
+    pub policy: TrainedModel,
+    /// A separate critic (`critic.mode: separate`): its weights and optimizer stay alive beside
+    /// the policy's; its update runs after the actor's, so the larger of the two passes counts.
+    pub critic: Option<TrainedModel>,
+    pub device: PlanDevice,
+    /// Positions of one update's forward (a mini-batch's tokens, padding included).
+    pub batch_tokens: usize,
+    /// Positions whose logits the loss reads (the response tokens); at most `batch_tokens`.
+    pub logit_rows: usize,
+    /// Longest sequence of a mini-batch (the matmul attention's scores grow with it).
+    pub sequence_tokens: usize,
+    /// Slots of the rollout's KV pool (`cache.kv_slots`).
+    pub kv_slots: usize,
+    /// Whole copies of the policy's weights beside it: the frozen reference of a KL term (a LoRA
+    /// run's reference is its base: no copy) and the snapshots an asynchronous rollout
+    /// generates with (one per version in flight).
+    pub extra_policy_copies: usize,
+}
+
+/// Bytes of each part of a run's memory, and the peak of one update.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryPlan {
+    pub weights: u64,
+    /// The rollout's own copy: bf16 on CUDA, the adapted projections with LoRA merged in.
+    pub rollout_weights: u64,
+    pub gradients: u64,
+    /// AdamW's two f32 moments per trained parameter.
+    pub optimizer: u64,
+    pub activations: u64,
+    /// The trained positions' logits and their gradient.
+    pub logits: u64,
+    pub kv_cache: u64,
+    pub trained_params: u64,
+    pub total_params: u64,
+}
+
+impl MemoryPlan {
+    pub fn of(shape: &PlanShape) -> Self {
+        let policy = ModelPlan::of(&shape.policy, shape);
+        let critic = shape.critic.as_ref().map(|c| ModelPlan::of(c, shape));
+        let both = |f: fn(&ModelPlan) -> u64| f(&policy) + critic.as_ref().map_or(0, f);
+        // The critic's pass follows the actor's: gradients and activations of one at a time.
+        let pass = |m: &ModelPlan| m.gradients + m.activations + m.logits;
+        let (gradients, activations, logits) = match &critic {
+            Some(c) if pass(c) > pass(&policy) => (c.gradients, c.activations, c.logits),
+            _ => (policy.gradients, policy.activations, policy.logits),
+        };
+        let kv = &shape.policy.config;
+        let kv_row = (kv.num_key_value_heads * kv.head_dim()) as u64;
+        let kv_bytes = match shape.device {
+            PlanDevice::Cpu => F32,
+            PlanDevice::Cuda => BF16,
+        };
+        let copies = shape.extra_policy_copies as u64 * policy.total_params * F32;
+        Self {
+            weights: both(|m| m.weights) + copies,
+            rollout_weights: policy.rollout_weights,
+            gradients,
+            optimizer: both(|m| m.optimizer),
+            activations,
+            logits,
+            kv_cache: shape.kv_slots as u64 * kv.num_hidden_layers as u64 * 2 * kv_row * kv_bytes,
+            trained_params: both(|m| m.trained_params),
+            total_params: both(|m| m.total_params),
+        }
+    }
+
+    /// The peak of one update: everything alive at the end of its backward.
+    pub fn peak(&self) -> u64 {
+        self.weights
+            + self.rollout_weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.logits
+            + self.kv_cache
+    }
+
+    /// The plan as a table, with the memory it is held against when given.
+    pub fn table(&self, shape: &PlanShape, available: Option<u64>) -> String {
+        let gib = |b: u64| {
+            if b as f64 >= GIB {
+                format!("{:.2} GiB", b as f64 / GIB)
+            } else {
+                format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+            }
+        };
+        let mut out = format!(
+            "| part | bytes |\n|---|--:|\n\
+             | weights ({} parameters, f32) | {} |\n\
+             | rollout copy of the weights | {} |\n\
+             | gradients ({} trained parameters) | {} |\n\
+             | optimizer (AdamW moments) | {} |\n\
+             | activations ({} tokens a forward) | {} |\n\
+             | logits ({} trained positions) | {} |\n\
+             | KV cache ({} slots) | {} |\n\
+             | **peak of an update** | **{}** |\n",
+            self.total_params,
+            gib(self.weights),
+            gib(self.rollout_weights),
+            self.trained_params,
+            gib(self.gradients),
+            gib(self.optimizer),
+            shape.batch_tokens,
+            gib(self.activations),
+            shape.logit_rows,
+            gib(self.logits),
+            shape.kv_slots,
+            gib(self.kv_cache),
+            gib(self.peak()),
+        );
+        if let Some(available) = available {
+            let largest = match largest_batch(shape, available) {
+                Some(tokens) => format!("{tokens} tokens"),
+                None => "none: the rest of the plan alone does not fit".into(),
+            };
+            let _ = writeln!(out, "| memory available | {} |", gib(available));
+            let _ = writeln!(out, "| largest forward that fits | {largest} |");
+        }
+        out
+    }
+
+    /// An error with the table when the peak of an update exceeds `available` bytes.
+    pub fn check(&self, shape: &PlanShape, available: u64) -> Result<(), String> {
+        if self.peak() <= available {
+            return Ok(());
+        }
+        Err(format!(
+            "an update needs {:.2} GiB and {:.2} GiB are available (`stepppo plan` gives the same \
+             table; fewer tokens a mini-batch — ppo_mini_batch_size —, LoRA or fewer kv_slots \
+             shrink it):\n{}",
+            self.peak() as f64 / GIB,
+            available as f64 / GIB,
+            self.table(shape, Some(available))
+        ))
+    }
+}
+
+/// A run's plan held against the memory it may use: checked before the first step with the
+/// least a mini-batch can hold ([`MemoryBudget::check_start`]) and before each forward of an
+/// update with the forward's own size ([`MemoryBudget::check_forward`]).
+pub struct MemoryBudget {
+    shape: PlanShape,
+    available: u64,
+}
+
+impl MemoryBudget {
+    /// The budget of a run of `cfg` training a policy of shape `model` (with LoRA adapters of
+    /// `lora`) on `device`; `None` where the device's memory is not known.
+    pub fn for_run(
+        cfg: &Config,
+        model: &ModelConfig,
+        lora: Option<LoraSpec>,
+        device: &candle_core::Device,
+    ) -> Option<Self> {
+        let available = crate::device::memory_available(device)?;
+        let separate = cfg.critic.mode == CriticMode::Separate;
+        let critic = separate.then(|| TrainedModel {
+            config: model.clone(),
+            lora: cfg.critic.lora.clone(),
+            is_critic: true,
+            shares_policy_weights: cfg.critic.pretrain.is_none()
+                && cfg.critic.lora.is_some()
+                && lora.is_some(),
+        });
+        // The least a mini-batch holds: its sequences' responses alone.
+        let floor = cfg.ppo_mini_batch_size * cfg.generating_args.max_new_tokens;
+        let shape = PlanShape {
+            policy: TrainedModel {
+                config: model.clone(),
+                lora: lora.clone(),
+                is_critic: false,
+                shares_policy_weights: false,
+            },
+            critic,
+            device: if device.is_cpu() {
+                PlanDevice::Cpu
+            } else {
+                PlanDevice::Cuda
+            },
+            batch_tokens: floor,
+            logit_rows: floor,
+            sequence_tokens: cfg.generating_args.max_new_tokens,
+            kv_slots: if cfg.cache.prefix_cache {
+                cfg.cache.kv_slots
+            } else {
+                0
+            },
+            extra_policy_copies: usize::from(cfg.keeps_reference() && lora.is_none())
+                + match cfg.async_rollout.staleness {
+                    0 => 0,
+                    staleness => staleness + 1,
+                },
+        };
+        Some(Self::new(shape, available))
+    }
+
+    /// `shape` (its tokens the least a mini-batch holds) held against `available` bytes.
+    pub fn new(shape: PlanShape, available: u64) -> Self {
+        Self { shape, available }
+    }
+
+    /// Before the first step: the weights, optimizer, KV pool and the smallest mini-batch.
+    pub fn check_start(&self) -> Result<(), String> {
+        MemoryPlan::of(&self.shape).check(&self.shape, self.available)
+    }
+
+    /// Before a forward of `positions` tokens (padding included) whose loss reads `logit_rows`
+    /// positions, sequences up to `sequence_tokens` long.
+    pub fn check_forward(
+        &self,
+        positions: usize,
+        logit_rows: usize,
+        sequence_tokens: usize,
+    ) -> Result<(), String> {
+        let shape = PlanShape {
+            batch_tokens: positions,
+            logit_rows: logit_rows.min(positions),
+            sequence_tokens,
+            ..self.shape.clone()
+        };
+        MemoryPlan::of(&shape).check(&shape, self.available)
+    }
+}
+
+/// The most tokens a forward may have (the trained positions at the shape's ratio) for the
+/// peak to stay within `available`; `None` when not even one fits.
+pub fn largest_batch(shape: &PlanShape, available: u64) -> Option<usize> {
+    let fits = |tokens: usize| {
+        let mut s = shape.clone();
+        let ratio = shape.logit_rows as f64 / shape.batch_tokens.max(1) as f64;
+        s.batch_tokens = tokens;
+        s.logit_rows = ((tokens as f64 * ratio).ceil() as usize).min(tokens);
+        s.sequence_tokens = shape.sequence_tokens.min(tokens);
+        MemoryPlan::of(&s).peak() <= available
+    };
+    if !fits(1) {
+        return None;
+    }
+    let (mut lo, mut hi) = (1usize, 2usize);
+    while fits(hi) && hi < 1 << 40 {
+        lo = hi;
+        hi *= 2;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(lo)
+}
+
+/// One model's part of the plan.
+struct ModelPlan {
+    weights: u64,
+    rollout_weights: u64,
+    gradients: u64,
+    optimizer: u64,
+    activations: u64,
+    logits: u64,
+    trained_params: u64,
+    total_params: u64,
+}
+
+impl ModelPlan {
+    fn of(m: &TrainedModel, shape: &PlanShape) -> Self {
+        let cfg = &m.config;
+        let count = |shapes: &[(String, Vec<usize>)]| -> u64 {
+            shapes
+                .iter()
+                .map(|(_, s)| s.iter().product::<usize>() as u64)
+                .sum()
+        };
+        let mut params = Model::param_shapes(cfg);
+        let head = vec![
+            ("score.weight".to_string(), vec![1, cfg.hidden_size]),
+            ("score.bias".to_string(), vec![1]),
+        ];
+        if m.is_critic {
+            params.retain(|(name, _)| name != "lm_head.weight");
+            params.extend(head.iter().cloned());
+        }
+        let total_params = count(&params);
+        let whole_copy = match shape.device {
+            PlanDevice::Cpu => 0,
+            PlanDevice::Cuda => total_params * BF16,
+        };
+        let (trained_params, rollout_weights) = match &m.lora {
+            None => (total_params, whole_copy),
+            Some(spec) => {
+                let adapters = adapter_param_shapes(cfg, spec).unwrap_or_default();
+                let head_params = if m.is_critic { count(&head) } else { 0 };
+                let rollout = match shape.device {
+                    // The adapted projections, merged into a copy of their weights.
+                    PlanDevice::Cpu => adapted_params(&params, &adapters) * F32,
+                    PlanDevice::Cuda => whole_copy,
+                };
+                (count(&adapters) + head_params, rollout)
+            }
+        };
+        let tokens = shape.batch_tokens as u64;
+        let activations = tokens * activation_floats(cfg, m, shape) * F32;
+        let logits = if m.is_critic {
+            0
+        } else {
+            2 * shape.logit_rows as u64 * cfg.vocab_size as u64 * F32
+        };
+        let own_weights = if m.shares_policy_weights {
+            count(&head)
+        } else {
+            total_params
+        };
+        Self {
+            weights: own_weights * F32,
+            rollout_weights: if m.is_critic { 0 } else { rollout_weights },
+            gradients: trained_params * F32,
+            optimizer: 2 * trained_params * F32,
+            activations,
+            logits,
+            trained_params,
+            total_params,
+        }
+    }
+}
+
+/// Parameters of the projections that adapters `adapters` adapt (each `…proj.weight` under an
+/// adapter `…proj.lora_A.weight`).
+fn adapted_params(params: &[(String, Vec<usize>)], adapters: &[(String, Vec<usize>)]) -> u64 {
+    params
+        .iter()
+        .filter(|(name, _)| {
+            name.strip_suffix(".weight").is_some_and(|path| {
+                adapters
+                    .iter()
+                    .any(|(a, _)| a == &format!("{path}.lora_A.weight"))
+            })
+        })
+        .map(|(_, s)| s.iter().product::<usize>() as u64)
+        .sum()
+}
+
+/// Floats the backward keeps per token of a forward, all layers.
+fn activation_floats(cfg: &ModelConfig, m: &TrainedModel, shape: &PlanShape) -> u64 {
+    let (h, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+    let heads = cfg.num_attention_heads as u64;
+    let kv = (cfg.num_key_value_heads * cfg.head_dim()) as u64;
+    let q = heads * cfg.head_dim() as u64;
+    let mut per_layer = 11 * h + 4 * kv + 3 * i;
+    if let Some(spec) = &m.lora {
+        let targets = spec.targets().unwrap_or_default();
+        let out_width = |module: &str| match module {
+            "q_proj" => q,
+            "k_proj" | "v_proj" => kv,
+            "o_proj" | "down_proj" => h,
+            _ => i,
+        };
+        per_layer += targets
+            .iter()
+            .map(|t| 2 * out_width(t) + spec.rank as u64)
+            .sum::<u64>();
+    }
+    if shape.device == PlanDevice::Cuda {
+        per_layer += 3 * heads * shape.sequence_tokens as u64;
+    }
+    per_layer * cfg.num_hidden_layers as u64 + 2 * h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(cfg: ModelConfig, lora: Option<LoraSpec>, tokens: usize) -> PlanShape {
+        PlanShape {
+            policy: TrainedModel {
+                config: cfg,
+                lora,
+                is_critic: false,
+                shares_policy_weights: false,
+            },
+            critic: None,
+            device: PlanDevice::Cpu,
+            batch_tokens: tokens,
+            logit_rows: tokens / 2,
+            sequence_tokens: tokens,
+            kv_slots: 0,
+            extra_policy_copies: 0,
+        }
+    }
+
+    #[test]
+    fn full_fine_tuning_holds_four_copies_of_the_weights_and_lora_far_fewer() {
+        let cfg = ModelConfig::small(1000);
+        let full = MemoryPlan::of(&shape(cfg.clone(), None, 0));
+        let params = full.total_params;
+        assert_eq!(full.weights, 4 * params);
+        assert_eq!(full.gradients + full.optimizer, 12 * params);
+        assert_eq!(full.peak(), 16 * params + full.logits);
+        let spec = LoraSpec {
+            rank: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            target_modules: vec!["all-linear".into()],
+        };
+        let lora = MemoryPlan::of(&shape(cfg, Some(spec), 0));
+        assert!(
+            lora.trained_params * 10 < params,
+            "{} of {params}",
+            lora.trained_params
+        );
+        assert!(lora.rollout_weights > 0 && lora.rollout_weights < lora.weights);
+        assert!(lora.peak() < full.peak());
+    }
+
+    #[test]
+    fn a_budget_refuses_a_forward_past_it_with_the_table() {
+        let s = shape(ModelConfig::small(1000), None, 64);
+        let start = MemoryPlan::of(&s).peak();
+        let budget = MemoryBudget::new(s, start + (1 << 20));
+        assert!(budget.check_start().is_ok());
+        assert!(budget.check_forward(64, 32, 64).is_ok());
+        let err = budget
+            .check_forward(64 * 1024, 32 * 1024, 1024)
+            .unwrap_err();
+        assert!(err.contains("peak of an update"), "{err}");
+        assert!(err.contains("largest forward that fits"), "{err}");
+    }
+
+    #[test]
+    fn the_largest_batch_is_the_edge_of_what_fits() {
+        let s = shape(ModelConfig::small(1000), None, 1024);
+        let budget = MemoryPlan::of(&s).peak();
+        let tokens = largest_batch(&s, budget).unwrap();
+        assert!((1000..=1030).contains(&tokens), "{tokens}");
+        let weights_only = MemoryPlan::of(&shape(ModelConfig::small(1000), None, 0)).peak();
+        assert_eq!(largest_batch(&s, weights_only / 2), None);
+    }
+}
