@@ -1,6 +1,6 @@
-//! LoRA against full fine-tuning on the CPU: one actor update's time and the process's peak
-//! memory, the trained parameters and their optimizer state, and the checkpoint's size; and, on
-//! the 90M shape, generation with the adapters merged into the weights against kept beside them,
+//! LoRA against full fine-tuning on the CPU, each with and without activation checkpointing
+//! (`+ckpt`): one actor update's time and the process's peak memory, the trained parameters and
+//! their optimizer state, and the checkpoint's size; and, on the 90M shape, generation with the adapters merged into the weights against kept beside them,
 //! with the cost of one merge (what a merged rollout pays after each update).
 //!
 //! Shapes: a 90M-parameter Qwen2 (hidden 896, 6 layers, 14 / 2 heads, MLP 4,864, the built-in
@@ -133,7 +133,7 @@ fn update(model: &Model, opt: &mut AdamW, batch: usize, len: usize) -> f64 {
         ..LossConfig::default()
     };
     let (loss, _) = policy_loss(&logp, &old, &adv, &mask, None, &entropy, &cfg).unwrap();
-    let grads = loss.backward().unwrap();
+    let grads = stepppo::model::backward(&loss).unwrap();
     opt.step(&grads, LR, Some(1.0)).unwrap();
     loss.to_dtype(DType::F64).unwrap().to_scalar().unwrap()
 }
@@ -174,7 +174,12 @@ fn peak_rss_mb() -> f64 {
 }
 
 /// The memory plan's peak (MiB) of one update of `batch` × `len` tokens, half of them scored.
-fn planned_peak_mb(cfg: &ModelConfig, lora: bool, batch: usize, len: usize) -> f64 {
+fn planned_peak_mb(
+    cfg: &ModelConfig,
+    (lora, checkpointing): (bool, bool),
+    batch: usize,
+    len: usize,
+) -> f64 {
     let shape = PlanShape {
         policy: TrainedModel {
             config: cfg.clone(),
@@ -187,6 +192,7 @@ fn planned_peak_mb(cfg: &ModelConfig, lora: bool, batch: usize, len: usize) -> f
         batch_tokens: batch * len,
         logit_rows: batch * (len / 2),
         sequence_tokens: len,
+        activation_checkpointing: checkpointing,
         kv_slots: 0,
         extra_policy_copies: 0,
     };
@@ -203,8 +209,10 @@ fn dir_mb(dir: &Path) -> f64 {
 
 fn child(shape: &str, arm: &str) -> Report {
     let (_, cfg, batch, len) = shapes().into_iter().find(|s| s.0 == shape).unwrap();
-    let lora = arm == "lora";
+    let lora = arm.starts_with("lora");
+    let checkpointing = arm.ends_with("+ckpt");
     let mut model = model_for(&cfg, lora);
+    model.set_activation_checkpointing(checkpointing);
     let vars = model.trainable_vars();
     let trained_params = vars.iter().map(|(_, v)| v.elem_count()).sum();
     let mut opt = AdamW::new(vars, &OptimizerConfig::default()).unwrap();
@@ -222,11 +230,11 @@ fn child(shape: &str, arm: &str) -> Report {
         .collect();
     ms.sort_by(f64::total_cmp);
     let peak_rss_mb = peak_rss_mb();
-    let planned_peak_mb = planned_peak_mb(&cfg, lora, batch, len);
+    let planned_peak_mb = planned_peak_mb(&cfg, (lora, checkpointing), batch, len);
     let ckpt = tempfile::tempdir().unwrap();
     model.save(ckpt.path(), None).unwrap();
     let checkpoint_mb = dir_mb(ckpt.path());
-    let generation = (lora && shape.starts_with("qwen2_90m")).then(|| {
+    let generation = (arm == "lora" && shape.starts_with("qwen2_90m")).then(|| {
         let start = Instant::now();
         model.set_adapter_rollout(AdapterRollout::Merged).unwrap();
         let merge_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -268,7 +276,7 @@ fn main() {
         if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
             continue;
         }
-        for arm in ["full", "lora"] {
+        for arm in ["full", "full+ckpt", "lora", "lora+ckpt"] {
             let out = Command::new(std::env::current_exe().unwrap())
                 .env(CASE_VAR, format!("{name} {arm}"))
                 .env("RAYON_NUM_THREADS", threads.to_string())

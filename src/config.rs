@@ -60,14 +60,16 @@ fn shorten(arg: &str) -> String {
     }
 }
 
-/// Keys a resumed run may change: when it stops and how often it validates and saves, and how
-/// many threads compute, where the run directory is and where its gateway listens. Everything
-/// else is the run's own config, kept in its checkpoints.
+/// Keys a resumed run may change: when it stops and how often it validates and saves, how many
+/// threads compute and whether blocks are recomputed in the backward (memory for time), where
+/// the run directory is and where its gateway listens. Everything else is the run's own config,
+/// kept in its checkpoints.
 pub const RESUME_OVERRIDABLE: &[&str] = &[
     "max_steps",
     "eval_steps",
     "save_steps",
     "cpu_threads",
+    "activation_checkpointing",
     "output_dir",
     "gateway.listen",
 ];
@@ -647,6 +649,12 @@ pub struct Config {
     /// forward"); `false`: the padded per-sequence forward.
     #[serde(default = "tree_forward")]
     pub tree_forward: bool,
+    /// Recompute each decoder block's activations in the backward instead of keeping them from
+    /// the forward (policy and separate critic, warm start included): an update keeps one
+    /// block's activations at a time plus two hidden-size vectors a layer and token, for about
+    /// one more forward of time; the gradients are the same. CPU only so far.
+    #[serde(default)]
+    pub activation_checkpointing: bool,
     /// Rounds kept in the re-rendered prompt of the `window` layout; 0 holds the current state
     /// only.
     #[serde(default = "two")]
@@ -1220,7 +1228,15 @@ impl Config {
         }
         self.validate_copy_target()?;
         self.validate_self_imitation()?;
-        self.validate_async_rollout()
+        self.validate_async_rollout()?;
+        if self.activation_checkpointing && self.device != DeviceKind::Cpu {
+            return Err((
+                "activation_checkpointing".into(),
+                "recomputed blocks run on the CPU only so far; set device: cpu or turn it off"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     /// `sft.copy.until_probability`: a probability in (0, 1] with room above `steps`;

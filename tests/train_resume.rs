@@ -243,3 +243,27 @@ fn the_critic_warm_up_trains_the_value_head_and_leaves_the_policy_alone() {
     }
     assert!(head_moved, "the value head should have been trained");
 }
+
+/// Recomputing the blocks in the backward (policy and separate critic, warm start included)
+/// trains as keeping their activations does, and a resumed run may switch it.
+#[test]
+fn activation_checkpointing_trains_as_without_and_may_change_at_resume() {
+    let cfg = |on: bool| {
+        let flag = format!("activation_checkpointing={on}");
+        tiny_config_with(&["critic.mode=separate", "critic.history_batches=1", &flag])
+    };
+    let root = tempfile::tempdir().unwrap();
+    let run = |on: bool| {
+        let dir = root.path().join(format!("ckpt-{on}"));
+        let mut t = Trainer::create(cfg(on), &dir).unwrap();
+        t.run(2, &mut |_| {}).unwrap();
+        (weights(&t), dir)
+    };
+    let ((kept, _), (recomputed, dir)) = (run(false), run(true));
+    for ((name, a), (_, b)) in kept.iter().zip(&recomputed) {
+        let worst = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(worst <= 1e-5, "{name}: {worst}");
+    }
+    let mut resumed = Trainer::resume(cfg(false), &dir).unwrap();
+    resumed.run(3, &mut |_| {}).unwrap();
+}

@@ -36,6 +36,9 @@ pub struct PlanArgs {
     /// Slots of the rollout's KV pool (`cache.kv_slots`).
     #[arg(long, default_value_t = 0)]
     kv_slots: usize,
+    /// Blocks recompute their activations in the backward (`activation_checkpointing`).
+    #[arg(long)]
+    activation_checkpointing: bool,
     /// A separate critic of the policy's shape trains beside it (with LoRA when --lora-rank is
     /// given, sharing the policy's base).
     #[arg(long)]
@@ -87,6 +90,7 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
             .unwrap_or(batch_tokens / 2)
             .min(batch_tokens),
         sequence_tokens: a.sequence_tokens.unwrap_or(batch_tokens),
+        activation_checkpointing: a.activation_checkpointing,
         kv_slots: a.kv_slots,
         extra_policy_copies: 0,
     };

@@ -29,7 +29,8 @@ pub struct TrainArgs {
     out: Option<PathBuf>,
     /// Continue the run in the run directory from its latest checkpoint, under the run's own
     /// config: `--set` may change only `max_steps`, `eval_steps`, `save_steps`, `cpu_threads`,
-    /// `output_dir` and `gateway.listen`, and a `--config` must match the run's.
+    /// `activation_checkpointing`, `output_dir` and `gateway.listen`, and a `--config` must match
+    /// the run's.
     #[arg(long, conflicts_with = "overwrite")]
     resume: bool,
     /// Start over in a run directory that already holds a run: removes that run's checkpoints,

@@ -138,6 +138,11 @@ impl Critic {
         self.adapters.as_ref()
     }
 
+    /// Activation checkpointing of the trunk, as [`super::Model::set_activation_checkpointing`].
+    pub fn set_activation_checkpointing(&mut self, on: bool) {
+        self.trunk.activation_checkpointing = on;
+    }
+
     /// HF names and shapes: the trunk (`model.*`) and `score.*`.
     pub fn param_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
         let mut specs = super::decoder::trunk_param_shapes(cfg);

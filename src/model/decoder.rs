@@ -15,6 +15,8 @@
 //! agree to float rounding. The families differ only in biases and Qwen3's per-head q/k RMSNorm
 //! (see [`ModelConfig`]). Heads (LM head, value head) live in the parent module.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor, D};
 
 use super::attention::TrainingAttention;
@@ -163,6 +165,46 @@ pub(crate) struct Trunk {
     pub(crate) embed: Tensor,
     blocks: Vec<Block>,
     norm: Tensor,
+    /// Recompute each block's activations in the backward instead of keeping them
+    /// ([`super::recompute`]).
+    pub(crate) activation_checkpointing: bool,
+}
+
+/// The attention of a training forward over `[B, heads, T, head_dim]` q, k, v: a padded batch
+/// under its real-token mask, or a prefix tree whose branches read their root's K/V. Owned, so a
+/// checkpointed block can run it again in the backward.
+#[derive(Clone)]
+pub(crate) enum Attend {
+    Padded {
+        attention: TrainingAttention,
+        real_tokens: Arc<Vec<Vec<u32>>>,
+        scale: f64,
+    },
+    Tree {
+        attention: TrainingAttention,
+        tree: Arc<TreeBatch>,
+        scale: f64,
+    },
+}
+
+impl Attend {
+    fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        match self {
+            Attend::Padded {
+                attention,
+                real_tokens,
+                scale,
+            } => attention.forward(q, k, v, real_tokens, *scale),
+            Attend::Tree {
+                attention,
+                tree,
+                scale,
+            } => {
+                let [q, k, v] = [q, k, v].map(|x| x.squeeze(0));
+                Ok(attention.tree(&q?, &k?, &v?, tree, *scale)?.unsqueeze(0)?)
+            }
+        }
+    }
 }
 
 /// HF names and shapes of every trunk parameter, in a fixed order.
@@ -251,6 +293,7 @@ impl Trunk {
             embed,
             blocks,
             norm: get("model.norm.weight")?,
+            activation_checkpointing: false,
         })
     }
 
@@ -290,6 +333,7 @@ impl Trunk {
             embed: t(&self.embed)?,
             blocks,
             norm: t(&self.norm)?,
+            activation_checkpointing: false,
         })
     }
 
@@ -337,6 +381,7 @@ impl Trunk {
             embed: self.embed.detach(),
             blocks,
             norm: self.norm.detach(),
+            activation_checkpointing: self.activation_checkpointing,
         }
     }
 
@@ -446,14 +491,16 @@ impl Trunk {
             .flat_map(|row| positions_from_mask(row))
             .collect();
         let (cos, sin) = rope_tensors(&self.rope, &positions, (b_sz, 1, t_len, hd), dev)?;
-        let attention = TrainingAttention::for_device(dev);
         let x = self
             .embed
             .index_select(&input_ids.flatten_all()?, 0)?
             .reshape((b_sz, t_len, cfg.hidden_size))?;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let attend = |q: &Tensor, k: &Tensor, v: &Tensor| attention.forward(q, k, v, &mask, scale);
-        self.blocks_forward(x, (&cos, &sin), attend, keep_streams)
+        let attend = Attend::Padded {
+            attention: TrainingAttention::for_device(dev),
+            real_tokens: Arc::new(mask),
+            scale: 1.0 / (hd as f64).sqrt(),
+        };
+        self.blocks_forward(x, (&cos, &sin), &attend, keep_streams)
     }
 
     /// Final hidden states of a training input: `[B, T, hidden]` padded, `[1, N, hidden]` a tree.
@@ -489,63 +536,124 @@ impl Trunk {
         let (n, hd) = (tree.len(), self.cfg.head_dim());
         let dev = tree.ids().device();
         let (cos, sin) = rope_tensors(&self.rope, &tree.positions(), (1, 1, n, hd), dev)?;
-        let attention = TrainingAttention::for_device(dev);
         let x = self
             .embed
             .index_select(tree.ids(), 0)?
             .reshape((1, n, self.cfg.hidden_size))?;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let attend = |q: &Tensor, k: &Tensor, v: &Tensor| {
-            let [q, k, v] = [q, k, v].map(|x| x.squeeze(0));
-            Ok(attention.tree(&q?, &k?, &v?, tree, scale)?.unsqueeze(0)?)
+        let attend = Attend::Tree {
+            attention: TrainingAttention::for_device(dev),
+            tree: Arc::new(tree.clone()),
+            scale: 1.0 / (hd as f64).sqrt(),
         };
-        self.blocks_forward(x, (&cos, &sin), attend, keep_streams)
+        self.blocks_forward(x, (&cos, &sin), &attend, keep_streams)
     }
 
     /// The blocks and the final norm over embeddings `x [B, T, hidden]`, with RoPE tables `cos`,
-    /// `sin` `[B, 1, T, head_dim]` and attention `attend(q, k, v)` over `[B, heads, T, head_dim]`;
-    /// with `keep_streams`, also the residual stream before the first block and after each block.
+    /// `sin` `[B, 1, T, head_dim]` and the attention of `attend`; with `keep_streams`, also the
+    /// residual stream before the first block and after each block. With
+    /// `activation_checkpointing` each block keeps only its input for the backward.
     fn blocks_forward(
         &self,
         mut x: Tensor,
-        (cos, sin): (&Tensor, &Tensor),
-        attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+        rope: (&Tensor, &Tensor),
+        attend: &Attend,
         keep_streams: bool,
     ) -> Result<(Tensor, Vec<Tensor>)> {
-        let (b_sz, t_len, _) = x.dims3()?;
-        let cfg = &self.cfg;
-        let (nh, nkv, hd) = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim(),
-        );
         let mut streams = Vec::new();
-        for b in &self.blocks {
+        for layer in 0..self.blocks.len() {
             if keep_streams {
                 streams.push(x.clone());
             }
-            let h = self.norm(&x, &b.input_norm)?;
-            let (q_norm, k_norm) = match &b.qk_norm {
-                Some((q, k)) => (Some(q), Some(k)),
-                None => (None, None),
+            x = if self.activation_checkpointing {
+                super::recompute::block(self, layer, &x, rope, attend)?
+            } else {
+                self.block_forward(layer, &x, rope, attend)?
             };
-            let q = self.rope_heads(&b.q, &h, q_norm, nh, (cos, sin))?;
-            let k = self.rope_heads(&b.k, &h, k_norm, nkv, (cos, sin))?;
-            let v =
-                b.v.forward_with(&h, self.ops)?
-                    .reshape((b_sz, t_len, nkv, hd))?
-                    .transpose(1, 2)?
-                    .contiguous()?;
-            let o = attend(&q, &k, &v)?
-                .transpose(1, 2)?
-                .reshape((b_sz, t_len, nh * hd))?;
-            x = (x + b.o.forward_with(&o, self.ops)?)?;
-            x = self.mlp(b, &x)?;
         }
         if keep_streams {
             streams.push(x.clone());
         }
         Ok((self.norm(&x, &self.norm)?, streams))
+    }
+
+    /// Block `layer` over the residual stream `x [B, T, hidden]` (see [`Trunk::blocks_forward`]).
+    pub(crate) fn block_forward(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        attend: &Attend,
+    ) -> Result<Tensor> {
+        let b = &self.blocks[layer];
+        let (b_sz, t_len, _) = x.dims3()?;
+        let (nh, nkv, hd) = (
+            self.cfg.num_attention_heads,
+            self.cfg.num_key_value_heads,
+            self.cfg.head_dim(),
+        );
+        let h = self.norm(x, &b.input_norm)?;
+        let (q_norm, k_norm) = match &b.qk_norm {
+            Some((q, k)) => (Some(q), Some(k)),
+            None => (None, None),
+        };
+        let q = self.rope_heads(&b.q, &h, q_norm, nh, (cos, sin))?;
+        let k = self.rope_heads(&b.k, &h, k_norm, nkv, (cos, sin))?;
+        let v =
+            b.v.forward_with(&h, self.ops)?
+                .reshape((b_sz, t_len, nkv, hd))?
+                .transpose(1, 2)?
+                .contiguous()?;
+        let o = attend
+            .apply(&q, &k, &v)?
+            .transpose(1, 2)?
+            .reshape((b_sz, t_len, nh * hd))?;
+        let x = (x + b.o.forward_with(&o, self.ops)?)?;
+        self.mlp(b, &x)
+    }
+
+    /// The trunk with block `layer` alone detached from autograd (adapters kept beside their
+    /// weights): what a checkpointed block runs its forward on.
+    pub(crate) fn with_block_detached(&self, layer: usize) -> Result<Self> {
+        let mut trunk = self.clone();
+        let b = &self.blocks[layer];
+        let dtype = b.input_norm.dtype();
+        let t = |x: &Tensor| rollout_tensor(x, dtype);
+        trunk.blocks[layer] = Block {
+            input_norm: t(&b.input_norm)?,
+            q: b.q.rollout_copy(dtype, false)?,
+            k: b.k.rollout_copy(dtype, false)?,
+            v: b.v.rollout_copy(dtype, false)?,
+            o: b.o.rollout_copy(dtype, false)?,
+            qk_norm: b
+                .qk_norm
+                .as_ref()
+                .map(|(q, k)| Ok::<_, ModelError>((t(q)?, t(k)?)))
+                .transpose()?,
+            post_norm: t(&b.post_norm)?,
+            gate: b.gate.rollout_copy(dtype, false)?,
+            up: b.up.rollout_copy(dtype, false)?,
+            down: b.down.rollout_copy(dtype, false)?,
+        };
+        Ok(trunk)
+    }
+
+    /// Every tensor of block `layer` that autograd tracks (its trained weights and adapters).
+    pub(crate) fn block_tracked_tensors(&self, layer: usize) -> Vec<Tensor> {
+        let b = &self.blocks[layer];
+        let linears = [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down];
+        let mut all = vec![b.input_norm.clone(), b.post_norm.clone()];
+        if let Some((q, k)) = &b.qk_norm {
+            all.extend([q.clone(), k.clone()]);
+        }
+        for l in linears {
+            all.push(l.weight.clone());
+            all.extend(l.bias.clone());
+            if let Some(pair) = &l.lora {
+                all.extend([pair.a.clone(), pair.b.clone()]);
+            }
+        }
+        all.retain(Tensor::track_op);
+        all
     }
 
     /// Final hidden states `[n, hidden]` of the new tokens of `seqs` (in batch order), whose ids are

@@ -7,6 +7,8 @@
 //! plus token log-probs/entropy; the training path also takes a packed [`TreeBatch`] whose
 //! sequences share prefixes ([`tree`]). [`Critic`] is a model of the same family with a value head;
 //! a shared-trunk value head on the policy is the option. Checkpoint files are [`checkpoint`]'s.
+//! Activation checkpointing ([`Model::set_activation_checkpointing`]) is [`recompute`]'s; every
+//! training loss is differentiated by [`backward`].
 
 pub mod attention;
 pub mod checkpoint;
@@ -16,6 +18,7 @@ pub mod decoder;
 mod fused;
 pub mod lora;
 pub mod params;
+mod recompute;
 pub mod rope;
 pub mod tree;
 
@@ -28,6 +31,7 @@ pub use critic::{Critic, ValueHead, ValueMlp};
 use decoder::{Linear, Trunk};
 pub use fused::TrainingOps;
 pub use lora::{Adapters, LoraSpec};
+pub use recompute::backward;
 pub use tree::{Segment, TreeBatch};
 
 /// Errors of the model module; file errors name the file and tensor.
@@ -312,6 +316,13 @@ impl Model {
 
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// Recomputes each decoder block's activations in the backward instead of keeping them from
+    /// the forward (gradients through [`backward`]): memory for time, the same gradients to float
+    /// rounding. CPU only so far.
+    pub fn set_activation_checkpointing(&mut self, on: bool) {
+        self.trunk.activation_checkpointing = on;
     }
 
     /// Chooses the training forward's ops (fused on the CPU by default); both compute the same

@@ -31,7 +31,7 @@ pub struct Segment {
 }
 
 /// Packed tokens `[N]` in segments that tile them in order; roots come before their branches.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct TreeBatch {
     ids: Tensor,
     segments: Vec<Segment>,

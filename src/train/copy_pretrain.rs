@@ -266,7 +266,8 @@ impl<'a> CopyRun<'a> {
         let device = self.policy.device();
         let batch = CopyBatch::draw(self.vocabulary, self.shape, kind, &mut self.rng, device)?;
         let loss = batch.logprobs(self.policy)?.mean_all()?.neg()?;
-        self.opt.step(&loss.backward()?, self.lr, Some(1.0))?;
+        self.opt
+            .step(&crate::model::backward(&loss)?, self.lr, Some(1.0))?;
         self.losses.push(f64::from(loss.to_scalar::<f32>()?));
         Ok(())
     }

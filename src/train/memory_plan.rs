@@ -12,7 +12,9 @@
 //! gate, up, their SwiGLU product, down and the residual sum). A LoRA projection keeps its
 //! adapter's output and the sum with the base's besides (two outputs' worth). The matmul
 //! attention of other devices also keeps `3·heads·T` scores, probabilities and their bias per
-//! token. Measured against the process's peak on the CPU in `benches/memory_plan.rs`.
+//! token. With activation checkpointing a block keeps its input and a copy of its output, and
+//! one block's activations live at a time, while the backward recomputes it. Measured against
+//! the process's peak on the CPU by `cargo bench --bench lora`.
 
 use std::fmt::Write as _;
 
@@ -62,6 +64,8 @@ pub struct PlanShape {
     pub logit_rows: usize,
     /// Longest sequence of a mini-batch (the matmul attention's scores grow with it).
     pub sequence_tokens: usize,
+    /// Blocks recompute their activations in the backward (`activation_checkpointing`).
+    pub activation_checkpointing: bool,
     /// Slots of the rollout's KV pool (`cache.kv_slots`).
     pub kv_slots: usize,
     /// Whole copies of the policy's weights beside it: the frozen reference of a KL term (a LoRA
@@ -234,6 +238,7 @@ impl MemoryBudget {
             batch_tokens: floor,
             logit_rows: floor,
             sequence_tokens: cfg.generating_args.max_new_tokens,
+            activation_checkpointing: cfg.activation_checkpointing,
             kv_slots: if cfg.cache.prefix_cache {
                 cfg.cache.kv_slots
             } else {
@@ -418,7 +423,13 @@ fn activation_floats(cfg: &ModelConfig, m: &TrainedModel, shape: &PlanShape) -> 
     if shape.device == PlanDevice::Cuda {
         per_layer += 3 * heads * shape.sequence_tokens as u64;
     }
-    per_layer * cfg.num_hidden_layers as u64 + 2 * h
+    let layers = cfg.num_hidden_layers as u64;
+    if shape.activation_checkpointing {
+        // Each block keeps its input and its output's copy; one block's activations live at a
+        // time, while the backward recomputes it.
+        return 2 * h * layers + per_layer + 2 * h;
+    }
+    per_layer * layers + 2 * h
 }
 
 #[cfg(test)]
@@ -438,6 +449,7 @@ mod tests {
             batch_tokens: tokens,
             logit_rows: tokens / 2,
             sequence_tokens: tokens,
+            activation_checkpointing: false,
             kv_slots: 0,
             extra_policy_copies: 0,
         }
@@ -479,6 +491,20 @@ mod tests {
             .unwrap_err();
         assert!(err.contains("peak of an update"), "{err}");
         assert!(err.contains("largest forward that fits"), "{err}");
+    }
+
+    #[test]
+    fn checkpointing_keeps_two_vectors_a_layer_and_one_block() {
+        let mut s = shape(ModelConfig::small(1000), None, 1024);
+        let kept = MemoryPlan::of(&s).activations;
+        s.activation_checkpointing = true;
+        let recomputed = MemoryPlan::of(&s).activations;
+        let cfg = ModelConfig::small(1000);
+        let h = cfg.hidden_size as u64;
+        let per_layer = (kept / (4 * 1024) - 2 * h) / cfg.num_hidden_layers as u64;
+        let layers = cfg.num_hidden_layers as u64;
+        assert_eq!(recomputed, 4 * 1024 * (2 * h * layers + per_layer + 2 * h));
+        assert!(recomputed < kept / 2, "{recomputed} vs {kept}");
     }
 
     #[test]

@@ -75,7 +75,7 @@ pub(super) fn backward(
     if !value.is_finite() {
         return Ok((false, None));
     }
-    Ok((true, Some(loss.backward()?)))
+    Ok((true, Some(crate::model::backward(loss)?)))
 }
 
 /// Steps the critic's optimizer on `loss` (this rank's part; `None`: none here), its gradients

@@ -234,7 +234,7 @@ pub fn behaviour_clone(
             skipped += 1;
             continue;
         }
-        let report = opt.step(&loss.backward()?, settings.lr, Some(1.0))?;
+        let report = opt.step(&crate::model::backward(&loss)?, settings.lr, Some(1.0))?;
         skipped += usize::from(report.skipped);
         losses.push(ce.to_scalar::<f32>()? as f64);
     }
@@ -334,7 +334,8 @@ impl<'a> CriticWarmup<'a> {
             return Ok(Some(weighted));
         };
         if value.is_finite() {
-            *skipped += usize::from(opt.step(&weighted.backward()?, *lr, Some(1.0))?.skipped);
+            let grads = crate::model::backward(&weighted)?;
+            *skipped += usize::from(opt.step(&grads, *lr, Some(1.0))?.skipped);
         } else {
             *skipped += 1;
         }

@@ -179,6 +179,7 @@ impl Trainer {
         }
         let (mut policy, tok) = fresh_policy(&cfg, &device)?;
         let mut critic = CriticModel::open(&cfg, &mut policy, CriticOrigin::Fresh)?;
+        set_activation_checkpointing(&cfg, &mut policy, critic.as_mut());
         check_memory(&cfg, &policy, run_lora_spec(&cfg)?)?;
         // Only now that the device and every model directory were found good does the run
         // directory come into being: a config that fails leaves nothing behind.
@@ -337,12 +338,13 @@ impl Trainer {
         cfg: Config,
         run_dir: &Path,
         tok: Tokenizer,
-        (mut policy, critic, reference): (Model, Option<CriticModel>, Option<Model>),
+        (mut policy, mut critic, reference): (Model, Option<CriticModel>, Option<Model>),
         (actor_opt, critic_opt): (AdamW, Option<AdamW>),
         (dataset, dist): (DatasetWriter, Arc<dyn Collective>),
         state: TrainState,
         warm_start: Option<SftReport>,
     ) -> Result<Self, TrainError> {
+        set_activation_checkpointing(&cfg, &mut policy, critic.as_mut());
         // Before the KV pool and the rollout's weights are allocated.
         let memory = MemoryBudget::for_run(
             &cfg,
@@ -1251,6 +1253,18 @@ fn broadcast_weights(dist: &dyn Collective, vars: &[(String, Var)]) -> Result<()
 
 /// Brings the run's dataset and metrics back to the position `ckpt` recorded; returns the
 /// warnings to report (what was removed, or that an older checkpoint recorded no position).
+/// Turns `activation_checkpointing` on or off in the policy and a separate critic.
+fn set_activation_checkpointing(
+    cfg: &Config,
+    policy: &mut Model,
+    critic: Option<&mut CriticModel>,
+) {
+    policy.set_activation_checkpointing(cfg.activation_checkpointing);
+    if let Some(CriticModel::Separate(c)) = critic {
+        c.set_activation_checkpointing(cfg.activation_checkpointing);
+    }
+}
+
 /// Stops a run whose memory plan (weights, optimizer, KV pool, the smallest mini-batch) does
 /// not fit in the machine's memory, with the plan's table, before anything large is allocated.
 fn check_memory(cfg: &Config, policy: &Model, lora: Option<LoraSpec>) -> Result<(), TrainError> {
