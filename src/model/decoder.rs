@@ -13,11 +13,13 @@
 //!
 //! The passes share [`rms_norm`], [`apply_rope`] and the RoPE tables of [`super::rope`], so they
 //! agree to float rounding. The families differ only in biases and Qwen3's per-head q/k RMSNorm
-//! (see [`ModelConfig`]). Heads (LM head, value head) live in the parent module.
+//! (see [`ModelConfig`]). Heads (LM head, value head) live in the parent module. With activation
+//! checkpointing a block runs through `RecomputedBlock`, which recomputes it in the backward
+//! (gradients collected by [`super::recompute`]).
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, Var, D};
 
 use super::attention::TrainingAttention;
 use super::fused::{self, TrainingOps};
@@ -565,7 +567,7 @@ impl Trunk {
                 streams.push(x.clone());
             }
             x = if self.activation_checkpointing {
-                super::recompute::block(self, layer, &x, rope, attend)?
+                checkpointed_block(self, layer, &x, rope, attend)?
             } else {
                 self.block_forward(layer, &x, rope, attend)?
             };
@@ -760,6 +762,94 @@ pub(crate) fn check_ids(ids: &[u32], vocab_size: usize) -> Result<()> {
             "token id {id} ≥ vocab_size {vocab_size}"
         ))),
         None => Ok(()),
+    }
+}
+
+/// Block `layer` of `trunk` over `x`, keeping only `x` for the backward.
+fn checkpointed_block(
+    trunk: &Trunk,
+    layer: usize,
+    x: &Tensor,
+    rope: (&Tensor, &Tensor),
+    attend: &Attend,
+) -> Result<Tensor> {
+    let tracked = trunk.block_tracked_tensors(layer);
+    let anchor = match (x.track_op(), tracked.first()) {
+        (true, _) => x.clone(),
+        (false, Some(t)) => t.clone(),
+        // Nothing in or before the block trains: no graph to keep.
+        (false, None) => return trunk.block_forward(layer, x, rope, attend),
+    };
+    if !x.device().is_cpu() {
+        return Err(ModelError::Input(
+            "activation checkpointing runs on the CPU only so far".into(),
+        ));
+    }
+    let y = trunk
+        .with_block_detached(layer)?
+        .block_forward(layer, &x.detach(), rope, attend)?;
+    let op = RecomputedBlock {
+        trunk: trunk.clone(),
+        layer,
+        rope: (rope.0.clone(), rope.1.clone()),
+        attend: attend.clone(),
+        tracked,
+    };
+    Ok(x.contiguous()?.apply_op3(&y.contiguous()?, &anchor, op)?)
+}
+
+/// The op that ties a checkpointed block's output to its input: forward, the output computed on
+/// detached weights (copied through); backward, the block recomputed and differentiated.
+struct RecomputedBlock {
+    trunk: Trunk,
+    layer: usize,
+    rope: (Tensor, Tensor),
+    attend: Attend,
+    /// The block's tracked tensors, whose gradients are set aside.
+    tracked: Vec<Tensor>,
+}
+
+impl CustomOp3 for RecomputedBlock {
+    fn name(&self) -> &'static str {
+        "recomputed-block"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _x: &CpuStorage,
+        _x_layout: &Layout,
+        y: &CpuStorage,
+        y_layout: &Layout,
+        _anchor: &CpuStorage,
+        _anchor_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let data = super::attention::f32_slice(y, y_layout)?;
+        Ok((CpuStorage::F32(data.to_vec()), y_layout.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        _y: &Tensor,
+        _anchor: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let input = Var::from_tensor(&x.detach())?;
+        let rope = (&self.rope.0, &self.rope.1);
+        let y = self
+            .trunk
+            .block_forward(self.layer, input.as_tensor(), rope, &self.attend)
+            .map_err(candle_core::Error::wrap)?;
+        let grads = (y * grad.detach())?.sum_all()?.backward()?;
+        let found: Vec<(Tensor, Tensor)> = self
+            .tracked
+            .iter()
+            .filter_map(|t| grads.get(t).map(|g| (t.clone(), g.clone())))
+            .collect();
+        super::recompute::set_aside(found)?;
+        let grad_x = x.track_op().then(|| grads.get(input.as_tensor()).cloned());
+        Ok((grad_x.flatten(), None, None))
     }
 }
 

@@ -1,63 +1,28 @@
 //! Activation checkpointing: a decoder block whose forward keeps nothing for the backward but its
 //! input, and whose backward runs the block's forward again to differentiate it.
 //!
-//! [`block`] runs the block on detached weights (no graph, so its activations are freed as the
-//! forward moves on) and ties the result to the graph through one op, [`RecomputedBlock`], whose
-//! inputs are the block's input and one tracked tensor of the block (so the op is in the graph
-//! even when the input is not, as under LoRA's frozen embedding). Its backward recomputes the
-//! block with tracked weights from a copy of the input, differentiates `Σ y · ∂L/∂y` (whose
-//! gradient in `y` is exactly `∂L/∂y`), returns the input's gradient to candle's backward and
-//! sets the weights' gradients aside. [`backward`] is the backward every training loss goes
-//! through: it runs candle's and adds the gradients set aside into its store. The gradients are
-//! those of the plain forward, to float rounding: the same ops, run again on the same values.
+//! The decoder's checkpointed block (`RecomputedBlock` in [`super::decoder`]) runs the block on
+//! detached weights (no graph, so its activations are freed as the forward moves on) and ties the
+//! result to the graph through one op, whose inputs are the block's input and one tracked tensor
+//! of the block (so the op is in the graph even when the input is not, as under LoRA's frozen
+//! embedding). Its backward recomputes the block with tracked weights from a copy of the input,
+//! differentiates `Σ y · ∂L/∂y` (whose gradient in `y` is exactly `∂L/∂y`), returns the input's
+//! gradient to candle's backward and hands the weights' gradients to [`set_aside`]. This module
+//! owns that collector: [`backward`], the backward every training loss goes through, runs
+//! candle's and adds the gradients set aside into its store. The gradients are those of the plain
+//! forward, to float rounding: the same ops, run again on the same values.
 //!
 //! CPU only so far (the op's forward is a copy of f32 CPU storage).
 
 use std::cell::RefCell;
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, Var};
-
-use super::decoder::{Attend, Trunk};
-use super::Result;
+use candle_core::Tensor;
 
 thread_local! {
     /// Weight gradients the recomputed blocks of the running [`backward`] set aside; `None`
     /// outside it.
     static SET_ASIDE: RefCell<Option<Vec<(Tensor, Tensor)>>> = const { RefCell::new(None) };
-}
-
-/// Block `layer` of `trunk` over `x`, keeping only `x` for the backward.
-pub(crate) fn block(
-    trunk: &Trunk,
-    layer: usize,
-    x: &Tensor,
-    rope: (&Tensor, &Tensor),
-    attend: &Attend,
-) -> Result<Tensor> {
-    let tracked = trunk.block_tracked_tensors(layer);
-    let anchor = match (x.track_op(), tracked.first()) {
-        (true, _) => x.clone(),
-        (false, Some(t)) => t.clone(),
-        // Nothing in or before the block trains: no graph to keep.
-        (false, None) => return trunk.block_forward(layer, x, rope, attend),
-    };
-    if !x.device().is_cpu() {
-        return Err(super::ModelError::Input(
-            "activation checkpointing runs on the CPU only so far".into(),
-        ));
-    }
-    let y = trunk
-        .with_block_detached(layer)?
-        .block_forward(layer, &x.detach(), rope, attend)?;
-    let op = RecomputedBlock {
-        trunk: trunk.clone(),
-        layer,
-        rope: (rope.0.clone(), rope.1.clone()),
-        attend: attend.clone(),
-        tracked,
-    };
-    Ok(x.contiguous()?.apply_op3(&y.contiguous()?, &anchor, op)?)
 }
 
 /// The gradients of `loss` in every tracked tensor, the weights of checkpointed blocks included:
@@ -79,69 +44,20 @@ pub fn backward(loss: &Tensor) -> candle_core::Result<GradStore> {
     Ok(grads)
 }
 
-/// The op that ties a checkpointed block's output to its input: forward, the output computed on
-/// detached weights (copied through); backward, the block recomputed and differentiated.
-struct RecomputedBlock {
-    trunk: Trunk,
-    layer: usize,
-    rope: (Tensor, Tensor),
-    attend: Attend,
-    /// The block's tracked tensors, whose gradients are set aside.
-    tracked: Vec<Tensor>,
-}
-
-impl CustomOp3 for RecomputedBlock {
-    fn name(&self) -> &'static str {
-        "recomputed-block"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _x: &CpuStorage,
-        _x_layout: &Layout,
-        y: &CpuStorage,
-        y_layout: &Layout,
-        _anchor: &CpuStorage,
-        _anchor_layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let data = super::attention::f32_slice(y, y_layout)?;
-        Ok((CpuStorage::F32(data.to_vec()), y_layout.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        _y: &Tensor,
-        _anchor: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let input = Var::from_tensor(&x.detach())?;
-        let rope = (&self.rope.0, &self.rope.1);
-        let y = self
-            .trunk
-            .block_forward(self.layer, input.as_tensor(), rope, &self.attend)
-            .map_err(candle_core::Error::wrap)?;
-        let grads = (y * grad.detach())?.sum_all()?.backward()?;
-        let found: Vec<(Tensor, Tensor)> = self
-            .tracked
-            .iter()
-            .filter_map(|t| grads.get(t).map(|g| (t.clone(), g.clone())))
-            .collect();
-        SET_ASIDE.with(|s| match s.borrow_mut().as_mut() {
-            Some(set_aside) => {
-                set_aside.extend(found);
-                Ok(())
-            }
-            None => Err(candle_core::Error::Msg(
-                "a checkpointed block's gradients need stepppo::model::backward, not \
-                 Tensor::backward"
-                    .into(),
-            )),
-        })?;
-        let grad_x = x.track_op().then(|| grads.get(input.as_tensor()).cloned());
-        Ok((grad_x.flatten(), None, None))
-    }
+/// Sets aside the weight gradients a recomputed block found, for the running [`backward`] to add;
+/// an error outside it (a plain `Tensor::backward` would drop them).
+pub(crate) fn set_aside(found: Vec<(Tensor, Tensor)>) -> candle_core::Result<()> {
+    SET_ASIDE.with(|s| match s.borrow_mut().as_mut() {
+        Some(set_aside) => {
+            set_aside.extend(found);
+            Ok(())
+        }
+        None => Err(candle_core::Error::Msg(
+            "a checkpointed block's gradients need stepppo::model::backward, not \
+             Tensor::backward"
+                .into(),
+        )),
+    })
 }
 
 #[cfg(test)]
