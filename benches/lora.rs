@@ -1,5 +1,5 @@
-//! LoRA against full fine-tuning on the CPU, each with and without activation checkpointing
-//! (`+ckpt`): one actor update's time and the process's peak memory, the trained parameters and
+//! LoRA against full fine-tuning on the CPU, each with and without bf16 mixed precision (`+bf16`)
+//! and activation checkpointing (`+ckpt`): one actor update's time and the process's peak memory, the trained parameters and
 //! their optimizer state, and the checkpoint's size; and, on the 90M shape, generation with the adapters merged into the weights against kept beside them,
 //! with the cost of one merge (what a merged rollout pays after each update).
 //!
@@ -13,7 +13,8 @@
 //!
 //! `cargo bench --bench lora [-- FILTER]` (FILTER picks shapes by name); `STEPPPO_BENCH_RUNS`
 //! sets the timed updates (default 3, after one warm-up); `STEPPPO_BENCH_THREADS` the compute
-//! threads (default 1).
+//! threads (default 1); `STEPPPO_BENCH_ARMS` the arms (default all eight: `full full+ckpt
+//! full+bf16 full+bf16+ckpt lora …`).
 
 use std::path::Path;
 use std::process::Command;
@@ -26,7 +27,9 @@ use serde::{Deserialize, Serialize};
 use stepppo::algo::config::{LossConfig, OptimizerConfig};
 use stepppo::algo::{policy_loss, AdamW};
 use stepppo::kv::KvPool;
-use stepppo::model::{AdapterRollout, Adapters, LoraSpec, Model, ModelConfig, PaddedBatch};
+use stepppo::model::{
+    AdapterRollout, Adapters, LoraSpec, Model, ModelConfig, PaddedBatch, Precision,
+};
 use stepppo::rollout::generate;
 use stepppo::rollout::sampling::SamplingParams;
 use stepppo::tokenizer::Tokenizer;
@@ -36,6 +39,7 @@ use stepppo::train::memory_plan::{MemoryPlan, PlanDevice, PlanShape, TrainedMode
 const CASE_VAR: &str = "STEPPPO_LORA_CASE";
 const RUNS_VAR: &str = "STEPPPO_BENCH_RUNS";
 const THREADS_VAR: &str = "STEPPPO_BENCH_THREADS";
+const ARMS_VAR: &str = "STEPPPO_BENCH_ARMS";
 const LR: f64 = 1e-5;
 /// Generation case: prompts × prompt tokens, new tokens.
 const GEN: (usize, usize, usize) = (8, 256, 64);
@@ -176,7 +180,7 @@ fn peak_rss_mb() -> f64 {
 /// The memory plan's peak (MiB) of one update of `batch` × `len` tokens, half of them scored.
 fn planned_peak_mb(
     cfg: &ModelConfig,
-    (lora, checkpointing): (bool, bool),
+    (lora, checkpointing, precision): (bool, bool, Precision),
     batch: usize,
     len: usize,
 ) -> f64 {
@@ -193,6 +197,7 @@ fn planned_peak_mb(
         logit_rows: batch * (len / 2),
         sequence_tokens: len,
         activation_checkpointing: checkpointing,
+        precision,
         kv_slots: 0,
         extra_policy_copies: 0,
     };
@@ -210,9 +215,15 @@ fn dir_mb(dir: &Path) -> f64 {
 fn child(shape: &str, arm: &str) -> Report {
     let (_, cfg, batch, len) = shapes().into_iter().find(|s| s.0 == shape).unwrap();
     let lora = arm.starts_with("lora");
-    let checkpointing = arm.ends_with("+ckpt");
+    let checkpointing = arm.contains("+ckpt");
+    let precision = if arm.contains("+bf16") {
+        Precision::Bf16
+    } else {
+        Precision::F32
+    };
     let mut model = model_for(&cfg, lora);
     model.set_activation_checkpointing(checkpointing);
+    model.set_precision(precision);
     let vars = model.trainable_vars();
     let trained_params = vars.iter().map(|(_, v)| v.elem_count()).sum();
     let mut opt = AdamW::new(vars, &OptimizerConfig::default()).unwrap();
@@ -230,7 +241,7 @@ fn child(shape: &str, arm: &str) -> Report {
         .collect();
     ms.sort_by(f64::total_cmp);
     let peak_rss_mb = peak_rss_mb();
-    let planned_peak_mb = planned_peak_mb(&cfg, (lora, checkpointing), batch, len);
+    let planned_peak_mb = planned_peak_mb(&cfg, (lora, checkpointing, precision), batch, len);
     let ckpt = tempfile::tempdir().unwrap();
     model.save(ckpt.path(), None).unwrap();
     let checkpoint_mb = dir_mb(ckpt.path());
@@ -267,6 +278,9 @@ fn main() {
         return;
     }
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let arms = std::env::var(ARMS_VAR).unwrap_or_else(|_| {
+        "full full+ckpt full+bf16 full+bf16+ckpt lora lora+ckpt lora+bf16 lora+bf16+ckpt".into()
+    });
     println!("LoRA rank 16 (alpha 32, all seven projections) against full fine-tuning, {threads} thread(s)");
     println!(
         "| shape | arm | update ms | peak RSS MB | planned peak MB (error) | trained params | checkpoint MB | decode tok/s merged / unmerged | one merge ms |"
@@ -276,7 +290,7 @@ fn main() {
         if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
             continue;
         }
-        for arm in ["full", "full+ckpt", "lora", "lora+ckpt"] {
+        for arm in arms.split_whitespace() {
             let out = Command::new(std::env::current_exe().unwrap())
                 .env(CASE_VAR, format!("{name} {arm}"))
                 .env("RAYON_NUM_THREADS", threads.to_string())

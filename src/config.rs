@@ -15,6 +15,7 @@ use crate::algo::config::{
     Schedule,
 };
 use crate::algo::{AdvantageConfig, Estimator, FilterConfig, LossConfig, OptimizerConfig};
+use crate::model::Precision;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -61,7 +62,8 @@ fn shorten(arg: &str) -> String {
 }
 
 /// Keys a resumed run may change: when it stops and how often it validates and saves, how many
-/// threads compute and whether blocks are recomputed in the backward (memory for time), where
+/// threads compute, whether blocks are recomputed in the backward (memory for time) and the
+/// dtype of the training products (the master weights are f32 either way), where
 /// the run directory is and where its gateway listens. Everything else is the run's own config,
 /// kept in its checkpoints.
 pub const RESUME_OVERRIDABLE: &[&str] = &[
@@ -70,6 +72,7 @@ pub const RESUME_OVERRIDABLE: &[&str] = &[
     "save_steps",
     "cpu_threads",
     "activation_checkpointing",
+    "precision",
     "output_dir",
     "gateway.listen",
 ];
@@ -655,6 +658,14 @@ pub struct Config {
     /// one more forward of time; the gradients are the same. CPU only so far.
     #[serde(default)]
     pub activation_checkpointing: bool,
+    /// The dtype of the training path's matrix products (policy and separate critic, warm start
+    /// included): `f32`, or `bf16` mixed precision — every projection, MLP, adapter and LM-head
+    /// product reads bf16 copies of the weights and writes bf16, while the master weights,
+    /// gradients and AdamW moments, the residual stream, norms, RoPE, attention, log-probs,
+    /// entropies, values and losses stay f32 (PyTorch autocast's split). Generation is not
+    /// affected (f32 on the CPU, bf16 on CUDA).
+    #[serde(default)]
+    pub precision: Precision,
     /// Rounds kept in the re-rendered prompt of the `window` layout; 0 holds the current state
     /// only.
     #[serde(default = "two")]

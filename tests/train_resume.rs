@@ -267,3 +267,39 @@ fn activation_checkpointing_trains_as_without_and_may_change_at_resume() {
     let mut resumed = Trainer::resume(cfg(false), &dir).unwrap();
     resumed.run(3, &mut |_| {}).unwrap();
 }
+
+/// bf16 mixed precision (policy and separate critic, warm start included) trains
+/// deterministically from f32 master weights, near the f32 run, and a resumed run may switch it.
+#[test]
+fn bf16_precision_trains_deterministically_near_f32_and_may_change_at_resume() {
+    let cfg = |precision: &str| {
+        let flag = format!("precision={precision}");
+        tiny_config_with(&["critic.mode=separate", "critic.history_batches=1", &flag])
+    };
+    let root = tempfile::tempdir().unwrap();
+    let run = |precision: &str, name: &str| {
+        let dir = root.path().join(name);
+        let mut t = Trainer::create(cfg(precision), &dir).unwrap();
+        t.run(2, &mut |_| {}).unwrap();
+        (weights(&t), dir)
+    };
+    let (full, _) = run("f32", "f32");
+    let (bf16, dir) = run("bf16", "bf16");
+    let (again, _) = run("bf16", "bf16-again");
+    assert_eq!(
+        bf16, again,
+        "the same config and seed train the same weights"
+    );
+    let (mut moved, mut worst) = (false, 0f32);
+    for ((name, a), (_, b)) in full.iter().zip(&bf16) {
+        moved |= a != b;
+        worst = a
+            .iter()
+            .zip(b)
+            .fold(worst, |m, (x, y)| m.max((x - y).abs()));
+        assert!(worst <= 0.05, "{name}: bf16 strays {worst} from f32");
+    }
+    assert!(moved, "bf16 products should round differently from f32");
+    let mut resumed = Trainer::resume(cfg("f32"), &dir).unwrap();
+    resumed.run(3, &mut |_| {}).unwrap();
+}

@@ -6,7 +6,7 @@ use std::path::Path;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use stepppo::model::checkpoint::CONFIG_FILE;
-use stepppo::model::{LoraSpec, ModelConfig};
+use stepppo::model::{LoraSpec, ModelConfig, Precision};
 use stepppo::tokenizer::Tokenizer;
 use stepppo::train::memory_plan::{MemoryPlan, PlanDevice, PlanShape, TrainedModel};
 
@@ -39,6 +39,9 @@ pub struct PlanArgs {
     /// Blocks recompute their activations in the backward (`activation_checkpointing`).
     #[arg(long)]
     activation_checkpointing: bool,
+    /// The dtype of the training products (`precision`: f32 or bf16).
+    #[arg(long, default_value = "f32")]
+    precision: Precision,
     /// A separate critic of the policy's shape trains beside it (with LoRA when --lora-rank is
     /// given, sharing the policy's base).
     #[arg(long)]
@@ -91,6 +94,7 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
             .min(batch_tokens),
         sequence_tokens: a.sequence_tokens.unwrap_or(batch_tokens),
         activation_checkpointing: a.activation_checkpointing,
+        precision: a.precision,
         kv_slots: a.kv_slots,
         extra_policy_copies: 0,
     };

@@ -143,6 +143,12 @@ impl Critic {
         self.trunk.activation_checkpointing = on;
     }
 
+    /// The dtype of the trunk's products, as [`super::Model::set_precision`] (the value head
+    /// reads f32).
+    pub fn set_precision(&mut self, precision: super::Precision) {
+        self.trunk.precision = precision;
+    }
+
     /// HF names and shapes: the trunk (`model.*`) and `score.*`.
     pub fn param_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
         let mut specs = super::decoder::trunk_param_shapes(cfg);

@@ -23,6 +23,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, V
 
 use super::attention::TrainingAttention;
 use super::fused::{self, TrainingOps};
+use super::precision::Precision;
 use super::rope::Rope;
 use super::tree::TreeBatch;
 use super::{ModelConfig, ModelError, Result, TrainInput};
@@ -88,6 +89,38 @@ impl Linear {
                 Ok((y + affine(&low, &l.b, None, ops)?)?)
             }
         }
+    }
+
+    /// The layer in `precision`: under bf16, its weights and input cast to bf16 (differentiable
+    /// casts) and its output bf16; otherwise [`Linear::forward_with`].
+    pub(crate) fn forward_in(
+        &self,
+        x: &Tensor,
+        ops: TrainingOps,
+        precision: Precision,
+    ) -> Result<Tensor> {
+        match precision.product_dtype() {
+            None => self.forward_with(x, ops),
+            Some(dtype) => self.cast(dtype)?.forward_with(&x.to_dtype(dtype)?, ops),
+        }
+    }
+
+    /// The layer with every tensor cast to `dtype`, still tracked: gradients flow back to the
+    /// originals.
+    fn cast(&self, dtype: DType) -> Result<Self> {
+        let lora = match &self.lora {
+            Some(l) => Some(LoraPair {
+                a: l.a.to_dtype(dtype)?,
+                b: l.b.to_dtype(dtype)?,
+                scale: l.scale,
+            }),
+            None => None,
+        };
+        Ok(Self {
+            weight: self.weight.to_dtype(dtype)?,
+            bias: self.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?,
+            lora,
+        })
     }
 
     /// The weight with the adapter folded in: `W + scale · B A` (detached).
@@ -163,6 +196,9 @@ pub(crate) struct Trunk {
     cfg: ModelConfig,
     /// Fused CPU ops or candle's composed ops for the norms, MLP gate and RoPE.
     pub(crate) ops: TrainingOps,
+    /// The dtype of the training path's products ([`super::precision`]); the rollout copy is
+    /// always [`Precision::F32`] (no casts: it computes in its weights' dtype).
+    pub(crate) precision: Precision,
     rope: Rope,
     pub(crate) embed: Tensor,
     blocks: Vec<Block>,
@@ -291,6 +327,7 @@ impl Trunk {
         Ok(Self {
             cfg: cfg.clone(),
             ops: TrainingOps::for_device(embed.device()),
+            precision: Precision::F32,
             rope,
             embed,
             blocks,
@@ -331,6 +368,7 @@ impl Trunk {
         Ok(Self {
             cfg: self.cfg.clone(),
             ops: self.ops,
+            precision: Precision::F32,
             rope: self.rope.clone(),
             embed: t(&self.embed)?,
             blocks,
@@ -379,6 +417,7 @@ impl Trunk {
         Self {
             cfg: self.cfg.clone(),
             ops: self.ops,
+            precision: self.precision,
             rope: self.rope.clone(),
             embed: self.embed.detach(),
             blocks,
@@ -399,13 +438,27 @@ impl Trunk {
         }
     }
 
-    /// RMSNorm of `x` with `weight`: the fused op where it applies.
+    /// RMSNorm of `x` with `weight` (in f32 under bf16 products): the fused op where it applies.
     fn norm(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
-        if self.fused(x) {
-            fused::rms_norm(x, weight, self.eps())
+        let x = self.precision.widen(x.clone())?;
+        if self.fused(&x) {
+            fused::rms_norm(&x, weight, self.eps())
         } else {
-            rms_norm(x, weight, self.eps())
+            rms_norm(&x, weight, self.eps())
         }
+    }
+
+    /// `x` in the dtype the trunk's products read (a differentiable cast under bf16).
+    fn product_input(&self, x: &Tensor) -> Result<Tensor> {
+        match self.precision.product_dtype() {
+            Some(dtype) => Ok(x.to_dtype(dtype)?),
+            None => Ok(x.clone()),
+        }
+    }
+
+    /// `lin` applied to `x` in the trunk's ops and precision.
+    fn linear(&self, lin: &Linear, x: &Tensor) -> Result<Tensor> {
+        lin.forward_in(x, self.ops, self.precision)
     }
 
     /// Whether the fused CPU ops run on `x`.
@@ -414,17 +467,15 @@ impl Trunk {
     }
 
     fn mlp(&self, b: &Block, x: &Tensor) -> Result<Tensor> {
-        let h = self.norm(x, &b.post_norm)?;
-        let (gate, up) = (
-            b.gate.forward_with(&h, self.ops)?,
-            b.up.forward_with(&h, self.ops)?,
-        );
+        let h = self.product_input(&self.norm(x, &b.post_norm)?)?;
+        let (gate, up) = (self.linear(&b.gate, &h)?, self.linear(&b.up, &h)?);
         let act = if self.fused(&gate) {
             fused::swiglu(&gate, &up)?
         } else {
             (candle_nn::ops::silu(&gate)? * up)?
         };
-        Ok((x + b.down.forward_with(&act, self.ops)?)?)
+        let down = self.precision.widen(self.linear(&b.down, &act)?)?;
+        Ok((x + down)?)
     }
 
     /// Query or key heads `[B, n, T, D]` of the projection `lin` of `h` `[B, T, hidden]`: per-head
@@ -438,9 +489,12 @@ impl Trunk {
         (cos, sin): (&Tensor, &Tensor),
     ) -> Result<Tensor> {
         let (b_sz, t_len, _) = h.dims3()?;
-        let x = lin
-            .forward_with(h, self.ops)?
-            .reshape((b_sz, t_len, n, self.cfg.head_dim()))?;
+        let x = self.precision.widen(self.linear(lin, h)?)?.reshape((
+            b_sz,
+            t_len,
+            n,
+            self.cfg.head_dim(),
+        ))?;
         let x = match norm {
             Some(w) => self.norm(&x, w)?,
             None => x,
@@ -593,23 +647,25 @@ impl Trunk {
             self.cfg.num_key_value_heads,
             self.cfg.head_dim(),
         );
-        let h = self.norm(x, &b.input_norm)?;
+        // Cast once for the three projections that read it.
+        let h = self.product_input(&self.norm(x, &b.input_norm)?)?;
         let (q_norm, k_norm) = match &b.qk_norm {
             Some((q, k)) => (Some(q), Some(k)),
             None => (None, None),
         };
         let q = self.rope_heads(&b.q, &h, q_norm, nh, (cos, sin))?;
         let k = self.rope_heads(&b.k, &h, k_norm, nkv, (cos, sin))?;
-        let v =
-            b.v.forward_with(&h, self.ops)?
-                .reshape((b_sz, t_len, nkv, hd))?
-                .transpose(1, 2)?
-                .contiguous()?;
+        let v = self
+            .precision
+            .widen(self.linear(&b.v, &h)?)?
+            .reshape((b_sz, t_len, nkv, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
         let o = attend
             .apply(&q, &k, &v)?
             .transpose(1, 2)?
             .reshape((b_sz, t_len, nh * hd))?;
-        let x = (x + b.o.forward_with(&o, self.ops)?)?;
+        let x = (x + self.precision.widen(self.linear(&b.o, &o)?)?)?;
         self.mlp(b, &x)
     }
 

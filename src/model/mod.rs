@@ -8,7 +8,8 @@
 //! sequences share prefixes ([`tree`]). [`Critic`] is a model of the same family with a value head;
 //! a shared-trunk value head on the policy is the option. Checkpoint files are [`checkpoint`]'s.
 //! Activation checkpointing ([`Model::set_activation_checkpointing`]) is [`recompute`]'s; every
-//! training loss is differentiated by [`backward`].
+//! training loss is differentiated by [`backward`]. bf16 mixed precision of the training path
+//! ([`Model::set_precision`]) is [`precision`]'s.
 
 pub mod attention;
 pub mod checkpoint;
@@ -18,6 +19,7 @@ pub mod decoder;
 mod fused;
 pub mod lora;
 pub mod params;
+pub mod precision;
 mod recompute;
 pub mod rope;
 pub mod tree;
@@ -31,6 +33,7 @@ pub use critic::{Critic, ValueHead, ValueMlp};
 use decoder::{Linear, Trunk};
 pub use fused::TrainingOps;
 pub use lora::{Adapters, LoraSpec};
+pub use precision::Precision;
 pub use recompute::backward;
 pub use tree::{Segment, TreeBatch};
 
@@ -325,6 +328,12 @@ impl Model {
         self.trunk.activation_checkpointing = on;
     }
 
+    /// Chooses the dtype of the training path's matrix products (f32 master weights either way;
+    /// see [`precision`]). The rollout path is unaffected.
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.trunk.precision = precision;
+    }
+
     /// Chooses the training forward's ops (fused on the CPU by default); both compute the same
     /// function, to f32 rounding.
     pub fn set_training_ops(&mut self, ops: TrainingOps) {
@@ -450,7 +459,12 @@ impl Model {
     /// Logits `[B, T, vocab]` of a padded batch with a causal + padding mask (differentiable).
     pub fn forward_train(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         let hidden = self.hidden_train(input_ids, attention_mask)?;
-        Linear::plain(self.lm_head.clone(), None).forward_with(&hidden, self.trunk.ops)
+        let logits = Linear::plain(self.lm_head.clone(), None).forward_in(
+            &hidden,
+            self.trunk.ops,
+            self.trunk.precision,
+        )?;
+        self.trunk.precision.widen(logits)
     }
 
     /// Per position: log-prob of `targets[b, t]` and entropy, both `[B, T]`, under the logits
@@ -510,7 +524,11 @@ impl Model {
         let width = hidden.dim(D::Minus1)?;
         let picked = hidden.reshape(((), width))?.index_select(positions, 0)?;
         let head = Linear::plain(self.lm_head.clone(), None);
-        let logits = head.forward_with(&picked, self.trunk.ops)?;
+        let logits = self.trunk.precision.widen(head.forward_in(
+            &picked,
+            self.trunk.ops,
+            self.trunk.precision,
+        )?)?;
         if self.trunk.ops == TrainingOps::Fused && fused::applies(&logits) {
             let bias = logit_bias.map(|b| b.to_dtype(logits.dtype())).transpose()?;
             return fused::logprobs_entropy(&logits, targets, temperature, bias.as_ref());

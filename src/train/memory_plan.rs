@@ -14,14 +14,21 @@
 //! attention of other devices also keeps `3·heads·T` scores, probabilities and their bias per
 //! token. With activation checkpointing a block keeps its input and a copy of its output, and
 //! one block's activations and their gradients live at a time, while the backward recomputes
-//! it. A tied embedding trained in full holds its two gradients' sum besides. Measured against
-//! the process's peak on the CPU by `cargo bench --bench lora`.
+//! it. A tied embedding trained in full holds its two gradients' sum besides.
+//!
+//! Under bf16 mixed precision ([`crate::model::precision`]) a forward also holds a bf16 working
+//! copy of every weight its products read, and each cast keeps its source alive in the graph: a
+//! layer keeps `46·hidden + 10·q + 20·kv + 8·intermediate` bytes a token (the f32 tensors above
+//! where they feed a cast or an f32 op, their bf16 casts beside them, the MLP's four
+//! intermediate-width tensors in bf16), and the logits are kept as the head's bf16 product, its
+//! f32 widening and the gradients of both. Measured against the process's peak on the CPU by
+//! `cargo bench --bench lora`.
 
 use std::fmt::Write as _;
 
 use crate::config::{Config, CriticMode};
 use crate::model::lora::adapter_param_shapes;
-use crate::model::{LoraSpec, Model, ModelConfig};
+use crate::model::{LoraSpec, Model, ModelConfig, Precision};
 
 /// Bytes of an f32.
 const F32: u64 = 4;
@@ -67,6 +74,8 @@ pub struct PlanShape {
     pub sequence_tokens: usize,
     /// Blocks recompute their activations in the backward (`activation_checkpointing`).
     pub activation_checkpointing: bool,
+    /// The dtype of the training products (`precision`).
+    pub precision: Precision,
     /// Slots of the rollout's KV pool (`cache.kv_slots`).
     pub kv_slots: usize,
     /// Whole copies of the policy's weights beside it: the frozen reference of a KL term (a LoRA
@@ -79,6 +88,8 @@ pub struct PlanShape {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryPlan {
     pub weights: u64,
+    /// The bf16 copies of the weights a forward's products read under bf16 precision.
+    pub working_weights: u64,
     /// The rollout's own copy: bf16 on CUDA, the adapted projections with LoRA merged in.
     pub rollout_weights: u64,
     pub gradients: u64,
@@ -112,6 +123,7 @@ impl MemoryPlan {
         let copies = shape.extra_policy_copies as u64 * policy.total_params * F32;
         Self {
             weights: both(|m| m.weights) + copies,
+            working_weights: both(|m| m.working_weights),
             rollout_weights: policy.rollout_weights,
             gradients,
             optimizer: both(|m| m.optimizer),
@@ -126,6 +138,7 @@ impl MemoryPlan {
     /// The peak of one update: everything alive at the end of its backward.
     pub fn peak(&self) -> u64 {
         self.weights
+            + self.working_weights
             + self.rollout_weights
             + self.gradients
             + self.optimizer
@@ -146,6 +159,7 @@ impl MemoryPlan {
         let mut out = format!(
             "| part | bytes |\n|---|--:|\n\
              | weights ({} parameters, f32) | {} |\n\
+             | working copy of the weights ({} products) | {} |\n\
              | rollout copy of the weights | {} |\n\
              | gradients ({} trained parameters) | {} |\n\
              | optimizer (AdamW moments) | {} |\n\
@@ -155,6 +169,8 @@ impl MemoryPlan {
              | **peak of an update** | **{}** |\n",
             self.total_params,
             gib(self.weights),
+            shape.precision,
+            gib(self.working_weights),
             gib(self.rollout_weights),
             self.trained_params,
             gib(self.gradients),
@@ -240,6 +256,7 @@ impl MemoryBudget {
             logit_rows: floor,
             sequence_tokens: cfg.generating_args.max_new_tokens,
             activation_checkpointing: cfg.activation_checkpointing,
+            precision: cfg.precision,
             kv_slots: if cfg.cache.prefix_cache {
                 cfg.cache.kv_slots
             } else {
@@ -315,6 +332,7 @@ pub fn largest_batch(shape: &PlanShape, available: u64) -> Option<usize> {
 /// One model's part of the plan.
 struct ModelPlan {
     weights: u64,
+    working_weights: u64,
     rollout_weights: u64,
     gradients: u64,
     optimizer: u64,
@@ -361,11 +379,22 @@ impl ModelPlan {
             }
         };
         let tokens = shape.batch_tokens as u64;
-        let activations = tokens * activation_floats(cfg, m, shape) * F32;
+        let activations = tokens * activation_bytes(cfg, m, shape);
+        // f32: the logits and their gradient; bf16: the head's product and its widening, and
+        // the gradients of both.
+        let logit_bytes = match shape.precision {
+            Precision::F32 => 2 * F32,
+            Precision::Bf16 => 2 * (F32 + BF16),
+        };
         let logits = if m.is_critic {
             0
         } else {
-            2 * shape.logit_rows as u64 * cfg.vocab_size as u64 * F32
+            shape.logit_rows as u64 * cfg.vocab_size as u64 * logit_bytes
+        };
+        // The critic's value head reads f32; every other weight is cast for the products.
+        let working_weights = match shape.precision {
+            Precision::F32 => 0,
+            Precision::Bf16 => (total_params - if m.is_critic { count(&head) } else { 0 }) * BF16,
         };
         let own_weights = if m.shares_policy_weights {
             count(&head)
@@ -380,6 +409,7 @@ impl ModelPlan {
         };
         Self {
             weights: own_weights * F32,
+            working_weights,
             rollout_weights: if m.is_critic { 0 } else { rollout_weights },
             gradients: trained_params * F32 + tied_sum,
             optimizer: 2 * trained_params * F32,
@@ -407,13 +437,17 @@ fn adapted_params(params: &[(String, Vec<usize>)], adapters: &[(String, Vec<usiz
         .sum()
 }
 
-/// Floats the backward keeps per token of a forward, all layers.
-fn activation_floats(cfg: &ModelConfig, m: &TrainedModel, shape: &PlanShape) -> u64 {
+/// Bytes the backward keeps per token of a forward, all layers.
+fn activation_bytes(cfg: &ModelConfig, m: &TrainedModel, shape: &PlanShape) -> u64 {
     let (h, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
     let heads = cfg.num_attention_heads as u64;
     let kv = (cfg.num_key_value_heads * cfg.head_dim()) as u64;
     let q = heads * cfg.head_dim() as u64;
-    let mut per_layer = 11 * h + 4 * kv + 3 * i;
+    let product = shape.precision.product_bytes();
+    let mut per_layer = match shape.precision {
+        Precision::F32 => (11 * h + 4 * kv + 3 * i) * F32,
+        Precision::Bf16 => 46 * h + 10 * q + 20 * kv + 8 * i,
+    };
     if let Some(spec) = &m.lora {
         let targets = spec.targets().unwrap_or_default();
         let out_width = |module: &str| match module {
@@ -425,18 +459,19 @@ fn activation_floats(cfg: &ModelConfig, m: &TrainedModel, shape: &PlanShape) -> 
         per_layer += targets
             .iter()
             .map(|t| 2 * out_width(t) + spec.rank as u64)
-            .sum::<u64>();
+            .sum::<u64>()
+            * product;
     }
     if shape.device == PlanDevice::Cuda {
-        per_layer += 3 * heads * shape.sequence_tokens as u64;
+        per_layer += 3 * heads * shape.sequence_tokens as u64 * F32;
     }
     let layers = cfg.num_hidden_layers as u64;
     if shape.activation_checkpointing {
         // Each block keeps its input and its output's copy; one block's activations and their
         // gradients live at a time, while the backward recomputes it.
-        return 2 * h * layers + 2 * per_layer + 2 * h;
+        return (2 * h * layers + 2 * h) * F32 + 2 * per_layer;
     }
-    per_layer * layers + 2 * h
+    per_layer * layers + 2 * h * F32
 }
 
 #[cfg(test)]
@@ -457,6 +492,7 @@ mod tests {
             logit_rows: tokens / 2,
             sequence_tokens: tokens,
             activation_checkpointing: false,
+            precision: Precision::F32,
             kv_slots: 0,
             extra_policy_copies: 0,
         }
@@ -516,6 +552,27 @@ mod tests {
             4 * 1024 * (2 * h * layers + 2 * per_layer + 2 * h)
         );
         assert!(recomputed < kept, "{recomputed} vs {kept}");
+    }
+
+    #[test]
+    fn bf16_adds_a_working_copy_and_keeps_products_in_two_bytes() {
+        let cfg = ModelConfig::small(1000);
+        let mut s = shape(cfg.clone(), None, 1024);
+        let f32_plan = MemoryPlan::of(&s);
+        s.precision = Precision::Bf16;
+        let bf16 = MemoryPlan::of(&s);
+        assert_eq!(f32_plan.working_weights, 0);
+        assert_eq!(bf16.working_weights, 2 * bf16.total_params);
+        assert_eq!(bf16.weights, f32_plan.weights);
+        assert_eq!(bf16.optimizer, f32_plan.optimizer);
+        assert_eq!(bf16.gradients, f32_plan.gradients);
+        let (h, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+        let kv = (cfg.num_key_value_heads * cfg.head_dim()) as u64;
+        let q = (cfg.num_attention_heads * cfg.head_dim()) as u64;
+        let per_layer = 46 * h + 10 * q + 20 * kv + 8 * i;
+        let layers = cfg.num_hidden_layers as u64;
+        assert_eq!(bf16.activations, 1024 * (per_layer * layers + 8 * h));
+        assert_eq!(bf16.logits, 3 * f32_plan.logits / 2);
     }
 
     #[test]

@@ -179,7 +179,7 @@ impl Trainer {
         }
         let (mut policy, tok) = fresh_policy(&cfg, &device)?;
         let mut critic = CriticModel::open(&cfg, &mut policy, CriticOrigin::Fresh)?;
-        set_activation_checkpointing(&cfg, &mut policy, critic.as_mut());
+        set_training_numerics(&cfg, &mut policy, critic.as_mut());
         check_memory(&cfg, &policy, run_lora_spec(&cfg)?)?;
         // Only now that the device and every model directory were found good does the run
         // directory come into being: a config that fails leaves nothing behind.
@@ -344,7 +344,7 @@ impl Trainer {
         state: TrainState,
         warm_start: Option<SftReport>,
     ) -> Result<Self, TrainError> {
-        set_activation_checkpointing(&cfg, &mut policy, critic.as_mut());
+        set_training_numerics(&cfg, &mut policy, critic.as_mut());
         // Before the KV pool and the rollout's weights are allocated.
         let memory = MemoryBudget::for_run(
             &cfg,
@@ -1253,15 +1253,13 @@ fn broadcast_weights(dist: &dyn Collective, vars: &[(String, Var)]) -> Result<()
 
 /// Brings the run's dataset and metrics back to the position `ckpt` recorded; returns the
 /// warnings to report (what was removed, or that an older checkpoint recorded no position).
-/// Turns `activation_checkpointing` on or off in the policy and a separate critic.
-fn set_activation_checkpointing(
-    cfg: &Config,
-    policy: &mut Model,
-    critic: Option<&mut CriticModel>,
-) {
+/// Sets `activation_checkpointing` and `precision` in the policy and a separate critic.
+fn set_training_numerics(cfg: &Config, policy: &mut Model, critic: Option<&mut CriticModel>) {
     policy.set_activation_checkpointing(cfg.activation_checkpointing);
+    policy.set_precision(cfg.precision);
     if let Some(CriticModel::Separate(c)) = critic {
         c.set_activation_checkpointing(cfg.activation_checkpointing);
+        c.set_precision(cfg.precision);
     }
 }
 
