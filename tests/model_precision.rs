@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use stepppo::model::{Model, Precision};
+use stepppo::model::{Model, Precision, TrainingOps};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -115,10 +115,19 @@ fn check(name: &str) {
     let dir = fixture(name);
     let text = std::fs::read_to_string(dir.join("autocast.json")).unwrap();
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let (torch_f32, torch_bf16) = (recorded(&json, "f32"), recorded(&json, "bf16_autocast"));
     let mut model = Model::load(&dir, &Device::Cpu).unwrap();
-    let f32_ours = ours(&mut model, &json, Precision::F32);
-    let bf16_ours = ours(&mut model, &json, Precision::Bf16);
+    for ops in [TrainingOps::Fused, TrainingOps::Composed] {
+        model.set_training_ops(ops);
+        check_ops(&format!("{name} {ops:?}"), &mut model, &json);
+    }
+}
+
+/// [`check`] with the model's current training ops (the fused CPU ops, or the composed ones
+/// other devices run).
+fn check_ops(name: &str, model: &mut Model, json: &serde_json::Value) {
+    let (torch_f32, torch_bf16) = (recorded(json, "f32"), recorded(json, "bf16_autocast"));
+    let f32_ours = ours(model, json, Precision::F32);
+    let bf16_ours = ours(model, json, Precision::Bf16);
 
     // f32 against f32: float rounding.
     assert!(mean_diff(&f32_ours.logp, &torch_f32.logp) <= 1e-5);

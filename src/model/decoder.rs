@@ -178,16 +178,93 @@ fn affine(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, ops: TrainingOps) 
     }
     let dims = x.dims().to_vec();
     let rows: usize = dims[..dims.len() - 1].iter().product();
-    let y = x
-        .reshape((rows, dims[dims.len() - 1]))?
-        .matmul(&weight.t()?)?;
-    let y = match bias {
-        Some(b) => y.broadcast_add(b)?,
-        None => y,
+    let x2 = x.reshape((rows, dims[dims.len() - 1]))?;
+    let frozen = !weight.track_op() && !bias.is_some_and(Tensor::track_op);
+    let y = if frozen && x.track_op() {
+        frozen_product(&x2, weight, bias)?
+    } else {
+        let y = x2.matmul(&weight.t()?)?;
+        match bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        }
     };
     let mut out_dims = dims;
     *out_dims.last_mut().expect("rank ≥ 1") = weight.dim(0)?;
     Ok(y.reshape(out_dims)?)
+}
+
+/// `x Wᵀ + b` (`x` `[rows, in]`) for a weight and bias nothing trains (a frozen base under
+/// adapters). candle's matmul and add compute and keep a gradient for every input, a frozen
+/// weight's too (a weight's worth of memory kept to the end of the backward, and a third of the
+/// product's backward time); here the product runs on the detached input and [`InputGradient`]
+/// routes the gradient to `x` alone.
+fn frozen_product(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.detach().matmul(&weight.t()?)?;
+    let y = match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    Ok(y.contiguous()?.apply_op2(
+        x,
+        InputGradient {
+            weight: weight.clone(),
+        },
+    )?)
+}
+
+/// Passes a frozen product's output through; its backward is `∂x = ∂y W`, nothing for `W`.
+struct InputGradient {
+    weight: Tensor,
+}
+
+impl candle_core::CustomOp2 for InputGradient {
+    fn name(&self) -> &'static str {
+        "frozen-product"
+    }
+
+    fn cpu_fwd(
+        &self,
+        y: &CpuStorage,
+        y_layout: &Layout,
+        _x: &CpuStorage,
+        _x_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        check_whole(y_layout)?;
+        Ok((y.clone(), y_layout.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        y_layout: &Layout,
+        _x: &candle_core::CudaStorage,
+        _x_layout: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        check_whole(y_layout)?;
+        Ok((y.try_clone(y_layout)?, y_layout.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _y: &Tensor,
+        _x: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((None, Some(grad.matmul(&self.weight)?)))
+    }
+}
+
+/// A storage the op copies whole must be exactly the tensor: contiguous from its start.
+fn check_whole(layout: &Layout) -> candle_core::Result<()> {
+    if layout.is_contiguous() && layout.start_offset() == 0 {
+        Ok(())
+    } else {
+        candle_core::bail!("frozen-product: the product is not a whole contiguous storage")
+    }
 }
 
 /// Embedding, decoder blocks and final norm.

@@ -10,7 +10,8 @@
 //! input, q before and after RoPE, k likewise, v and its head-major copy, the attention output
 //! and its token-major copy, the output projection and the residual sum, the MLP's normed input,
 //! gate, up, their SwiGLU product, down and the residual sum). A LoRA projection keeps its
-//! adapter's output and the sum with the base's besides (two outputs' worth). The matmul
+//! adapter's output and the sum with the base's besides (two outputs' worth; three off the fused
+//! CPU op, where the frozen base's product is passed through once more). The matmul
 //! attention of other devices also keeps `3·heads·T` scores, probabilities and their bias per
 //! token. With activation checkpointing a block keeps its input and a copy of its output, and
 //! one block's activations and their gradients live at a time, while the backward recomputes
@@ -456,9 +457,16 @@ fn activation_bytes(cfg: &ModelConfig, m: &TrainedModel, shape: &PlanShape) -> u
             "o_proj" | "down_proj" => h,
             _ => i,
         };
+        // The base's output, the adapter's and their sum; off the fused CPU op, the frozen
+        // product's output is passed through once more (its gradient reaches the input alone).
+        let outputs = if shape.precision == Precision::F32 && shape.device == PlanDevice::Cpu {
+            2
+        } else {
+            3
+        };
         per_layer += targets
             .iter()
-            .map(|t| 2 * out_width(t) + spec.rank as u64)
+            .map(|t| outputs * out_width(t) + spec.rank as u64)
             .sum::<u64>()
             * product;
     }
