@@ -6,6 +6,8 @@ finished, with a 95 % t interval and a 95 % paired-bootstrap interval (10,000 re
 fixed generator seed). Every figure is read from OUT_DIR's JSON files; nothing is typed by hand.
 
 Usage: scripts/paired_table.py OUT_DIR [--tag HotpotQAVal] [--metric success] [--first step_gae]
+                                        [--exclude-seeds 50,…]
+(--exclude-seeds leaves out seeds whose warm start failed, to show the table with and without them.)
 
 A difference is called beyond noise when both intervals exclude 0.
 """
@@ -57,8 +59,8 @@ def read_score(path, tag, metric):
     sys.exit(f"{path}: no tag {tag} (tags: {[r.get('tag') for r in rows]})")
 
 
-def collect(out, tag, metric):
-    """scores[arm][step][seed] and the episodes per evaluation."""
+def collect(out, tag, metric, excluded=frozenset()):
+    """scores[arm][step][seed] and the episodes per evaluation, without the seeds `excluded`."""
     scores = defaultdict(lambda: defaultdict(dict))
     episodes = set()
     for path in sorted(out.glob("*.json")):
@@ -67,6 +69,8 @@ def collect(out, tag, metric):
         elif m := re.fullmatch(r"(.+)-(\d+)\.eval-(\d+)\.json", path.name):
             arm, seed, step = m[1], int(m[2]), int(m[3])
         else:
+            continue
+        if seed in excluded:
             continue
         score, n = read_score(path, tag, metric)
         episodes.add(n)
@@ -92,8 +96,10 @@ def main():
     ap.add_argument("--tag", default="HotpotQAVal")
     ap.add_argument("--metric", default="success")
     ap.add_argument("--first", default="step_gae", help="the arm the others are compared with")
+    ap.add_argument("--exclude-seeds", default="", help="comma-separated seeds to leave out")
     args = ap.parse_args()
-    scores, episodes = collect(args.out, args.tag, args.metric)
+    excluded = frozenset(int(s) for s in args.exclude_seeds.split(",") if s.strip())
+    scores, episodes = collect(args.out, args.tag, args.metric, excluded)
     if not scores:
         sys.exit(f"{args.out}: no evaluation JSON yet")
     arms = [args.first] + sorted(a for a in scores if a != args.first) if args.first in scores \

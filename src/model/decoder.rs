@@ -997,6 +997,40 @@ mod tests {
     }
 
     #[test]
+    fn a_frozen_product_sends_its_gradient_to_the_input_alone() {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, 3, 5), &dev).unwrap()).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (4, 5), &dev).unwrap();
+        let b = Tensor::randn(0f32, 1.0, 4, &dev).unwrap();
+        let y = affine(x.as_tensor(), &w, Some(&b), TrainingOps::Composed).unwrap();
+        let flat = x.as_tensor().detach().reshape((6, 5)).unwrap();
+        let expected = flat
+            .matmul(&w.t().unwrap())
+            .unwrap()
+            .broadcast_add(&b)
+            .unwrap()
+            .reshape((2, 3, 4))
+            .unwrap();
+        let max_abs = |t: Tensor| {
+            t.abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        assert_eq!(max_abs((&y - &expected).unwrap()), 0.0);
+        let grads = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        // ∂(Σ y²)/∂x = 2 y W.
+        let want = (expected.reshape((6, 4)).unwrap().matmul(&w).unwrap() * 2.0).unwrap();
+        let got = grads.get(x.as_tensor()).unwrap().reshape((6, 5)).unwrap();
+        assert!(max_abs((got - want).unwrap()) < 1e-4);
+        // Nothing else holds a gradient: candle's matmul and add would keep one for the
+        // weight's and the bias's views.
+        assert_eq!(grads.get_ids().count(), 1);
+    }
+
+    #[test]
     fn rms_norm_matches_candle_fast_op() {
         let dev = Device::Cpu;
         let x = Tensor::new(&[[1f32, -2.0, 3.0, 0.5], [0.1, 0.2, -0.3, 4.0]], &dev).unwrap();
