@@ -459,11 +459,13 @@ impl Model {
     /// Logits `[B, T, vocab]` of a padded batch with a causal + padding mask (differentiable).
     pub fn forward_train(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         let hidden = self.hidden_train(input_ids, attention_mask)?;
-        let logits = Linear::plain(self.lm_head.clone(), None).forward_in(
-            &hidden,
-            self.trunk.ops,
-            self.trunk.precision,
-        )?;
+        self.lm_head_logits(&hidden)
+    }
+
+    /// The LM head's f32 logits of trunk outputs `hidden` (a product in the training precision).
+    fn lm_head_logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let head = Linear::plain(self.lm_head.clone(), None);
+        let logits = head.forward_in(hidden, self.trunk.ops, self.trunk.precision)?;
         self.trunk.precision.widen(logits)
     }
 
@@ -523,12 +525,7 @@ impl Model {
         check_temperature(temperature)?;
         let width = hidden.dim(D::Minus1)?;
         let picked = hidden.reshape(((), width))?.index_select(positions, 0)?;
-        let head = Linear::plain(self.lm_head.clone(), None);
-        let logits = self.trunk.precision.widen(head.forward_in(
-            &picked,
-            self.trunk.ops,
-            self.trunk.precision,
-        )?)?;
+        let logits = self.lm_head_logits(&picked)?;
         if self.trunk.ops == TrainingOps::Fused && fused::applies(&logits) {
             let bias = logit_bias.map(|b| b.to_dtype(logits.dtype())).transpose()?;
             return fused::logprobs_entropy(&logits, targets, temperature, bias.as_ref());
