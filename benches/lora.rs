@@ -198,6 +198,7 @@ fn planned_peak_mb(
         sequence_tokens: len,
         activation_checkpointing: checkpointing,
         precision,
+        rollout_precision: Precision::F32,
         kv_slots: 0,
         extra_policy_copies: 0,
     };

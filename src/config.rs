@@ -63,7 +63,7 @@ fn shorten(arg: &str) -> String {
 
 /// Keys a resumed run may change: when it stops and how often it validates and saves, how many
 /// threads compute, whether blocks are recomputed in the backward (memory for time) and the
-/// dtype of the training products (the master weights are f32 either way), where
+/// dtype of the training products (the master weights are f32 either way) and of generation, where
 /// the run directory is and where its gateway listens. Everything else is the run's own config,
 /// kept in its checkpoints.
 pub const RESUME_OVERRIDABLE: &[&str] = &[
@@ -73,6 +73,7 @@ pub const RESUME_OVERRIDABLE: &[&str] = &[
     "cpu_threads",
     "activation_checkpointing",
     "precision",
+    "rollout_dtype",
     "output_dir",
     "gateway.listen",
 ];
@@ -662,10 +663,18 @@ pub struct Config {
     /// included): `f32`, or `bf16` mixed precision — every projection, MLP, adapter and LM-head
     /// product reads bf16 copies of the weights and writes bf16, while the master weights,
     /// gradients and AdamW moments, the residual stream, norms, RoPE, attention, log-probs,
-    /// entropies, values and losses stay f32 (PyTorch autocast's split). Generation is not
-    /// affected (f32 on the CPU, bf16 on CUDA).
+    /// entropies, values and losses stay f32 (PyTorch autocast's split). Generation has its own
+    /// key, `rollout_dtype`.
     #[serde(default)]
     pub precision: Precision,
+    /// The dtype generation stores the policy's weights, activations and K/V in: `f32`, or
+    /// `bf16` as a transformers model loaded in bf16 computes (norms, attention scores and
+    /// softmax, log-probs and sampling accumulate in f32). Unset: f32 on the CPU, bf16 on CUDA
+    /// (whose attention kernels take bf16 only, so `f32` is an error there). The update scores
+    /// the sampled tokens in `precision`, so bf16 rollouts under an f32 update start their
+    /// importance ratios at bf16's rounding away from 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout_dtype: Option<Precision>,
     /// Rounds kept in the re-rendered prompt of the `window` layout; 0 holds the current state
     /// only.
     #[serde(default = "two")]

@@ -4,7 +4,8 @@
 //! Qwen2, Qwen3 and Llama 3, both config layouts, RoPE scaling variants, bf16/f16 weights, shards,
 //! the export round trip, and errors for config keys stepppo cannot honour. LoRA adapters PEFT
 //! wrote (`tests/fixtures/peft/`, made by `scripts/make_peft_fixtures.py`) are held to the same
-//! bound against PEFT's model, attached, merged and after stepppo's own save.
+//! bound against PEFT's model, attached, merged and after stepppo's own save. Generation in bf16
+//! (`scripts/make_bf16_generation_fixtures.py`) is held against transformers' own bf16 model.
 
 use std::path::{Path, PathBuf};
 
@@ -13,7 +14,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
 use stepppo::model::lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
-use stepppo::model::{Adapters, Model, PaddedBatch};
+use stepppo::model::{Adapters, LogitsWanted, Model, PaddedBatch, Precision, SeqChunk};
 use stepppo::rollout::generate;
 use stepppo::rollout::sampling::SamplingParams;
 
@@ -52,6 +53,90 @@ fn expected(dir: &Path) -> Expected {
             .iter()
             .map(|v| v.as_f64().unwrap() as f32)
             .collect(),
+    }
+}
+
+/// Largest |Δ log-prob| allowed between stepppo's bf16 generation and transformers' bf16 model on
+/// the same sampled tokens; transformers' own bf16-vs-f32 gap on these fixtures is 0.04–0.05.
+const MAX_BF16_LOGPROB_DIFF: f32 = 0.05;
+
+/// Log-probs the incremental path gives `tokens` after `prompt`: the prompt prefilled, then one
+/// token a call, as generation decodes (the tokens forced rather than sampled).
+fn forced_decode_logprobs(model: &Model, prompt: &[u32], tokens: &[u32]) -> Vec<f32> {
+    let mut pool = KvPool::new(model.config(), prompt.len() + tokens.len(), &Device::Cpu).unwrap();
+    let slots = pool.alloc(prompt.len() + tokens.len()).unwrap();
+    let mut fed = 0;
+    let mut logprobs = Vec::with_capacity(tokens.len());
+    let all = [prompt, tokens].concat();
+    for (i, &token) in tokens.iter().enumerate() {
+        let end = prompt.len() + i;
+        let chunk = SeqChunk {
+            new_tokens: &all[fed..end],
+            slots: &slots[..end],
+        };
+        let logits = model
+            .forward_incremental(&[chunk], &mut pool, LogitsWanted::Last)
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        fed = end;
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let log_sum = logits.iter().map(|l| (l - max).exp()).sum::<f32>().ln() + max;
+        logprobs.push(logits[token as usize] - log_sum);
+    }
+    logprobs
+}
+
+#[test]
+fn bf16_generation_matches_transformers_bf16_and_f32_stays_exact() {
+    for name in ["qwen2", "qwen3", "llama3"] {
+        let dir = fixture(name);
+        let text = std::fs::read_to_string(dir.join("bf16_generation.json")).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let list = |key: &str| -> Vec<f64> {
+            json[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect()
+        };
+        let prompt: Vec<u32> = list("prompt").iter().map(|&v| v as u32).collect();
+        let tokens: Vec<u32> = list("tokens").iter().map(|&v| v as u32).collect();
+        let want_bf16: Vec<f32> = list("logprobs_bf16").iter().map(|&v| v as f32).collect();
+        let want_f32: Vec<f32> = list("logprobs_f32").iter().map(|&v| v as f32).collect();
+        assert_eq!(tokens.len(), 64, "{name}");
+
+        let mut model = Model::load(&dir, &Device::Cpu).unwrap();
+        let f32 = forced_decode_logprobs(&model, &prompt, &tokens);
+        let f32_diff = max_diff(&f32, &want_f32);
+        model.set_rollout_precision(Precision::Bf16).unwrap();
+        let bf16 = forced_decode_logprobs(&model, &prompt, &tokens);
+        let bf16_diff = max_diff(&bf16, &want_bf16);
+        let mean_diff = bf16
+            .iter()
+            .zip(&want_bf16)
+            .map(|(a, b)| (a - b).abs())
+            .sum::<f32>()
+            / bf16.len() as f32;
+        let hf_gap = max_diff(&want_bf16, &want_f32);
+        eprintln!(
+            "{name}: f32 max |Δ log-prob| {f32_diff:.2e}; bf16 vs transformers bf16 max {bf16_diff:.2e} \
+             (mean {mean_diff:.2e}); transformers bf16 vs f32 max {hf_gap:.2e}"
+        );
+        assert!(f32_diff <= MAX_LOGPROB_DIFF, "{name}: f32 {f32_diff}");
+        assert!(
+            bf16_diff <= MAX_BF16_LOGPROB_DIFF,
+            "{name}: bf16 {bf16_diff}"
+        );
+        // The bf16 path really rounds: it is nearer transformers' bf16 than the f32 path is.
+        let f32_vs_bf16 = max_diff(&f32, &want_bf16);
+        assert!(
+            bf16_diff < f32_vs_bf16,
+            "{name}: bf16 {bf16_diff} vs f32 {f32_vs_bf16}"
+        );
     }
 }
 

@@ -5,6 +5,7 @@
 mod common;
 
 use stepppo::config::Config;
+use stepppo::store::{Dataset, StepRecord};
 use stepppo::train::{checkpoint, Trainer};
 
 /// StepPO with the shared-trunk critic: the most state a checkpoint has to carry.
@@ -302,4 +303,49 @@ fn bf16_precision_trains_deterministically_near_f32_and_may_change_at_resume() {
     assert!(moved, "bf16 products should round differently from f32");
     let mut resumed = Trainer::resume(cfg("f32"), &dir).unwrap();
     resumed.run(3, &mut |_| {}).unwrap();
+}
+
+/// Rollouts in bf16 (`rollout_dtype`) record what the bf16 model gave the tokens it sampled:
+/// the same on a second run, near the f32 rollouts' log-probs and not equal to them; a resumed
+/// run may switch the dtype.
+#[test]
+fn bf16_rollouts_record_bf16_logprobs_deterministically_and_may_change_at_resume() {
+    let cfg = |dtype: &str| tiny_config_with(&[&format!("rollout_dtype={dtype}")]);
+    let root = tempfile::tempdir().unwrap();
+    let run = |dtype: &str, name: &str| {
+        let dir = root.path().join(name);
+        let mut t = Trainer::create(cfg(dtype), &dir).unwrap();
+        t.run(1, &mut |_| {}).unwrap();
+        let dataset = Dataset::open(&dir.join("dataset")).unwrap();
+        let records: Vec<StepRecord> = dataset.records().map(|v| v.to_record().unwrap()).collect();
+        (records, dir)
+    };
+    let (full, _) = run("f32", "f32");
+    let (bf16, dir) = run("bf16", "bf16");
+    let (again, _) = run("bf16", "bf16-again");
+    assert_eq!(
+        bf16, again,
+        "the same config and seed roll out the same steps"
+    );
+    let (mut compared, mut moved) = (0, false);
+    for (a, b) in full.iter().zip(&bf16) {
+        if a.obs_ids != b.obs_ids || a.response_ids != b.response_ids {
+            break;
+        }
+        for (x, y) in a.response_logprobs.iter().zip(&b.response_logprobs) {
+            assert!(
+                (x - y).abs() <= 0.1,
+                "bf16 log-prob {y} strays from f32's {x}"
+            );
+            moved |= x != y;
+            compared += 1;
+        }
+    }
+    assert!(
+        compared > 0,
+        "the first steps should sample the same tokens"
+    );
+    assert!(moved, "bf16 rollouts should round differently from f32");
+    let mut resumed = Trainer::resume(cfg("f32"), &dir).unwrap();
+    resumed.run(2, &mut |_| {}).unwrap();
 }

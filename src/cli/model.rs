@@ -9,7 +9,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
 use stepppo::model::checkpoint::{builtin_policy, load_policy_with_adapter, TOKENIZER_FILE};
-use stepppo::model::{Adapters, Model, ModelConfig};
+use stepppo::model::{Adapters, Model, ModelConfig, Precision};
 use stepppo::rollout::generate as generate_tokens;
 use stepppo::rollout::sampling::SamplingParams;
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
@@ -56,6 +56,11 @@ pub struct GenerateArgs {
     /// `cpu`, `cuda` or `cuda:N` (CUDA needs a `--features cuda` build).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// The dtype the weights, activations and K/V are stored in: `f32` or `bf16` (norms,
+    /// attention scores, log-probs and sampling accumulate in f32 either way). Default: f32 on
+    /// the CPU, bf16 on CUDA.
+    #[arg(long)]
+    dtype: Option<Precision>,
 }
 
 #[derive(Args, Debug)]
@@ -114,8 +119,11 @@ fn prompt_ids(a: &GenerateArgs, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
 pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let params = sampling_params(&a)?;
     let device = stepppo::device::parse_device(&a.device)?;
-    let (model, tok) = load_policy_with_adapter(&a.model, a.adapter.as_deref(), &device)
+    let (mut model, tok) = load_policy_with_adapter(&a.model, a.adapter.as_deref(), &device)
         .with_context(|| format!("loading model {}", a.model))?;
+    if let Some(dtype) = a.dtype {
+        model.set_rollout_precision(dtype).context("--dtype")?;
+    }
     let prompt = prompt_ids(&a, &tok)?;
     if prompt.is_empty() {
         bail!("the prompt is empty");

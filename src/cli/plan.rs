@@ -42,6 +42,10 @@ pub struct PlanArgs {
     /// The dtype of the training products (`precision`: f32 or bf16).
     #[arg(long, default_value = "f32")]
     precision: Precision,
+    /// The dtype generation stores the weights in (`rollout_dtype`: f32 or bf16); default f32
+    /// on the CPU, bf16 on CUDA.
+    #[arg(long)]
+    rollout_dtype: Option<Precision>,
     /// A separate critic of the policy's shape trains beside it (with LoRA when --lora-rank is
     /// given, sharing the policy's base).
     #[arg(long)]
@@ -69,6 +73,9 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
         spec.validate_for_training()
             .map_err(|e| anyhow::anyhow!("--lora-rank: {e}"))?;
     }
+    if matches!(a.device, DeviceArg::Cuda) && a.rollout_dtype == Some(Precision::F32) {
+        bail!("--rollout-dtype f32 on CUDA: the paged-attention kernels are built for bf16 only");
+    }
     let batch_tokens = a.batch_tokens;
     let shape = PlanShape {
         policy: TrainedModel {
@@ -95,6 +102,10 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
         sequence_tokens: a.sequence_tokens.unwrap_or(batch_tokens),
         activation_checkpointing: a.activation_checkpointing,
         precision: a.precision,
+        rollout_precision: a.rollout_dtype.unwrap_or(match a.device {
+            DeviceArg::Cpu => Precision::F32,
+            DeviceArg::Cuda => Precision::Bf16,
+        }),
         kv_slots: a.kv_slots,
         extra_policy_copies: 0,
     };

@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use stepppo::model::checkpoint::load_policy_with_adapter;
 use stepppo::model::lora::ADAPTER_CONFIG_FILE;
+use stepppo::model::Precision;
 use stepppo::rollout::engine::{Engine, EngineConfig};
 use stepppo::serve::{self, ApiKey, GatewayOptions, PolicyBackend, Recorder, API_KEY_ENV};
 use stepppo::store::WriterOptions;
@@ -61,6 +62,11 @@ pub struct ServeArgs {
     /// `cpu`, `cuda` or `cuda:N` (CUDA needs a `--features cuda` build).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// The dtype the weights, activations and K/V are stored in: `f32` or `bf16` (norms,
+    /// attention scores, log-probs and sampling accumulate in f32 either way). Default: f32 on
+    /// the CPU, bf16 on CUDA.
+    #[arg(long)]
+    pub dtype: Option<Precision>,
     /// Compute threads on CPU (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -85,8 +91,11 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     super::train::set_cpu_threads(a.threads);
     let device = stepppo::device::parse_device(&a.device)?;
     let spec = model_spec(&a.model)?;
-    let (model, tokenizer) = load_policy_with_adapter(&spec, a.adapter.as_deref(), &device)
+    let (mut model, tokenizer) = load_policy_with_adapter(&spec, a.adapter.as_deref(), &device)
         .with_context(|| format!("loading model {spec}"))?;
+    if let Some(dtype) = a.dtype {
+        model.set_rollout_precision(dtype).context("--dtype")?;
+    }
     let engine_cfg = EngineConfig {
         num_slots: a.kv_slots,
         ..EngineConfig::default()

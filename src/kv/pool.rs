@@ -371,7 +371,7 @@ impl KvPool {
         match &self.storage {
             KvStorage::Cpu(_) => {
                 let out = self.attend(layer, &flat_f32(q)?, plan.seqs, num_heads, scale)?;
-                Ok(Tensor::from_vec(out, q.shape(), q.device())?)
+                Ok(Tensor::from_vec(out, q.shape(), q.device())?.to_dtype(q.dtype())?)
             }
             #[cfg(feature = "cuda")]
             KvStorage::Cuda(layers) => {

@@ -516,9 +516,10 @@ impl Trunk {
     }
 
     /// RMSNorm of `x` with `weight` (in f32 under bf16 products): the fused op where it applies.
+    /// Its statistics accumulate in f32 whatever the dtypes; the result has the weight's dtype.
     fn norm(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
         let x = self.precision.widen(x.clone())?;
-        if self.fused(&x) {
+        if self.fused(&x) && weight.dtype() == DType::F32 {
             fused::rms_norm(&x, weight, self.eps())
         } else {
             rms_norm(&x, weight, self.eps())
@@ -848,10 +849,14 @@ pub(crate) fn rollout_tensor(x: &Tensor, dtype: DType) -> Result<Tensor> {
 }
 
 /// `x / sqrt(mean(x²) + eps) * w` over the last dimension, from differentiable ops (the
-/// reference of [`fused::rms_norm`]).
+/// reference of [`fused::rms_norm`]). The normalisation runs in f32 whatever `x`'s dtype and is
+/// rounded to `w`'s dtype before the product with `w`, as transformers' RMSNorm does (a bf16
+/// model then rounds where transformers rounds; in f32 nothing is rounded).
 pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = x.to_dtype(DType::F32)?;
     let rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
-    Ok(x.broadcast_div(&rms)?.broadcast_mul(weight)?)
+    let normed = x.broadcast_div(&rms)?.to_dtype(weight.dtype())?;
+    Ok(normed.broadcast_mul(weight)?)
 }
 
 /// Rotate-half RoPE: `x·cos + rotate_half(x)·sin` with `cos`/`sin` broadcast over heads.

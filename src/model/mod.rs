@@ -141,12 +141,12 @@ impl TrainInput {
     }
 }
 
-/// Dtype of the incremental (rollout) path: f32 on the CPU, bf16 on an accelerator.
-fn rollout_dtype(device: &Device) -> DType {
+/// The incremental (rollout) path's dtype unless chosen: f32 on the CPU, bf16 on an accelerator.
+pub fn default_rollout_precision(device: &Device) -> Precision {
     if device.is_cpu() {
-        DType::F32
+        Precision::F32
     } else {
-        DType::BF16
+        Precision::Bf16
     }
 }
 
@@ -176,6 +176,8 @@ pub struct Model {
     /// LoRA adapters on the projections; while attached, the base weights are frozen.
     adapters: Option<Adapters>,
     adapter_rollout: AdapterRollout,
+    /// The dtype generation stores weights, activations and K/V in.
+    rollout_precision: Precision,
 }
 
 impl Model {
@@ -201,11 +203,12 @@ impl Model {
             get("lm_head.weight")?
         };
         let value_head = ValueHead::from_varmap(&varmap)?;
-        let rollout_dtype = rollout_dtype(device);
+        let rollout_precision = default_rollout_precision(device);
+        let dtype = rollout_precision.dtype();
         Ok(Self {
             cfg: cfg.clone(),
-            frozen_trunk: trunk.rollout_copy(rollout_dtype, true)?,
-            frozen_lm_head: decoder::rollout_tensor(&lm_head, rollout_dtype)?,
+            frozen_trunk: trunk.rollout_copy(dtype, true)?,
+            frozen_lm_head: decoder::rollout_tensor(&lm_head, dtype)?,
             trunk,
             lm_head,
             varmap,
@@ -213,6 +216,7 @@ impl Model {
             value_head,
             adapters: None,
             adapter_rollout: AdapterRollout::default(),
+            rollout_precision,
         })
     }
 
@@ -220,7 +224,7 @@ impl Model {
     /// step where the rollout weights are a copy (bf16 on CUDA, merged LoRA adapters); on the
     /// CPU without adapters they share storage and this is cheap.
     pub fn refresh_rollout_weights(&mut self) -> Result<()> {
-        let dtype = rollout_dtype(&self.device);
+        let dtype = self.rollout_precision.dtype();
         let merge = self.adapter_rollout == AdapterRollout::Merged;
         self.frozen_trunk = self.trunk.rollout_copy(dtype, merge)?;
         self.frozen_lm_head = decoder::rollout_tensor(&self.lm_head, dtype)?;
@@ -235,6 +239,8 @@ impl Model {
             params::insert(&varmap, &name, &var.as_tensor().copy()?)?;
         }
         let mut copy = Self::from_varmap(&self.cfg, varmap, &self.device)?;
+        copy.adapter_rollout = self.adapter_rollout;
+        copy.set_rollout_precision(self.rollout_precision)?;
         if let Some(adapters) = &self.adapters {
             copy.attach_adapters(adapters.deep_copy()?)?;
         }
@@ -274,7 +280,7 @@ impl Model {
         for (_, linear) in trunk.projections_mut() {
             linear.lora = None;
         }
-        let dtype = rollout_dtype(&self.device);
+        let dtype = self.rollout_precision.dtype();
         Ok(Self {
             cfg: self.cfg.clone(),
             varmap: self.varmap.clone(),
@@ -286,6 +292,7 @@ impl Model {
             value_head: self.value_head.clone(),
             adapters: None,
             adapter_rollout: AdapterRollout::default(),
+            rollout_precision: self.rollout_precision,
         })
     }
 
@@ -332,6 +339,25 @@ impl Model {
     /// see [`precision`]). The rollout path is unaffected.
     pub fn set_precision(&mut self, precision: Precision) {
         self.trunk.precision = precision;
+    }
+
+    /// Chooses the dtype generation stores its weights, activations and K/V in (the default is
+    /// [`default_rollout_precision`]; see [`precision`]) and refreshes the rollout weights. The
+    /// training path is unaffected. On CUDA the attention kernels take bf16 only, so f32 is an
+    /// error there.
+    pub fn set_rollout_precision(&mut self, precision: Precision) -> Result<()> {
+        if self.device.is_cuda() && precision != Precision::Bf16 {
+            return Err(ModelError::Input(format!(
+                "rollout_dtype {precision} on CUDA: the paged-attention kernels are built for bf16 only"
+            )));
+        }
+        self.rollout_precision = precision;
+        self.refresh_rollout_weights()
+    }
+
+    /// The dtype generation runs in.
+    pub fn rollout_precision(&self) -> Precision {
+        self.rollout_precision
     }
 
     /// Chooses the training forward's ops (fused on the CPU by default); both compute the same

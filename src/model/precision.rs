@@ -8,6 +8,12 @@
 //! autocast. Everything that accumulates stays f32: the residual stream, the RMSNorms, RoPE, the
 //! attention (its scores, softmax and products, so far), the value heads, log-probs, entropies
 //! and losses. [`Precision::F32`] is the path without casts, in the weights' own dtype.
+//!
+//! Generation (`rollout_dtype`, `stepppo generate --dtype`) reads the same two names as the dtype
+//! it stores its weights, activations and K/V in, as a transformers model loaded in that dtype
+//! does: under bf16 every product, the residual stream, RoPE and the SwiGLU gate are bf16, while
+//! the RMSNorms, the attention's scores and softmax, the log-softmax and sampling accumulate in
+//! f32.
 
 use candle_core::{DType, Tensor};
 use schemars::JsonSchema;
@@ -41,6 +47,14 @@ impl Precision {
         match self {
             Precision::F32 => Ok(x),
             Precision::Bf16 => Ok(x.to_dtype(DType::F32)?),
+        }
+    }
+
+    /// The dtype of tensors stored in this precision (generation's weights, activations and K/V).
+    pub fn dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
         }
     }
 

@@ -361,11 +361,14 @@ pub fn evaluate_policy(
     cfg: &Config,
 ) -> Result<Vec<TagSummary>, TrainError> {
     let device = device_of(cfg.device)?;
-    let (policy, tok) = crate::model::checkpoint::load_policy_with_adapter(
+    let (mut policy, tok) = crate::model::checkpoint::load_policy_with_adapter(
         &policy_dir.display().to_string(),
         adapter,
         &device,
     )?;
+    if let Some(rollout) = cfg.rollout_dtype {
+        policy.set_rollout_precision(rollout)?;
+    }
     let mut engine = engine_for(cfg, &policy)?;
     Ok(validate(&mut engine, &policy, &tok, cfg)?.summaries)
 }

@@ -40,9 +40,9 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// Where the run computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlanDevice {
-    /// f32 everywhere; the rollout reads the trained weights in place.
+    /// An f32 KV pool (whatever the rollout's dtype).
     Cpu,
-    /// f32 training, a bf16 copy of the weights and a bf16 KV pool for the rollout.
+    /// A bf16 KV pool.
     Cuda,
 }
 
@@ -77,6 +77,9 @@ pub struct PlanShape {
     pub activation_checkpointing: bool,
     /// The dtype of the training products (`precision`).
     pub precision: Precision,
+    /// The dtype generation stores the policy's weights in (`rollout_dtype`): a copy unless
+    /// f32.
+    pub rollout_precision: Precision,
     /// Slots of the rollout's KV pool (`cache.kv_slots`).
     pub kv_slots: usize,
     /// Whole copies of the policy's weights beside it: the frozen reference of a KL term (a LoRA
@@ -91,7 +94,8 @@ pub struct MemoryPlan {
     pub weights: u64,
     /// The bf16 copies of the weights a forward's products read under bf16 precision.
     pub working_weights: u64,
-    /// The rollout's own copy: bf16 on CUDA, the adapted projections with LoRA merged in.
+    /// The rollout's own copy: in bf16 (`rollout_dtype`, the CUDA default), or in f32 the adapted
+    /// projections with LoRA merged in.
     pub rollout_weights: u64,
     pub gradients: u64,
     /// AdamW's two f32 moments per trained parameter.
@@ -258,6 +262,9 @@ impl MemoryBudget {
             sequence_tokens: cfg.generating_args.max_new_tokens,
             activation_checkpointing: cfg.activation_checkpointing,
             precision: cfg.precision,
+            rollout_precision: cfg
+                .rollout_dtype
+                .unwrap_or_else(|| crate::model::default_rollout_precision(device)),
             kv_slots: if cfg.cache.prefix_cache {
                 cfg.cache.kv_slots
             } else {
@@ -362,19 +369,19 @@ impl ModelPlan {
             params.extend(head.iter().cloned());
         }
         let total_params = count(&params);
-        let whole_copy = match shape.device {
-            PlanDevice::Cpu => 0,
-            PlanDevice::Cuda => total_params * BF16,
+        let whole_copy = match shape.rollout_precision {
+            Precision::F32 => 0,
+            Precision::Bf16 => total_params * BF16,
         };
         let (trained_params, rollout_weights) = match &m.lora {
             None => (total_params, whole_copy),
             Some(spec) => {
                 let adapters = adapter_param_shapes(cfg, spec).unwrap_or_default();
                 let head_params = if m.is_critic { count(&head) } else { 0 };
-                let rollout = match shape.device {
+                let rollout = match shape.rollout_precision {
                     // The adapted projections, merged into a copy of their weights.
-                    PlanDevice::Cpu => adapted_params(&params, &adapters) * F32,
-                    PlanDevice::Cuda => whole_copy,
+                    Precision::F32 => adapted_params(&params, &adapters) * F32,
+                    Precision::Bf16 => whole_copy,
                 };
                 (count(&adapters) + head_params, rollout)
             }
@@ -501,6 +508,7 @@ mod tests {
             sequence_tokens: tokens,
             activation_checkpointing: false,
             precision: Precision::F32,
+            rollout_precision: Precision::F32,
             kv_slots: 0,
             extra_policy_copies: 0,
         }
@@ -560,6 +568,21 @@ mod tests {
             4 * 1024 * (2 * h * layers + 2 * per_layer + 2 * h)
         );
         assert!(recomputed < kept, "{recomputed} vs {kept}");
+    }
+
+    #[test]
+    fn bf16_rollouts_on_the_cpu_add_a_bf16_copy_of_the_weights() {
+        let mut s = shape(ModelConfig::small(1000), None, 256);
+        let f32_plan = MemoryPlan::of(&s);
+        assert_eq!(
+            f32_plan.rollout_weights, 0,
+            "f32 rollouts read the trained weights"
+        );
+        s.rollout_precision = Precision::Bf16;
+        assert_eq!(
+            MemoryPlan::of(&s).rollout_weights,
+            2 * f32_plan.total_params
+        );
     }
 
     #[test]

@@ -179,7 +179,7 @@ impl Trainer {
         }
         let (mut policy, tok) = fresh_policy(&cfg, &device)?;
         let mut critic = CriticModel::open(&cfg, &mut policy, CriticOrigin::Fresh)?;
-        set_training_numerics(&cfg, &mut policy, critic.as_mut());
+        set_numerics(&cfg, &mut policy, critic.as_mut())?;
         check_memory(&cfg, &policy, run_lora_spec(&cfg)?)?;
         // Only now that the device and every model directory were found good does the run
         // directory come into being: a config that fails leaves nothing behind.
@@ -344,7 +344,7 @@ impl Trainer {
         state: TrainState,
         warm_start: Option<SftReport>,
     ) -> Result<Self, TrainError> {
-        set_training_numerics(&cfg, &mut policy, critic.as_mut());
+        set_numerics(&cfg, &mut policy, critic.as_mut())?;
         // Before the KV pool and the rollout's weights are allocated.
         let memory = MemoryBudget::for_run(
             &cfg,
@@ -1251,16 +1251,23 @@ fn broadcast_weights(dist: &dyn Collective, vars: &[(String, Var)]) -> Result<()
     Ok(())
 }
 
-/// Brings the run's dataset and metrics back to the position `ckpt` recorded; returns the
-/// warnings to report (what was removed, or that an older checkpoint recorded no position).
-/// Sets `activation_checkpointing` and `precision` in the policy and a separate critic.
-fn set_training_numerics(cfg: &Config, policy: &mut Model, critic: Option<&mut CriticModel>) {
+/// Sets `activation_checkpointing` and `precision` in the policy and a separate critic, and
+/// `rollout_dtype` in the policy.
+fn set_numerics(
+    cfg: &Config,
+    policy: &mut Model,
+    critic: Option<&mut CriticModel>,
+) -> Result<(), TrainError> {
     policy.set_activation_checkpointing(cfg.activation_checkpointing);
     policy.set_precision(cfg.precision);
+    if let Some(rollout) = cfg.rollout_dtype {
+        policy.set_rollout_precision(rollout)?;
+    }
     if let Some(CriticModel::Separate(c)) = critic {
         c.set_activation_checkpointing(cfg.activation_checkpointing);
         c.set_precision(cfg.precision);
     }
+    Ok(())
 }
 
 /// Stops a run whose memory plan (weights, optimizer, KV pool, the smallest mini-batch) does
@@ -1296,6 +1303,8 @@ fn optimizers(
     Ok((actor_opt, critic_opt))
 }
 
+/// Brings the run's dataset and metrics back to the position `ckpt` recorded; returns the
+/// warnings to report (what was removed, or that an older checkpoint recorded no position).
 fn rewind_to(run_dir: &Path, ckpt: &Path) -> Result<Vec<String>, TrainError> {
     let name = ckpt.file_name().unwrap_or_default().to_string_lossy();
     if !ckpt

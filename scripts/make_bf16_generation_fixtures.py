@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Writes `bf16_generation.json` beside the tiny Qwen2, Qwen3 and Llama 3 checkpoints of
+tests/fixtures/hf/: 64 tokens transformers samples from each model loaded in bf16 (cached
+`generate`, sdpa attention, on the CPU), the log-prob transformers gives each sampled token in
+bf16 (its bf16 logits widened to f32 before the log-softmax, as its samplers do) and in f32 (the
+same tokens scored by the f32 model), so that `tests/model_hf_fixtures.rs` checks stepppo's bf16
+generation against transformers' bf16 without Python, apart from the rounding both make.
+
+Run from the repository root with torch and transformers (5.x) installed:
+    python3 scripts/make_bf16_generation_fixtures.py
+Re-creates the same files (fixed seeds).
+"""
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+FIXTURES = Path("tests/fixtures/hf")
+MODELS = ["qwen2", "qwen3", "llama3"]
+NEW_TOKENS = 64
+PROMPT = [3, 17, 42, 99, 7, 200, 5, 61]
+
+
+def sample_bf16(directory):
+    """Tokens sampled at temperature 1 (no top-k/top-p) from the bf16 model, with their log-probs."""
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval()
+    torch.manual_seed(0)
+    ids = torch.tensor([PROMPT])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    tokens = out.sequences[0, len(PROMPT):].tolist()
+    logprobs = [
+        torch.log_softmax(step[0].float(), dim=-1)[tok].item()
+        for step, tok in zip(out.logits, tokens)
+    ]
+    return tokens, logprobs
+
+
+def score_f32(directory, tokens):
+    """Log-probs the f32 model gives `tokens` after the prompt (one teacher-forced forward)."""
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.eval()
+    full = torch.tensor([PROMPT + tokens])
+    with torch.no_grad():
+        logits = model(full).logits[0, len(PROMPT) - 1:-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [logp[i, tok].item() for i, tok in enumerate(tokens)]
+
+
+def main():
+    for name in MODELS:
+        directory = FIXTURES / name
+        tokens, bf16 = sample_bf16(directory)
+        f32 = score_f32(directory, tokens)
+        gap = max(abs(a - b) for a, b in zip(bf16, f32))
+        fixture = {
+            "prompt": PROMPT,
+            "tokens": tokens,
+            "logprobs_bf16": bf16,
+            "logprobs_f32": f32,
+            "transformers_version": transformers.__version__,
+            "torch_version": torch.__version__,
+        }
+        (directory / "bf16_generation.json").write_text(json.dumps(fixture, indent=1) + "\n")
+        print(f"{name}: {len(tokens)} sampled tokens; transformers bf16 vs f32 max |d logprob| {gap:.3e}")
+
+
+if __name__ == "__main__":
+    main()
