@@ -669,8 +669,8 @@ pub struct Config {
     pub precision: Precision,
     /// The dtype generation stores the policy's weights, activations and K/V in: `f32`, or
     /// `bf16` as a transformers model loaded in bf16 computes (norms, attention scores and
-    /// softmax, log-probs and sampling accumulate in f32). Unset: f32 on the CPU, bf16 on CUDA
-    /// (whose attention kernels take bf16 only, so `f32` is an error there). The update scores
+    /// softmax, log-probs and sampling accumulate in f32). Unset: f32 on the CPU, bf16 on CUDA.
+    /// The update scores
     /// the sampled tokens in `precision`, so bf16 rollouts under an f32 update start their
     /// importance ratios at bf16's rounding away from 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]

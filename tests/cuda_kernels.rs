@@ -1,7 +1,7 @@
 //! GPU tests of our CUDA kernels (feature `cuda`): scatter + paged attention over the radix
 //! pool against the CPU pool's f32 attention on the same bf16-rounded inputs, across context
-//! lengths, batch sizes, GQA ratios and head dims, in both the prefill and the split-context
-//! decode kernels. Without a CUDA device each test prints why it skipped and passes.
+//! lengths, batch sizes, GQA ratios, head dims and both pool dtypes (bf16, f32), in both the
+//! prefill and the split-context decode kernels. Without a CUDA device each test prints why it skipped and passes.
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
@@ -68,6 +68,7 @@ fn relative_error(got: &[f32], want: &[f32]) -> f32 {
 /// Runs one case on both devices and returns the relative error of the GPU output.
 fn case(
     dev: &Device,
+    dtype: DType,
     heads: (usize, usize, usize),
     lens: &[usize],
     news: &[usize],
@@ -100,7 +101,7 @@ fn case(
     cpu.write(0, &all, &k, &v).unwrap();
     let want = cpu.attend(0, &q, &seqs, qh, scale).unwrap();
 
-    let mut gpu = KvPool::new(&cfg, pool_slots, dev).unwrap();
+    let mut gpu = KvPool::with_dtype(&cfg, pool_slots, dev, dtype).unwrap();
     let everything = [SeqSlots {
         slots: &all,
         num_new: all.len(),
@@ -108,17 +109,17 @@ fn case(
     let fill = gpu.plan(&everything, scale).unwrap();
     let kt = Tensor::from_vec(k, (pool_slots, kvh, hd), dev)
         .unwrap()
-        .to_dtype(DType::BF16)
+        .to_dtype(dtype)
         .unwrap();
     let vt = Tensor::from_vec(v, (pool_slots, kvh, hd), dev)
         .unwrap()
-        .to_dtype(DType::BF16)
+        .to_dtype(dtype)
         .unwrap();
     gpu.write_rows(0, &fill, &kt, &vt).unwrap();
     let plan = gpu.plan(&seqs, scale).unwrap();
     let qt = Tensor::from_vec(q, (n_new, qh, hd), dev)
         .unwrap()
-        .to_dtype(DType::BF16)
+        .to_dtype(dtype)
         .unwrap();
     let got = gpu.attend_rows(0, &qt, &plan, qh, scale).unwrap();
     let got: Vec<f32> = got
@@ -131,37 +132,46 @@ fn case(
     relative_error(&got, &want)
 }
 
-const HEADS: [(usize, usize, usize); 4] = [(4, 2, 32), (14, 2, 64), (8, 8, 128), (16, 4, 64)];
+/// (query heads, KV heads, head_dim): GQA groups of 2, 7, 1, 4 and 16 (a decode block serves
+/// up to 8 query heads, so 16 takes two blocks per KV head).
+const HEADS: [(usize, usize, usize); 6] = [
+    (4, 2, 32),
+    (14, 2, 64),
+    (8, 8, 128),
+    (16, 4, 64),
+    (28, 4, 128),
+    (32, 2, 64),
+];
+
+/// Pool dtypes and the relative error each is held to: bf16 rounds the output; f32 differs
+/// from the CPU only in summation order.
+const DTYPES: [(DType, f32); 2] = [(DType::BF16, 1e-2), (DType::F32, 1e-5)];
 
 #[test]
 fn decode_kernel_matches_reference_attention() {
     let Some(dev) = cuda() else { return };
-    for (i, heads) in HEADS.iter().enumerate() {
-        for lens in [
-            vec![1],
-            vec![31, 32, 33],
-            vec![257, 1000, 5],
-            vec![4096; 4],
-            vec![70; 33],
-        ] {
-            let news = vec![1; lens.len()];
-            let err = case(&dev, *heads, &lens, &news, 0, i as u64);
-            assert!(
-                err < 1e-2,
-                "decode {heads:?} lens {lens:?}: relative error {err}"
-            );
-            let err = case(
-                &dev,
-                *heads,
-                &lens,
-                &news,
-                lens.iter().min().unwrap() / 2,
-                7 + i as u64,
-            );
-            assert!(
-                err < 1e-2,
-                "decode shared-prefix {heads:?} lens {lens:?}: relative error {err}"
-            );
+    for (dtype, bound) in DTYPES {
+        for (i, heads) in HEADS.iter().enumerate() {
+            for lens in [
+                vec![1],
+                vec![31, 32, 33],
+                vec![257, 1000, 5],
+                vec![4096; 4],
+                vec![70; 33],
+            ] {
+                let news = vec![1; lens.len()];
+                let err = case(&dev, dtype, *heads, &lens, &news, 0, i as u64);
+                assert!(
+                    err < bound,
+                    "decode {dtype:?} {heads:?} lens {lens:?}: relative error {err}"
+                );
+                let shared = lens.iter().min().unwrap() / 2;
+                let err = case(&dev, dtype, *heads, &lens, &news, shared, 7 + i as u64);
+                assert!(
+                    err < bound,
+                    "decode {dtype:?} shared-prefix {heads:?} lens {lens:?}: relative error {err}"
+                );
+            }
         }
     }
 }
@@ -169,19 +179,40 @@ fn decode_kernel_matches_reference_attention() {
 #[test]
 fn prefill_kernel_matches_reference_attention() {
     let Some(dev) = cuda() else { return };
-    for (i, heads) in HEADS.iter().enumerate() {
-        for (lens, news) in [
-            (vec![17], vec![17]),
-            (vec![100, 40, 65], vec![3, 40, 64]),
-            (vec![1500, 300], vec![129, 1]),
-        ] {
-            let err = case(&dev, *heads, &lens, &news, 0, 11 + i as u64);
-            assert!(
-                err < 1e-2,
-                "prefill {heads:?} lens {lens:?} new {news:?}: relative error {err}"
-            );
+    for (dtype, bound) in DTYPES {
+        for (i, heads) in HEADS.iter().enumerate() {
+            for (lens, news) in [
+                (vec![17], vec![17]),
+                (vec![100, 40, 65], vec![3, 40, 64]),
+                (vec![1500, 300], vec![129, 1]),
+            ] {
+                let err = case(&dev, dtype, *heads, &lens, &news, 0, 11 + i as u64);
+                assert!(
+                    err < bound,
+                    "prefill {dtype:?} {heads:?} lens {lens:?} new {news:?}: relative error {err}"
+                );
+            }
         }
     }
+}
+
+/// A pool refuses queries in another dtype than its own (no silent cast).
+#[test]
+fn a_query_in_another_dtype_than_the_pool_is_an_error() {
+    let Some(dev) = cuda() else { return };
+    let cfg = shape(4, 2, 32);
+    let pool = KvPool::new(&cfg, 4, &dev).unwrap();
+    let all: Vec<u32> = (0..4).collect();
+    let seqs = [SeqSlots {
+        slots: &all,
+        num_new: 4,
+    }];
+    let plan = pool.plan(&seqs, 0.1).unwrap();
+    let q = Tensor::zeros((4, 4, 32), DType::F32, &dev).unwrap();
+    let err = pool
+        .attend_rows(0, &q, &plan, 4, 0.1)
+        .expect_err("f32 q on a bf16 pool");
+    assert!(err.to_string().contains("BF16"), "{err}");
 }
 
 #[test]

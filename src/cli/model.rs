@@ -128,7 +128,12 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let mut pool = KvPool::new(model.config(), prompt.len() + a.max_new_tokens, &device)?;
+    let mut pool = KvPool::with_dtype(
+        model.config(),
+        prompt.len() + a.max_new_tokens,
+        &device,
+        model.rollout_precision().dtype(),
+    )?;
     let mut rngs = [ChaCha8Rng::seed_from_u64(stepppo::seed::derive(
         a.seed,
         &[0],

@@ -73,9 +73,6 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
         spec.validate_for_training()
             .map_err(|e| anyhow::anyhow!("--lora-rank: {e}"))?;
     }
-    if matches!(a.device, DeviceArg::Cuda) && a.rollout_dtype == Some(Precision::F32) {
-        bail!("--rollout-dtype f32 on CUDA: the paged-attention kernels are built for bf16 only");
-    }
     let batch_tokens = a.batch_tokens;
     let shape = PlanShape {
         policy: TrainedModel {

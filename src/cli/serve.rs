@@ -100,7 +100,7 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         num_slots: a.kv_slots,
         ..EngineConfig::default()
     };
-    let engine = Engine::new(model.config(), engine_cfg, &device)?;
+    let engine = Engine::for_model(&model, engine_cfg)?;
     let recorder = match &a.record {
         Some(dir) => {
             let mut opts = WriterOptions::default();

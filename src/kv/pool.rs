@@ -4,19 +4,21 @@
 //! nothing about sequences or prefixes: callers (a per-sequence buffer for `generate`, the radix
 //! tree for rollouts) own slot lists and pass them in.
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::{KvError, KvShape, SeqSlots};
 
 /// Where the K/V rows live. CPU rows are plain `f32` vectors so the attention loop reads them in
-/// place; CUDA rows are bf16 device tensors read by our kernels (`super::cuda`).
+/// place (they hold bf16 values exactly); CUDA rows are bf16 or f32 device tensors read by our
+/// kernels (`super::cuda`).
 enum KvStorage {
     Cpu(Vec<CpuLayerKv>),
     #[cfg(feature = "cuda")]
     Cuda(Vec<CudaLayerKv>),
 }
 
-/// One layer's keys and values on a CUDA device, `[capacity, kv_heads, head_dim]` bf16 each.
+/// One layer's keys and values on a CUDA device, `[capacity, kv_heads, head_dim]` each, in the
+/// pool's dtype.
 #[cfg(feature = "cuda")]
 struct CudaLayerKv {
     k: Tensor,
@@ -52,12 +54,36 @@ pub struct KvPool {
 
 impl KvPool {
     /// A pool of `num_slots` slots for a model of K/V shape `shape` (a model config converts), on
-    /// `device`: f32 rows on the CPU, bf16 rows on a CUDA device (feature `cuda`).
+    /// `device`: f32 rows on the CPU, bf16 rows on a CUDA device (feature `cuda`), the dtype the
+    /// rollout computes in by default there.
     pub fn new(
         shape: impl Into<KvShape>,
         num_slots: usize,
         device: &Device,
     ) -> Result<Self, KvError> {
+        let dtype = if device.is_cpu() {
+            DType::F32
+        } else {
+            DType::BF16
+        };
+        Self::with_dtype(shape, num_slots, device, dtype)
+    }
+
+    /// A pool whose rows hold K/V computed in `dtype` (bf16 or f32): on the CPU the rows are f32
+    /// either way (bf16 values widen exactly); on CUDA they are stored in `dtype`, which the
+    /// model's K/V, queries and the kernels then share.
+    pub fn with_dtype(
+        shape: impl Into<KvShape>,
+        num_slots: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self, KvError> {
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            return Err(KvError::UnsupportedDevice {
+                device: format!("{device:?}"),
+                reason: format!("K/V in {dtype:?}: the pool holds bf16 or f32"),
+            });
+        }
         let cfg = shape.into();
         let row = cfg.kv_heads * cfg.head_dim;
         let storage = if device.is_cpu() {
@@ -70,7 +96,7 @@ impl KvPool {
                     .collect(),
             )
         } else {
-            Self::device_storage(&cfg, num_slots, device)?
+            Self::device_storage(&cfg, num_slots, device, dtype)?
         };
         Ok(Self {
             storage,
@@ -88,6 +114,7 @@ impl KvPool {
         cfg: &KvShape,
         num_slots: usize,
         device: &Device,
+        dtype: DType,
     ) -> Result<KvStorage, KvError> {
         if !device.is_cuda() {
             return Err(KvError::UnsupportedDevice {
@@ -108,8 +135,8 @@ impl KvPool {
         let shape = (num_slots, cfg.kv_heads, cfg.head_dim);
         let layer = || -> Result<CudaLayerKv, KvError> {
             Ok(CudaLayerKv {
-                k: Tensor::zeros(shape, candle_core::DType::BF16, device)?,
-                v: Tensor::zeros(shape, candle_core::DType::BF16, device)?,
+                k: Tensor::zeros(shape, dtype, device)?,
+                v: Tensor::zeros(shape, dtype, device)?,
             })
         };
         Ok(KvStorage::Cuda(
@@ -120,7 +147,12 @@ impl KvPool {
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn device_storage(_: &KvShape, _: usize, device: &Device) -> Result<KvStorage, KvError> {
+    fn device_storage(
+        _: &KvShape,
+        _: usize,
+        device: &Device,
+        _: DType,
+    ) -> Result<KvStorage, KvError> {
         Err(KvError::UnsupportedDevice {
             device: format!("{device:?}"),
             reason: "stepppo was built without the `cuda` feature".into(),
@@ -351,8 +383,10 @@ impl KvPool {
                     pool: format!("{} layers", self.num_layers),
                     wanted: format!("layer {layer}"),
                 })?;
-                super::cuda::scatter_rows(&kv.k, &k.to_dtype(candle_core::DType::BF16)?, slots)?;
-                super::cuda::scatter_rows(&kv.v, &v.to_dtype(candle_core::DType::BF16)?, slots)?;
+                check_dtype(&kv.k, k, "write_rows(k)")?;
+                check_dtype(&kv.v, v, "write_rows(v)")?;
+                super::cuda::scatter_rows(&kv.k, k, slots)?;
+                super::cuda::scatter_rows(&kv.v, v, slots)?;
                 Ok(())
             }
         }
@@ -379,13 +413,27 @@ impl KvPool {
                     op: "attend_rows(cpu plan)",
                 })?;
                 let kv = &layers[layer];
-                let dtype = q.dtype();
-                Ok(op
-                    .apply(&q.to_dtype(candle_core::DType::BF16)?, &kv.k, &kv.v)?
-                    .to_dtype(dtype)?)
+                check_dtype(&kv.k, q, "attend_rows(q)")?;
+                Ok(op.apply(q, &kv.k, &kv.v)?)
             }
         }
     }
+}
+
+/// A tensor the CUDA pool reads or writes must have the pool's dtype: casting it here would
+/// compute in a precision other than the model's without saying so.
+#[cfg(feature = "cuda")]
+fn check_dtype(pool: &Tensor, t: &Tensor, op: &str) -> Result<(), KvError> {
+    if t.dtype() == pool.dtype() {
+        return Ok(());
+    }
+    Err(KvError::ShapeMismatch {
+        pool: format!("{:?} K/V", pool.dtype()),
+        wanted: format!(
+            "{op} in {:?} (make the pool with KvPool::with_dtype in the model's rollout dtype)",
+            t.dtype()
+        ),
+    })
 }
 
 fn flat_f32(t: &Tensor) -> Result<Vec<f32>, KvError> {

@@ -343,14 +343,9 @@ impl Model {
 
     /// Chooses the dtype generation stores its weights, activations and K/V in (the default is
     /// [`default_rollout_precision`]; see [`precision`]) and refreshes the rollout weights. The
-    /// training path is unaffected. On CUDA the attention kernels take bf16 only, so f32 is an
-    /// error there.
+    /// training path is unaffected. A KV pool for this model is made in the same dtype
+    /// ([`crate::kv::KvPool::with_dtype`]; CUDA pools refuse another).
     pub fn set_rollout_precision(&mut self, precision: Precision) -> Result<()> {
-        if self.device.is_cuda() && precision != Precision::Bf16 {
-            return Err(ModelError::Input(format!(
-                "rollout_dtype {precision} on CUDA: the paged-attention kernels are built for bf16 only"
-            )));
-        }
         self.rollout_precision = precision;
         self.refresh_rollout_weights()
     }

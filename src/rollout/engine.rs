@@ -343,9 +343,24 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine with a fresh pool of `cfg.num_slots` slots shaped for `model_cfg`.
+    /// An engine with a fresh pool of `cfg.num_slots` slots shaped for `model_cfg`, in the
+    /// device's default rollout dtype (f32 on the CPU, bf16 on CUDA).
     pub fn new(model_cfg: &ModelConfig, cfg: EngineConfig, device: &Device) -> Result<Self> {
-        let pool = KvPool::new(model_cfg, cfg.num_slots, device)?;
+        Self::with_pool(KvPool::new(model_cfg, cfg.num_slots, device)?, cfg)
+    }
+
+    /// An engine whose pool fits `model`: its shape, device and rollout dtype.
+    pub fn for_model(model: &Model, cfg: EngineConfig) -> Result<Self> {
+        let pool = KvPool::with_dtype(
+            model.config(),
+            cfg.num_slots,
+            model.device(),
+            model.rollout_precision().dtype(),
+        )?;
+        Self::with_pool(pool, cfg)
+    }
+
+    fn with_pool(pool: KvPool, cfg: EngineConfig) -> Result<Self> {
         Ok(Self {
             cfg,
             pool,

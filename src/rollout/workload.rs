@@ -262,7 +262,7 @@ pub fn compare_arms(
             cache_mode: mode,
             ..engine_cfg.clone()
         };
-        let mut engine = Engine::new(model.config(), cfg, model.device())?;
+        let mut engine = Engine::for_model(model, cfg)?;
         runs.push((mode, run_workload(&mut engine, model, tok, w, base_seed)?));
     }
     let (none_wall, none_flops) = (

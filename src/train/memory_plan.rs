@@ -42,7 +42,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 pub enum PlanDevice {
     /// An f32 KV pool (whatever the rollout's dtype).
     Cpu,
-    /// A bf16 KV pool.
+    /// A KV pool in the rollout's dtype.
     Cuda,
 }
 
@@ -121,9 +121,9 @@ impl MemoryPlan {
         };
         let kv = &shape.policy.config;
         let kv_row = (kv.num_key_value_heads * kv.head_dim()) as u64;
-        let kv_bytes = match shape.device {
-            PlanDevice::Cpu => F32,
-            PlanDevice::Cuda => BF16,
+        let kv_bytes = match (shape.device, shape.rollout_precision) {
+            (PlanDevice::Cuda, Precision::Bf16) => BF16,
+            _ => F32,
         };
         let copies = shape.extra_policy_copies as u64 * policy.total_params * F32;
         Self {

@@ -37,7 +37,7 @@ pub(crate) fn engine_for(cfg: &Config, policy: &Model) -> Result<Engine, TrainEr
         num_slots: cfg.cache.kv_slots,
         ..EngineConfig::default()
     };
-    Ok(Engine::new(policy.config(), engine_cfg, policy.device())?)
+    Ok(Engine::for_model(policy, engine_cfg)?)
 }
 
 /// The policy a fresh run starts from: the built-in model (`tiny`/`small`, initialised from the
