@@ -16,11 +16,10 @@ const SEED: u64 = 0;
 fn table(model: &Model, tok: &Tokenizer) {
     println!("{}", ArmReport::table_header());
     for w in Workload::standard() {
-        let rows =
-            compare_arms(model, tok, &w, &EngineConfig::default(), SEED).expect("workload runs");
-        for r in &rows {
-            println!("{}", r.table_row());
-        }
+        let rows = compare_arms(model, tok, &w, &EngineConfig::default(), SEED, &mut |r| {
+            println!("{}", r.table_row())
+        })
+        .expect("workload runs");
         let radix = rows.iter().find(|r| r.arm == "radix").expect("radix arm");
         let slack = (w.groups * w.group_size * (w.turns - 1)) as f64;
         let within = radix.tokens_prefilled as f64 <= 1.02 * radix.theoretical_min as f64 + slack;

@@ -1,18 +1,42 @@
 #!/usr/bin/env bash
 # Runs the CUDA checks on a GPU machine from the repository root, with the `.gpu` bundle made by
-# scripts/build_gpu_bundle.sh (no Rust toolchain needed there). Writes every result into
-# ${OUT:-gpu-results}: the GPU tests, the decode kernel's bandwidth against a device copy,
-# stepppo's rollout throughput with the radix cache vs without it, and Hugging Face
-# transformers `generate` on the same workload (Qwen2.5-0.5B shape, random bf16 weights). A
-# bundle built with `nccl` also brings Open MPI's Debian packages (.gpu/debs): they are unpacked
+# scripts/build_gpu_bundle.sh (no Rust toolchain needed there), within BUDGET_S seconds (default
+# 470: under 8 minutes), every part under its own timeout and the budget left, its figures
+# printed as they come (a part cut short still leaves them), all of it packed at the end into
+# ${OUT:-gpu-results}/gpu-check.tgz. In order of what matters most:
+#   - transformers samples the tiny fixtures in bf16 on the GPU (its log-probs for the test);
+#   - the GPU tests: our kernels against reference attention (bf16 and f32 pools), generation on
+#     CUDA against the CPU in f32 and in bf16, and against transformers' bf16 on the same GPU;
+#   - decode attention's bandwidth (Qwen2.5-0.5B's heads, head_dim 64 and 128, batch 64 x 4,096
+#     and 8 x 32,768 tokens of context) against a device copy, and PyTorch's SDPA on the same
+#     shapes;
+#   - stepppo's rollout throughput with the radix cache vs without it, and transformers
+#     `generate` on the same workload (Qwen2.5-0.5B shape, random bf16 weights);
+#   - the embedded default trained on the GPU for 3 steps; compute-sanitizer on our kernels.
+# A bundle built with `nccl` also brings Open MPI's Debian packages (.gpu/debs): they are unpacked
 # under /tmp/mpiroot and relocated there (the machine has no MPI), the `dist_mpi` test runs as
 # one rank under that `mpirun`, its gradient summed by NCCL on the GPU, and a short training run on
 # the GPU as a plain process and as one NCCL rank must end with the same weights. ONLY=dist stops
-# after that. Then the GPU tests, the embedded default trained on the GPU for 3 steps, the
-# benchmarks, compute-sanitizer and transformers, each bounded by a timeout.
+# after that.
 set -uo pipefail
 out=${OUT:-gpu-results}
 mkdir -p "$out" /tmp/stepppo-gpu
+deadline=$((SECONDS + ${BUDGET_S:-470}))
+# part NAME SECONDS CMD...: CMD under the smaller of SECONDS and the budget left (skipped under
+# 5 s), its output shown as it comes and kept in $out/NAME.log.
+part() {
+  local name=$1 limit=$2 left=$((deadline - SECONDS))
+  shift 2
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 5 ]; then
+    echo "== $name: skipped, the budget is spent" | tee "$out/$name.log"
+    return
+  fi
+  echo "== $name (at most ${limit} s)"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+}
+pack() { tar czf "$out/gpu-check.tgz" -C "$out" --exclude gpu-check.tgz . && echo "packed $out/gpu-check.tgz"; }
+trap pack EXIT
 for f in .gpu/*.xz; do xz -dc "$f" > "/tmp/stepppo-gpu/$(basename "$f" .xz)"; done
 chmod +x /tmp/stepppo-gpu/*
 libs=$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null || true)
@@ -41,8 +65,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 if [ -x /tmp/stepppo-gpu/dist_mpi ] && command -v mpirun >/dev/null; then
   ldd /tmp/stepppo-gpu/dist_mpi > "$out/dist_mpi-ldd.txt" 2>&1
   grep 'not found' "$out/dist_mpi-ldd.txt"
-  NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout 90 mpirun -np 1 /tmp/stepppo-gpu/dist_mpi --nocapture 2>&1 \
-    | tee "$out/test-dist_mpi.log"
+  NCCL_DEBUG=${NCCL_DEBUG:-WARN} part test-dist_mpi 90 mpirun -np 1 /tmp/stepppo-gpu/dist_mpi --nocapture
   # Training on the GPU, as a plain process and as one launched rank whose every gradient NCCL
   # sums: the same short run of the built-in small model (the CUDA kernels need head_dim 32, 64
   # or 128; `tiny` has 8), the same weights.
@@ -53,9 +76,8 @@ if [ -x /tmp/stepppo-gpu/dist_mpi ] && command -v mpirun >/dev/null; then
     --set val_batch_size=2 --set val_env_manager.num_env_groups=2
     --set val_env_manager.num_groups_partition=[2] --set generating_args.max_new_tokens=6
     --set val_generating_args.max_new_tokens=6 --set custom_envs.SimpleFrozenLake.env_config.max_turns=2)
-  timeout 180 "$bin" train --out /tmp/dp-single "${short[@]}" 2>&1 | tee "$out/train-cuda-single.log"
-  NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout 180 mpirun -np 1 "$bin" train --out /tmp/dp-nccl "${short[@]}" 2>&1 \
-    | tee "$out/train-cuda-nccl.log"
+  part train-cuda-single 120 "$bin" train --out /tmp/dp-single "${short[@]}"
+  NCCL_DEBUG=${NCCL_DEBUG:-WARN} part train-cuda-nccl 120 mpirun -np 1 "$bin" train --out /tmp/dp-nccl "${short[@]}"
   python3 - /tmp/dp-single /tmp/dp-nccl <<'PY' 2>&1 | tee "$out/train-cuda-compare.log"
 import sys
 from safetensors.torch import load_file
@@ -66,19 +88,25 @@ PY
   [ "${ONLY:-}" = dist ] && exit 0
 fi
 # In order of what matters most, each bounded, so a slow or hung part leaves the rest their time.
+part transformers-gpu-fixtures 40 python3 scripts/make_bf16_generation_fixtures.py --device cuda \
+  --out /tmp/transformers-gpu
+export STEPPPO_TRANSFORMERS_GPU_FIXTURES=/tmp/transformers-gpu
 for t in /tmp/stepppo-gpu/cuda_*; do
-  timeout 150 "$t" --nocapture 2>&1 | tee "$out/test-$(basename "$t").log"
+  part "test-$(basename "$t")" 75 "$t" --nocapture
 done
+for shape in "64 4096" "8 32768"; do
+  set -- $shape
+  for hd in 64 128; do
+    part "kernels-$1x$2-d$hd" 20 "$bin" bench kernels --device cuda --batch "$1" --context "$2" --head-dim "$hd" --json
+  done
+done
+part torch-decode 40 python3 scripts/torch_decode_bench.py --shapes 64x4096,8x32768 --head-dims 64,128
+part prefix 80 "$bin" bench prefix --device cuda --model configs/models/qwen2.5-0.5b.json --spec "$spec" --json
+part hf-rollout 80 python3 scripts/hf_rollout_bench.py --spec "$spec" --json
 # The embedded default trained on the GPU for a few steps (its step time next to the CPU's).
-timeout 240 "$bin" train --out /tmp/default-cuda --set device=cuda --set max_steps=3 --set eval_steps=3 \
-  --set save_steps=0 2>&1 | tail -n 8 | tee "$out/train-default-cuda.log"
+part train-default-cuda 45 "$bin" train --out /tmp/default-cuda --set device=cuda --set max_steps=3 \
+  --set eval_steps=3 --set save_steps=0
 cp /tmp/default-cuda/metrics.jsonl "$out/train-default-cuda-metrics.jsonl" 2>/dev/null
-timeout 60 "$bin" bench kernels --device cuda --json | tee "$out/kernels.jsonl"
-timeout 60 "$bin" bench kernels --device cuda --batch 8 --context 32768 --json | tee -a "$out/kernels.jsonl"
-timeout 120 "$bin" bench prefix --device cuda --model configs/models/qwen2.5-0.5b.json --spec "$spec" --json \
-  | tee "$out/prefix.jsonl"
 if command -v compute-sanitizer >/dev/null; then
-  timeout 120 compute-sanitizer --tool memcheck /tmp/stepppo-gpu/cuda_kernels 2>&1 | tail -n 20 \
-    | tee "$out/memcheck.log"
+  part memcheck 60 compute-sanitizer --tool memcheck /tmp/stepppo-gpu/cuda_kernels
 fi
-timeout 150 python3 scripts/hf_rollout_bench.py --spec "$spec" --json | tee "$out/hf.jsonl"

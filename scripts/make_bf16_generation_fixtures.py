@@ -9,8 +9,14 @@ generation against transformers' bf16 without Python, apart from the rounding bo
 Run from the repository root with torch and transformers (5.x) installed:
     python3 scripts/make_bf16_generation_fixtures.py
 Re-creates the same files (fixed seeds).
+
+    python3 scripts/make_bf16_generation_fixtures.py --device cuda --out DIR
+does the same with transformers on the GPU, writing DIR/<model>/bf16_generation.json, which
+`tests/cuda_generation.rs` reads (STEPPPO_TRANSFORMERS_GPU_FIXTURES=DIR) to hold stepppo's CUDA
+bf16 generation against transformers' bf16 on the same GPU (scripts/gpu_check.sh does both).
 """
 
+import argparse
 import json
 from pathlib import Path
 
@@ -24,12 +30,12 @@ NEW_TOKENS = 64
 PROMPT = [3, 17, 42, 99, 7, 200, 5, 61]
 
 
-def sample_bf16(directory):
+def sample_bf16(directory, device):
     """Tokens sampled at temperature 1 (no top-k/top-p) from the bf16 model, with their log-probs."""
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, attn_implementation="sdpa")
-    model.eval()
+    model.to(device).eval()
     torch.manual_seed(0)
-    ids = torch.tensor([PROMPT])
+    ids = torch.tensor([PROMPT], device=device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -52,11 +58,11 @@ def sample_bf16(directory):
     return tokens, logprobs
 
 
-def score_f32(directory, tokens):
+def score_f32(directory, tokens, device):
     """Log-probs the f32 model gives `tokens` after the prompt (one teacher-forced forward)."""
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    model.eval()
-    full = torch.tensor([PROMPT + tokens])
+    model.to(device).eval()
+    full = torch.tensor([PROMPT + tokens], device=device)
     with torch.no_grad():
         logits = model(full).logits[0, len(PROMPT) - 1:-1].float()
     logp = torch.log_softmax(logits, dim=-1)
@@ -64,10 +70,16 @@ def score_f32(directory, tokens):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, default=FIXTURES, help="writes OUT/<model>/bf16_generation.json")
+    args = parser.parse_args()
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False  # f32 scores exact, as stepppo's
     for name in MODELS:
         directory = FIXTURES / name
-        tokens, bf16 = sample_bf16(directory)
-        f32 = score_f32(directory, tokens)
+        tokens, bf16 = sample_bf16(directory, args.device)
+        f32 = score_f32(directory, tokens, args.device)
         gap = max(abs(a - b) for a, b in zip(bf16, f32))
         fixture = {
             "prompt": PROMPT,
@@ -76,9 +88,12 @@ def main():
             "logprobs_f32": f32,
             "transformers_version": transformers.__version__,
             "torch_version": torch.__version__,
+            "device": args.device,
         }
-        (directory / "bf16_generation.json").write_text(json.dumps(fixture, indent=1) + "\n")
-        print(f"{name}: {len(tokens)} sampled tokens; transformers bf16 vs f32 max |d logprob| {gap:.3e}")
+        out = args.out / name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bf16_generation.json").write_text(json.dumps(fixture, indent=1) + "\n")
+        print(f"{name} ({args.device}): {len(tokens)} sampled tokens; transformers bf16 vs f32 max |d logprob| {gap:.3e}")
 
 
 if __name__ == "__main__":

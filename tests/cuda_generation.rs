@@ -10,8 +10,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
 use stepppo::model::{Model, ModelConfig, Precision};
-use stepppo::rollout::generate;
 use stepppo::rollout::sampling::SamplingParams;
+use stepppo::rollout::{forced_logprobs, generate};
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
 
 #[test]
@@ -74,5 +74,61 @@ fn cuda_generation_matches_cpu() {
         }
         eprintln!("{precision}: CUDA vs CPU max |Δ log-prob| {worst:.2e}");
         assert!(worst <= bound, "{precision}: {worst} > {bound}");
+    }
+}
+
+/// stepppo's CUDA bf16 decode against transformers' bf16 on the same GPU, on the tokens
+/// transformers sampled there (`scripts/make_bf16_generation_fixtures.py --device cuda --out DIR`,
+/// then `STEPPPO_TRANSFORMERS_GPU_FIXTURES=DIR`; `scripts/gpu_check.sh` does both), held to the
+/// bound the CPU test holds against transformers on the CPU.
+#[test]
+fn cuda_bf16_generation_matches_transformers_bf16_on_the_gpu() {
+    let Ok(dev) = Device::new_cuda(0) else {
+        eprintln!("skipped: no CUDA device");
+        return;
+    };
+    let Some(gpu_fixtures) = std::env::var_os("STEPPPO_TRANSFORMERS_GPU_FIXTURES") else {
+        eprintln!("skipped: STEPPPO_TRANSFORMERS_GPU_FIXTURES is not set");
+        return;
+    };
+    let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
+    for name in ["qwen2", "qwen3", "llama3"] {
+        let path = std::path::Path::new(&gpu_fixtures)
+            .join(name)
+            .join("bf16_generation.json");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let ids = |key: &str| -> Vec<u32> {
+            json[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let want: Vec<f32> = json["logprobs_bf16"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let (prompt, tokens) = (ids("prompt"), ids("tokens"));
+        let mut model = Model::load(&models.join(name), &dev).unwrap();
+        model.set_rollout_precision(Precision::Bf16).unwrap();
+        let mut pool = KvPool::with_dtype(
+            model.config(),
+            prompt.len() + tokens.len(),
+            &dev,
+            Precision::Bf16.dtype(),
+        )
+        .unwrap();
+        let got = forced_logprobs(&model, &mut pool, &prompt, &tokens).unwrap();
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!("{name}: CUDA bf16 vs transformers bf16 (GPU) max |Δ log-prob| {worst:.2e}");
+        assert!(worst <= 0.05, "{name}: {worst}");
     }
 }

@@ -14,9 +14,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
 use stepppo::model::lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
-use stepppo::model::{Adapters, LogitsWanted, Model, PaddedBatch, Precision, SeqChunk};
-use stepppo::rollout::generate;
+use stepppo::model::{Adapters, Model, PaddedBatch, Precision};
 use stepppo::rollout::sampling::SamplingParams;
+use stepppo::rollout::{forced_logprobs, generate};
 
 const MAX_LOGPROB_DIFF: f32 = 1e-4;
 
@@ -60,33 +60,11 @@ fn expected(dir: &Path) -> Expected {
 /// the same sampled tokens; transformers' own bf16-vs-f32 gap on these fixtures is 0.04–0.05.
 const MAX_BF16_LOGPROB_DIFF: f32 = 0.05;
 
-/// Log-probs the incremental path gives `tokens` after `prompt`: the prompt prefilled, then one
-/// token a call, as generation decodes (the tokens forced rather than sampled).
+/// Log-probs the decode path gives `tokens` after `prompt` (forced, one token a call).
 fn forced_decode_logprobs(model: &Model, prompt: &[u32], tokens: &[u32]) -> Vec<f32> {
-    let mut pool = KvPool::new(model.config(), prompt.len() + tokens.len(), &Device::Cpu).unwrap();
-    let slots = pool.alloc(prompt.len() + tokens.len()).unwrap();
-    let mut fed = 0;
-    let mut logprobs = Vec::with_capacity(tokens.len());
-    let all = [prompt, tokens].concat();
-    for (i, &token) in tokens.iter().enumerate() {
-        let end = prompt.len() + i;
-        let chunk = SeqChunk {
-            new_tokens: &all[fed..end],
-            slots: &slots[..end],
-        };
-        let logits = model
-            .forward_incremental(&[chunk], &mut pool, LogitsWanted::Last)
-            .unwrap()
-            .get(0)
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        fed = end;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let log_sum = logits.iter().map(|l| (l - max).exp()).sum::<f32>().ln() + max;
-        logprobs.push(logits[token as usize] - log_sum);
-    }
-    logprobs
+    let n = prompt.len() + tokens.len();
+    let mut pool = KvPool::new(model.config(), n, &Device::Cpu).unwrap();
+    forced_logprobs(model, &mut pool, prompt, tokens).unwrap()
 }
 
 #[test]

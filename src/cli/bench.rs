@@ -52,6 +52,12 @@ pub struct KernelArgs {
     /// Model shape: `tiny`, `small` or an HF config.json (default: Qwen2.5-0.5B's shape).
     #[arg(long, default_value = "configs/models/qwen2.5-0.5b.json")]
     model: String,
+    /// Head dimension instead of the model's (32, 64 or 128), its head counts kept.
+    #[arg(long)]
+    head_dim: Option<usize>,
+    /// The pool's dtype: `bf16` or `f32`.
+    #[arg(long, default_value = "bf16")]
+    dtype: stepppo::model::Precision,
     /// Timed repetitions.
     #[arg(long, default_value_t = 50)]
     iters: usize,
@@ -107,7 +113,14 @@ fn prefix(a: PrefixArgs) -> anyhow::Result<()> {
     let tok = Tokenizer::builtin();
     let cfg = model_config(&a.model, &tok)?;
     let device = stepppo::device::parse_device(&a.device)?;
+    let started = std::time::Instant::now();
     let model = Model::new(&cfg, a.seed, &device)?;
+    eprintln!(
+        "initialised {} on {} in {:.1} s",
+        a.model,
+        a.device,
+        started.elapsed().as_secs_f64()
+    );
     let mut workloads = if a.specs.is_empty() || !a.workloads.is_empty() {
         selected(&a.workloads)?
     } else {
@@ -119,16 +132,23 @@ fn prefix(a: PrefixArgs) -> anyhow::Result<()> {
     if !a.json {
         println!("{}", ArmReport::table_header());
     }
-    for w in &workloads {
-        let rows = compare_arms(&model, &tok, w, &EngineConfig::default(), a.seed)
-            .with_context(|| format!("workload `{}`", w.name))?;
-        for r in &rows {
-            if a.json {
-                println!("{}", serde_json::to_string(r)?);
-            } else {
-                println!("{}", r.table_row());
-            }
+    let mut print = |r: &ArmReport| {
+        if a.json {
+            println!("{}", serde_json::to_string(r).expect("a report serialises"));
+        } else {
+            println!("{}", r.table_row());
         }
+    };
+    for w in &workloads {
+        compare_arms(
+            &model,
+            &tok,
+            w,
+            &EngineConfig::default(),
+            a.seed,
+            &mut print,
+        )
+        .with_context(|| format!("workload `{}`", w.name))?;
     }
     Ok(())
 }
@@ -240,26 +260,32 @@ mod kernels {
         );
         let mut cfg = model_config(&a.model, &Tokenizer::builtin())?;
         cfg.num_hidden_layers = 1;
+        if let Some(hd) = a.head_dim {
+            cfg.head_dim = Some(hd);
+        }
+        let dtype = a.dtype.dtype();
+        let elem = dtype.size_in_bytes();
         let (heads, kv_heads, hd) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim(),
         );
         let slots_total = a.batch * a.context;
-        let mut pool = KvPool::new(&cfg, slots_total, &device)?;
+        let mut pool = KvPool::with_dtype(&cfg, slots_total, &device, dtype)?;
         let all: Vec<u32> = pool.alloc(slots_total).context("pool allocation")?;
-        fill_pool(&mut pool, &all, kv_heads, hd, &device)?;
+        fill_pool(&mut pool, &all, (kv_heads, hd, dtype), &device)?;
         let seqs: Vec<SeqSlots> = all
             .chunks(a.context)
             .map(|slots| SeqSlots { slots, num_new: 1 })
             .collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let plan = pool.plan(&seqs, scale)?;
-        let q = Tensor::randn(0f32, 1.0, (a.batch, heads, hd), &device)?.to_dtype(DType::BF16)?;
+        let q = Tensor::randn(0f32, 1.0, (a.batch, heads, hd), &device)?.to_dtype(dtype)?;
         let decode_s = time(&device, a.iters, || {
             Ok(pool.attend_rows(0, &q, &plan, heads, scale)?)
         })?;
-        let kv_bytes = 2.0 * (slots_total * kv_heads * hd * 2) as f64;
+        // What decode must read: every K and V row once.
+        let kv_bytes = 2.0 * (slots_total * kv_heads * hd * elem) as f64;
         let copy_src = Tensor::zeros(slots_total * kv_heads * hd * 2, DType::BF16, &device)?;
         let copy_s = time(&device, a.iters, || Ok(copy_src.copy()?))?;
         let copy_bytes = 2.0 * (copy_src.elem_count() * 2) as f64;
@@ -267,6 +293,7 @@ mod kernels {
         let copy_gbs = copy_bytes / copy_s / 1e9;
         let report = serde_json::json!({
             "batch": a.batch, "context": a.context, "q_heads": heads, "kv_heads": kv_heads, "head_dim": hd,
+            "dtype": a.dtype.to_string(),
             "decode_ms": decode_s * 1e3, "decode_gb_s": decode_gbs, "copy_gb_s": copy_gbs,
             "fraction_of_copy": decode_gbs / copy_gbs,
         });
@@ -274,8 +301,8 @@ mod kernels {
             println!("{report}");
         } else {
             println!(
-                "decode: batch {} × context {} ({heads} q / {kv_heads} kv heads, head_dim {hd}): {:.3} ms, {:.0} GB/s; device copy {:.0} GB/s; {:.0}% of copy",
-                a.batch, a.context, decode_s * 1e3, decode_gbs, copy_gbs, 100.0 * decode_gbs / copy_gbs
+                "decode {}: batch {} × context {} ({heads} q / {kv_heads} kv heads, head_dim {hd}): {:.3} ms, {:.0} GB/s; device copy {:.0} GB/s; {:.0}% of copy",
+                a.dtype, a.batch, a.context, decode_s * 1e3, decode_gbs, copy_gbs, 100.0 * decode_gbs / copy_gbs
             );
         }
         Ok(())
@@ -285,8 +312,7 @@ mod kernels {
     fn fill_pool(
         pool: &mut KvPool,
         slots: &[u32],
-        kv_heads: usize,
-        hd: usize,
+        (kv_heads, hd, dtype): (usize, usize, DType),
         dev: &Device,
     ) -> anyhow::Result<()> {
         for chunk in slots.chunks(1 << 16) {
@@ -295,8 +321,8 @@ mod kernels {
                 num_new: chunk.len(),
             }];
             let plan = pool.plan(&seq, 1.0)?;
-            let k = Tensor::randn(0f32, 1.0, (chunk.len(), kv_heads, hd), dev)?;
-            let v = Tensor::randn(0f32, 1.0, (chunk.len(), kv_heads, hd), dev)?;
+            let k = Tensor::randn(0f32, 1.0, (chunk.len(), kv_heads, hd), dev)?.to_dtype(dtype)?;
+            let v = Tensor::randn(0f32, 1.0, (chunk.len(), kv_heads, hd), dev)?.to_dtype(dtype)?;
             pool.write_rows(0, &plan, &k, &v)?;
         }
         Ok(())

@@ -13,4 +13,4 @@ pub mod grammar;
 pub mod sampling;
 pub mod workload;
 
-pub use generate::{generate, Generation};
+pub use generate::{forced_logprobs, generate, Generation};

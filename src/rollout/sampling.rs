@@ -90,7 +90,7 @@ pub fn sample_allowed(
 }
 
 /// `log_softmax(logits / temperature)` in f64; NaN logits count as −∞.
-fn log_softmax(logits: &[f32], temperature: f32) -> Vec<f64> {
+pub(crate) fn log_softmax(logits: &[f32], temperature: f32) -> Vec<f64> {
     let t = f64::from(temperature);
     let scaled: Vec<f64> = logits
         .iter()

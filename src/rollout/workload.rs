@@ -248,53 +248,53 @@ impl ArmReport {
     }
 }
 
-/// Runs `w` under every cache mode (same weights, seeds and inputs) on a fresh engine per arm.
+/// Runs `w` under every cache mode (same weights, seeds and inputs) on a fresh engine per arm,
+/// the cache-free arm first; `on_arm` sees each arm's report as soon as it finishes (a long
+/// workload shows its first figures before the last arm ends).
 pub fn compare_arms(
     model: &Model,
     tok: &Tokenizer,
     w: &Workload,
     engine_cfg: &EngineConfig,
     base_seed: u64,
+    on_arm: &mut dyn FnMut(&ArmReport),
 ) -> Result<Vec<ArmReport>> {
-    let mut runs = Vec::new();
+    let mut reports = Vec::new();
+    let mut none: Option<(f64, f64)> = None;
     for mode in CacheMode::ALL {
         let cfg = EngineConfig {
             cache_mode: mode,
             ..engine_cfg.clone()
         };
         let mut engine = Engine::for_model(model, cfg)?;
-        runs.push((mode, run_workload(&mut engine, model, tok, w, base_seed)?));
+        let run = run_workload(&mut engine, model, tok, w, base_seed)?;
+        let flops = forward_flops(model.config(), &run.counters);
+        let (none_wall, none_flops) = *none.get_or_insert((run.wall_s, flops));
+        let c = &run.counters;
+        let report = ArmReport {
+            workload: w.name.clone(),
+            arm: mode.name(),
+            groups: w.groups,
+            group_size: w.group_size,
+            turns: w.turns,
+            prompt_len: w.prompt_len,
+            obs_len: w.obs_len,
+            response_len: w.response_len,
+            prompt_tokens: c.prompt_tokens,
+            tokens_prefilled: c.tokens_prefilled,
+            tokens_from_cache: c.tokens_from_cache,
+            hit_ratio: c.hit_ratio(),
+            decode_tokens: c.decode_tokens,
+            theoretical_min: w.theoretical_min(),
+            stateless_total: w.stateless_total(),
+            peak_slots_used: c.peak_slots_used,
+            evictions: c.evictions,
+            wall_s: run.wall_s,
+            speedup_vs_none: none_wall / run.wall_s,
+            flop_ratio_vs_none: none_flops / flops,
+        };
+        on_arm(&report);
+        reports.push(report);
     }
-    let (none_wall, none_flops) = (
-        runs[0].1.wall_s,
-        forward_flops(model.config(), &runs[0].1.counters),
-    );
-    Ok(runs
-        .into_iter()
-        .map(|(mode, run)| {
-            let c = &run.counters;
-            ArmReport {
-                workload: w.name.clone(),
-                arm: mode.name(),
-                groups: w.groups,
-                group_size: w.group_size,
-                turns: w.turns,
-                prompt_len: w.prompt_len,
-                obs_len: w.obs_len,
-                response_len: w.response_len,
-                prompt_tokens: c.prompt_tokens,
-                tokens_prefilled: c.tokens_prefilled,
-                tokens_from_cache: c.tokens_from_cache,
-                hit_ratio: c.hit_ratio(),
-                decode_tokens: c.decode_tokens,
-                theoretical_min: w.theoretical_min(),
-                stateless_total: w.stateless_total(),
-                peak_slots_used: c.peak_slots_used,
-                evictions: c.evictions,
-                wall_s: run.wall_s,
-                speedup_vs_none: none_wall / run.wall_s,
-                flop_ratio_vs_none: none_flops / forward_flops(model.config(), c),
-            }
-        })
-        .collect())
+    Ok(reports)
 }
