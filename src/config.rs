@@ -469,12 +469,14 @@ impl Default for AsyncRolloutConfig {
     }
 }
 
-/// `async_rollout.proximal`: the anchor of the clipped ratio on responses of older versions.
+/// `async_rollout.proximal`: the anchor of the clipped ratio on responses whose stored log-probs
+/// are not the update's own: those of older versions, and every response when the rollout and
+/// the update compute in different numerics (bf16 in `precision` or `rollout_dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ProximalPolicy {
-    /// Decoupled PPO: the policy as the update starts, recomputed, with truncated behaviour
-    /// weights.
+    /// Decoupled PPO: the policy as the update starts, recomputed in the update's numerics,
+    /// with truncated behaviour weights (which also correct the sampler's rounding).
     Recompute,
     /// The behaviour policy's stored log-probs: no extra pass and no correction of the lag
     /// (off-policy PPO without a correction, as one-step-off-policy pipelines run it).
@@ -671,8 +673,9 @@ pub struct Config {
     /// `bf16` as a transformers model loaded in bf16 computes (norms, attention scores and
     /// softmax, log-probs and sampling accumulate in f32). Unset: f32 on the CPU, bf16 on CUDA.
     /// The update scores
-    /// the sampled tokens in `precision`, so bf16 rollouts under an f32 update start their
-    /// importance ratios at bf16's rounding away from 1.
+    /// the sampled tokens in `precision`; when either is bf16 the update recomputes the
+    /// sampled tokens' log-probs in its own numerics and weights each token by the truncated
+    /// ratio to the sampler's (`async_rollout.proximal: recompute`, the default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout_dtype: Option<Precision>,
     /// Rounds kept in the re-rendered prompt of the `window` layout; 0 holds the current state

@@ -6,6 +6,7 @@ mod common;
 
 use stepppo::config::Config;
 use stepppo::store::{Dataset, StepRecord};
+use stepppo::train::metrics::read_jsonl;
 use stepppo::train::{checkpoint, Trainer};
 
 /// StepPO with the shared-trunk critic: the most state a checkpoint has to carry.
@@ -301,6 +302,25 @@ fn bf16_precision_trains_deterministically_near_f32_and_may_change_at_resume() {
         assert!(worst <= 0.05, "{name}: bf16 strays {worst} from f32");
     }
     assert!(moved, "bf16 products should round differently from f32");
+    // The update recomputes the sampled tokens' log-probs in its bf16 numerics and weighs each
+    // token by its ratio to the f32 sampler's: near 1, logged; an f32 run needs none.
+    let weights_logged = |run: &str| {
+        let rows = read_jsonl(&root.path().join(run).join("metrics.jsonl")).unwrap();
+        let updates: Vec<_> = rows
+            .into_iter()
+            .filter(|(_, s)| s.contains_key("time/update"))
+            .collect();
+        assert_eq!(updates.len(), 2, "{run}");
+        updates
+            .iter()
+            .map(|(_, s)| s.get("actor/behaviour_weight_mean").copied())
+            .collect::<Vec<_>>()
+    };
+    assert!(weights_logged("f32").iter().all(Option::is_none));
+    for mean in weights_logged("bf16") {
+        let mean = mean.expect("bf16 updates log their behaviour weights");
+        assert!((mean - 1.0).abs() < 0.05, "behaviour weight mean {mean}");
+    }
     let mut resumed = Trainer::resume(cfg("f32"), &dir).unwrap();
     resumed.run(3, &mut |_| {}).unwrap();
 }

@@ -57,7 +57,7 @@ use crate::config::{config_name, Config, CriticMode, ProximalPolicy};
 use crate::crash;
 use crate::dist::{Collective, Metered, Single};
 use crate::env::AgentKind;
-use crate::model::{Critic, LoraSpec, Model};
+use crate::model::{Critic, LoraSpec, Model, Precision};
 use crate::rollout::engine::{CacheCounters, Engine};
 use crate::rollout::grammar::ResponseGrammar;
 use crate::seed;
@@ -895,19 +895,23 @@ impl Trainer {
         })
     }
 
-    /// Decoupled PPO's correction of a batch with responses of older policy versions
-    /// (`async_rollout`): the current policy's log-probs (the proximal policy's) and the
-    /// truncated behaviour weights; `None` when every response is the current version's or
-    /// the ratio is to be taken against the behaviour policy (`proximal: behaviour`).
+    /// Decoupled PPO's correction of a batch whose behaviour log-probs are not the update's
+    /// own: responses of older policy versions (`async_rollout`), or any response when the
+    /// rollout computes in other numerics than the update (bf16 in either: `precision`,
+    /// `rollout_dtype`). The current policy's log-probs in the update's numerics (the proximal
+    /// policy's) and the truncated behaviour weights; `None` when the stored log-probs are the
+    /// update's own or the ratio is to be taken against them (`proximal: behaviour`).
     fn proximal_correction(
         &self,
         records: &[StepRecord],
         sequences: &[Vec<usize>],
         scalars: &mut Scalars,
     ) -> Result<Option<ProximalCorrection>, TrainError> {
-        let fresh = records.iter().all(|r| r.policy_version == self.state.step);
+        let stale = records.iter().any(|r| r.policy_version != self.state.step);
+        let numerics_differ = self.cfg.precision != Precision::F32
+            || self.policy.rollout_precision() != Precision::F32;
         let decoupled = self.cfg.async_rollout.proximal == ProximalPolicy::Recompute;
-        if !(self.cfg.async_rollout.is_async() && decoupled) || fresh {
+        if !decoupled || !(stale && self.cfg.async_rollout.is_async() || numerics_differ) {
             return Ok(None);
         }
         let t = Instant::now();
