@@ -10,6 +10,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::Command;
 use stepppo::store::Dataset;
+use stepppo::train::credit_log::CREDIT_FILE;
 use stepppo::train::metrics::{read_events, read_jsonl, Scalars};
 
 /// Four steps of a tiny run with checkpoints at steps 2 and 4.
@@ -131,6 +132,8 @@ fn assert_same_run(want: &Path, got: &Path, case: &str) {
     );
     let rows = |run: &Path| deterministic(read_jsonl(&run.join("metrics.jsonl")).unwrap());
     assert_eq!(rows(want), rows(got), "{case}: metrics.jsonl differs");
+    let credit = |run: &Path| std::fs::read_to_string(run.join(CREDIT_FILE)).unwrap();
+    assert_eq!(credit(want), credit(got), "{case}: credit.jsonl differs");
     assert_eq!(
         events(want),
         events(got),

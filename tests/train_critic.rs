@@ -182,7 +182,9 @@ fn fit(critic: &CriticModel, policy: &Model, plan: &Plan) -> (f64, f64, Scalars)
             actor_opt: &mut actor_opt,
             critic: Some(learner),
         };
-        last = ppo_update(&inputs, &settings, &mut learners).unwrap();
+        last = ppo_update(&inputs, &settings, &mut learners)
+            .unwrap()
+            .scalars;
     }
     let after = explained(critic, policy, &records, &sequences);
     let policy_after = policy.named_vars()[0].1.as_tensor().to_vec1_flat();

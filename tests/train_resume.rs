@@ -369,3 +369,56 @@ fn bf16_rollouts_record_bf16_logprobs_deterministically_and_may_change_at_resume
     let mut resumed = Trainer::resume(cfg("f32"), &dir).unwrap();
     resumed.run(2, &mut |_| {}).unwrap();
 }
+
+/// The credit log holds, for every stored record, what its update used: the separate critic's
+/// value (not 0), an advantage that is the whitened `return − value` of its batch (λ = 1), the
+/// ratio the policy loss saw, and the version that sampled it (the learner's, synchronously).
+#[test]
+fn the_credit_log_holds_what_each_update_used() {
+    use stepppo::train::credit_log::{read_credit, CREDIT_FILE};
+    let root = tempfile::tempdir().unwrap();
+    let cfg = tiny_config_with(&["critic.mode=separate", "critic.history_batches=1"]);
+    let mut trainer = Trainer::create(cfg, root.path()).unwrap();
+    trainer.run(3, &mut |_| {}).unwrap();
+    drop(trainer);
+    let credit = read_credit(&root.path().join(CREDIT_FILE)).unwrap();
+    let dataset = Dataset::open(&root.path().join("dataset")).unwrap();
+    let keys: Vec<(u64, u32)> = dataset
+        .records()
+        .map(|r| (r.traj_id, r.step_index))
+        .collect();
+    assert_eq!(credit.len(), keys.len(), "one row per stored record");
+    assert!(keys.iter().all(|k| credit.contains_key(k)));
+    for version in 0..3u64 {
+        let rows: Vec<_> = credit
+            .values()
+            .filter(|c| c.learner_version == version)
+            .collect();
+        assert!(!rows.is_empty(), "no rows of update {version}");
+        for c in &rows {
+            assert_eq!(c.behaviour_version, version, "synchronous: on-policy");
+            assert!(c.kept);
+            let ratio = c.ratio_first.expect("a kept step passes the policy loss");
+            assert!(ratio.is_finite() && (0.5..2.0).contains(&ratio), "{ratio}");
+        }
+        let values: Vec<f32> = rows.iter().map(|c| c.value.expect("a critic")).collect();
+        assert!(values.iter().any(|&v| v != 0.0), "every value is 0");
+        // Whitening is affine: the advantages correlate perfectly with return − value.
+        let x: Vec<f64> = rows
+            .iter()
+            .map(|c| f64::from(c.ret - c.value.unwrap()))
+            .collect();
+        let a: Vec<f64> = rows.iter().map(|c| f64::from(c.advantage)).collect();
+        let r = pearson(&x, &a);
+        assert!(r > 0.9999, "update {version}: corr(return − value, advantage) = {r}");
+    }
+}
+
+fn pearson(x: &[f64], y: &[f64]) -> f64 {
+    let n = x.len() as f64;
+    let (mx, my) = (x.iter().sum::<f64>() / n, y.iter().sum::<f64>() / n);
+    let cov: f64 = x.iter().zip(y).map(|(a, b)| (a - mx) * (b - my)).sum();
+    let sx = x.iter().map(|a| (a - mx).powi(2)).sum::<f64>().sqrt();
+    let sy = y.iter().map(|b| (b - my).powi(2)).sum::<f64>().sqrt();
+    cov / (sx * sy)
+}

@@ -1,8 +1,10 @@
 //! `stepppo view` over real HTTP on loopback: the run page, the metrics JSON, list pages,
 //! trajectory pages with every estimator, escaping of hostile model and env text, malformed
 //! and hostile parameters and paths answered 4xx while the server stays up, foreign `Host`
-//! names refused, nothing written, and a live run's new steps and metrics appearing without a
-//! restart.
+//! names refused, nothing written, a live run's new steps and metrics appearing without a
+//! restart, and a trained run's steps showing what its trainer used.
+
+mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -12,6 +14,8 @@ use std::time::{Duration, Instant};
 use stepppo::env::StepInfo;
 use stepppo::store::{DatasetWriter, StepRecord, WriterOptions};
 use stepppo::tokenizer::Tokenizer;
+use stepppo::train::credit_log::{read_credit, CREDIT_FILE};
+use stepppo::train::Trainer;
 use stepppo::view::{self, ViewOptions};
 
 const HOSTILE_ACTION: &str = "<answer>Left</answer></pre><script>alert(1)</script>";
@@ -426,4 +430,34 @@ fn the_command_names_a_path_that_is_no_dataset() {
         stderr.contains(&dir.path().display().to_string()),
         "{stderr}"
     );
+}
+
+/// A run trained for real: each step's page shows what the trainer used for it (the credit log):
+/// the critic's value from the rollout-time scoring (not the re-scoring's 0), the advantage, the
+/// ratio and the sampling version.
+#[test]
+fn a_trained_runs_steps_show_the_trainers_credit() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["critic.mode=separate", "critic.history_batches=1"];
+    let mut trainer = Trainer::create(common::tiny_config(&sets), dir.path()).unwrap();
+    trainer.run(2, &mut |_| {}).unwrap();
+    drop(trainer);
+    let credit = read_credit(&dir.path().join(CREDIT_FILE)).unwrap();
+    let (&(traj, step), row) = credit
+        .iter()
+        .filter(|(_, c)| c.learner_version == 1)
+        .min_by_key(|(k, _)| **k)
+        .unwrap();
+    let client = Client::new(start(dir.path()));
+    let page = client.ok(&format!("/trajectory/{traj}"));
+    let value = row.value.expect("a separate critic gives values");
+    assert_ne!(value, 0.0);
+    let line = format!(
+        "id=\"trainer-{step}\">trainer, update of version 1: value <b>{value:.3}</b> · \
+         advantage <b>{:.3}</b>",
+        row.advantage
+    );
+    assert!(page.contains(&line), "{line} not in {page}");
+    assert!(page.contains("sampled by version 1 (on-policy)"), "{page}");
+    assert!(page.contains("the step's importance ratio"), "{page}");
 }

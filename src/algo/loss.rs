@@ -13,7 +13,7 @@ use super::config::{KlEstimator, KlMode, LossAggMode, LossConfig, RatioType};
 use super::AlgoError;
 
 /// verl clamps log-ratios to ±20 before `exp`.
-const LOG_RATIO_BOUND: f64 = 20.0;
+pub const LOG_RATIO_BOUND: f64 = 20.0;
 /// verl clamps the GSPO log-ratio at 10.
 const GSPO_LOG_RATIO_MAX: f64 = 10.0;
 /// verl clamps k3 to ±10.

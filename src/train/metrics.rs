@@ -415,7 +415,7 @@ pub fn rewind(run_dir: &Path, position: &MetricsPosition) -> Result<usize, Metri
 }
 
 /// Cuts `path` to `bytes`; a file shorter than that (or missing) is an error: rows are lost.
-fn cut(path: &Path, bytes: u64) -> Result<(), MetricsError> {
+pub(super) fn cut(path: &Path, bytes: u64) -> Result<(), MetricsError> {
     let len = if path.exists() { file_len(path)? } else { 0 };
     if len < bytes {
         return Err(MetricsError::Record {
@@ -436,7 +436,7 @@ fn cut(path: &Path, bytes: u64) -> Result<(), MetricsError> {
     Ok(())
 }
 
-fn file_len(path: &Path) -> Result<u64, MetricsError> {
+pub(super) fn file_len(path: &Path) -> Result<u64, MetricsError> {
     Ok(std::fs::metadata(path).map_err(io_err(path))?.len())
 }
 

@@ -7,14 +7,14 @@
 //! the update side ([`masks`]), construction of the device, engine and fresh policy (`setup`),
 //! the supervised warm start ([`sft`], after [`copy_pretrain`]), self-imitation replay
 //! ([`self_imitation`]), validation ([`eval`]), checkpoints, the run directory's consistency
-//! across crashes ([`run_dir`]), metric sinks (JSONL and TensorBoard), learning-curve plots,
-//! collapse warnings and the progress bar.
+//! across crashes ([`run_dir`]), metric sinks (JSONL and TensorBoard), the per-step credit log
+//! ([`credit_log`]), learning-curve plots, collapse warnings and the progress bar.
 //!
 //! Dependencies point down: `trainer` uses the others and nothing uses it; below it
 //! `async_rollout` → `eval`; `update` → `critic` → `scoring` and `optimizer_step`; `update` →
 //! `self_imitation` → `sft` → `copy_pretrain` and `setup`; these share `device_batch` → `masks`,
-//! `prefix_tree` → `batch`; `eval` uses `setup`, `run_dir` uses `checkpoint`, `metrics` and
-//! `plot`, and every module may use [`TrainError`], which wraps only the leaves' errors.
+//! `prefix_tree` → `batch`; `eval` uses `setup`, `run_dir` uses `checkpoint`, `credit_log` →
+//! `metrics` and `plot`, and every module may use [`TrainError`], which wraps only the leaves' errors.
 
 pub mod async_rollout;
 pub mod batch;
@@ -23,6 +23,7 @@ pub mod checkpoint;
 mod close;
 pub mod collapse;
 pub mod copy_pretrain;
+pub mod credit_log;
 pub mod critic;
 mod device_batch;
 pub mod eval;

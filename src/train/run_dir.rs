@@ -1,10 +1,11 @@
 //! The run directory as a whole: which directory a fresh run may start in, and the position of
-//! its append-only files (the step dataset, `metrics.jsonl`, the TensorBoard events) that every
-//! checkpoint records, so that resuming brings each of them back to the checkpoint's moment and
-//! nothing written after it (the rollouts, metric rows and events of steps the crash undid) is
-//! kept twice. Checkpoint directories themselves are [`super::checkpoint`]'s.
+//! its append-only files (the step dataset, `metrics.jsonl`, the TensorBoard events, the credit
+//! log) that every checkpoint records, so that resuming brings each of them back to the
+//! checkpoint's moment and nothing written after it (the rollouts, metric rows and events of steps
+//! the crash undid) is kept twice. Checkpoint directories themselves are [`super::checkpoint`]'s.
 
 use super::checkpoint;
+use super::credit_log::{self, CreditLog, CREDIT_FILE};
 use super::metrics::{self, MetricsPosition, MetricsSink};
 use super::TrainError;
 use crate::config::Config;
@@ -37,18 +38,23 @@ pub const CRITIC_BASE_DIR: &str = "critic_base";
 pub struct RunPosition {
     pub dataset: DatasetPosition,
     pub metrics: MetricsPosition,
+    /// Length of the credit log (`None` in checkpoints written before runs kept one).
+    #[serde(default)]
+    pub credit_bytes: Option<u64>,
 }
 
 impl RunPosition {
-    /// Flushes the dataset and the metric sinks and records where they stand.
+    /// Flushes the dataset, the metric sinks and the credit log and records where they stand.
     pub fn capture(
         run_dir: &Path,
         dataset: &mut DatasetWriter,
         sink: &mut MetricsSink,
+        credit: &mut CreditLog,
     ) -> Result<Self, TrainError> {
         Ok(RunPosition {
             dataset: dataset.position()?,
             metrics: sink.position(run_dir)?,
+            credit_bytes: Some(credit.position()?),
         })
     }
 }
@@ -62,6 +68,9 @@ pub struct Rewound {
 
 /// Brings the dataset and metric files of `run_dir` back to `position` (idempotent).
 pub fn rewind(run_dir: &Path, position: &RunPosition) -> Result<Rewound, TrainError> {
+    if let Some(bytes) = position.credit_bytes {
+        credit_log::rewind(run_dir, bytes)?;
+    }
     Ok(Rewound {
         records: store::rewind(&run_dir.join(DATASET_DIR), &position.dataset)?,
         metric_rows: metrics::rewind(run_dir, &position.metrics)?,
@@ -74,6 +83,7 @@ const RUN_ENTRIES: &[&str] = &[
     CONFIG_FILE,
     DATASET_DIR,
     "metrics.jsonl",
+    CREDIT_FILE,
     "tb",
     REFERENCE_DIR,
     WARM_START_DIR,

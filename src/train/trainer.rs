@@ -27,6 +27,7 @@ use super::batch::trajectories;
 use super::checkpoint::{self, CheckpointWriter};
 use super::collapse::CollapseDetector;
 use super::copy_pretrain::copy_pretrain;
+use super::credit_log::{CreditLog, StepCredit};
 use super::critic::fit::state_values;
 use super::critic::history::{self as critic_history, CriticHistory};
 use super::critic::{critic_seed, CriticModel, CriticOrigin};
@@ -43,7 +44,9 @@ use super::setup::{
     attach_critic_adapters, attach_run_adapters, device_of, engine_for, fresh_policy, run_lora_spec,
 };
 use super::sft::{self, CloneSettings, SftReport};
-use super::update::{self, CriticLearner, Learners, UpdateInputs, UpdateSettings};
+use super::update::{
+    self, CriticLearner, Learners, StepRatios, UpdateInputs, UpdateReport, UpdateSettings,
+};
 use super::TrainError;
 use crate::algo::config::LossAggMode;
 use crate::algo::filter::group_reward_std;
@@ -126,6 +129,8 @@ pub struct Trainer {
     dataset: DatasetWriter,
     /// The run's metrics: rank 0's alone (`None` on the other ranks).
     sink: Option<MetricsSink>,
+    /// Rank 0's per-step credit log (`<run>/credit.jsonl`).
+    credit_log: Option<CreditLog>,
     /// The data-parallel world this process is a rank of, counting its traffic.
     dist: Arc<Metered>,
     detector: CollapseDetector,
@@ -365,13 +370,17 @@ impl Trainer {
             )),
             _ => None,
         };
-        let sink = match dist.rank() {
-            0 => Some(MetricsSink::open(run_dir)?),
-            _ => None,
+        let (sink, credit_log) = match dist.rank() {
+            0 => (
+                Some(MetricsSink::open(run_dir)?),
+                Some(CreditLog::open(run_dir)?),
+            ),
+            _ => (None, None),
         };
         Ok(Trainer {
             dataset,
             sink,
+            credit_log,
             dist: Arc::new(Metered::new(dist)),
             run_dir: run_dir.to_path_buf(),
             cfg,
@@ -722,6 +731,7 @@ impl Trainer {
             kl_penalty.as_deref(),
             &mut scalars,
         )?;
+        let step_advantages: Vec<f32> = advantages.0.iter().map(|a| mean(a)).collect();
         self.admit_to_replay(&records, &mut scalars)?;
         let (actor_advantages, proximal_logprobs) =
             match self.proximal_correction(&records, &sequences, &mut scalars)? {
@@ -757,10 +767,21 @@ impl Trainer {
             }),
             proximal_logprobs,
         };
-        let update_scalars = self.update(&inputs);
+        let report = self.update(&inputs);
+        let credit = report.as_ref().ok().map(|report| {
+            let used = UsedCredit {
+                advantages: &step_advantages,
+                ratios: &report.ratios,
+                learner_version: self.state.step,
+            };
+            credit_rows(&inputs, &used)
+        });
         drop(inputs);
         self.replay_buffer = buffer;
-        let update_scalars = update_scalars?;
+        let update_scalars = report?.scalars;
+        if let (Some(log), Some(rows)) = (self.credit_log.as_mut(), credit) {
+            log.append(&rows)?;
+        }
         self.state.skipped_updates += update_scalars["actor/skipped_updates"] as u64;
         scalars.extend(update_scalars);
         let time_update = t_update.elapsed().as_secs_f64();
@@ -1070,7 +1091,7 @@ impl Trainer {
         Ok(())
     }
 
-    fn update(&mut self, inputs: &UpdateInputs) -> Result<Scalars, TrainError> {
+    fn update(&mut self, inputs: &UpdateInputs) -> Result<UpdateReport, TrainError> {
         let opt = self.cfg.optimizer_config();
         let total = self.cfg.max_steps;
         let update_index = self.state.step as usize;
@@ -1131,11 +1152,10 @@ impl Trainer {
     /// Writes `ckpt-<step>` atomically (never from non-finite weights) and points `ckpt-latest` at
     /// it. Rank 0's work: the other ranks hold the same state and write nothing.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
-        let sink = self
-            .sink
-            .as_mut()
-            .ok_or_else(|| TrainError::Data("only rank 0 writes checkpoints".into()))?;
-        let position = RunPosition::capture(&self.run_dir, &mut self.dataset, sink)?;
+        let (Some(sink), Some(credit_log)) = (self.sink.as_mut(), self.credit_log.as_mut()) else {
+            return Err(TrainError::Data("only rank 0 writes checkpoints".into()));
+        };
+        let position = RunPosition::capture(&self.run_dir, &mut self.dataset, sink, credit_log)?;
         let writer = CheckpointWriter::begin(&self.run_dir, self.state.step)?;
         let policy_vars = self.policy.named_vars();
         writer.ensure_finite(policy_vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
@@ -1167,6 +1187,43 @@ impl Trainer {
         crash::point("checkpoint.committed");
         Ok(dir)
     }
+}
+
+/// What the update used for each record, beyond the update's inputs: the estimator's advantage
+/// before any behaviour correction (mean over the step's tokens), the ratios the policy loss saw,
+/// and the version being trained.
+struct UsedCredit<'a> {
+    advantages: &'a [f32],
+    ratios: &'a StepRatios,
+    learner_version: u64,
+}
+
+/// The credit log's row of every record of an update.
+fn credit_rows(inputs: &UpdateInputs, used: &UsedCredit) -> Vec<StepCredit> {
+    inputs
+        .records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| StepCredit {
+            traj_id: r.traj_id,
+            step_index: r.step_index,
+            learner_version: used.learner_version,
+            behaviour_version: r.policy_version,
+            kept: inputs.actor_keep[i],
+            value: inputs.old_values.get(i).and_then(|v| v.first().copied()),
+            ret: inputs.returns[i].first().copied().unwrap_or(0.0),
+            advantage: used.advantages[i],
+            ratio_first: used.ratios.first(i),
+            ratio_last: used.ratios.last(i),
+        })
+        .collect()
+}
+
+fn mean(values: &[f32]) -> f32 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.iter().sum::<f32>() / values.len() as f32
 }
 
 /// This rank's writer of the run's dataset, made by `open` (`DatasetWriter::create` or

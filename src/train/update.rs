@@ -24,7 +24,7 @@ use super::metrics::Scalars;
 use super::optimizer_step::{backward, step_critic, Means};
 use super::self_imitation::Replay;
 use super::{ranks, TrainError};
-use crate::algo::loss::agg_normaliser;
+use crate::algo::loss::{agg_normaliser, LOG_RATIO_BOUND};
 use crate::algo::{policy_loss, value_loss, AdamW, CriticTarget, LossConfig};
 use crate::dist::Collective;
 use crate::model::{Critic, Model, ValueMlp};
@@ -154,13 +154,81 @@ pub struct Learners<'a> {
     pub critic: Option<CriticLearner<'a>>,
 }
 
-/// Runs the PPO epochs; returns the metrics (means over mini-batches) and the skipped count.
+/// What one update did: its metrics (means over mini-batches, the skipped and stepped counts)
+/// and each record's importance ratios.
+#[derive(Clone, Debug)]
+pub struct UpdateReport {
+    pub scalars: Scalars,
+    pub ratios: StepRatios,
+}
+
+/// Each record's importance ratio on its first and last pass through the policy loss, with the
+/// epoch of the pass: `exp(mean over its response tokens of log π/π_old)` (the log-ratio bounded
+/// as the loss bounds it), the length-normalised ratio of the step.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StepRatios {
+    /// Per record: ((epoch, ratio) of the first pass, (epoch, ratio) of the last).
+    passes: Vec<Option<[(u32, f32); 2]>>,
+}
+
+impl StepRatios {
+    fn new(records: usize) -> Self {
+        Self {
+            passes: vec![None; records],
+        }
+    }
+
+    fn observe(&mut self, record: usize, epoch: u32, ratio: f32) {
+        let pass = (epoch, ratio);
+        let slot = &mut self.passes[record];
+        *slot = Some(match *slot {
+            None => [pass, pass],
+            Some([first, last]) => [
+                if epoch < first.0 { pass } else { first },
+                if epoch >= last.0 { pass } else { last },
+            ],
+        });
+    }
+
+    /// The ratio on the record's first pass; `None` when the policy loss never saw it.
+    pub fn first(&self, record: usize) -> Option<f32> {
+        self.passes.get(record)?.map(|[first, _]| first.1)
+    }
+
+    /// The ratio on the record's last pass.
+    pub fn last(&self, record: usize) -> Option<f32> {
+        self.passes.get(record)?.map(|[_, last]| last.1)
+    }
+
+    /// Every rank's observations together (each rank saw the rows dealt to it).
+    fn merged(self, dist: &dyn Collective) -> Result<Self, TrainError> {
+        if dist.is_single_process() {
+            return Ok(self);
+        }
+        let mine = serde_json::to_vec(&self).map_err(|e| TrainError::Data(e.to_string()))?;
+        let mut all = StepRatios::new(self.passes.len());
+        for (rank, bytes) in dist.all_gather_bytes(&mine)?.iter().enumerate() {
+            let theirs: StepRatios = serde_json::from_slice(bytes)
+                .map_err(|e| TrainError::Data(format!("ratios reported by rank {rank}: {e}")))?;
+            for (record, pass) in theirs.passes.iter().enumerate() {
+                for &(epoch, ratio) in pass.iter().flatten() {
+                    all.observe(record, epoch, ratio);
+                }
+            }
+        }
+        Ok(all)
+    }
+}
+
+/// Runs the PPO epochs; returns the metrics (means over mini-batches), the skipped count and
+/// each record's ratios.
 pub fn ppo_update(
     inputs: &UpdateInputs,
     settings: &UpdateSettings,
     learners: &mut Learners,
-) -> Result<Scalars, TrainError> {
+) -> Result<UpdateReport, TrainError> {
     let mut means = Means::default();
+    let mut ratios = StepRatios::new(inputs.records.len());
     let mut skipped = 0usize;
     let mut actor_updates = 0usize;
     // Passes in which the critic trains on the actor's mini-batches (a feature critic is fitted
@@ -193,8 +261,14 @@ pub fn ppo_update(
             let part = part.as_ref().map(|(p, b)| (p, b));
             if train_actor {
                 let draw = [epoch as u64, k as u64];
-                let (actor_skipped, stepped) =
-                    actor_step(inputs, settings, learners, part, draw, &mut means)?;
+                let (actor_skipped, stepped) = actor_step(
+                    inputs,
+                    settings,
+                    learners,
+                    part,
+                    draw,
+                    (&mut means, &mut ratios),
+                )?;
                 skipped += usize::from(actor_skipped);
                 actor_updates += usize::from(stepped);
             }
@@ -256,7 +330,10 @@ pub fn ppo_update(
     means.merged(dist)?.into_scalars(&mut out);
     out.insert("actor/skipped_updates".into(), skipped as f64);
     out.insert("actor/updates".into(), actor_updates as f64);
-    Ok(out)
+    Ok(UpdateReport {
+        scalars: out,
+        ratios: ratios.merged(dist)?,
+    })
 }
 
 /// The epoch's mini-batches: a seeded shuffle cut into chunks of `mini_batch` sequences, so each
@@ -400,14 +477,15 @@ fn critic_normaliser(
 }
 
 /// One actor update (plus the self-imitation replay of mini-batch `draw` = [epoch, index]) on
-/// this rank's part of the mini-batch (`None`: no rows here); returns (skipped, stepped).
+/// this rank's part of the mini-batch (`None`: no rows here), logging into `means` and the
+/// rows' ratios; returns (skipped, stepped).
 fn actor_step(
     inputs: &UpdateInputs,
     settings: &UpdateSettings,
     learners: &mut Learners,
     part: Option<(&PackedBatch, &DeviceBatch)>,
     draw: [u64; 2],
-    means: &mut Means,
+    (means, ratios): (&mut Means, &mut StepRatios),
 ) -> Result<(bool, bool), TrainError> {
     let dist = settings.dist;
     let shared_head = matches!(learners.critic, Some(CriticLearner::SharedHead(_)));
@@ -437,8 +515,9 @@ fn actor_step(
     }
     let mut loss: Option<Tensor> = None;
     if let Some((p, batch)) = part.filter(|_| actor.0 > 0) {
+        let pass = (ratios, draw[0] as u32);
         let (policy_part, shared_values) = means.part(&actor_share, |m| {
-            actor_loss(inputs, settings, learners, p, batch, m)
+            actor_loss(inputs, settings, learners, (p, batch), m, pass)
         })?;
         let mut l = ranks::scaled(policy_part, &actor_share, dist)?;
         if let Some(values) = shared_values {
@@ -487,14 +566,15 @@ fn actor_step(
 }
 
 /// The policy loss of this rank's rows (aggregated over them) and, with a shared value head,
-/// the head's values from the same trunk pass; logs the policy metrics.
+/// the head's values from the same trunk pass; logs the policy metrics, and the kept rows'
+/// ratios as seen in epoch `pass.1`.
 fn actor_loss(
     inputs: &UpdateInputs,
     settings: &UpdateSettings,
     learners: &Learners,
-    p: &PackedBatch,
-    batch: &DeviceBatch,
+    (p, batch): (&PackedBatch, &DeviceBatch),
     means: &mut Means,
+    pass: (&mut StepRatios, u32),
 ) -> Result<(Tensor, Option<Tensor>), TrainError> {
     let device = learners.policy.device().clone();
     let (mask, _) = row_mask(p, &inputs.actor_keep, &device)?;
@@ -541,6 +621,7 @@ fn actor_loss(
             rows_tensor(rows, p.rows, p.max_response_len, &device)
         })
         .transpose()?;
+    observe_ratios(p, &inputs.actor_keep, &logp, &old, pass)?;
     let (loss, m) = policy_loss(
         &logp,
         &old,
@@ -567,6 +648,37 @@ fn actor_loss(
     means.add("actor/ratio_max", m.ratio_max);
     means.add("actor/ratio_min", m.ratio_min);
     Ok((loss, shared_values))
+}
+
+/// Records each kept row's length-normalised ratio (`exp` of its mean token log-ratio, bounded
+/// as the loss bounds it) for epoch `epoch`.
+fn observe_ratios(
+    p: &PackedBatch,
+    keep: &[bool],
+    logp: &Tensor,
+    old: &Tensor,
+    (ratios, epoch): (&mut StepRatios, u32),
+) -> Result<(), TrainError> {
+    let bound = LOG_RATIO_BOUND as f32;
+    let log_ratio = (logp.detach().to_dtype(candle_core::DType::F32)? - old)?.to_vec2::<f32>()?;
+    let w = p.max_response_len;
+    for (row, &record) in p.record_of_row.iter().enumerate() {
+        if !keep[record] {
+            continue;
+        }
+        let mask = &p.token_mask[row * w..(row + 1) * w];
+        let (sum, count) = log_ratio[row]
+            .iter()
+            .zip(mask)
+            .filter(|(_, &m)| m > 0.0)
+            .fold((0f32, 0usize), |(s, c), (&lr, _)| {
+                (s + lr.clamp(-bound, bound), c + 1)
+            });
+        if count > 0 {
+            ratios.observe(record, epoch, (sum / count as f32).exp());
+        }
+    }
+    Ok(())
 }
 
 /// One trunk pass for both heads of a policy with a shared value head: log-probs and entropies
@@ -821,7 +933,9 @@ mod tests {
             actor_opt: &mut opt,
             critic: None,
         };
-        let out = ppo_update(&inputs, &settings, &mut learners).unwrap();
+        let out = ppo_update(&inputs, &settings, &mut learners)
+            .unwrap()
+            .scalars;
         let lp_after = response_logprob(&policy, &records[0]);
         ((out, before, weights(&policy)), lp_before, lp_after)
     }
@@ -978,8 +1092,10 @@ mod tests {
             .unwrap();
         assert_eq!(matches!(batch.input, TrainInput::Tree(_)), tree_forward);
         let mut means = Means::default();
+        let mut ratios = StepRatios::new(inputs.records.len());
+        let pass = (&mut ratios, 0);
         let (pg, values) =
-            actor_loss(inputs, &settings, &learners, &p, &batch, &mut means).unwrap();
+            actor_loss(inputs, &settings, &learners, (&p, &batch), &mut means, pass).unwrap();
         let (vf, _) =
             critic_loss(inputs, &settings, &values.unwrap(), &p, &batch, &mut means).unwrap();
         let total = (pg + vf).unwrap();

@@ -1,8 +1,8 @@
 //! The per-trajectory summary index the trajectory list is served from: one pass over the
 //! metadata of every frame (decoded in place, nothing allocated per record) at open, a few
 //! dozen bytes per trajectory, then filtering, sorting and per-env figures without touching
-//! the segments again; a [`Snapshot`] keeps the dataset beside it and remembers its latest
-//! selections, so paging through a sorted list sorts it once. The query parameters are
+//! the segments again; a [`Snapshot`] keeps the dataset beside it, with the trainer's credit rows
+//! of a run, and remembers its latest selections, so paging through a sorted list sorts it once. The query parameters are
 //! `query`'s.
 
 use std::cmp::Ordering;
@@ -12,6 +12,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::store::{Dataset, StepMetaView, StepView};
+use crate::train::credit_log::StepCredit;
 
 use super::error::ViewError;
 use super::source::{Fingerprint, Source};
@@ -256,6 +257,8 @@ pub struct Snapshot {
     pub dataset: Dataset,
     pub index: TrajIndex,
     pub fingerprint: Fingerprint,
+    /// What the trainer used for each step, by (trajectory, step) (empty for a bare dataset).
+    pub credit: HashMap<(u64, u32), StepCredit>,
     /// Counts the re-opens of a live dataset (0 for the first open).
     pub generation: u64,
     /// The latest selections, newest last: paging through one sorts it once.
@@ -272,6 +275,7 @@ impl Snapshot {
             dataset,
             index,
             fingerprint,
+            credit: source.credit()?,
             generation,
             selections: Mutex::new(Vec::new()),
         })

@@ -241,7 +241,7 @@ pub fn trajectory_page(
         "<div class=\"traj\" data-color=\"{colour}\"><article class=\"steps\" id=\"steps\">{head}{controls}{note}",
         head = traj_header(detail, source.is_run()),
         controls = controls(t.traj_id, q),
-        note = scoring_note(&detail.scoring, q),
+        note = scoring_note(detail, q),
     );
     for step in &detail.steps {
         main.push_str(&step_section(step));
@@ -297,7 +297,8 @@ fn controls(traj_id: u64, q: &TrajQuery) -> String {
     )
 }
 
-fn scoring_note(scoring: &Scoring, q: &TrajQuery) -> String {
+fn scoring_note(detail: &TrajectoryDetail, q: &TrajQuery) -> String {
+    let scoring = &detail.scoring;
     let name = esc(&estimator_name(q.advantage.adv_estimator));
     let text = match scoring {
         Scoring::Scored { over, zero_values } => format!(
@@ -308,7 +309,18 @@ fn scoring_note(scoring: &Scoring, q: &TrajQuery) -> String {
         Scoring::Open => "Not scored: the trajectory is open, its return is not final.".to_string(),
         Scoring::Failed(why) => format!("<b>{name}</b> could not score this group: {}", esc(why)),
     };
-    format!("<p class=\"note\" id=\"scoring\">{text}</p>")
+    let trained = detail.steps.iter().filter(|s| s.credit.is_some()).count();
+    let trainer = match trained {
+        0 => String::new(),
+        n => format!(
+            " The <b>trainer</b> line under {n} of the {} steps is what the run itself used: the \
+             critic's value at the step's start, the advantage and return, the step's importance \
+             ratio on its first (→ last) pass through the update, and the policy version that \
+             sampled it (<code>credit.jsonl</code>); tokens are coloured by that advantage.",
+            detail.steps.len()
+        ),
+    };
+    format!("<p class=\"note\" id=\"scoring\">{text}{trainer}</p>")
 }
 
 fn step_section(step: &StepDetail) -> String {
@@ -333,10 +345,14 @@ fn step_section(step: &StepDetail) -> String {
     flags.extend(r.info.context_rebuilt.then_some("context rebuilt"));
     flags.extend(r.terminated.then_some("terminated"));
     flags.extend((r.truncated && !r.terminated).then_some("truncated"));
-    let adv = step.scores.as_ref().map_or(0.0, |s| s.advantage);
+    let adv = match (&step.credit, &step.scores) {
+        (Some(c), _) => c.advantage,
+        (None, Some(s)) => s.advantage,
+        (None, None) => 0.0,
+    };
     format!(
         "<section class=\"step\" id=\"step-{i}\" data-advantage=\"{adv}\"><h2>Step {i}</h2>\
-         <p class=\"facts\">reward <b>{reward}</b>{scores} · {flags} · tokens: context {ctx}, obs {obs}, response {resp}</p>\
+         <p class=\"facts\">reward <b>{reward}</b>{scores} · {flags} · tokens: context {ctx}, obs {obs}, response {resp}</p>{trainer}\
          <h3>observation</h3><pre class=\"obs\">{obs_text}</pre>{context}\
          <h3>response</h3><div class=\"tokens\">{tokens}</div>{calls}</section>",
         i = r.step_index,
@@ -347,9 +363,46 @@ fn step_section(step: &StepDetail) -> String {
         obs = r.obs_ids.len(),
         resp = r.response_ids.len(),
         obs_text = esc(r.info.observation_text.trim_end()),
+        trainer = trainer_line(step),
         context = context_block(step),
         tokens = token_spans(step),
         calls = calls_block(step),
+    )
+}
+
+/// What the run's trainer used for the step (its credit log), when an update consumed it.
+fn trainer_line(step: &StepDetail) -> String {
+    let Some(c) = &step.credit else {
+        return String::new();
+    };
+    let i = step.record.step_index;
+    let value = c
+        .value
+        .map_or("none (no critic)".to_string(), |v| num(f64::from(v), 3));
+    let ratio = match (c.ratio_first, c.ratio_last) {
+        (Some(first), Some(last)) if first != last => {
+            format!("{} → {}", num(f64::from(first), 3), num(f64::from(last), 3))
+        }
+        (Some(first), _) => num(f64::from(first), 3),
+        _ => "not in the policy loss".to_string(),
+    };
+    let lag = match c.staleness() {
+        0 => "on-policy".to_string(),
+        n => format!("{n} behind"),
+    };
+    format!(
+        "<p class=\"facts trainer\" id=\"trainer-{i}\">trainer, update of version {learner}: \
+         value <b>{value}</b> · advantage <b>{adv}</b> · return {ret} · ratio {ratio} · \
+         sampled by version {behaviour} ({lag}){filtered}</p>",
+        learner = c.learner_version,
+        adv = num(f64::from(c.advantage), 3),
+        ret = num(f64::from(c.ret), 3),
+        behaviour = c.behaviour_version,
+        filtered = if c.kept {
+            ""
+        } else {
+            " · filtered out of the policy loss"
+        },
     )
 }
 

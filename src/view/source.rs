@@ -1,8 +1,9 @@
 //! What `stepppo view PATH` reads: PATH as a run directory (`dataset/`, `metrics.jsonl`,
-//! `config.json`, checkpoints) or as a bare dataset; the tokenizer to show token boundaries
+//! `credit.jsonl`, `config.json`, checkpoints) or as a bare dataset; the tokenizer to show token boundaries
 //! with; the advantage settings of the run; and the cheap fingerprint (segment file names and
 //! sizes) that tells a live dataset grew. Everything here only reads.
 
+use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -11,6 +12,7 @@ use crate::config::Config;
 use crate::store::{Manifest, EXTRA_WORDS_KEY, MANIFEST_FILE, TOKENIZER_DIR_KEY};
 use crate::tokenizer::Tokenizer;
 use crate::train::checkpoint;
+use crate::train::credit_log::{read_credit, StepCredit, CREDIT_FILE};
 
 use super::error::ViewError;
 
@@ -23,6 +25,9 @@ pub struct Source {
     pub dataset: PathBuf,
     /// `PATH/metrics.jsonl` of a run directory (it may not exist yet).
     pub metrics: Option<PathBuf>,
+    /// `PATH/credit.jsonl` of a run directory: what the trainer used for each step (it may not
+    /// exist yet, or ever for a run of an older stepppo).
+    pub credit: Option<PathBuf>,
 }
 
 impl Source {
@@ -34,6 +39,7 @@ impl Source {
                 root: path.to_path_buf(),
                 dataset: path.to_path_buf(),
                 metrics: None,
+                credit: None,
             });
         }
         let dataset = path.join("dataset");
@@ -42,6 +48,7 @@ impl Source {
                 root: path.to_path_buf(),
                 dataset,
                 metrics: Some(path.join("metrics.jsonl")),
+                credit: Some(path.join(CREDIT_FILE)),
             });
         }
         Err(ViewError::NotADataset {
@@ -117,7 +124,17 @@ impl Source {
             .and_then(|value| Config::from_value(value, &path.display().to_string()).ok())
     }
 
-    /// Names and sizes of the dataset's segment files, in name order.
+    /// The trainer's credit rows by (trajectory, step); empty for a bare dataset or a run
+    /// without a credit log.
+    pub fn credit(&self) -> Result<HashMap<(u64, u32), StepCredit>, ViewError> {
+        match &self.credit {
+            Some(path) => Ok(read_credit(path)?),
+            None => Ok(HashMap::new()),
+        }
+    }
+
+    /// Names and sizes of the dataset's segment files, in name order, and the size of the
+    /// credit log: either changes when a live run writes.
     pub fn fingerprint(&self) -> Result<Fingerprint, ViewError> {
         let io = |source| ViewError::Io {
             path: self.dataset.clone(),
@@ -132,6 +149,10 @@ impl Source {
             }
         }
         files.sort();
+        if let Some(credit) = self.credit.as_ref().filter(|p| p.is_file()) {
+            let bytes = fs::metadata(credit).map_err(io)?.len();
+            files.push((CREDIT_FILE.to_string(), bytes));
+        }
         Ok(Fingerprint(files))
     }
 }

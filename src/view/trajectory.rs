@@ -1,14 +1,16 @@
 //! What the trajectory page shows, gathered from a snapshot: each step's texts, the new context
 //! tokens decoded whole (what the model saw, template markers included), the tool calls of its
-//! response, its response
-//! tokens decoded one id at a time (so their exact boundaries are visible) with behaviour
-//! log-probs, value / advantage / return scored on the fly with a chosen estimator, and the
-//! other trajectories of the group as one line of moves and rewards each. Rendering is `pages`'.
+//! response, its response tokens decoded one id at a time (so their exact boundaries are
+//! visible) with behaviour log-probs, value / advantage / return scored on the fly with a chosen
+//! estimator, what the run's trainer used for the step (its credit log: the critic's value, the
+//! advantage, the importance ratio, the behaviour version against the learner's), and the other
+//! trajectories of the group as one line of moves and rewards each. Rendering is `pages`'.
 
 use crate::algo::{self, AdvantageConfig, AdvantageInputs, ReplayRow};
 use crate::store::{decode_trajectory, StepRecord, StoreError, Trajectory};
 use crate::tokenizer::tool_calls::{ParsedCall, ParsedReply};
 use crate::tokenizer::Tokenizer;
+use crate::train::credit_log::StepCredit;
 
 use super::index::{Snapshot, TrajSummary};
 
@@ -35,6 +37,9 @@ pub struct StepDetail {
     pub calls: Result<Vec<ParsedCall>, String>,
     /// The estimator's row for this step (none for an open trajectory or a failed scoring).
     pub scores: Option<ReplayRow>,
+    /// What the run's trainer used for this step (none outside a run, or for a step no update
+    /// has consumed yet).
+    pub credit: Option<StepCredit>,
 }
 
 /// How the advantages were obtained.
@@ -90,7 +95,9 @@ pub fn gather(
         .into_iter()
         .map(|record| {
             let scores = rows.iter().find(|r| r.step_index == record.step_index);
+            let credit = snap.credit.get(&(record.traj_id, record.step_index));
             StepDetail {
+                credit: credit.cloned(),
                 observation: tokenizer.decode(&record.obs_ids),
                 tokens: tokens(&record, tokenizer),
                 calls: calls(&record.info.action_text, tokenizer),
