@@ -410,7 +410,10 @@ fn the_credit_log_holds_what_each_update_used() {
             .collect();
         let a: Vec<f64> = rows.iter().map(|c| f64::from(c.advantage)).collect();
         let r = pearson(&x, &a);
-        assert!(r > 0.9999, "update {version}: corr(return − value, advantage) = {r}");
+        assert!(
+            r > 0.9999,
+            "update {version}: corr(return − value, advantage) = {r}"
+        );
     }
 }
 
