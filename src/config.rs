@@ -1202,6 +1202,18 @@ impl Config {
             let free_text = check
                 .action_space
                 .is_some_and(|space| !matches!(space, crate::env::ActionSpace::Named(_)));
+            if check.tools && self.context != ContextLayout::Concat {
+                return fail(
+                    "context",
+                    format!("env `{tag}` has tools: true, whose conversation grows turn by turn: set context: concat"),
+                );
+            }
+            if check.tools && self.constrained_decoding {
+                return fail(
+                    "constrained_decoding",
+                    format!("env `{tag}` has tools: true, whose replies are function calls, which the answer grammar does not describe"),
+                );
+            }
             if self.constrained_decoding && free_text {
                 return fail(
                     "constrained_decoding",

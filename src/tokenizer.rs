@@ -12,6 +12,7 @@
 //! `<|im_start|>role\n…<|im_end|>\n` turns built in token space. Model code lives in
 //! [`crate::model`].
 
+pub mod conversation;
 mod hf_files;
 pub mod jinja;
 pub mod tool_calls;
@@ -20,6 +21,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
+pub use conversation::{Followup, ToolConversation};
 pub use jinja::{JinjaTemplate, Message};
 pub use tool_calls::{ToolCall, ToolCallFormat};
 

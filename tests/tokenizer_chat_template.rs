@@ -278,3 +278,92 @@ fn tool_templates_render_what_apply_chat_template_renders() {
         }
     }
 }
+
+/// A tool-mode episode built turn by turn in token space (`ToolConversation`: the first prompt,
+/// a reply that calls `search`, its tool result, then a reply that calls nothing and the user
+/// message after it) adds up to the template's rendering of the whole conversation, for the
+/// Qwen 2.5 and Llama 3.1 templates and the built-in one: what an in-process rollout and a
+/// warm start's transcripts hold is what a model served through the gateway is shown.
+#[test]
+fn a_tool_conversation_built_turn_by_turn_is_the_whole_conversations_rendering() {
+    use stepppo::tokenizer::tool_calls::{ParsedCall, ParsedReply, ToolCall};
+    use stepppo::tokenizer::{Followup, ToolConversation};
+    let tools_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/chat-tools");
+    let tokenizers = [
+        Tokenizer::from_dir(&tools_dir.join("qwen2.5")).unwrap(),
+        Tokenizer::from_dir(&tools_dir.join("llama3.1")).unwrap(),
+        Tokenizer::builtin(),
+    ];
+    let tool = r#"{"type":"function","function":{"name":"search","description":"Search.","parameters":{"type":"object","properties":{"query":{"type":"string"}},"required":["query"]}}}"#;
+    let tools = vec![tool.to_string()];
+    let (system, user) = ("Call a function.", "Question: where was Ada born?");
+    let call = ParsedCall {
+        name: "search".into(),
+        arguments: r#"{"query": "Ada"}"#.into(),
+    };
+    let result = "Ada was born in Sol.".to_string();
+    let (nudge, plain) = ("Call one of the functions offered.", "I do not know.");
+    for tok in &tokenizers {
+        let (mut conversation, mut ids) =
+            ToolConversation::start(tok, system, user, tools.clone()).unwrap();
+        let reply = conversation
+            .reply_ids(tok, std::slice::from_ref(&call))
+            .unwrap();
+        let text = tok.decode(&reply);
+        let said = ParsedReply::Calls {
+            content: None,
+            calls: vec![call.clone()],
+        };
+        ids.extend(&reply);
+        let results = [result.clone()];
+        let next = conversation
+            .after_reply(tok, &reply, (&text, &said), Followup::ToolResults(&results))
+            .unwrap();
+        ids.extend(next);
+        // A reply cut before its end of turn: the template's close follows it.
+        let second = tok.encode(plain);
+        ids.extend(&second);
+        ids.extend(
+            conversation
+                .after_reply(
+                    tok,
+                    &second,
+                    (plain, &ParsedReply::Content),
+                    Followup::User(nudge),
+                )
+                .unwrap(),
+        );
+
+        let calls = [ToolCall::new("call_0_0", "search", &call.arguments)];
+        let whole = [
+            Message::text("system", system),
+            Message::text("user", user),
+            Message {
+                role: "assistant",
+                content: None,
+                tool_calls: &calls,
+                tool_call_id: None,
+                name: None,
+            },
+            Message {
+                role: "tool",
+                content: Some(&result),
+                tool_calls: &[],
+                tool_call_id: Some("call_0_0"),
+                name: Some("search"),
+            },
+            Message::text("assistant", plain),
+            Message::text("user", nudge),
+        ];
+        let expected = ChatTemplate
+            .conversation_with_tools(tok, &whole, &tools)
+            .unwrap();
+        assert_eq!(
+            tok.decode(&ids),
+            tok.decode(&expected),
+            "template {:?}",
+            tok.chat_template().map(|t| t.origin().to_string())
+        );
+        assert_eq!(ids, expected);
+    }
+}

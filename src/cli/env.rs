@@ -1,6 +1,6 @@
-//! `stepppo env list | play | synth-hotpotqa`: list the registered environments, play them with
-//! a model-free agent (or a person on stdin), and regenerate the synthetic HotpotQA fixture or
-//! write the questions of a generated world.
+//! `stepppo env list | play | synth-hotpotqa | serve`: list the registered environments, play
+//! them with a model-free agent (or a person on stdin), regenerate the synthetic HotpotQA fixture
+//! or write the questions of a generated world, and serve an env to agents in another process.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
@@ -10,6 +10,7 @@ use clap::{Args, Subcommand};
 use serde_json::{json, Map, Value};
 
 use stepppo::env::{self, hotpotqa, Agent, AgentKind, AgentSession, Episode};
+use stepppo::serve::env_server::{serve_env, EnvSpec};
 
 #[derive(Subcommand, Debug)]
 pub enum EnvCommand {
@@ -20,6 +21,25 @@ pub enum EnvCommand {
     /// Write synthetic HotpotQA records (official JSON schema): the fixture, or with
     /// --world-split the questions of a generated world.
     SynthHotpotqa(SynthArgs),
+    /// Serve an environment over HTTP/JSON to agents in another process (the protocol's
+    /// prompts and parsing, functions in tool mode): `docs/guides/env-server.md`.
+    Serve(ServeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Environment name (see `stepppo env list`).
+    env: String,
+    /// Env or protocol setting (e.g. `tools=true`); the value is read as JSON when it parses,
+    /// else as a string.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on; 0 picks a free one.
+    #[arg(long, default_value_t = 8766)]
+    port: u16,
 }
 
 #[derive(Args, Debug)]
@@ -72,7 +92,20 @@ pub fn run(cmd: EnvCommand) -> anyhow::Result<()> {
         }
         EnvCommand::Play(args) => play(args),
         EnvCommand::SynthHotpotqa(args) => synth(args),
+        EnvCommand::Serve(args) => serve(args),
     }
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let spec = EnvSpec {
+        env: args.env.clone(),
+        config: config_from_sets(&args.set)?,
+    };
+    let addr = format!("{}:{}", args.host, args.port);
+    serve_env(spec, &addr, |bound| {
+        println!("env server: http://{bound} ({})", args.env);
+    })
+    .with_context(|| format!("serving env `{}` on {addr}", args.env))
 }
 
 fn synth(args: SynthArgs) -> anyhow::Result<()> {

@@ -65,6 +65,10 @@ pub const READY_CONFIGS: &[(&str, &str)] = &[
         "hotpotqa_steppo_searcher.yaml",
         "search QA from a warm start that searches and guesses, the answer left to RL",
     ),
+    (
+        "hotpotqa_tools_gateway.yaml",
+        "search QA in tool mode, trained from an outside tool-calling agent through the gateway",
+    ),
 ];
 
 /// The groups of top-level keys, each from its first key (in the order of [`Config`]'s fields)

@@ -15,6 +15,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::{Action, AgentSession, EnvError, TurnOutcome};
+use crate::tokenizer::tool_calls::{
+    builtin_call_text, builtin_tool_results, ToolCall, ToolCallFormat,
+};
 
 /// Which model-free policy to play.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,12 +111,23 @@ impl Agent {
     /// The response text for the session's current turn; an error when the env has no such
     /// agent.
     pub fn respond(&mut self, session: &AgentSession) -> Result<String, EnvError> {
-        let action = match self.kind {
-            AgentKind::Oracle => session.env().oracle_action()?,
-            AgentKind::Random => session.env().random_action(&mut self.rng)?,
-            AgentKind::Searcher => session.env().searcher_action(&mut self.rng)?,
-        };
+        let action = self.action(session)?;
+        if session.protocol().tools {
+            let call = session.action_call(&action);
+            let call = ToolCall::new("call_0", &call.name, &call.arguments);
+            return Ok(builtin_call_text(None, &[call]));
+        }
         Ok(response_text(&action, session.protocol().enable_think))
+    }
+
+    /// The action for the session's current turn (what a tool-mode turn calls); an error when
+    /// the env has no such agent.
+    pub fn action(&mut self, session: &AgentSession) -> Result<Action, EnvError> {
+        match self.kind {
+            AgentKind::Oracle => session.env().oracle_action(),
+            AgentKind::Random => session.env().random_action(&mut self.rng),
+            AgentKind::Searcher => session.env().searcher_action(&mut self.rng),
+        }
     }
 }
 
@@ -199,7 +213,8 @@ impl Episode {
     }
 }
 
-/// Plays one episode: `respond` writes the response text for each turn. The first env (or agent)
+/// Plays one episode: `respond` writes the response text for each turn (in tool mode, calls in
+/// the built-in template's Hermes format; their results are the next message). The first env (or agent)
 /// error ends it.
 pub fn play_episode(
     session: &mut AgentSession,
@@ -210,8 +225,19 @@ pub fn play_episode(
     let mut turns = Vec::new();
     loop {
         let response = respond(session)?;
-        let outcome = session.act(&response)?;
-        let next = outcome.next_user_message.clone();
+        let outcome = match session.protocol().tools {
+            true => {
+                let reply = ToolCallFormat::Hermes.parse(&response, &session.tool_names());
+                session.act_reply(&response, &reply)?
+            }
+            false => session.act(&response)?,
+        };
+        let next = match outcome.tool_results.is_empty() {
+            true => outcome.next_user_message.clone(),
+            false => Some(builtin_tool_results(
+                outcome.tool_results.iter().map(String::as_str),
+            )),
+        };
         turns.push(TurnLog {
             user_message,
             response,

@@ -22,6 +22,7 @@ pub mod hotpotqa;
 mod protocol;
 mod remote;
 pub mod sokoban;
+pub mod tools;
 
 use serde::{de::DeserializeOwned, Serialize};
 use serde_json::{Map, Value};
@@ -104,6 +105,8 @@ pub enum OnError {
 pub struct EnvCheck {
     pub action_space: Option<ActionSpace>,
     pub on_error: OnError,
+    /// The protocol's tool mode (`tools: true`).
+    pub tools: bool,
 }
 
 /// A text environment. See the module doc for the determinism and failure contracts.
@@ -117,6 +120,11 @@ pub trait Env: Send {
     fn step(&mut self, action: &Action) -> Result<Transition, EnvError>;
     /// Task instruction for the first user message (symbols, actions, goal).
     fn instruction(&self) -> String;
+    /// The task in words for the protocol's tool mode, where the functions are offered apart:
+    /// the instruction without the text protocol's tag conventions (by default the instruction).
+    fn tool_instruction(&self) -> String {
+        self.instruction()
+    }
     /// Raw current observation (the GiGPO anchor).
     fn state_text(&self) -> String;
     /// The actions this env understands.
@@ -331,18 +339,20 @@ fn fit_turns_to_action_cap(
 /// policy use this, so a config is valid whether or not its server is up yet.
 pub fn check_config(env_name: &str, config: &Value) -> Result<EnvCheck, EnvError> {
     if env_name != "remote" {
-        let (env, _) = build_env(env_name, config)?;
+        let (env, protocol) = build_env(env_name, config)?;
         return Ok(EnvCheck {
             action_space: Some(env.action_space()),
             on_error: OnError::Fail,
+            tools: protocol.tools,
         });
     }
     let (protocol_overrides, env_overrides) = split_config(env_name, config)?;
     let remote = remote_config(&env_overrides)?;
-    protocol_config(env_name, &protocol_overrides)?;
+    let protocol = protocol_config(env_name, &protocol_overrides)?;
     Ok(EnvCheck {
         action_space: None,
         on_error: remote.on_error,
+        tools: protocol.tools,
     })
 }
 

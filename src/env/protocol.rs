@@ -10,13 +10,19 @@
 //! any unknown action name is invalid as a whole; actions beyond `max_actions_per_turn` are
 //! dropped (as RAGEN does). Malformed text never panics.
 //!
+//! In tool mode (`tools: true`) the actions are offered as functions ([`super::tools`]): the
+//! caller finds the calls in the reply (the format is the chat template's) and hands them to
+//! [`AgentSession::act_reply`]; each executed call's result is the next turn's tool message.
+//!
 //! An env that fails (a remote server's error) makes `reset` or `act` return its [`EnvError`]
 //! and ends the episode (`is_done`): nothing is made up for the turn that failed.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::tools;
 use super::{stable_hash, Action, ActionSpace, Env, EnvError};
+use crate::tokenizer::tool_calls::{ParsedCall, ParsedReply};
 
 /// Human-readable and per-step environment facts carried with a record.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -73,16 +79,24 @@ pub struct ProtocolConfig {
     /// paid in training only (such as HotpotQA's `retrieval_bonus`) never makes the training
     /// text differ from validation's.
     pub show_reward: bool,
+    /// Tool mode (OpenAI function calling): the env's actions are offered as functions
+    /// (`search(query)` and `answer(answer)` for search QA, `act(action)` for named actions), the
+    /// chat template renders them into the prompt, the model answers by calling one, and each
+    /// executed call's result comes back as a tool message (no `Turn k:` blocks). A reply with no
+    /// call, or one that does not parse, is an invalid turn (`tool_call_error` when it tried).
+    /// The format of an agent served through the gateway; needs `context: concat`.
+    pub tools: bool,
 }
 
 impl ProtocolConfig {
     /// The keys of this config, used to split a combined env config.
-    pub const KEYS: [&'static str; 5] = [
+    pub const KEYS: [&'static str; 6] = [
         "max_turns",
         "max_actions_per_turn",
         "enable_think",
         "format_penalty",
         "show_reward",
+        "tools",
     ];
 
     /// Defaults for an env.
@@ -98,6 +112,7 @@ impl ProtocolConfig {
             enable_think: false,
             format_penalty: -0.1,
             show_reward: true,
+            tools: false,
         }
     }
 
@@ -134,8 +149,12 @@ pub struct TurnOutcome {
     pub reward: f32,
     pub terminated: bool,
     pub truncated: bool,
-    /// The next user message; `None` when the episode is over.
+    /// The next user message; `None` when the episode is over, and in tool mode when the turn
+    /// executed calls (their results are the next message).
     pub next_user_message: Option<String>,
+    /// Tool mode: the result of each executed call, in order (the next turn's tool messages);
+    /// empty when the episode is over or nothing was executed.
+    pub tool_results: Vec<String>,
     pub info: StepInfo,
     /// Env metrics of the last executed action (e.g. `em`, `f1` for QA); empty when none ran.
     pub metrics: Vec<(String, f32)>,
@@ -199,6 +218,11 @@ impl AgentSession {
     }
 
     pub fn system_prompt(&self) -> String {
+        if self.protocol.tools {
+            return "You're a helpful assistant. Each turn, call one of the functions offered, \
+                    with no extra text."
+                .to_string();
+        }
         let think = if self.protocol.enable_think {
             "<think>[your thoughts]</think>"
         } else {
@@ -222,12 +246,77 @@ impl AgentSession {
         self.actions_used = 0;
         self.done = false;
         self.history.clear();
+        if self.protocol.tools {
+            let state = self.turn_state.trim_matches('\n');
+            return Ok(format!("{}\n{state}", self.env.tool_instruction()));
+        }
         Ok(format!("{}\n{}", self.instruction(), self.turn_block()))
+    }
+
+    /// Tool mode: the functions offered, each as the JSON text of an OpenAI tool; empty in the
+    /// text protocol.
+    pub fn tool_schemas(&self) -> Vec<String> {
+        match self.protocol.tools {
+            true => tools::tool_schemas(&self.env.action_space()),
+            false => Vec::new(),
+        }
+    }
+
+    /// Tool mode: the names of the functions offered.
+    pub fn tool_names(&self) -> Vec<&'static str> {
+        tools::function_names(&self.env.action_space())
+    }
+
+    /// The call that expresses `action` (a model-free agent's turn in tool mode).
+    pub fn action_call(&self, action: &Action) -> ParsedCall {
+        tools::action_call(action)
+    }
+
+    /// Tool mode: applies a reply, `reply` being what the tokenizer's tool-call format found in
+    /// `response_text`. Up to `max_actions_per_turn` calls run in order; a reply that calls
+    /// nothing is an invalid turn, and one whose call did not parse or stands for no action is an
+    /// invalid turn flagged `tool_call_error`.
+    pub fn act_reply(
+        &mut self,
+        response_text: &str,
+        reply: &ParsedReply,
+    ) -> Result<TurnOutcome, EnvError> {
+        let space = self.env.action_space();
+        let actions = match reply {
+            ParsedReply::Malformed { reason } => Err(reason.clone()),
+            ParsedReply::Content => Ok(None),
+            ParsedReply::Calls { calls, .. } => calls
+                .iter()
+                .take(self.protocol.max_actions_per_turn)
+                .map(|c: &ParsedCall| tools::call_action(&space, c))
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some),
+        };
+        let tried = actions.is_err();
+        let mut outcome = self.apply(response_text, actions.ok().flatten())?;
+        outcome.info.tool_call_error = tried;
+        Ok(outcome)
     }
 
     /// Parses `response_text`, steps the env (or applies the format penalty), advances the turn.
     /// An env error ends the episode.
     pub fn act(&mut self, response_text: &str) -> Result<TurnOutcome, EnvError> {
+        let parsed = parse_response(
+            response_text,
+            &self.env.action_space(),
+            self.protocol.enable_think,
+            self.protocol.max_actions_per_turn,
+        );
+        self.apply(response_text, parsed)
+    }
+
+    /// Steps the env with the actions a reply stands for (`None`: an invalid turn, which pays
+    /// the format penalty), advances the turn and writes the next message.
+    fn apply(
+        &mut self,
+        response_text: &str,
+        parsed: Option<Vec<Action>>,
+    ) -> Result<TurnOutcome, EnvError> {
         let observation_text = self.turn_state.clone();
         if self.done {
             return Ok(TurnOutcome {
@@ -235,6 +324,7 @@ impl AgentSession {
                 terminated: true,
                 truncated: false,
                 next_user_message: None,
+                tool_results: Vec::new(),
                 info: StepInfo {
                     observation_text,
                     action_text: response_text.to_string(),
@@ -243,20 +333,15 @@ impl AgentSession {
                 metrics: Vec::new(),
             });
         }
-        let parsed = parse_response(
-            response_text,
-            &self.env.action_space(),
-            self.protocol.enable_think,
-            self.protocol.max_actions_per_turn,
-        );
         let mut info = StepInfo {
             observation_text,
             action_text: response_text.to_string(),
             ..StepInfo::default()
         };
         let mut metrics = Vec::new();
+        let mut results = Vec::new();
         let (reward, terminated, env_truncated) = match parsed {
-            Some(actions) => match self.execute(&actions, &mut info, &mut metrics) {
+            Some(actions) => match self.execute(&actions, &mut info, &mut metrics, &mut results) {
                 Ok(result) => result,
                 Err(e) => {
                     self.done = true;
@@ -280,21 +365,36 @@ impl AgentSession {
                 || self.turn > self.protocol.max_turns
                 || self.actions_used >= self.env.max_steps());
         self.done = terminated || truncated;
-        let next_user_message = (!self.done).then(|| {
-            format!(
-                "{}{}",
-                self.feedback_line(reward, info.action_is_valid),
-                self.turn_block()
-            )
-        });
+        let (next_user_message, tool_results) = match (self.done, self.protocol.tools) {
+            (true, _) => (None, Vec::new()),
+            (false, true) if !results.is_empty() => (None, results),
+            (false, true) => (Some(self.invalid_call_message()), results),
+            (false, false) => (
+                Some(format!(
+                    "{}{}",
+                    self.feedback_line(reward, info.action_is_valid),
+                    self.turn_block()
+                )),
+                Vec::new(),
+            ),
+        };
         Ok(TurnOutcome {
             reward,
             terminated,
             truncated,
             next_user_message,
+            tool_results,
             info,
             metrics,
         })
+    }
+
+    /// Tool mode: the user message after a turn that executed no call.
+    fn invalid_call_message(&self) -> String {
+        format!(
+            "(invalid turn) Call one of the functions offered: {}.",
+            self.tool_names().join(", ")
+        )
     }
 
     /// The line that opens the next user message: the reward (when shown) and whether the turn
@@ -341,8 +441,12 @@ impl AgentSession {
         text
     }
 
-    /// Strings at which generation should stop (the closing tags of a complete turn).
+    /// Strings at which generation should stop (the closing tags of a complete turn; none in
+    /// tool mode, where a reply ends with the end of its turn).
     pub fn stop_strings(&self) -> Vec<String> {
+        if self.protocol.tools {
+            return Vec::new();
+        }
         match self.env.action_space() {
             ActionSpace::Named(_) | ActionSpace::FreeText => vec!["</answer>".to_string()],
             ActionSpace::SearchOrAnswer => vec!["</answer>".to_string(), "</search>".to_string()],
@@ -389,6 +493,7 @@ impl AgentSession {
         actions: &[Action],
         info: &mut StepInfo,
         metrics: &mut Vec<(String, f32)>,
+        observations: &mut Vec<String>,
     ) -> Result<(f32, bool, bool), EnvError> {
         let budget = self.env.max_steps().saturating_sub(self.actions_used);
         let mut reward = 0.0;
@@ -396,6 +501,7 @@ impl AgentSession {
         info.action_is_valid = true;
         for action in actions.iter().take(budget) {
             let transition = self.env.step(action)?;
+            observations.push(transition.observation.trim_matches('\n').to_string());
             self.actions_used += 1;
             info.num_actions += 1;
             reward += transition.reward;

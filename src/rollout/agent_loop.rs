@@ -27,7 +27,8 @@ use crate::rollout::grammar::{GrammarError, ResponseGrammar};
 use crate::rollout::sampling::SamplingParams;
 use crate::seed;
 use crate::store::StepRecord;
-use crate::tokenizer::{ChatTemplate, Tokenizer};
+use crate::tokenizer::tool_calls::ParsedReply;
+use crate::tokenizer::{ChatTemplate, Followup, Tokenizer, ToolConversation};
 
 /// Errors of a rollout.
 #[derive(Debug, thiserror::Error)]
@@ -168,6 +169,8 @@ struct Trajectory {
     /// The env's metrics of every turn so far, summed by name.
     metric_sums: BTreeMap<String, f64>,
     done: bool,
+    /// Tool mode (`tools: true`): the conversation the context renders.
+    conversation: Option<ToolConversation>,
 }
 
 /// Runs one rollout: builds and resets every session (group g's members share the env seed
@@ -192,6 +195,9 @@ pub fn run_rollout(
     let t_start = Instant::now();
     let mut trajs = start_trajectories(tok, template, cfg, &mut dropped)?;
     let mut env_s = t_start.elapsed().as_secs_f64();
+    if trajs.first().is_some_and(|t| t.session.protocol().tools) {
+        check_tool_mode(cfg)?;
+    }
     let grammar = match trajs.first() {
         Some(t) if cfg.constrained_decoding => {
             Some(Arc::new(ResponseGrammar::for_session(tok, &t.session)?))
@@ -271,6 +277,25 @@ fn validate(cfg: &RolloutConfig) -> Result<()> {
     }
     if cfg.max_turns == 0 || cfg.max_new_tokens == 0 {
         return bad("max_turns and max_new_tokens must be at least 1");
+    }
+    Ok(())
+}
+
+/// Tool mode renders a conversation that grows turn by turn, and its replies are calls, which
+/// the env's answer grammar does not describe.
+fn check_tool_mode(cfg: &RolloutConfig) -> Result<()> {
+    if cfg.layout != ContextLayout::Concat {
+        return Err(RolloutError::Config(format!(
+            "env `{}` has tools: true, which needs context: concat",
+            cfg.env_name
+        )));
+    }
+    if cfg.constrained_decoding {
+        return Err(RolloutError::Config(format!(
+            "env `{}` has tools: true, whose replies are function calls, not the answers \
+             constrained_decoding describes: set constrained_decoding: false",
+            cfg.env_name
+        )));
     }
     Ok(())
 }
@@ -368,8 +393,17 @@ fn start_group(
         let first = session
             .reset(env_seed)
             .map_err(|source| env_error(cfg, source))?;
-        let context = template.first_prompt(tok, &session.system_prompt(), &first)?;
+        let system = session.system_prompt();
+        let (conversation, context) = match session.protocol().tools {
+            true => {
+                let (c, ids) =
+                    ToolConversation::start(tok, &system, &first, session.tool_schemas())?;
+                (Some(c), ids)
+            }
+            false => (None, template.first_prompt(tok, &system, &first)?),
+        };
         members.push(Trajectory {
+            conversation,
             session,
             traj_id: group_id * cfg.group_size as u64 + member,
             group_id,
@@ -428,10 +462,15 @@ fn advance(
         Vec::new()
     };
     let response_text = tok.decode(&response);
-    let outcome = t
-        .session
-        .act(&response_text)
-        .map_err(|source| env_error(cfg, source))?;
+    let reply = match &t.conversation {
+        Some(_) => Some(found_calls(tok, &t.session, &response_text)?),
+        None => None,
+    };
+    let outcome = match &reply {
+        Some(reply) => t.session.act_reply(&response_text, reply),
+        None => t.session.act(&response_text),
+    }
+    .map_err(|source| env_error(cfg, source))?;
     for (name, v) in &outcome.metrics {
         *t.metric_sums.entry(name.clone()).or_insert(0.0) += f64::from(*v);
     }
@@ -440,7 +479,7 @@ fn advance(
         info.observation_text = std::mem::take(&mut t.observation_text);
     }
     if info.action_text.is_empty() {
-        info.action_text = response_text;
+        info.action_text = response_text.clone();
     }
     let obs_ids = t.context[t.context_len..].to_vec();
     let mut record = StepRecord {
@@ -461,9 +500,15 @@ fn advance(
         info,
         critic_state,
     };
-    match outcome.next_user_message.filter(|_| !record.is_last()) {
-        Some(message) => {
-            next_context(t, &record, &message, tok, template, cfg)?;
+    let followup = match (&outcome.next_user_message, outcome.tool_results.is_empty()) {
+        (Some(user), _) => Some(Followup::User(user)),
+        (None, false) => Some(Followup::ToolResults(&outcome.tool_results)),
+        (None, true) => None,
+    };
+    match followup.filter(|_| !record.is_last()) {
+        Some(followup) => {
+            let said = (response_text.as_str(), reply.as_ref());
+            next_context(t, &record, said, followup, (tok, template, cfg))?;
             if last_turn || t.context.len() + cfg.max_new_tokens > cfg.max_context_tokens {
                 record.truncated = true;
             }
@@ -474,16 +519,36 @@ fn advance(
     Ok(record)
 }
 
+/// What a tool-mode reply says, in the tokenizer's tool-call format (a template without one is
+/// an error naming it).
+fn found_calls(tok: &Tokenizer, session: &AgentSession, text: &str) -> Result<ParsedReply> {
+    let format = tok
+        .tool_call_format()
+        .map_err(|e| RolloutError::Config(format!("tools: true: {e}")))?;
+    Ok(format.parse(text, &session.tool_names()))
+}
+
 /// Builds the context of the next step in token space.
 fn next_context(
     t: &mut Trajectory,
     record: &StepRecord,
-    message: &str,
-    tok: &Tokenizer,
-    template: &ChatTemplate,
-    cfg: &RolloutConfig,
+    (text, reply): (&str, Option<&ParsedReply>),
+    followup: Followup<'_>,
+    (tok, template, cfg): (&Tokenizer, &ChatTemplate, &RolloutConfig),
 ) -> Result<()> {
+    let message = match followup {
+        Followup::User(user) => user.to_string(),
+        Followup::ToolResults(results) => results.join("\n"),
+    };
+    let message = message.as_str();
     t.observation_text = message.to_string();
+    if let (Some(conversation), Some(reply)) = (t.conversation.as_mut(), reply) {
+        t.context.extend_from_slice(&record.response_ids);
+        t.context_len = t.context.len();
+        let next = conversation.after_reply(tok, &record.response_ids, (text, reply), followup)?;
+        t.context.extend(next);
+        return Ok(());
+    }
     match cfg.layout {
         ContextLayout::Concat => {
             t.context.extend_from_slice(&record.response_ids);

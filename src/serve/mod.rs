@@ -9,11 +9,13 @@
 //! `user` field) is a step of that session's trajectory (`session`): its prompt extends the
 //! session's context in token space, its sampled tokens and log-probs are kept exactly, and
 //! `POST /v1/sessions/{id}/close` with the reward(s) turns the session into step records. The
-//! protocol, with examples, is in `docs/guides/gateway.md`.
+//! protocol, with examples, is in `docs/guides/gateway.md`. Beside the gateway, [`env_server`]
+//! serves stepppo's own environments to such agents (`stepppo env serve`).
 
 mod api;
 mod auth;
 mod backend;
+pub mod env_server;
 mod http;
 mod session;
 mod worker;

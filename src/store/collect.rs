@@ -21,7 +21,8 @@ use super::error::StoreError;
 use super::record::StepRecord;
 use crate::env::{self, Agent, AgentKind, AgentSession};
 use crate::seed;
-use crate::tokenizer::{ChatTemplate, Tokenizer};
+use crate::tokenizer::tool_calls::ParsedReply;
+use crate::tokenizer::{ChatTemplate, Followup, Tokenizer, ToolConversation};
 
 /// What to collect.
 #[derive(Clone, Debug)]
@@ -139,16 +140,29 @@ pub fn agent_episode(
 ) -> Result<Vec<StepRecord>, StoreError> {
     let template = ChatTemplate;
     let first_message = session.reset(ids.env_seed)?;
-    let mut obs_ids = template.first_prompt(tok, &session.system_prompt(), &first_message)?;
+    let system = session.system_prompt();
+    let (mut conversation, mut obs_ids) = match session.protocol().tools {
+        true => {
+            let (c, ids) =
+                ToolConversation::start(tok, &system, &first_message, session.tool_schemas())?;
+            (Some(c), ids)
+        }
+        false => (None, template.first_prompt(tok, &system, &first_message)?),
+    };
     let mut context_len = 0u32;
     let mut steps: Vec<StepRecord> = Vec::new();
     for step_index in 0u32.. {
         let state_hash = session.state_hash();
-        let response = agent.respond(session)?;
-        let mut response_ids = tok.encode(&response);
-        response_ids.push(tok.eos_id());
-        let outcome = session.act(&response)?;
-        let next = outcome.next_user_message;
+        let turn = agent_turn(session, agent, conversation.as_ref(), tok)?;
+        let outcome = match &turn.reply {
+            Some(reply) => session.act_reply(&turn.text, reply)?,
+            None => session.act(&turn.text)?,
+        };
+        let followup = match (&outcome.next_user_message, outcome.tool_results.is_empty()) {
+            (Some(user), _) => Some(Followup::User(user)),
+            (None, false) => Some(Followup::ToolResults(&outcome.tool_results)),
+            (None, true) => None,
+        };
         let record = StepRecord {
             traj_id: ids.traj_id,
             group_id: ids.group_id,
@@ -157,24 +171,65 @@ pub fn agent_episode(
             seed: ids.env_seed,
             policy_version: 0,
             context_len,
-            response_logprobs: vec![0.0; response_ids.len()],
+            response_logprobs: vec![0.0; turn.ids.len()],
             obs_ids: std::mem::take(&mut obs_ids),
-            response_ids,
+            response_ids: turn.ids,
             reward: outcome.reward,
             terminated: outcome.terminated,
-            truncated: outcome.truncated || (next.is_none() && !outcome.terminated),
+            truncated: outcome.truncated || (followup.is_none() && !outcome.terminated),
             state_hash,
-            info: outcome.info,
+            info: outcome.info.clone(),
             critic_state: Vec::new(),
         };
         context_len += (record.obs_ids.len() + record.response_ids.len()) as u32;
-        let message = next.filter(|_| !record.is_last());
+        let followup = followup.filter(|_| !record.is_last());
         let response = record.response_ids.clone();
         steps.push(record);
-        let Some(message) = message else {
+        let Some(followup) = followup else {
             break;
         };
-        obs_ids = template.next_turn(tok, &response, &message)?;
+        obs_ids = match (conversation.as_mut(), &turn.reply, followup) {
+            (Some(c), Some(reply), _) => {
+                c.after_reply(tok, &response, (&turn.text, reply), followup)?
+            }
+            (_, _, Followup::User(user)) => template.next_turn(tok, &response, user)?,
+            (_, _, Followup::ToolResults(_)) => unreachable!("tool results come in tool mode only"),
+        };
     }
     Ok(steps)
+}
+
+/// A model-free agent's turn: its response text and tokens, and in tool mode the call it makes.
+struct AgentTurn {
+    text: String,
+    ids: Vec<u32>,
+    reply: Option<ParsedReply>,
+}
+
+fn agent_turn(
+    session: &AgentSession,
+    agent: &mut Agent,
+    conversation: Option<&ToolConversation>,
+    tok: &Tokenizer,
+) -> Result<AgentTurn, StoreError> {
+    let Some(conversation) = conversation else {
+        let text = agent.respond(session)?;
+        let mut ids = tok.encode(&text);
+        ids.push(tok.eos_id());
+        return Ok(AgentTurn {
+            text,
+            ids,
+            reply: None,
+        });
+    };
+    let call = session.action_call(&agent.action(session)?);
+    let ids = conversation.reply_ids(tok, std::slice::from_ref(&call))?;
+    Ok(AgentTurn {
+        text: tok.decode(&ids),
+        ids,
+        reply: Some(ParsedReply::Calls {
+            content: None,
+            calls: vec![call],
+        }),
+    })
 }

@@ -812,6 +812,13 @@ impl Env for HotpotQaEnv {
         )
     }
 
+    fn tool_instruction(&self) -> String {
+        format!(
+            "Answer the question. Search with the `search` function; give the final answer with the `answer` function.\nQuestion: {}",
+            self.record().question
+        )
+    }
+
     fn state_text(&self) -> String {
         if self.cfg.restate_question {
             let observation = self.observation.trim_end_matches('\n');
