@@ -114,3 +114,95 @@ fn show_reward_off_leaves_the_reward_out_of_the_next_message_and_the_window() {
     let window = session.window_user_message(2);
     assert!(window.contains("Recent history:\nTurn 1:") && !window.contains("Reward:"));
 }
+
+fn search_session(extra: serde_json::Value) -> stepppo::env::AgentSession {
+    let mut config = json!({
+        "world": "generated", "world_size": 60, "episode_worlds": true,
+        "corpus": "distractor", "tools": true,
+    });
+    config
+        .as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    build_session("hotpotqa", &config).unwrap()
+}
+
+/// Tool mode: the env's functions are offered, the oracle's calls search and answer through them,
+/// each search's result is the next turn's tool message, and the answer ends the episode.
+#[test]
+fn tool_mode_offers_the_functions_and_returns_each_calls_result() {
+    use stepppo::tokenizer::tool_calls::ParsedReply;
+    let mut session = search_session(json!({}));
+    let user = session.reset(3).unwrap();
+    assert!(
+        user.contains("`search` function") && user.contains("Question: "),
+        "{user}"
+    );
+    assert!(!user.contains("<search>"), "{user}");
+    assert!(session
+        .system_prompt()
+        .contains("call one of the functions"));
+    let names: Vec<String> = session
+        .tool_schemas()
+        .iter()
+        .map(|t| {
+            serde_json::from_str::<serde_json::Value>(t).unwrap()["function"]["name"].to_string()
+        })
+        .collect();
+    assert_eq!(names, ["\"search\"", "\"answer\""]);
+    assert!(session.stop_strings().is_empty());
+    let mut turns = 0;
+    loop {
+        let action = session.env().oracle_action().unwrap();
+        let call = session.action_call(&action);
+        let reply = ParsedReply::Calls {
+            content: None,
+            calls: vec![call],
+        };
+        let outcome = session.act_reply("(the call)", &reply).unwrap();
+        turns += 1;
+        assert!(outcome.info.action_is_valid && !outcome.info.tool_call_error);
+        if outcome.terminated {
+            assert!(outcome.info.success && outcome.reward == 1.0);
+            assert!(outcome.tool_results.is_empty() && outcome.next_user_message.is_none());
+            break;
+        }
+        assert_eq!(outcome.tool_results.len(), 1);
+        assert!(outcome.tool_results[0].starts_with("<information>Doc 1(Title: "));
+        assert!(outcome.next_user_message.is_none());
+    }
+    assert!(turns >= 2, "the oracle searches before it answers");
+}
+
+/// Tool mode: a reply that calls nothing, one whose call did not parse, and one whose call stands
+/// for no action are invalid turns that pay the penalty and are told to call a function; the two
+/// that tried to call are flagged `tool_call_error`.
+#[test]
+fn tool_mode_invalid_replies_pay_the_penalty_and_say_what_to_call() {
+    use stepppo::tokenizer::tool_calls::{ParsedCall, ParsedReply};
+    let mut session = search_session(json!({"format_penalty": -0.2, "max_turns": 4}));
+    session.reset(5).unwrap();
+    let unknown = ParsedReply::Calls {
+        content: None,
+        calls: vec![ParsedCall {
+            name: "search".into(),
+            arguments: r#"{"q": "x"}"#.into(),
+        }],
+    };
+    let malformed = ParsedReply::Malformed {
+        reason: "unclosed".into(),
+    };
+    for (reply, tried) in [
+        (ParsedReply::Content, false),
+        (malformed, true),
+        (unknown, true),
+    ] {
+        let outcome = session.act_reply("text", &reply).unwrap();
+        assert_eq!(outcome.reward, -0.2);
+        assert!(!outcome.info.action_is_valid && outcome.info.num_actions == 0);
+        assert_eq!(outcome.info.tool_call_error, tried, "{reply:?}");
+        assert!(outcome.tool_results.is_empty());
+        let message = outcome.next_user_message.unwrap();
+        assert!(message.contains("search, answer"), "{message}");
+    }
+}

@@ -490,3 +490,182 @@ print(json.dumps({"finish": plain.choices[0].finish_reason, "name": call.functio
     assert_eq!(v["after"], true);
     assert_eq!(v["denied"], 401);
 }
+
+/// `stepppo env serve` on a free port, killed when dropped.
+struct EnvServer {
+    child: std::process::Child,
+    url: String,
+}
+
+impl EnvServer {
+    fn start(sets: &[&str]) -> Self {
+        use std::io::BufRead;
+        let mut args = vec!["env", "serve", "hotpotqa", "--port", "0"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let mut child = Command::new(env!("CARGO_BIN_EXE_stepppo"))
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let url = line
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_string();
+        Self { child, url }
+    }
+}
+
+impl Drop for EnvServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const SEARCH_ENV: [&str; 5] = [
+    "world=generated",
+    "world_size=60",
+    "episode_worlds=true",
+    "corpus=distractor",
+    "tools=true",
+];
+
+/// The env server plays an episode of the protocol's tool mode over HTTP: the functions, a
+/// search call answered by a tool result with the call's id, a reply that calls nothing answered
+/// by a user message, an answer that ends the episode; bad requests are refused naming the field.
+#[test]
+fn the_env_server_plays_tool_mode_episodes_over_http_and_refuses_bad_requests() {
+    let server = EnvServer::start(&SEARCH_ENV);
+    let url = &server.url;
+    let (status, spec) = get(&format!("{url}/spec"));
+    assert_eq!(status, 200, "{spec}");
+    assert_eq!(spec["tools"][0]["function"]["name"], "search");
+    assert_eq!(spec["tools"][1]["function"]["name"], "answer");
+    let (status, episode) = post(&format!("{url}/reset"), &json!({"seed": 3}), &[]);
+    assert_eq!(status, 200, "{episode}");
+    assert!(episode["user"].as_str().unwrap().contains("Question: "));
+    assert_eq!(episode["tools"], spec["tools"]);
+    let id = episode["env_id"].clone();
+    let step = |message: Value| {
+        post(
+            &format!("{url}/step"),
+            &json!({"env_id": id, "message": message}),
+            &[],
+        )
+    };
+
+    let call = |name: &str, arguments: Value| {
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_x", "type": "function",
+               "function": {"name": name, "arguments": arguments.to_string()}}]})
+    };
+    let (status, out) = step(call("search", json!({"query": "Studios"})));
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["tool_results"][0]["tool_call_id"], "call_x");
+    assert!(out["tool_results"][0]["content"]
+        .as_str()
+        .unwrap()
+        .starts_with("<information>"));
+    assert_eq!(
+        (out["done"].clone(), out["user"].clone()),
+        (json!(false), Value::Null)
+    );
+
+    let (_, out) = step(json!({"role": "assistant", "content": "I think so."}));
+    assert_eq!(out["reward"].as_f64().unwrap(), -0.1, "{out}");
+    assert!(out["user"].as_str().unwrap().contains("search, answer"));
+    assert_eq!(out["info"]["tool_call_error"], false);
+
+    let (_, out) = step(json!({"role": "assistant", "content": "<tool_call>{\"name\": "}));
+    assert_eq!(out["info"]["tool_call_error"], true, "{out}");
+
+    let (_, out) = step(call("answer", json!({"answer": "nobody"})));
+    assert_eq!(
+        (out["done"].clone(), out["terminated"].clone()),
+        (json!(true), json!(true))
+    );
+    assert_eq!(out["info"]["success"], false);
+
+    let (status, out) = step(call("answer", json!({"answer": "again"})));
+    assert_eq!(status, 409, "{out}");
+    let (status, out) = post(
+        &format!("{url}/step"),
+        &json!({"env_id": "ep-99", "message": {}}),
+        &[],
+    );
+    assert_eq!(status, 404);
+    assert!(out["error"].as_str().unwrap().contains("env_id"), "{out}");
+    let (status, out) = post(&format!("{url}/reset"), &json!({"seed": "x"}), &[]);
+    assert_eq!(status, 400);
+    assert!(out["error"].as_str().unwrap().contains("seed"), "{out}");
+    let (status, _) = post(&format!("{url}/close"), &json!({"env_id": id}), &[]);
+    assert_eq!(status, 200);
+}
+
+/// `examples/openai_search_agent.py` (the official `openai` client) plays the env server's
+/// episodes through a recording gateway: each episode's first step holds the env's functions and
+/// question as the template renders them, and its turns are recorded as steps.
+#[test]
+fn the_python_search_agent_plays_the_env_servers_episodes_through_the_gateway() {
+    let test = "the_python_search_agent_plays_the_env_servers_episodes_through_the_gateway";
+    let Some(python) = examples_python(test) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (model, tok) = untrained_model();
+    let gateway = start(model, tok.clone(), Some(dir.path()), None);
+    let server = EnvServer::start(&SEARCH_ENV);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/openai_search_agent.py");
+    let out = Command::new(python)
+        .arg(&script)
+        .args([
+            "--base-url",
+            &format!("{gateway}/v1"),
+            "--env-url",
+            &server.url,
+        ])
+        .args([
+            "--model",
+            MODEL,
+            "--questions",
+            "1",
+            "--group",
+            "2",
+            "--report-every",
+            "2",
+        ])
+        .args(["--max-tokens", "16"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(report, json!({"episodes": 2, "em": 0.0}));
+    let records = recorded(dir.path());
+    let firsts: Vec<&StepRecord> = records.iter().filter(|r| r.step_index == 0).collect();
+    assert_eq!(firsts.len(), 2, "two episodes recorded");
+    let prompt = tok.decode(&firsts[0].obs_ids);
+    assert!(
+        prompt.contains("<tools>") && prompt.contains("\"name\":\"search\""),
+        "{prompt}"
+    );
+    assert!(prompt.contains("Question: "), "{prompt}");
+    assert_eq!(
+        firsts[0].obs_ids, firsts[1].obs_ids,
+        "one question, one prompt"
+    );
+    assert!(
+        records.len() > 2,
+        "the episodes went on after a reply that called nothing"
+    );
+}

@@ -103,8 +103,29 @@ fn router(shared: Shared) -> Router {
         .with_state(shared)
 }
 
-fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, Refusal> {
-    serde_json::from_slice(body).map_err(|e| bad(format!("request body: {e}")))
+/// The request body's fields `names`, in order; a body that is not a JSON object, holds another
+/// key or lacks one is refused naming it.
+fn fields<const N: usize>(body: &[u8], names: [&str; N]) -> Result<[Value; N], Refusal> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| bad(format!("request body: {e}")))?;
+    let Value::Object(mut object) = value else {
+        return Err(bad("request body: not a JSON object"));
+    };
+    if let Some(other) = object.keys().find(|k| !names.contains(&k.as_str())) {
+        return Err(bad(format!(
+            "`{other}`: unknown field (expected {})",
+            names.join(", ")
+        )));
+    }
+    Ok(names.map(|name| object.remove(name).unwrap_or(Value::Null)))
+}
+
+/// Field `name` read as a `T`; the refusal names it.
+fn field<T: for<'de> Deserialize<'de>>(name: &str, value: Value) -> Result<T, Refusal> {
+    if value.is_null() {
+        return Err(bad(format!("`{name}` is missing")));
+    }
+    serde_json::from_value(value).map_err(|e| bad(format!("`{name}`: {e}")))
 }
 
 fn tools_json(session: &AgentSession) -> Vec<Value> {
@@ -125,21 +146,15 @@ async fn spec(State(shared): State<Shared>) -> Result<Json<Value>, Refusal> {
     })))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ResetRequest {
-    seed: u64,
-}
-
 async fn reset(State(shared): State<Shared>, body: axum::body::Bytes) -> Response {
-    let request: ResetRequest = match parse(&body) {
-        Ok(r) => r,
+    let seed: u64 = match fields(&body, ["seed"]).and_then(|[seed]| field("seed", seed)) {
+        Ok(seed) => seed,
         Err(e) => return e.into_response(),
     };
     let spec = shared.lock().spec.clone();
     let result = tokio::task::spawn_blocking(move || {
         let mut session = build_session(&spec.env, &spec.config)?;
-        let user = session.reset(request.seed)?;
+        let user = session.reset(seed)?;
         Ok::<_, EnvError>((session, user))
     })
     .await
@@ -197,13 +212,6 @@ struct WireFunction {
     arguments: String,
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct StepRequest {
-    env_id: String,
-    message: AssistantMessage,
-}
-
 fn episode(shared: &Shared, id: &str) -> Result<Arc<Mutex<AgentSession>>, Refusal> {
     shared
         .lock()
@@ -213,7 +221,7 @@ fn episode(shared: &Shared, id: &str) -> Result<Arc<Mutex<AgentSession>>, Refusa
         .ok_or_else(|| {
             Refusal(
                 StatusCode::NOT_FOUND,
-                format!("env_id: no open episode `{id}`"),
+                format!("`env_id`: no open episode `{id}`"),
             )
         })
 }
@@ -241,11 +249,17 @@ fn reply_of(message: &AssistantMessage, known: &[&str]) -> ParsedReply {
 }
 
 async fn step(State(shared): State<Shared>, body: axum::body::Bytes) -> Response {
-    let request: StepRequest = match parse(&body) {
+    let read = fields(&body, ["env_id", "message"]).and_then(|[id, message]| {
+        Ok((
+            field::<String>("env_id", id)?,
+            field::<AssistantMessage>("message", message)?,
+        ))
+    });
+    let (env_id, message) = match read {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let session = match episode(&shared, &request.env_id) {
+    let session = match episode(&shared, &env_id) {
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
@@ -254,10 +268,10 @@ async fn step(State(shared): State<Shared>, body: axum::body::Bytes) -> Response
         if session.is_done() {
             return Err(Refusal(
                 StatusCode::CONFLICT,
-                format!("env_id: episode `{}` is over", request.env_id),
+                format!("`env_id`: episode `{env_id}` is over"),
             ));
         }
-        let message = &request.message;
+        let message = &message;
         let content = message.content.clone().unwrap_or_default();
         let outcome = match session.protocol().tools {
             true => {
@@ -296,14 +310,14 @@ fn step_body(outcome: &TurnOutcome, call_ids: &[String]) -> Value {
             json!({ "tool_call_id": id, "content": content })
         })
         .collect();
-    let metrics: BTreeMap<&str, f32> = outcome
+    let metrics: BTreeMap<&str, Value> = outcome
         .metrics
         .iter()
-        .map(|(k, v)| (k.as_str(), *v))
+        .map(|(k, v)| (k.as_str(), number(*v)))
         .collect();
     let info = &outcome.info;
     json!({
-        "reward": outcome.reward,
+        "reward": number(outcome.reward),
         "terminated": outcome.terminated,
         "truncated": outcome.truncated,
         "done": outcome.next_user_message.is_none() && outcome.tool_results.is_empty(),
@@ -318,16 +332,20 @@ fn step_body(outcome: &TurnOutcome, call_ids: &[String]) -> Value {
     })
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CloseRequest {
-    env_id: String,
+/// `x` as JSON with its shortest f32 spelling (0.1, not 0.10000000149011612); `null` when not
+/// finite.
+fn number(x: f32) -> Value {
+    x.to_string()
+        .parse::<f64>()
+        .ok()
+        .and_then(serde_json::Number::from_f64)
+        .map_or(Value::Null, Value::Number)
 }
 
 async fn close(State(shared): State<Shared>, body: axum::body::Bytes) -> Response {
-    match parse::<CloseRequest>(&body) {
-        Ok(r) => {
-            shared.lock().open.remove(&r.env_id);
+    match fields(&body, ["env_id"]).and_then(|[id]| field::<String>("env_id", id)) {
+        Ok(id) => {
+            shared.lock().open.remove(&id);
             Json(json!({})).into_response()
         }
         Err(e) => e.into_response(),
