@@ -550,7 +550,8 @@ mod tests {
             check.unwrap(),
             EnvCheck {
                 action_space: None,
-                on_error: OnError::Skip
+                on_error: OnError::Skip,
+                tools: false,
             }
         );
         let err = |config: Value| check_config("remote", &config).unwrap_err().to_string();
