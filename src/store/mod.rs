@@ -37,7 +37,7 @@
 //! RUSTC_BOOTSTRAP=1 cargo fuzz run dataset_open fuzz/corpus/dataset_open fuzz/seeds/dataset_open -- -max_total_time=120
 //! ```
 //!
-//! (`fuzz/seeds/segment_reader` holds the pinned v1, v2 and v3 segments of `tests/store_format.rs`;
+//! (`fuzz/seeds/segment_reader` holds the pinned v1 to v5 segments of `tests/store_format.rs`;
 //! `fuzz/seeds/manifest` a manifest with and one without a checksum; `fuzz/seeds/dataset_open` a
 //! collected FrozenLake dataset; new inputs go to the git-ignored `fuzz/corpus`.) Fuzz runs and their results:
 //! `docs/experiments/store.md`; current figures: BENCHMARKS.md, "Store".
