@@ -377,7 +377,7 @@ fn bad_tool_requests_are_refused_naming_the_parameter() {
     assert!(message.get("tool_calls").is_none(), "{message}");
     let text = message["content"].as_str().unwrap();
     assert!(
-        text.starts_with("<tool_call>\n{\"name\": \"answer\", \"arguments\": "),
+        text.starts_with("<tool_call>\n{\"name\": \"answer\", \"arguments\":"),
         "the forced opening: {text:?}"
     );
 }

@@ -141,12 +141,14 @@ impl ToolCallFormat {
     }
 
     /// The text that opens a call of `name` — what `tool_choice` forces a reply to begin with
-    /// (then the arguments follow).
+    /// (then the arguments follow). It stops after the colon, so the space before the arguments
+    /// comes with them as the tokenizer writes ` {` (a forced lone space token would be a split
+    /// the model never saw).
     pub fn call_opening(self, name: &str) -> String {
         let name = json_string(name);
         match self {
-            Self::Hermes => format!("{HERMES_OPEN}\n{{\"name\": {name}, \"arguments\": "),
-            Self::Llama3Json => format!("{{\"name\": {name}, \"parameters\": "),
+            Self::Hermes => format!("{HERMES_OPEN}\n{{\"name\": {name}, \"arguments\":"),
+            Self::Llama3Json => format!("{{\"name\": {name}, \"parameters\":"),
         }
     }
 }
@@ -520,7 +522,7 @@ mod tests {
             .contains("XML"));
         assert_eq!(
             ToolCallFormat::Hermes.call_opening("search"),
-            "<tool_call>\n{\"name\": \"search\", \"arguments\": "
+            "<tool_call>\n{\"name\": \"search\", \"arguments\":"
         );
     }
 
