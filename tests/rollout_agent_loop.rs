@@ -250,3 +250,85 @@ fn a_finite_level_set_repeats_levels_across_groups() {
     );
     assert_ne!(first_obs(&unbounded, 0).0, first_obs(&unbounded, 2).0);
 }
+
+/// Tool mode in-process: the first prompt offers the env's functions, and each trajectory's
+/// context, built turn by turn after the sampled tokens, is the template's rendering of its
+/// whole conversation (the untrained model calls nothing, so each turn after the first is the
+/// user message asking for a call); a config that asks for the window layout is refused.
+#[test]
+fn tool_mode_contexts_are_the_whole_conversations_rendering() {
+    use stepppo::tokenizer::Message;
+    let mut s = setup(CacheMode::Radix);
+    let tools_env = serde_json::json!({
+        "world": "generated", "world_size": 60, "episode_worlds": true,
+        "corpus": "distractor", "tools": true, "max_turns": 3,
+    });
+    let cfg = RolloutConfig {
+        env_name: "hotpotqa".into(),
+        env_config: tools_env,
+        num_groups: 1,
+        group_size: 2,
+        max_new_tokens: 6,
+        ..config(ContextLayout::Concat)
+    };
+    let mut sunk = Vec::new();
+    let out = rollout(&mut s, &cfg, &mut sunk);
+    let mut session = stepppo::env::build_session("hotpotqa", &cfg.env_config).unwrap();
+    for traj in trajectories(&out.records) {
+        let records: Vec<&StepRecord> = traj.iter().map(|&i| &out.records[i]).collect();
+        let first = session.reset(records[0].seed).unwrap();
+        let mut context: Vec<u32> = Vec::new();
+        for r in &records {
+            context.extend(&r.obs_ids);
+            context.extend(&r.response_ids);
+        }
+        let texts: Vec<String> = records
+            .iter()
+            .map(|r| s.tok.decode(&r.response_ids))
+            .collect();
+        let system = session.system_prompt();
+        let nudge = "(invalid turn) Call one of the functions offered: search, answer.";
+        let mut messages = vec![
+            Message::text("system", &system),
+            Message::text("user", &first),
+        ];
+        for (i, text) in texts.iter().enumerate() {
+            messages.push(Message::text("assistant", text));
+            if i + 1 < texts.len() {
+                messages.push(Message::text("user", nudge));
+            }
+        }
+        let last = records.last().unwrap();
+        assert!(last.truncated && !last.info.action_is_valid);
+        let mut whole = ChatTemplate
+            .conversation_with_tools(
+                &s.tok,
+                &messages[..messages.len() - 1],
+                &session.tool_schemas(),
+            )
+            .unwrap();
+        whole.extend(&last.response_ids);
+        assert_eq!(s.tok.decode(&context), s.tok.decode(&whole));
+        assert!(s.tok.decode(&records[0].obs_ids).contains("<tools>"));
+    }
+    let window = RolloutConfig {
+        layout: ContextLayout::Window { k: 0 },
+        ..cfg
+    };
+    let mut s = setup(CacheMode::Radix);
+    let err = run_rollout(
+        &mut s.engine,
+        &s.model,
+        &s.tok,
+        &ChatTemplate,
+        &window,
+        &mut |_| Ok(()),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("tools: true") && err.contains("concat"),
+        "{err}"
+    );
+}
