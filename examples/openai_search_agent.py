@@ -104,7 +104,8 @@ def main():
     p.add_argument("--first-seed", type=int, default=0, help="env seed of the first question")
     p.add_argument("--group", type=int, default=4, help="episodes per question (the trainer's group_size)")
     p.add_argument("--parallel", type=int, default=16, help="episodes played at once")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="reply length in tokens (a call takes about 52 of the built-in model's)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--report-every", type=int, default=128, help="print the EM every N episodes")
     args = p.parse_args()

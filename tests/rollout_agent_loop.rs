@@ -332,3 +332,67 @@ fn tool_mode_contexts_are_the_whole_conversations_rendering() {
         "{err}"
     );
 }
+
+/// Tool mode with a model that calls: the tiny model cloned on the oracle's tool-mode transcript
+/// of one episode calls `search` in the rollout, its reply (read up to its end of turn) is a
+/// valid call, and the next step's context opens with the tool result.
+#[test]
+fn tool_mode_reads_a_cloned_models_call_and_answers_with_the_tool_result() {
+    use stepppo::env::{build_session, Agent, AgentKind};
+    use stepppo::rollout::sampling::SamplingParams;
+    use stepppo::store::{agent_episode, EpisodeIds};
+    use stepppo::train::sft::{behaviour_clone, CloneSettings};
+    let mut s = setup(CacheMode::Radix);
+    let env_config = serde_json::json!({
+        "world": "generated", "world_size": 60, "episode_worlds": true,
+        "corpus": "distractor", "tools": true, "max_turns": 3,
+    });
+    let cfg = RolloutConfig {
+        env_name: "hotpotqa".into(),
+        env_config: env_config.clone(),
+        num_groups: 1,
+        group_size: 1,
+        sampling: SamplingParams::greedy(),
+        max_new_tokens: 80,
+        ..config(ContextLayout::Concat)
+    };
+    let env_seed = stepppo::seed::derive(cfg.base_seed, &[0]);
+    let mut session = build_session("hotpotqa", &env_config).unwrap();
+    let ids = EpisodeIds {
+        traj_id: 0,
+        group_id: 0,
+        env_seed,
+        env_tag: "hotpotqa".into(),
+    };
+    let transcript = agent_episode(
+        &mut session,
+        &mut Agent::new(AgentKind::Oracle, 1),
+        &ids,
+        &s.tok,
+    )
+    .unwrap();
+    let first = transcript[..1].to_vec();
+    let settings = CloneSettings {
+        steps: 150,
+        batch_size: 1,
+        lr: 3e-3,
+        observation_loss_coef: 0.0,
+        seed: 0,
+        layout: BatchLayout {
+            pad_id: s.tok.pad_id(),
+            tree: false,
+        },
+    };
+    behaviour_clone(&s.model, &first, settings, None).unwrap();
+    let mut sunk = Vec::new();
+    let out = rollout(&mut s, &cfg, &mut sunk);
+    let step0 = &out.records[0];
+    assert_eq!(step0.response_ids, first[0].response_ids, "the cloned call");
+    assert!(
+        step0.info.action_is_valid && !step0.info.tool_call_error,
+        "{:?}",
+        step0.info
+    );
+    let next = s.tok.decode(&out.records[1].obs_ids);
+    assert!(next.contains("<tool_response>\n<information>"), "{next}");
+}

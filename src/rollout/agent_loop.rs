@@ -463,7 +463,7 @@ fn advance(
     };
     let response_text = tok.decode(&response);
     let reply = match &t.conversation {
-        Some(_) => Some(found_calls(tok, &t.session, &response_text)?),
+        Some(_) => Some(found_calls(tok, &t.session, &response)?),
         None => None,
     };
     let outcome = match &reply {
@@ -519,13 +519,14 @@ fn advance(
     Ok(record)
 }
 
-/// What a tool-mode reply says, in the tokenizer's tool-call format (a template without one is
-/// an error naming it).
-fn found_calls(tok: &Tokenizer, session: &AgentSession, text: &str) -> Result<ParsedReply> {
+/// What a tool-mode reply says, read in the tokenizer's tool-call format up to its end of turn
+/// (a template without a call format is an error naming it).
+fn found_calls(tok: &Tokenizer, session: &AgentSession, response: &[u32]) -> Result<ParsedReply> {
     let format = tok
         .tool_call_format()
         .map_err(|e| RolloutError::Config(format!("tools: true: {e}")))?;
-    Ok(format.parse(text, &session.tool_names()))
+    let body = response.strip_suffix(&[tok.eos_id()]).unwrap_or(response);
+    Ok(format.parse(&tok.decode(body), &session.tool_names()))
 }
 
 /// Builds the context of the next step in token space.
