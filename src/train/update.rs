@@ -674,8 +674,10 @@ fn observe_ratios(
             .fold((0f32, 0usize), |(s, c), (&lr, _)| {
                 (s + lr.clamp(-bound, bound), c + 1)
             });
-        if count > 0 {
-            ratios.observe(record, epoch, (sum / count as f32).exp());
+        let ratio = (sum / count.max(1) as f32).exp();
+        // A non-finite pass (a skipped update's NaN) is left out: the log records none for it.
+        if count > 0 && ratio.is_finite() {
+            ratios.observe(record, epoch, ratio);
         }
     }
     Ok(())
