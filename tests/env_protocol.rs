@@ -154,7 +154,7 @@ fn tool_mode_offers_the_functions_and_returns_each_calls_result() {
     let mut turns = 0;
     loop {
         let action = session.env().oracle_action().unwrap();
-        let call = session.action_call(&action);
+        let call = stepppo::env::tools::action_call(&action);
         let reply = ParsedReply::Calls {
             content: None,
             calls: vec![call],

@@ -251,6 +251,14 @@ fn a_finite_level_set_repeats_levels_across_groups() {
     assert_ne!(first_obs(&unbounded, 0).0, first_obs(&unbounded, 2).0);
 }
 
+/// Search QA on generated worlds, in the protocol's tool mode, three turns.
+fn search_env_in_tool_mode() -> serde_json::Value {
+    serde_json::json!({
+        "world": "generated", "world_size": 60, "episode_worlds": true,
+        "corpus": "distractor", "tools": true, "max_turns": 3,
+    })
+}
+
 /// Tool mode in-process: the first prompt offers the env's functions, and each trajectory's
 /// context, built turn by turn after the sampled tokens, is the template's rendering of its
 /// whole conversation (the untrained model calls nothing, so each turn after the first is the
@@ -259,10 +267,7 @@ fn a_finite_level_set_repeats_levels_across_groups() {
 fn tool_mode_contexts_are_the_whole_conversations_rendering() {
     use stepppo::tokenizer::Message;
     let mut s = setup(CacheMode::Radix);
-    let tools_env = serde_json::json!({
-        "world": "generated", "world_size": 60, "episode_worlds": true,
-        "corpus": "distractor", "tools": true, "max_turns": 3,
-    });
+    let tools_env = search_env_in_tool_mode();
     let cfg = RolloutConfig {
         env_name: "hotpotqa".into(),
         env_config: tools_env,
@@ -343,10 +348,7 @@ fn tool_mode_reads_a_cloned_models_call_and_answers_with_the_tool_result() {
     use stepppo::store::{agent_episode, EpisodeIds};
     use stepppo::train::sft::{behaviour_clone, CloneSettings};
     let mut s = setup(CacheMode::Radix);
-    let env_config = serde_json::json!({
-        "world": "generated", "world_size": 60, "episode_worlds": true,
-        "corpus": "distractor", "tools": true, "max_turns": 3,
-    });
+    let env_config = search_env_in_tool_mode();
     let cfg = RolloutConfig {
         env_name: "hotpotqa".into(),
         env_config: env_config.clone(),

@@ -113,7 +113,7 @@ impl Agent {
     pub fn respond(&mut self, session: &AgentSession) -> Result<String, EnvError> {
         let action = self.action(session)?;
         if session.protocol().tools {
-            let call = session.action_call(&action);
+            let call = super::tools::action_call(&action);
             let call = ToolCall::new("call_0", &call.name, &call.arguments);
             return Ok(builtin_call_text(None, &[call]));
         }

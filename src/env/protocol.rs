@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use super::tools;
 use super::{stable_hash, Action, ActionSpace, Env, EnvError};
 use crate::tokenizer::tool_calls::{ParsedCall, ParsedReply};
+use crate::tokenizer::Followup;
 
 /// Human-readable and per-step environment facts carried with a record.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -160,6 +161,18 @@ pub struct TurnOutcome {
     pub metrics: Vec<(String, f32)>,
 }
 
+impl TurnOutcome {
+    /// What follows the turn in the conversation: the next user message, or in tool mode the
+    /// executed calls' results; `None` when the episode is over.
+    pub fn followup(&self) -> Option<Followup<'_>> {
+        match (&self.next_user_message, self.tool_results.is_empty()) {
+            (Some(user), _) => Some(Followup::User(user)),
+            (None, false) => Some(Followup::ToolResults(&self.tool_results)),
+            (None, true) => None,
+        }
+    }
+}
+
 /// One finished turn, kept for the re-rendered (window) layout.
 #[derive(Clone, Debug)]
 struct Round {
@@ -265,11 +278,6 @@ impl AgentSession {
     /// Tool mode: the names of the functions offered.
     pub fn tool_names(&self) -> Vec<&'static str> {
         tools::function_names(&self.env.action_space())
-    }
-
-    /// The call that expresses `action` (a model-free agent's turn in tool mode).
-    pub fn action_call(&self, action: &Action) -> ParsedCall {
-        tools::action_call(action)
     }
 
     /// Tool mode: applies a reply, `reply` being what the tokenizer's tool-call format found in

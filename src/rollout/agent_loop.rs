@@ -193,7 +193,7 @@ pub fn run_rollout(
         .on_error;
     let mut dropped = DroppedGroups::new(on_error);
     let t_start = Instant::now();
-    let mut trajs = start_trajectories(tok, template, cfg, &mut dropped)?;
+    let mut trajs = start_trajectories(tok, cfg, &mut dropped)?;
     let mut env_s = t_start.elapsed().as_secs_f64();
     if trajs.first().is_some_and(|t| t.session.protocol().tools) {
         check_tool_mode(cfg)?;
@@ -362,14 +362,13 @@ impl DroppedGroups {
 /// Starts every group's trajectories; a group whose env fails is handed to `dropped`.
 fn start_trajectories(
     tok: &Tokenizer,
-    template: &ChatTemplate,
     cfg: &RolloutConfig,
     dropped: &mut DroppedGroups,
 ) -> Result<Vec<Trajectory>> {
     let mut trajs = Vec::with_capacity(cfg.num_groups * cfg.group_size);
     for g in 0..cfg.num_groups as u64 {
         let group_id = cfg.first_group_id + g;
-        match start_group(tok, template, cfg, group_id) {
+        match start_group(tok, cfg, group_id) {
             Ok(members) => trajs.extend(members),
             Err(e) => dropped.absorb(group_id, e)?,
         }
@@ -378,12 +377,7 @@ fn start_trajectories(
 }
 
 /// Builds and resets the sessions of one group (one env seed, hence one first prompt).
-fn start_group(
-    tok: &Tokenizer,
-    template: &ChatTemplate,
-    cfg: &RolloutConfig,
-    group_id: u64,
-) -> Result<Vec<Trajectory>> {
+fn start_group(tok: &Tokenizer, cfg: &RolloutConfig, group_id: u64) -> Result<Vec<Trajectory>> {
     let level = cfg.num_levels.map_or(group_id, |n| group_id % n);
     let env_seed = seed::derive(cfg.base_seed, &[level]);
     let mut members = Vec::with_capacity(cfg.group_size);
@@ -393,15 +387,12 @@ fn start_group(
         let first = session
             .reset(env_seed)
             .map_err(|source| env_error(cfg, source))?;
-        let system = session.system_prompt();
-        let (conversation, context) = match session.protocol().tools {
-            true => {
-                let (c, ids) =
-                    ToolConversation::start(tok, &system, &first, session.tool_schemas())?;
-                (Some(c), ids)
-            }
-            false => (None, template.first_prompt(tok, &system, &first)?),
-        };
+        let (conversation, context) = ToolConversation::open(
+            tok,
+            &session.system_prompt(),
+            &first,
+            session.tool_schemas(),
+        )?;
         members.push(Trajectory {
             conversation,
             session,
@@ -466,7 +457,7 @@ fn advance(
         Some(_) => Some(found_calls(tok, &t.session, &response)?),
         None => None,
     };
-    let outcome = match &reply {
+    let mut outcome = match &reply {
         Some(reply) => t.session.act_reply(&response_text, reply),
         None => t.session.act(&response_text),
     }
@@ -474,7 +465,7 @@ fn advance(
     for (name, v) in &outcome.metrics {
         *t.metric_sums.entry(name.clone()).or_insert(0.0) += f64::from(*v);
     }
-    let mut info = outcome.info;
+    let mut info = std::mem::take(&mut outcome.info);
     if info.observation_text.is_empty() {
         info.observation_text = std::mem::take(&mut t.observation_text);
     }
@@ -500,12 +491,7 @@ fn advance(
         info,
         critic_state,
     };
-    let followup = match (&outcome.next_user_message, outcome.tool_results.is_empty()) {
-        (Some(user), _) => Some(Followup::User(user)),
-        (None, false) => Some(Followup::ToolResults(&outcome.tool_results)),
-        (None, true) => None,
-    };
-    match followup.filter(|_| !record.is_last()) {
+    match outcome.followup().filter(|_| !record.is_last()) {
         Some(followup) => {
             let said = (response_text.as_str(), reply.as_ref());
             next_context(t, &record, said, followup, (tok, template, cfg))?;

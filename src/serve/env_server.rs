@@ -45,6 +45,8 @@ pub struct EnvSpec {
 
 struct Episodes {
     spec: EnvSpec,
+    /// The `GET /spec` answer, made once from a probe session.
+    described: Value,
     next_id: u64,
     /// Episode id → (creation order, session).
     open: HashMap<String, (u64, Arc<Mutex<AgentSession>>)>,
@@ -76,7 +78,12 @@ pub fn serve_env(
     addr: &str,
     on_ready: impl FnOnce(SocketAddr),
 ) -> anyhow::Result<()> {
-    build_session(&spec.env, &spec.config)?;
+    let probe = build_session(&spec.env, &spec.config)?;
+    let described = json!({
+        "name": spec.env,
+        "tools": tools_json(&probe),
+        "max_turns": probe.protocol().max_turns,
+    });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -86,6 +93,7 @@ pub fn serve_env(
         on_ready(listener.local_addr()?);
         let shared = Arc::new(Mutex::new(Episodes {
             spec,
+            described,
             next_id: 0,
             open: HashMap::new(),
         }));
@@ -136,14 +144,8 @@ fn tools_json(session: &AgentSession) -> Vec<Value> {
         .collect()
 }
 
-async fn spec(State(shared): State<Shared>) -> Result<Json<Value>, Refusal> {
-    let spec = shared.lock().spec.clone();
-    let session = build_session(&spec.env, &spec.config).map_err(env_failed)?;
-    Ok(Json(json!({
-        "name": spec.env,
-        "tools": tools_json(&session),
-        "max_turns": session.protocol().max_turns,
-    })))
+async fn spec(State(shared): State<Shared>) -> Json<Value> {
+    Json(shared.lock().described.clone())
 }
 
 async fn reset(State(shared): State<Shared>, body: axum::body::Bytes) -> Response {
@@ -320,7 +322,7 @@ fn step_body(outcome: &TurnOutcome, call_ids: &[String]) -> Value {
         "reward": number(outcome.reward),
         "terminated": outcome.terminated,
         "truncated": outcome.truncated,
-        "done": outcome.next_user_message.is_none() && outcome.tool_results.is_empty(),
+        "done": outcome.followup().is_none(),
         "tool_results": results,
         "user": outcome.next_user_message,
         "info": {

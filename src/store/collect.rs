@@ -140,15 +140,12 @@ pub fn agent_episode(
 ) -> Result<Vec<StepRecord>, StoreError> {
     let template = ChatTemplate;
     let first_message = session.reset(ids.env_seed)?;
-    let system = session.system_prompt();
-    let (mut conversation, mut obs_ids) = match session.protocol().tools {
-        true => {
-            let (c, ids) =
-                ToolConversation::start(tok, &system, &first_message, session.tool_schemas())?;
-            (Some(c), ids)
-        }
-        false => (None, template.first_prompt(tok, &system, &first_message)?),
-    };
+    let (mut conversation, mut obs_ids) = ToolConversation::open(
+        tok,
+        &session.system_prompt(),
+        &first_message,
+        session.tool_schemas(),
+    )?;
     let mut context_len = 0u32;
     let mut steps: Vec<StepRecord> = Vec::new();
     for step_index in 0u32.. {
@@ -158,11 +155,7 @@ pub fn agent_episode(
             Some(reply) => session.act_reply(&turn.text, reply)?,
             None => session.act(&turn.text)?,
         };
-        let followup = match (&outcome.next_user_message, outcome.tool_results.is_empty()) {
-            (Some(user), _) => Some(Followup::User(user)),
-            (None, false) => Some(Followup::ToolResults(&outcome.tool_results)),
-            (None, true) => None,
-        };
+        let followup = outcome.followup();
         let record = StepRecord {
             traj_id: ids.traj_id,
             group_id: ids.group_id,
@@ -222,7 +215,7 @@ fn agent_turn(
             reply: None,
         });
     };
-    let call = session.action_call(&agent.action(session)?);
+    let call = env::tools::action_call(&agent.action(session)?);
     let ids = conversation.reply_ids(tok, std::slice::from_ref(&call))?;
     Ok(AgentTurn {
         text: tok.decode(&ids),

@@ -78,6 +78,21 @@ impl ToolConversation {
         Ok((conversation, ids))
     }
 
+    /// An episode's first prompt: with `tools` (a tool-mode episode), the tool conversation it
+    /// opens and its first prompt; without, no conversation and the plain first prompt.
+    pub fn open(
+        tok: &Tokenizer,
+        system: &str,
+        user: &str,
+        tools: Vec<String>,
+    ) -> Result<(Option<Self>, Vec<u32>)> {
+        if tools.is_empty() {
+            return Ok((None, ChatTemplate.first_prompt(tok, system, user)?));
+        }
+        let (conversation, ids) = Self::start(tok, system, user, tools)?;
+        Ok((Some(conversation), ids))
+    }
+
     fn views(&self) -> Vec<Message<'_>> {
         self.messages.iter().map(Owned::view).collect()
     }

@@ -8,7 +8,7 @@
 //! files: a checkpoint records its length ([`CreditLog::position`]) and a resume cuts it back
 //! ([`rewind`]).
 
-use super::metrics::{self, MetricsError};
+use super::metrics::{self, io_err, MetricsError};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -50,13 +50,6 @@ impl StepCredit {
     /// Behaviour policy versions between the sampler and the learner (0 on-policy).
     pub fn staleness(&self) -> u64 {
         self.learner_version.saturating_sub(self.behaviour_version)
-    }
-}
-
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> MetricsError + '_ {
-    move |source| MetricsError::Io {
-        path: path.to_path_buf(),
-        source,
     }
 }
 

@@ -34,7 +34,7 @@ pub enum MetricsError {
     },
 }
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> MetricsError + '_ {
+pub(super) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> MetricsError + '_ {
     move |source| MetricsError::Io {
         path: path.to_path_buf(),
         source,
