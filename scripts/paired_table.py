@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tables of a paired comparison made by scripts/search_qa_paired.sh: per arm and evaluated step,
+"""Tables of a paired comparison made by scripts/paired_runs.sh: per arm and evaluated step,
 the mean greedy success (EM on search QA) over seeds with its 95 % confidence interval (Student t
 over seeds), and the paired differences of the first arm minus each other arm over the seeds both
 finished, with a 95 % t interval and a 95 % paired-bootstrap interval (10,000 resamples of seeds,

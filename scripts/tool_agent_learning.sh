@@ -5,6 +5,8 @@
 # gateway until the run ends. Prints the trainer's validation EM (held-out split, in-process, tool
 # mode) and the agent's EM per 128 episodes.
 # Usage: scripts/tool_agent_learning.sh [OUT_DIR] [STEPS] [SEED] [--set KEY=VALUE ...]
+# Environment: CONFIG (default configs/hotpotqa_tools_gateway.yaml); ENV_SETS="key=value ..." (env
+# keys for the env server beyond the task's, e.g. the searcher recipe's retrieval bonus); STEPPPO_BIN.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/tool-agent}
@@ -14,14 +16,17 @@ shift $(( $# < 3 ? $# : 3 ))
 bash scripts/examples_venv.sh >/dev/null
 cargo build --release --quiet
 bin=${STEPPPO_BIN:-target/release/stepppo}
+config=${CONFIG:-configs/hotpotqa_tools_gateway.yaml}
+env_sets=()
+for s in ${ENV_SETS:-}; do env_sets+=(--set "$s"); done
 rm -rf "$out"
 mkdir -p "$(dirname "$out")"
 log="$out.train.log"
 "$bin" env serve hotpotqa --port 0 --set world=generated --set world_seed=0 --set world_size=60 \
   --set episode_worlds=true --set split=train --set corpus=distractor --set max_turns=4 \
-  --set tools=true > "$out.env.log" 2>&1 &
+  --set tools=true "${env_sets[@]}" > "$out.env.log" 2>&1 &
 env_server=$!
-"$bin" train --config configs/hotpotqa_tools_gateway.yaml --out "$out" \
+"$bin" train --config "$config" --out "$out" \
   --set max_steps="$steps" --set save_steps=0 --set seed="$seed" \
   --set gateway.listen=127.0.0.1:0 "$@" > "$log" 2>&1 &
 train=$!

@@ -150,11 +150,11 @@ impl Tokenizer {
     /// model copies a name as one token instead of spelling it byte by byte. The new words are
     /// numbered after the built-in bytes and words, whose ids do not move; the special tokens
     /// (`<|im_start|>`, `<answer>`, …) come after them, so their ids grow by the number of new
-    /// pieces. Words must be letter runs.
+    /// pieces. Words must be letter runs or punctuation runs ([`builtin_pieces_of`]).
     pub fn builtin_with_words(words: &[String]) -> Self {
         assert!(
-            words.iter().all(|w| w.chars().all(char::is_alphabetic)),
-            "extra built-in words are letter runs"
+            words.iter().all(|w| is_builtin_piece(w)),
+            "extra built-in words are letter runs or punctuation runs"
         );
         Self::try_builtin(words).expect("the built-in word list is valid by construction")
     }
@@ -323,6 +323,35 @@ fn builtin_pieces() -> BTreeSet<String> {
     let mut pieces: BTreeSet<String> = BUILTIN_SYMBOL_RUNS.iter().map(|s| s.to_string()).collect();
     pieces.extend(word_pieces(BUILTIN_WORDS.split_whitespace()));
     pieces
+}
+
+/// The pieces of `text` that the built-in tokenizer can hold whole, without their leading
+/// space: each letter run and punctuation run that the byte-level pre-tokenizer splits `text`
+/// into, when it is longer than the one byte it would be anyway (digits and whitespace stay
+/// bytes). Given to [`Tokenizer::builtin_with_words`], they make `text` encode in about one
+/// token per piece.
+pub fn builtin_pieces_of(text: &str) -> Vec<String> {
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+    let mut split = PreTokenizedString::from(text);
+    ByteLevel::new(false, true, true)
+        .pre_tokenize(&mut split)
+        .expect("the byte-level pre-tokenizer splits any text");
+    let pieces: BTreeSet<String> = split
+        .get_splits(OffsetReferential::Original, OffsetType::Byte)
+        .into_iter()
+        .map(|(_, (start, end), _)| &text[start..end])
+        .filter(|pre_token| pre_token.chars().count() > 1)
+        .map(|pre_token| pre_token.trim_start_matches(' ').to_string())
+        .filter(|piece| is_builtin_piece(piece))
+        .collect();
+    pieces.into_iter().collect()
+}
+
+/// Whether `piece` is one pre-token of the byte-level split: letters only, or punctuation only
+/// (neither letters, digits nor whitespace).
+fn is_builtin_piece(piece: &str) -> bool {
+    let punctuation = |c: char| !(c.is_alphabetic() || c.is_numeric() || c.is_whitespace());
+    !piece.is_empty() && (piece.chars().all(char::is_alphabetic) || piece.chars().all(punctuation))
 }
 
 /// Each word with and without a leading space (a one-letter word is a byte token already).
@@ -712,6 +741,42 @@ mod tests {
         assert!(ids.iter().all(|&id| id != base.encode("K")[0]));
         assert_eq!(tok.decode(&ids), "Kalomir the Zenvor Kalomir");
         assert!(base.encode("Kalomir").len() > 1);
+    }
+
+    #[test]
+    fn a_texts_pieces_make_it_encode_piece_by_piece() {
+        let text = "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"query\":\"x 42\"}}";
+        let pieces = builtin_pieces_of(text);
+        for piece in [
+            "tool",
+            "call",
+            "{\"",
+            "\":",
+            "name",
+            "arguments",
+            " {\"",
+            "\"}}",
+        ] {
+            let bare = piece.trim_start();
+            assert!(pieces.iter().any(|p| p == bare), "{bare:?} in {pieces:?}");
+        }
+        // A lone character is a byte already (`x`); digits and whitespace are not pieces.
+        assert!(!pieces
+            .iter()
+            .any(|p| p == "x" || p.contains('4') || p.contains('\n')));
+        let (base, tok) = (Tokenizer::builtin(), Tokenizer::builtin_with_words(&pieces));
+        let ids = tok.encode(text);
+        assert_eq!(tok.decode(&ids), text);
+        let spelled: Vec<String> = ids.iter().map(|&id| tok.decode(&[id])).collect();
+        // `<`, `_`, `>`, `x` and the digits stay bytes; the rest is one token per piece.
+        assert_eq!(spelled.len(), 23, "{spelled:?}");
+        assert_eq!(base.encode(text).len(), 46);
+    }
+
+    #[test]
+    #[should_panic(expected = "letter runs or punctuation runs")]
+    fn a_piece_that_mixes_letters_and_punctuation_is_refused() {
+        Tokenizer::builtin_with_words(&["tool_call".to_string()]);
     }
 
     #[test]

@@ -197,3 +197,47 @@ fn the_oracle_copies_each_name_as_the_tokens_it_was_read_as() {
         }
     }
 }
+
+#[test]
+fn in_tool_mode_the_builtin_tokenizer_holds_the_tool_markup_whole() {
+    // Real tokenizers hold their tool markup in few tokens; spelled byte by byte, a call would
+    // cost the built-in model fifty tokens of which two carry the query.
+    use stepppo::tokenizer::tool_calls::{builtin_call_text, builtin_tools_system};
+    use stepppo::tokenizer::{Tokenizer, ToolCall};
+    let tokenizer_for = |config: &serde_json::Value| {
+        Tokenizer::builtin_with_words(&stepppo::env::builtin_words("hotpotqa", config).unwrap())
+    };
+    let plain = json!({"episode_worlds": true, "world_size": 60});
+    let tools = json!({"episode_worlds": true, "world_size": 60, "tools": true});
+    let (text_mode, tool_mode) = (tokenizer_for(&plain), tokenizer_for(&tools));
+    let schemas = build_session("hotpotqa", &tools).unwrap().tool_schemas();
+    let system = builtin_tools_system(None, &schemas);
+    let call = builtin_call_text(
+        None,
+        &[ToolCall::new(
+            "c",
+            "search",
+            r#"{"query":" The Galnax Voyage"}"#,
+        )],
+    );
+    for (text, most) in [(&system, 200), (&call, 28)] {
+        let ids = tool_mode.encode(text);
+        assert!(ids.len() <= most, "{} tokens: {text}", ids.len());
+        let spelled = text_mode.encode(text).len();
+        assert!(
+            ids.len() * 5 < spelled * 3,
+            "{} vs {spelled}: {text}",
+            ids.len()
+        );
+        assert_eq!(tool_mode.decode(&ids), *text);
+    }
+    // The names a query copies are the same tokens as where they are read.
+    let name = tool_mode.encode(" The Galnax Voyage");
+    assert!(contains_run(&tool_mode.encode(&call), &name));
+    // An env of named actions gets its names whole too.
+    let lake = json!({"tools": true});
+    let words = stepppo::env::builtin_words("frozen_lake", &lake).unwrap();
+    assert!(["act", "action", "enum"]
+        .iter()
+        .all(|w| words.iter().any(|x| x == w)));
+}

@@ -69,6 +69,10 @@ pub const READY_CONFIGS: &[(&str, &str)] = &[
         "hotpotqa_tools_gateway.yaml",
         "search QA in tool mode, trained from an outside tool-calling agent through the gateway",
     ),
+    (
+        "hotpotqa_tools_searcher_gateway.yaml",
+        "the searcher recipe for an outside tool-calling agent: the answer left to RL",
+    ),
 ];
 
 /// The groups of top-level keys, each from its first key (in the order of [`Config`]'s fields)

@@ -83,6 +83,21 @@ pub enum ShapingDistance {
     Path,
 }
 
+/// Which of the env's planning facts the state critic reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CriticFacts {
+    /// The map's facts, then each move's: wall, hole, goal, nearer over ice, nearer by
+    /// Manhattan distance, and the landing cell's adjacent holes and moves nearer over ice.
+    #[default]
+    All,
+    /// As `all`, without the two per-move facts that say which moves bring the goal nearer
+    /// over ice (the oracle's own decision rule).
+    NoNearer,
+    /// The map's facts only, no per-move fact.
+    Map,
+}
+
 /// FrozenLake's own keys (`env_type: frozen_lake`): a random square map of frozen cells and
 /// holes (RAGEN's generator) with a start→goal path that fits in `max_steps`, gymnasium
 /// dynamics, reward 1 on the goal, else 0; the episode ends on the goal or in a hole. Actions:
@@ -118,6 +133,10 @@ pub struct FrozenLakeConfig {
     /// Which distance `distance_reward` measures.
     #[serde(default)]
     pub distance: ShapingDistance,
+    /// The planning facts a state critic (`critic.mode: state`) reads; the policy never sees
+    /// them. For ablations of the asymmetric critic.
+    #[serde(default)]
+    pub critic_facts: CriticFacts,
 }
 
 impl Default for FrozenLakeConfig {
@@ -131,6 +150,7 @@ impl Default for FrozenLakeConfig {
             render: FrozenLakeRender::Grid,
             distance_reward: 0.0,
             distance: ShapingDistance::Manhattan,
+            critic_facts: CriticFacts::All,
         }
     }
 }
@@ -253,6 +273,21 @@ impl FrozenLakeEnv {
             around(&|n| self.cells[n] == Cell::Hole),
             around(&|n| nearer(next, n)),
         ]
+    }
+
+    /// The facts of the move in direction `dir` that `critic_facts` lets the critic read.
+    fn read_move_facts(&self, dir: usize, moves: &[Option<usize>]) -> Vec<f32> {
+        let facts = self.move_facts(dir, moves);
+        match self.cfg.critic_facts {
+            CriticFacts::All => facts.to_vec(),
+            CriticFacts::NoNearer => facts
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !NEARER_FACTS.contains(i))
+                .map(|(_, &f)| f)
+                .collect(),
+            CriticFacts::Map => Vec::new(),
+        }
     }
 
     /// Fewest moves from the player to the goal over ice on the non-slippery map.
@@ -410,6 +445,9 @@ impl FrozenLakeEnv {
 
 /// Numbers per move in the critic state ([`FrozenLakeEnv::move_facts`]).
 const MOVE_FACTS: usize = 7;
+/// The indices in [`FrozenLakeEnv::move_facts`] of the facts that say whether a move brings the
+/// goal nearer over ice.
+const NEARER_FACTS: [usize; 2] = [3, 6];
 
 /// Cell reached from `pos` by direction `dir`; moving off the grid stays in place.
 fn neighbour(size: usize, pos: usize, dir: usize) -> usize {
@@ -541,7 +579,7 @@ impl Env for FrozenLakeEnv {
                 flag(fewest.is_some_and(|m| m <= left)),
             ]
             .into_iter()
-            .chain((0..4).flat_map(|dir| self.move_facts(dir, &moves)))
+            .chain((0..4).flat_map(|dir| self.read_move_facts(dir, &moves)))
             .collect(),
         )
     }
@@ -742,6 +780,33 @@ mod tests {
         env.player = 4;
         assert!(env.monotone_path_exists());
         assert_eq!(env.critic_state().unwrap()[3], 1.0);
+    }
+
+    #[test]
+    fn critic_facts_choose_what_the_critic_reads() {
+        let state_with = |critic_facts| {
+            let mut env = lake(FrozenLakeConfig {
+                is_slippery: false,
+                critic_facts,
+                ..FrozenLakeConfig::default()
+            });
+            goal_behind_holes(&mut env);
+            env.player = 10;
+            env.critic_state().unwrap()
+        };
+        let all = state_with(CriticFacts::All);
+        let without_nearer = state_with(CriticFacts::NoNearer);
+        assert_eq!(state_with(CriticFacts::Map), all[..8]);
+        // Each move keeps wall, hole, goal, nearer by Manhattan distance and adjacent holes.
+        let kept: Vec<f32> = (0..4)
+            .flat_map(|dir| {
+                let facts = &all[8 + dir * MOVE_FACTS..8 + (dir + 1) * MOVE_FACTS];
+                [facts[0], facts[1], facts[2], facts[4], facts[5]]
+            })
+            .collect();
+        assert_eq!(without_nearer, [&all[..8], kept.as_slice()].concat());
+        // Down goes round the holes: the fact the ablation removes was there.
+        assert_eq!(all[8 + MOVE_FACTS + 3], 1.0);
     }
 
     #[test]

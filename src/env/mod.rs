@@ -293,14 +293,35 @@ pub fn build_env(
 
 /// Words the env writes that the built-in tokenizer gives whole-word tokens in a run that plays
 /// it ([`crate::tokenizer::Tokenizer::builtin_with_words`]): a generated QA world's vocabulary
-/// (its names, template words and the instruction's words); none for the other envs.
+/// (its names, template words and the instruction's words), and in tool mode the pieces of the
+/// built-in template's tool text for the env's functions ([`tool_words`]); none otherwise.
 pub fn builtin_words(env_name: &str, config: &Value) -> Result<Vec<String>, EnvError> {
-    if env_name != "hotpotqa" {
-        return Ok(Vec::new());
+    let (protocol_overrides, env_overrides) = split_config(env_name, config)?;
+    let mut words = if env_name == "hotpotqa" {
+        let cfg: HotpotQaConfig =
+            merge_config(env_name, HotpotQaConfig::default(), &env_overrides)?;
+        cfg.builtin_words()
+    } else {
+        Vec::new()
+    };
+    if protocol_config(env_name, &protocol_overrides)?.tools {
+        words.extend(tool_words(env_name, config)?);
     }
-    let (_, env_overrides) = split_config(env_name, config)?;
-    let cfg: HotpotQaConfig = merge_config(env_name, HotpotQaConfig::default(), &env_overrides)?;
-    Ok(cfg.builtin_words())
+    Ok(words)
+}
+
+/// The pieces of the built-in template's tool text ([`crate::tokenizer::tool_calls::builtin_tool_text`])
+/// for the functions of the env `config` builds: its markup, JSON punctuation, function,
+/// parameter and action names. A remote env's functions are known only from its server, so
+/// they are taken as the free-text env's `answer(answer)`: its own names stay spelled in bytes.
+fn tool_words(env_name: &str, config: &Value) -> Result<Vec<String>, EnvError> {
+    let space = if env_name == "remote" {
+        ActionSpace::FreeText
+    } else {
+        build_env(env_name, config)?.0.action_space()
+    };
+    let text = crate::tokenizer::tool_calls::builtin_tool_text(&tools::tool_schemas(&space));
+    Ok(crate::tokenizer::builtin_pieces_of(&text))
 }
 
 /// For an env whose episodes are generated to be solvable within its action cap (Sokoban: a

@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# Paired comparison of advantage estimators on a search-QA config: per seed, one warm start shared
-# by every arm, each arm's RL from it, and greedy EM of every saved checkpoint on held-out episodes
-# (`stepppo eval --episodes N --json`). Resumable: a run whose last checkpoint exists, or an
-# evaluation whose JSON exists, is not redone; a run cut short is started again from scratch.
-# `scripts/paired_table.py OUT` prints the tables (mean and 95 % CI per arm, paired differences).
+# Paired comparison of training arms (advantage estimators, critic ablations) on one config: per
+# seed, one warm start shared by every arm, each arm's RL from it, and greedy success of every
+# saved checkpoint on held-out episodes (`stepppo eval --episodes N --json`). Resumable: a run
+# whose last checkpoint exists, or an evaluation whose JSON exists, is not redone; a run cut short
+# is started again from scratch. `scripts/paired_table.py OUT` prints the tables (mean and 95 % CI
+# per arm, paired differences of the first arm minus each other).
 #
-# Usage: scripts/search_qa_paired.sh OUT_DIR SEED [SEED ...]
+# Usage: scripts/paired_runs.sh OUT_DIR SEED [SEED ...]
 # Environment (defaults for configs/hotpotqa_steppo.yaml, 60 steps):
 #   CONFIG=configs/hotpotqa_steppo.yaml   MAX_STEPS=(the config's)   EVAL_EVERY=20   EPISODES=256
 #   JOBS=1 (seeds side by side)
 #   ARMS="step_gae token_gae grpo gigpo"  (the first arm's run makes the warm start; the names below)
 #   SETS="key=value ..."                  (overrides for every run)
+#   ENV_TAG=SimpleFrozenLake              (the custom_envs entry the critic_facts arms set)
 #   STEPPPO_BIN=PATH                       (a fixed binary, e.g. a copy, so that rebuilding the tree
 #                                           during a long comparison does not change its later runs)
 # Arms: step_gae (the config as shipped), token_gae (same critic), grpo and gigpo (no critic),
-#   step_gae_boot (gamma 0.99, lambda 0.9: GAE bootstraps from V between steps).
+#   step_gae_boot (lambda 0.9: GAE bootstraps from V between steps); for FrozenLake's state
+#   critic: facts_no_nearer and facts_map (critic_facts; see the env's keys) and no_critic
+#   (step_reinforce, the same returns without a baseline from a critic).
+# Search QA, 10 seeds:  scripts/paired_runs.sh runs/paired 42 43 44 45 46 47 48 49 50 51
+# FrozenLake critic:    CONFIG=configs/frozenlake_steppo.yaml MAX_STEPS=60 \
+#   ARMS="step_gae facts_no_nearer facts_map no_critic" scripts/paired_runs.sh runs/fl-critic 42 43 44
 set -euo pipefail
-out=${1:?usage: scripts/search_qa_paired.sh OUT_DIR SEED [SEED ...]}
+out=${1:?usage: scripts/paired_runs.sh OUT_DIR SEED [SEED ...]}
 shift
 [ $# -gt 0 ] || { echo "name at least one seed" >&2; exit 2; }
+env_tag=${ENV_TAG:-SimpleFrozenLake}
 seeds=("$@")
 root=$(cd "$(dirname "$0")/.." && pwd)
 config=${CONFIG:-$root/configs/hotpotqa_steppo.yaml}
@@ -46,6 +54,9 @@ arm_sets() { # arm -> the overrides that make it
     grpo) echo "adv_estimator=grpo critic.mode=none" ;;
     gigpo) echo "adv_estimator=gigpo critic.mode=none" ;;
     step_gae_boot) echo "lambd=0.9" ;;
+    facts_no_nearer) echo "custom_envs.$env_tag.env_config.critic_facts=no_nearer" ;;
+    facts_map) echo "custom_envs.$env_tag.env_config.critic_facts=map" ;;
+    no_critic) echo "adv_estimator=step_reinforce critic.mode=none" ;;
     *) echo "unknown arm $1" >&2; return 1 ;;
   esac
 }
