@@ -5,11 +5,15 @@ over seeds), and the paired differences of the first arm minus each other arm ov
 finished, with a 95 % t interval and a 95 % paired-bootstrap interval (10,000 resamples of seeds,
 fixed generator seed). Every figure is read from OUT_DIR's JSON files; nothing is typed by hand.
 
-Usage: scripts/paired_table.py OUT_DIR [--tag HotpotQAVal] [--metric success] [--first step_gae]
+Usage: scripts/paired_table.py OUT_DIR [--tag TAG] [--metric success] [--first step_gae]
                                         [--exclude-seeds 50,…]
 (--exclude-seeds leaves out seeds whose warm start failed, to show the table with and without them.)
 
 A difference is called beyond noise when both intervals exclude 0.
+
+Then, for arms whose runs fit a critic, the critic's explained variance pooled over the last 20
+steps of each run (1 − Σ rows · residual variance / Σ rows · return variance, from the run
+directories' metrics.jsonl), mean over seeds.
 """
 import argparse
 import json
@@ -51,6 +55,11 @@ def read_score(path, tag, metric):
         rows = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         sys.exit(f"{path}: cannot read ({e})")
+    if tag is None:
+        tags = {row.get("tag") for row in rows}
+        if len(tags) != 1:
+            sys.exit(f"{path}: tags {sorted(map(str, tags))}; name one with --tag")
+        tag = tags.pop()
     for row in rows:
         if row.get("tag") == tag:
             if metric not in row:
@@ -86,6 +95,40 @@ def collect(out, tag, metric, excluded=frozenset()):
     return scores, episodes
 
 
+def pooled_ev(metrics, last=20):
+    """1 − Σ rows · residual variance / Σ rows · return variance over the last `last` updates."""
+    rows = []
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        if "critic/vf_residual_var" in row:
+            rows.append(row)
+    rows = rows[-last:]
+    total = sum(r["critic/rows"] * r["critic/return_var"] for r in rows)
+    if not rows or total == 0:
+        return None
+    return 1 - sum(r["critic/rows"] * r["critic/vf_residual_var"] for r in rows) / total
+
+
+def critic_table(out, arms, excluded):
+    found = defaultdict(dict)
+    for arm in arms:
+        for metrics in sorted(out.glob(f"{arm}-*/metrics.jsonl")):
+            seed = int(metrics.parent.name.rsplit("-", 1)[1])
+            ev = None if seed in excluded else pooled_ev(metrics)
+            if ev is not None:
+                found[arm][seed] = ev
+    if not found:
+        return
+    print("\nCritic explained variance pooled over each run's last 20 updates:\n")
+    print("| arm | mean | per seed |")
+    print("|---|--:|---|")
+    for arm in arms:
+        if found[arm]:
+            evs = found[arm]
+            per_seed = ", ".join(f"{k}: {v:.3f}" for k, v in sorted(evs.items()))
+            print(f"| `{arm}` | {sum(evs.values()) / len(evs):.3f} | {per_seed} |")
+
+
 def fmt(m, h):
     return f"{m:.3f} ± {h:.3f}" if not math.isnan(h) else f"{m:.3f}"
 
@@ -93,7 +136,7 @@ def fmt(m, h):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--tag", default="HotpotQAVal")
+    ap.add_argument("--tag", help="the validation env tag (default: the only one evaluated)")
     ap.add_argument("--metric", default="success")
     ap.add_argument("--first", default="step_gae", help="the arm the others are compared with")
     ap.add_argument("--exclude-seeds", default="", help="comma-separated seeds to leave out")
@@ -105,7 +148,7 @@ def main():
     arms = [args.first] + sorted(a for a in scores if a != args.first) if args.first in scores \
         else sorted(scores)
     steps = sorted({s for a in arms for s in scores[a] if scores[a][s]})
-    print(f"{args.tag} {args.metric}, greedy, {'/'.join(map(str, sorted(episodes)))} episodes per "
+    print(f"{args.tag or 'validation'} {args.metric}, greedy, {'/'.join(map(str, sorted(episodes)))} episodes per "
           f"evaluation; mean ± 95 % CI half-width over seeds (n = seeds finished)\n")
     print("| arm | " + " | ".join(f"step {s}" for s in steps) + " | seeds |")
     print("|---|" + "--:|" * len(steps) + "---|")
@@ -117,19 +160,23 @@ def main():
         last = max(s for s in steps if scores[arm][s])
         seeds = sorted(scores[arm][last])
         print(f"| `{arm}` | " + " | ".join(cells) + f" | {', '.join(map(str, seeds))} |")
-    if args.first not in scores:
-        return
-    print(f"\nPaired differences `{args.first}` − arm (same seed, same warm start, same episodes):\n")
+    if args.first in scores:
+        paired_differences(scores, arms, steps, args.first)
+    critic_table(args.out, arms, excluded)
+
+
+def paired_differences(scores, arms, steps, first):
+    print(f"\nPaired differences `{first}` − arm (same seed, same warm start, same episodes):\n")
     print("| arm | step | n | mean diff | 95 % t CI | 95 % bootstrap CI | beyond noise |")
     print("|---|--:|--:|--:|---|---|---|")
     for arm in arms[1:]:
         for s in steps:
             if s == 0:
                 continue
-            common = sorted(set(scores[args.first][s]) & set(scores[arm][s]))
+            common = sorted(set(scores[first][s]) & set(scores[arm][s]))
             if len(common) < 2:
                 continue
-            d = [scores[args.first][s][k] - scores[arm][s][k] for k in common]
+            d = [scores[first][s][k] - scores[arm][s][k] for k in common]
             m, h = mean_ci(d)
             lo, hi = bootstrap_ci(d)
             beyond = (m - h > 0 or m + h < 0) and (lo > 0 or hi < 0)
