@@ -326,10 +326,10 @@ fn builtin_pieces() -> BTreeSet<String> {
 }
 
 /// The pieces of `text` that the built-in tokenizer can hold whole, without their leading
-/// space: each letter run and punctuation run that the byte-level pre-tokenizer splits `text`
-/// into, when it is longer than the one byte it would be anyway (digits and whitespace stay
-/// bytes). Given to [`Tokenizer::builtin_with_words`], they make `text` encode in about one
-/// token per piece.
+/// space: each run of two or more letters or punctuation characters that the byte-level
+/// pre-tokenizer splits `text` into (single characters are bytes already; digits and whitespace
+/// stay bytes). Given to [`Tokenizer::builtin_with_words`], they make `text` encode in about
+/// one token per piece.
 pub fn builtin_pieces_of(text: &str) -> Vec<String> {
     use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
     let mut split = PreTokenizedString::from(text);
@@ -339,10 +339,8 @@ pub fn builtin_pieces_of(text: &str) -> Vec<String> {
     let pieces: BTreeSet<String> = split
         .get_splits(OffsetReferential::Original, OffsetType::Byte)
         .into_iter()
-        .map(|(_, (start, end), _)| &text[start..end])
-        .filter(|pre_token| pre_token.chars().count() > 1)
-        .map(|pre_token| pre_token.trim_start_matches(' ').to_string())
-        .filter(|piece| is_builtin_piece(piece))
+        .map(|(_, (start, end), _)| text[start..end].trim_start_matches(' ').to_string())
+        .filter(|piece| piece.chars().count() > 1 && is_builtin_piece(piece))
         .collect();
     pieces.into_iter().collect()
 }
@@ -760,16 +758,16 @@ mod tests {
             let bare = piece.trim_start();
             assert!(pieces.iter().any(|p| p == bare), "{bare:?} in {pieces:?}");
         }
-        // A lone character is a byte already (`x`); digits and whitespace are not pieces.
-        assert!(!pieces
-            .iter()
-            .any(|p| p == "x" || p.contains('4') || p.contains('\n')));
+        // A lone character is a byte already (`x`, ` "`); digits and whitespace are not pieces.
+        assert!(pieces.iter().all(|p| p.chars().count() > 1), "{pieces:?}");
+        assert!(!pieces.iter().any(|p| p.contains('4') || p.contains('\n')));
         let (base, tok) = (Tokenizer::builtin(), Tokenizer::builtin_with_words(&pieces));
         let ids = tok.encode(text);
         assert_eq!(tok.decode(&ids), text);
         let spelled: Vec<String> = ids.iter().map(|&id| tok.decode(&[id])).collect();
-        // `<`, `_`, `>`, `x` and the digits stay bytes; the rest is one token per piece.
-        assert_eq!(spelled.len(), 23, "{spelled:?}");
+        // `<`, `_`, `>`, ` "` (twice), `x` and the digits stay bytes; the rest is one token
+        // per piece.
+        assert_eq!(spelled.len(), 25, "{spelled:?}");
         assert_eq!(base.encode(text).len(), 46);
     }
 

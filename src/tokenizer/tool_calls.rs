@@ -359,12 +359,12 @@ pub fn builtin_tool_text(tools: &[String]) -> String {
     [
         builtin_tools_system(None, tools),
         builtin_call_text(None, &calls),
-        builtin_tool_results(["0"]),
+        builtin_tool_results(["x"]),
     ]
     .join("\n")
 }
 
-/// A call of the function `tool` describes, each parameter given `"0"`; `None` for a tool text
+/// A call of the function `tool` describes, each parameter given `"x"`; `None` for a tool text
 /// that names no function (the template renders it as it is).
 fn example_call(tool: &str) -> Option<ToolCall> {
     let tool: serde_json::Value = serde_json::from_str(tool).ok()?;
@@ -373,7 +373,7 @@ fn example_call(tool: &str) -> Option<ToolCall> {
     let parameters: serde_json::Map<String, serde_json::Value> = function
         .pointer("/parameters/properties")
         .and_then(|p| p.as_object())
-        .map(|p| p.keys().map(|k| (k.clone(), "0".into())).collect())
+        .map(|p| p.keys().map(|k| (k.clone(), "x".into())).collect())
         .unwrap_or_default();
     let arguments = serde_json::Value::Object(parameters).to_string();
     Some(ToolCall::new("", name, &arguments))
