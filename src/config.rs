@@ -358,7 +358,8 @@ pub struct CopyPretrainConfig {
     pub length: usize,
     /// When set, in (0, 1]: training goes on past `steps`, in rounds of 500 steps, until the
     /// held-out copy probability reaches this value or `max_steps` steps have run (the copying
-    /// circuit forms abruptly, at a step that varies with the seed); each check is printed.
+    /// circuit forms abruptly, at a step that varies with the seed); each check is printed, and
+    /// a warning when `max_steps` ends it below the target.
     pub until_probability: Option<f64>,
     /// The most steps `until_probability` may run to: above `steps`, and only with
     /// `until_probability` set.

@@ -272,6 +272,15 @@ fn report_run(trainer: &mut Trainer, max_steps: u64, run_dir: &Path) -> anyhow::
                         format!(" (checks: {})", checks.join(", "))
                     }
                 ));
+                if let Some(target) = c.missed_target() {
+                    progress.println(format!(
+                        "warning: copy pre-training stopped at sft.copy.max_steps {} below \
+                         sft.copy.until_probability {target}: the model did not learn to copy, \
+                         and a task that copies names from its context will likely fail from \
+                         this warm start (another seed or a higher max_steps may form it)",
+                        c.steps
+                    ));
+                }
             }
             if r.steps > 0 {
                 progress.println(format!(

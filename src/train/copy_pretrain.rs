@@ -94,7 +94,19 @@ pub struct CopyReport {
     /// first after `steps`. The same held-out sequences decide when to stop and give the
     /// reported probability, which is therefore a little optimistic.
     pub checks: Vec<(usize, f64)>,
+    /// `until_probability`, when set.
+    pub target: Option<f64>,
     pub seconds: f64,
+}
+
+impl CopyReport {
+    /// The target, when the copy pre-training stopped at `max_steps` below it: the copy circuit
+    /// did not form, and a warm start on a task that copies names from its context stands on
+    /// nothing.
+    pub fn missed_target(&self) -> Option<f64> {
+        self.target
+            .filter(|&target| self.held_out_copy_probability < target)
+    }
 }
 
 /// A batch of copy sequences as the model's inputs: ids `[B, 2n]`, an all-ones mask, the flat
@@ -222,6 +234,7 @@ fn train_on(
         } else {
             Vec::new()
         },
+        target: cfg.until_probability,
         seconds: start.elapsed().as_secs_f64(),
     })
 }
@@ -375,6 +388,7 @@ mod tests {
         // Met at once: nothing past `steps`, the very model of the plain run.
         let met = run(Some(1e-9), 600);
         assert_eq!(met.checks, vec![(20, plain.held_out_copy_probability)]);
+        assert_eq!(met.missed_target(), None);
         assert_eq!(
             met.held_out_copy_probability,
             plain.held_out_copy_probability
@@ -385,5 +399,7 @@ mod tests {
         assert_eq!(steps, vec![20, 20 + ROUND_STEPS, 20 + ROUND_STEPS + 30]);
         assert_eq!(capped.steps, 20 + ROUND_STEPS + 30);
         assert_eq!(capped.held_out_copy_probability, capped.checks[2].1);
+        assert_eq!(capped.missed_target(), Some(1.0));
+        assert_eq!(plain.missed_target(), None);
     }
 }
