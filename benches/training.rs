@@ -4,8 +4,9 @@
 //! coefficient 0.001), backward, gradient clipping at 1.0 and an AdamW step.
 //!
 //! Shapes: the built-in `small` model at 8 × 128 and 16 × 640 tokens, and a 90M-parameter Qwen2
-//! (hidden 896, 6 layers, 14 / 2 heads, MLP 4,864, the built-in vocabulary) at 4 × 256; each at 1
-//! and 2 threads. The second half of every sequence is its response. For each shape the bench
+//! (hidden 896, 6 layers, 14 / 2 heads, MLP 4,864, the built-in vocabulary) at 4 × 256, and
+//! Qwen2.5-0.5B's shape (`configs/models/qwen2.5-0.5b.json`: 24 layers, its 151,936-token
+//! vocabulary) at 2 × 256; each at 1 and 2 threads. The second half of every sequence is its response. For each shape the bench
 //! writes the model as an HF directory and the inputs as JSON, then runs one child process per
 //! (shape, threads, side) so each gets its own thread pool: this binary for stepppo, and
 //! `scripts/torch_update_step.py` (transformers `Qwen2ForCausalLM`, SDPA attention,
@@ -45,6 +46,8 @@ const RUNS_VAR: &str = "STEPPPO_BENCH_RUNS";
 const DIR_VAR: &str = "STEPPPO_BENCH_DIR";
 const PYTHON_VAR: &str = "STEPPPO_TORCH_PYTHON";
 const SCRIPT: &str = "scripts/torch_update_step.py";
+/// Qwen2.5-0.5B's shape (its own vocabulary, tied embeddings).
+const QWEN_05B: &str = "configs/models/qwen2.5-0.5b.json";
 const THREADS: [usize; 2] = [1, 2];
 const ENTROPY_COEF: f32 = 0.001;
 const LR: f64 = 1e-5;
@@ -82,6 +85,12 @@ fn shapes() -> Vec<Shape> {
             name: "qwen2_90m_4x256",
             cfg: qwen_90m,
             batch: 4,
+            len: 256,
+        },
+        Shape {
+            name: "qwen2.5_0.5b_2x256",
+            cfg: ModelConfig::from_file(Path::new(QWEN_05B)).expect("the 0.5B shape's config"),
+            batch: 2,
             len: 256,
         },
     ]

@@ -105,7 +105,7 @@ def main():
     p.add_argument("--group", type=int, default=4, help="episodes per question (the trainer's group_size)")
     p.add_argument("--parallel", type=int, default=16, help="episodes played at once")
     p.add_argument("--max-tokens", type=int, default=64,
-                   help="reply length in tokens (a call takes about 52 of the built-in model's)")
+                   help="reply length in tokens (a call takes about 30 of the built-in model's)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--report-every", type=int, default=128, help="print the EM every N episodes")
     args = p.parse_args()
@@ -122,14 +122,24 @@ def main():
                 print(json.dumps({"episodes": done, "em": sum(window) / len(window)}), flush=True)
                 window.clear()
 
-    jobs = [(args.first_seed + q, k) for q in range(args.questions) for k in range(args.group)]
+    # Jobs are drawn as workers free up, so a run of many questions holds none of them in advance.
+    jobs = ((args.first_seed + q, k) for q in range(args.questions) for k in range(args.group))
+
+    def worker():
+        while True:
+            with lock:
+                job = next(jobs, None)
+            if job is None:
+                return
+            run(job)
+
     try:
         with ThreadPoolExecutor(args.parallel) as pool:
-            list(pool.map(run, jobs))
+            for worker_done in [pool.submit(worker) for _ in range(args.parallel)]:
+                worker_done.result()
     except (openai.APIConnectionError, openai.APIStatusError, urllib.error.URLError) as e:
         print(f"the endpoint stopped answering ({e.__class__.__name__}); {done} episodes played",
               file=sys.stderr)
-
 
 if __name__ == "__main__":
     main()

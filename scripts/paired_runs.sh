@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Paired comparison of training arms (advantage estimators, critic ablations) on one config: per
 # seed, one warm start shared by every arm, each arm's RL from it, and greedy success of every
-# saved checkpoint on held-out episodes (`stepppo eval --episodes N --json`). Resumable: a run
-# whose last checkpoint exists, or an evaluation whose JSON exists, is not redone; a run cut short
-# is started again from scratch. `scripts/paired_table.py OUT` prints the tables (mean and 95 % CI
+# EVAL_EVERY-th checkpoint on held-out episodes (`stepppo eval --episodes N --json`). Resumable: a
+# run whose last checkpoint exists, or an evaluation whose JSON exists, is not redone; a run cut
+# short continues from its latest checkpoint (`stepppo train --resume`, exact), or starts again
+# when it saved none. `scripts/paired_table.py OUT` prints the tables (mean and 95 % CI
 # per arm, paired differences of the first arm minus each other).
 #
 # Usage: scripts/paired_runs.sh OUT_DIR SEED [SEED ...]
 # Environment (defaults for configs/hotpotqa_steppo.yaml, 60 steps):
 #   CONFIG=configs/hotpotqa_steppo.yaml   MAX_STEPS=(the config's)   EVAL_EVERY=20   EPISODES=256
+#   SAVE_EVERY=EVAL_EVERY (a divisor of it: how much of a run cut short is kept)
 #   JOBS=1 (seeds side by side)
 #   ARMS="step_gae token_gae grpo gigpo"  (the first arm's run makes the warm start; the names below)
 #   SETS="key=value ..."                  (overrides for every run)
@@ -16,9 +18,11 @@
 #   STEPPPO_BIN=PATH                       (a fixed binary, e.g. a copy, so that rebuilding the tree
 #                                           during a long comparison does not change its later runs)
 # Arms: step_gae (the config as shipped), token_gae (same critic), grpo and gigpo (no critic),
-#   step_gae_boot (lambda 0.9: GAE bootstraps from V between steps); for FrozenLake's state
-#   critic: facts_no_nearer and facts_map (critic_facts; see the env's keys) and no_critic
-#   (step_reinforce, the same returns without a baseline from a critic).
+#   step_gae_boot (the Turn-PPO recipe: lambda 0.9, so GAE bootstraps from V between steps, and
+#   5 critic warm-up steps); for search QA, privileged_critic and privileged_boot (a state
+#   critic on the env's privileged facts: the gold paragraphs and answer found so far; lambda 1
+#   and 0.9); for FrozenLake's state critic: facts_no_nearer and facts_map (critic_facts; see
+#   the env's keys) and no_critic (step_reinforce, the same returns without a critic baseline).
 # Search QA, 10 seeds:  scripts/paired_runs.sh runs/paired 42 43 44 45 46 47 48 49 50 51
 # FrozenLake critic:    CONFIG=configs/frozenlake_steppo.yaml MAX_STEPS=60 \
 #   ARMS="step_gae facts_no_nearer facts_map no_critic" scripts/paired_runs.sh runs/fl-critic 42 43 44
@@ -31,6 +35,8 @@ seeds=("$@")
 root=$(cd "$(dirname "$0")/.." && pwd)
 config=${CONFIG:-$root/configs/hotpotqa_steppo.yaml}
 every=${EVAL_EVERY:-20}
+save_every=${SAVE_EVERY:-$every}
+(( every % save_every == 0 )) || { echo "SAVE_EVERY $save_every must divide EVAL_EVERY $every" >&2; exit 2; }
 episodes=${EPISODES:-256}
 jobs=${JOBS:-1}
 read -r -a arms <<< "${ARMS:-step_gae token_gae grpo gigpo}"
@@ -44,16 +50,20 @@ mkdir -p "$out"
 max_steps=${MAX_STEPS:-$(sed -n 's/^max_steps: *\([0-9]*\).*/\1/p' "$config")}
 [ -n "$max_steps" ] || { echo "$config: no top-level max_steps; set MAX_STEPS" >&2; exit 2; }
 
-sets=(--set max_steps="$max_steps" --set save_steps="$every" --set eval_steps="$max_steps")
+sets=(--set max_steps="$max_steps" --set save_steps="$save_every" --set eval_steps="$max_steps")
 for s in ${SETS:-}; do sets+=(--set "$s"); done
 
+# A state critic as the FrozenLake default fits one: 10 passes over the last 32 batches' steps.
+state_critic="critic.mode=state critic.ppo_epochs=10 critic.history_batches=32"
 arm_sets() { # arm -> the overrides that make it
   case $1 in
     step_gae) ;;
     token_gae) echo "adv_estimator=token_gae" ;;
     grpo) echo "adv_estimator=grpo critic.mode=none" ;;
     gigpo) echo "adv_estimator=gigpo critic.mode=none" ;;
-    step_gae_boot) echo "lambd=0.9" ;;
+    step_gae_boot) echo "lambd=0.9 critic.warmup_steps=5" ;;
+    privileged_critic) echo "$state_critic" ;;
+    privileged_boot) echo "$state_critic lambd=0.9 critic.warmup_steps=5" ;;
     facts_no_nearer) echo "custom_envs.$env_tag.env_config.critic_facts=no_nearer" ;;
     facts_map) echo "custom_envs.$env_tag.env_config.critic_facts=map" ;;
     no_critic) echo "adv_estimator=step_reinforce critic.mode=none" ;;
@@ -64,6 +74,12 @@ arm_sets() { # arm -> the overrides that make it
 run() { # arm seed first_arm
   local arm=$1 seed=$2 first=$3 dir="$out/$1-$2" extra=()
   [ -d "$dir/ckpt-$max_steps" ] && return 0
+  if compgen -G "$dir/ckpt-[0-9]*" > /dev/null; then
+    echo "resuming $arm-$seed from its latest checkpoint" >> "$dir.log"
+    "$bin" train --resume --out "$dir" >> "$dir.log" 2>&1 \
+      || { echo "run $arm-$seed failed: $dir.log" >&2; return 1; }
+    return 0
+  fi
   rm -rf "$dir"
   for s in $(arm_sets "$arm"); do extra+=(--set "$s"); done
   if [ "$arm" != "$first" ]; then

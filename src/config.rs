@@ -90,6 +90,18 @@ pub enum ContextLayout {
     Window,
 }
 
+/// Where a fresh run's policy comes from ([`Config::pretrain_source`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PretrainSource<'a> {
+    /// The built-in model of this size, initialised from the run seed.
+    Builtin(BuiltinSize),
+    /// A model of the shape an HF `config.json`-style file states, initialised from the run seed
+    /// over the built-in tokenizer.
+    Shape(&'a Path),
+    /// An HF checkpoint or PEFT adapter directory, loaded.
+    Checkpoint(&'a Path),
+}
+
 /// Size of the built-in model used when `pretrain: builtin`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
@@ -609,8 +621,11 @@ pub struct Config {
     pub val_batch_size: usize,
 
     // --- model
-    /// The policy: `builtin` (the built-in model of `builtin_size`) or an HF checkpoint
-    /// directory (dense Qwen2/2.5, Qwen3, Llama 3).
+    /// The policy: `builtin` (the built-in model of `builtin_size`), an HF checkpoint directory
+    /// (dense Qwen2/2.5, Qwen3, Llama 3), or an HF `config.json`-style file (a path ending in
+    /// `.json`, e.g. `configs/models/qwen2.5-0.5b.json`): a model of that shape initialised from
+    /// the run seed over the built-in tokenizer, as `builtin` is (its `vocab_size` must hold the
+    /// tokenizer's ids; sizing and speed runs at real shapes without weights to download).
     #[serde(default = "builtin")]
     pub pretrain: String,
     /// Size of the built-in model (`pretrain: builtin`).
@@ -1303,6 +1318,17 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// Where a fresh run's policy comes from, as `pretrain` names it.
+    pub fn pretrain_source(&self) -> PretrainSource<'_> {
+        if self.pretrain == "builtin" {
+            PretrainSource::Builtin(self.builtin_size)
+        } else if self.pretrain.ends_with(".json") {
+            PretrainSource::Shape(Path::new(&self.pretrain))
+        } else {
+            PretrainSource::Checkpoint(Path::new(&self.pretrain))
+        }
     }
 
     /// Whether the run trains LoRA adapters (`lora` or `pretrain_adapter` set).

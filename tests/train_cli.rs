@@ -209,6 +209,49 @@ fn the_search_qa_config_trains_one_step() {
     assert!(warm_start.join("model.safetensors").is_file());
 }
 
+/// `pretrain` naming a model config file starts the run from a model of that shape over the
+/// built-in tokenizer; a shape whose vocabulary cannot hold the tokenizer's ids is refused by name.
+#[test]
+fn a_model_config_file_starts_a_run_of_its_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = |vocab: usize| {
+        serde_json::json!({
+            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "vocab_size": vocab, "hidden_size": 48, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": true, "hidden_act": "silu"
+        })
+    };
+    let file = dir.path().join("shape.json");
+    std::fs::write(&file, shape(8192).to_string()).unwrap();
+    let run = dir.path().join("run");
+    let pretrain = format!("pretrain={}", file.display());
+    let sets = [&tiny()[..], &[&pretrain, "sft.steps=0", "save_steps=1"]].concat();
+    stepppo_ok(&with_sets(
+        vec!["train", "--out", run.to_str().unwrap()],
+        &sets,
+    ));
+    let saved: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(run.join("ckpt-1/policy/config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(saved["hidden_size"], 48);
+    assert_eq!(saved["vocab_size"], 8192);
+
+    std::fs::write(&file, shape(100).to_string()).unwrap();
+    let out = stepppo(&with_sets(
+        vec!["train", "--out", dir.path().join("small").to_str().unwrap()],
+        &sets,
+    ));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("shape.json") && stderr.contains("vocab_size 100 is below"),
+        "{stderr}"
+    );
+}
+
 /// The default has no critic; StepPO with the shared-trunk critic logs the critic's metrics.
 #[test]
 fn step_gae_with_a_critic_logs_the_critic_metrics() {
@@ -359,6 +402,28 @@ fn a_config_that_fails_leaves_no_run_directory_behind() {
     assert!(!run.exists(), "a failed start created {}", run.display());
 }
 
+/// Search QA's state critic reads the env's privileged facts (the gold found so far): a run
+/// with it trains, and its critic is fitted and logged.
+#[test]
+fn a_state_critic_trains_on_search_qas_privileged_facts() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/hotpotqa_steppo.yaml");
+    let args = vec!["train", "--config", config, "--out", run.to_str().unwrap()];
+    let sets = [
+        "save_steps=0",
+        "sft.copy.steps=0",
+        "generating_args.max_new_tokens=8",
+        "val_generating_args.max_new_tokens=8",
+        "critic.mode=state",
+        "critic.ppo_epochs=3",
+    ];
+    stepppo_ok(&with_sets(args, &[TINY_RUN, &sets].concat()));
+    let rows = read_jsonl(&run.join("metrics.jsonl")).unwrap();
+    let logged = |name: &str| rows.iter().any(|(s, m)| *s == 1 && m.contains_key(name));
+    assert!(logged("critic/vf_explained_var"), "no critic metrics");
+}
+
 #[test]
 fn a_state_critic_on_an_env_without_a_critic_state_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
@@ -366,16 +431,20 @@ fn a_state_critic_on_an_env_without_a_critic_state_is_refused_by_name() {
     let out = stepppo(&[
         "train",
         "--config",
-        "configs/hotpotqa_steppo.yaml",
+        "configs/bandit_grpo.yaml",
         "--out",
         run.to_str().unwrap(),
+        "--set",
+        "adv_estimator=step_gae",
+        "--set",
+        "reward_normalization={}",
         "--set",
         "critic.mode=state",
     ]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("critic.mode state") && err.contains("hotpotqa supplies no critic state"),
+        err.contains("critic.mode state") && err.contains("bandit supplies no critic state"),
         "{err}"
     );
     assert!(!run.exists(), "a failed start created {}", run.display());

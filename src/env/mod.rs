@@ -139,9 +139,9 @@ pub trait Env: Send {
     fn random_action(&self, rng: &mut rand_chacha::ChaCha8Rng) -> Result<Action, EnvError>;
     /// Numeric facts about the whole state, for a critic that may see more than the agent (an
     /// asymmetric critic, `critic.mode: state`): planning facts of the map that the render does
-    /// not state (a one-hot of every cell does not carry over to freshly drawn maps). The same
-    /// width for every state of one env config; `None` when the env has none (text tasks,
-    /// remote envs).
+    /// not state (a one-hot of every cell does not carry over to freshly drawn maps), or what a
+    /// search episode has found set against its gold. The same width for every state of one env
+    /// config; `None` when the env has none (the bandit, remote envs).
     fn critic_state(&self) -> Option<Vec<f32>> {
         None
     }

@@ -6,8 +6,8 @@
 //! [`super::trainer`]'s).
 
 use super::{run_dir, TrainError};
-use crate::config::{BuiltinSize, Config, DeviceKind};
-use crate::model::{Adapters, Critic, LoraSpec, Model, ModelConfig};
+use crate::config::{BuiltinSize, Config, DeviceKind, PretrainSource};
+use crate::model::{Adapters, Critic, LoraSpec, Model, ModelConfig, ModelError};
 use crate::rollout::engine::{CacheMode, Engine, EngineConfig};
 use crate::seed;
 use crate::tokenizer::Tokenizer;
@@ -40,26 +40,60 @@ pub(crate) fn engine_for(cfg: &Config, policy: &Model) -> Result<Engine, TrainEr
     Ok(Engine::for_model(policy, engine_cfg)?)
 }
 
-/// The policy a fresh run starts from: the built-in model (`tiny`/`small`, initialised from the
-/// run seed, over the built-in tokenizer plus the words the run's envs write) or an HF
-/// checkpoint directory.
+/// The policy a fresh run starts from: an HF checkpoint directory, or a model initialised from
+/// the run seed over the built-in tokenizer plus the words the run's envs write (the built-in
+/// model of `builtin_size`, or the shape of a model config file).
 pub(crate) fn fresh_policy(
     cfg: &Config,
     device: &Device,
 ) -> Result<(Model, Tokenizer), TrainError> {
-    if cfg.pretrain != "builtin" {
-        return Ok(crate::model::checkpoint::load_policy(
-            &cfg.pretrain,
-            device,
-        )?);
-    }
-    let tok = Tokenizer::builtin_with_words(&cfg.builtin_words().map_err(TrainError::Data)?);
-    let mc = match cfg.builtin_size {
-        BuiltinSize::Tiny => ModelConfig::tiny(tok.vocab_size()),
-        BuiltinSize::Small => ModelConfig::small(tok.vocab_size()),
+    let builtin_tokenizer = || {
+        cfg.builtin_words()
+            .map(|words| Tokenizer::builtin_with_words(&words))
+            .map_err(TrainError::Data)
+    };
+    let (mc, tok) = match cfg.pretrain_source() {
+        PretrainSource::Checkpoint(dir) => {
+            return Ok(crate::model::checkpoint::load_policy(
+                &dir.display().to_string(),
+                device,
+            )?)
+        }
+        PretrainSource::Builtin(size) => {
+            let tok = builtin_tokenizer()?;
+            let mc = match size {
+                BuiltinSize::Tiny => ModelConfig::tiny(tok.vocab_size()),
+                BuiltinSize::Small => ModelConfig::small(tok.vocab_size()),
+            };
+            (mc, tok)
+        }
+        PretrainSource::Shape(file) => {
+            let tok = builtin_tokenizer()?;
+            (shape_over_builtin_tokenizer(file, &tok)?, tok)
+        }
     };
     let model = Model::new(&mc, seed::derive(cfg.seed, &[SEED_POLICY]), device)?;
     Ok((model, tok))
+}
+
+/// The model shape `file` states (`pretrain` naming a config file), checked to be one we compute
+/// exactly and to hold every id of `tok`.
+fn shape_over_builtin_tokenizer(file: &Path, tok: &Tokenizer) -> Result<ModelConfig, TrainError> {
+    let fail = |message: String| ModelError::Config {
+        path: file.display().to_string(),
+        message: format!("(`pretrain`) {message}"),
+    };
+    let mc = ModelConfig::from_file(file)?;
+    mc.validate().map_err(fail)?;
+    if mc.vocab_size < tok.vocab_size() {
+        return Err(fail(format!(
+            "vocab_size {} is below the built-in tokenizer's {} ids",
+            mc.vocab_size,
+            tok.vocab_size()
+        ))
+        .into());
+    }
+    Ok(mc)
 }
 
 /// Seed-path tag of a fresh LoRA adapter's initialisation.
@@ -68,14 +102,18 @@ const SEED_ADAPTERS: u64 = 6;
 const SEED_CRITIC_ADAPTERS: u64 = 7;
 
 /// Where a LoRA run's base model lives: the warm start when one ran, `<run>/base` for a built-in
-/// model used as it was initialised (written by [`attach_run_adapters`]), else `pretrain`.
+/// or shaped model used as it was initialised (written by [`attach_run_adapters`]), else
+/// `pretrain`.
 fn lora_base_dir(cfg: &Config, run_dir: &Path, warm_started: bool) -> PathBuf {
     if warm_started {
         run_dir.join(run_dir::WARM_START_DIR)
-    } else if cfg.pretrain == "builtin" {
-        run_dir.join(run_dir::LORA_BASE_DIR)
     } else {
-        PathBuf::from(&cfg.pretrain)
+        match cfg.pretrain_source() {
+            PretrainSource::Checkpoint(dir) => dir.to_path_buf(),
+            PretrainSource::Builtin(_) | PretrainSource::Shape(_) => {
+                run_dir.join(run_dir::LORA_BASE_DIR)
+            }
+        }
     }
 }
 
@@ -133,7 +171,8 @@ fn policy_base(
 ) -> Result<PathBuf, TrainError> {
     let base = lora_base_dir(cfg, run_dir, warm_started);
     let on_disk = base.join(crate::model::checkpoint::CONFIG_FILE).is_file();
-    if write_base && !warm_started && cfg.pretrain == "builtin" && !on_disk {
+    let initialised = !matches!(cfg.pretrain_source(), PretrainSource::Checkpoint(_));
+    if write_base && !warm_started && initialised && !on_disk {
         policy.save(&base, Some(tok))?;
     }
     Ok(base)

@@ -42,7 +42,9 @@ use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::{bad_value, stable_hash, Action, ActionSpace, Env, EnvError, EnvInfo, Transition};
+use super::{
+    bad_value, flag, stable_hash, Action, ActionSpace, Env, EnvError, EnvInfo, Transition,
+};
 use corpus::Corpus;
 use data::HotpotRecord;
 use world::{Split, World};
@@ -457,6 +459,8 @@ pub struct HotpotQaEnv {
     queries: Vec<String>,
     /// Gold titles a search has shown this episode (each paid `retrieval_bonus` once).
     gold_retrieved: Vec<String>,
+    /// Whether a search has shown the gold answer this episode (a fact of the critic state).
+    answer_shown: bool,
     observation: String,
     finished: bool,
 }
@@ -488,6 +492,7 @@ impl HotpotQaEnv {
             template: None,
             queries: Vec::new(),
             gold_retrieved: Vec::new(),
+            answer_shown: false,
             observation: String::new(),
             finished: false,
         };
@@ -559,26 +564,37 @@ impl HotpotQaEnv {
         Ok((record, world::template_name(index), corpus))
     }
 
-    /// `retrieval_bonus` for each gold paragraph among the `shown` titles of a search that shows
-    /// it for the first time this episode (0 with no bonus set).
-    fn retrieval_bonus_of(&mut self, shown: &[String]) -> f32 {
-        if self.cfg.retrieval_bonus == 0.0 {
-            return 0.0;
-        }
-        let gold: Vec<String> = self
-            .record()
-            .supporting_facts
-            .iter()
-            .map(|(title, _)| title.clone())
-            .collect();
-        let mut new = 0;
-        for title in gold {
-            if shown.contains(&title) && !self.gold_retrieved.contains(&title) {
-                self.gold_retrieved.push(title);
-                new += 1;
+    /// The question's gold paragraphs' titles, once each, in the order of its supporting facts.
+    fn gold_titles(&self) -> Vec<&str> {
+        let mut titles: Vec<&str> = Vec::new();
+        for (title, _) in &self.record().supporting_facts {
+            if !titles.contains(&title.as_str()) {
+                titles.push(title);
             }
         }
-        self.cfg.retrieval_bonus * new as f32
+        titles
+    }
+
+    /// Notes the gold paragraphs among a search's `shown` titles; returns how many it shows for
+    /// the first time this episode.
+    fn note_gold_shown(&mut self, shown: &[String]) -> usize {
+        let new: Vec<String> = self
+            .gold_titles()
+            .into_iter()
+            .filter(|title| shown.iter().any(|s| s == title))
+            .filter(|title| !self.gold_retrieved.iter().any(|g| g == title))
+            .map(str::to_string)
+            .collect();
+        self.gold_retrieved.extend(new.iter().cloned());
+        new.len()
+    }
+
+    /// Whether `text` holds the gold answer as whole words, both under the official
+    /// normalization.
+    fn holds_answer(&self, text: &str) -> bool {
+        let answer = metric::normalize_answer(&self.record().answer);
+        !answer.is_empty()
+            && format!(" {} ", metric::normalize_answer(text)).contains(&format!(" {answer} "))
     }
 
     /// Titles of the top-k passages for `query` in the current episode, best first.
@@ -593,6 +609,9 @@ impl HotpotQaEnv {
         (Corpus::render_passages(&shown), titles)
     }
 }
+
+/// Searches the critic state counts before it saturates (the search-QA configs allow 4 turns).
+const SEARCHES_COUNTED: usize = 4;
 
 /// First words of a yes/no question.
 const YES_NO_OPENERS: [&str; 7] = ["Is", "Are", "Was", "Were", "Do", "Does", "Did"];
@@ -726,6 +745,7 @@ impl Env for HotpotQaEnv {
         self.observation = "No search results yet.".to_string();
         self.queries.clear();
         self.gold_retrieved.clear();
+        self.answer_shown = false;
         self.finished = false;
         Ok(self.state_text())
     }
@@ -746,8 +766,9 @@ impl Env for HotpotQaEnv {
             _ if self.finished => (0.0, true),
             Action::Search(query) => {
                 let (observation, shown) = self.search(query);
+                bonus = self.cfg.retrieval_bonus * self.note_gold_shown(&shown) as f32;
+                self.answer_shown |= self.holds_answer(&observation);
                 self.observation = observation;
-                bonus = self.retrieval_bonus_of(&shown);
                 self.queries.push(query.clone());
                 info.action_is_valid = true;
                 info.action_is_effective = true;
@@ -826,6 +847,31 @@ impl Env for HotpotQaEnv {
         } else {
             self.observation.clone()
         }
+    }
+
+    /// Privileged facts for an asymmetric critic (`critic.mode: state`), each in [0, 1]: what
+    /// the searches so far have found, read against the gold the policy never sees. The share
+    /// of the question's gold paragraphs shown, whether the first and the second were shown,
+    /// whether a search showed the gold answer, whether the latest state holds it, whether the
+    /// question itself holds it (a choice between two names), whether it is a comparison
+    /// question, the searches made (counted up to [`SEARCHES_COUNTED`]) and whether the episode
+    /// has answered.
+    fn critic_state(&self) -> Option<Vec<f32>> {
+        let gold = self.gold_titles();
+        let shown = |title: &str| self.gold_retrieved.iter().any(|g| g == title);
+        let share = gold.iter().filter(|t| shown(t)).count() as f32 / gold.len().max(1) as f32;
+        let searches = self.queries.len().min(SEARCHES_COUNTED) as f32 / SEARCHES_COUNTED as f32;
+        Some(vec![
+            share,
+            flag(gold.first().is_some_and(|t| shown(t))),
+            flag(gold.get(1).is_some_and(|t| shown(t))),
+            flag(self.answer_shown),
+            flag(self.holds_answer(&self.observation)),
+            flag(self.holds_answer(&self.record().question)),
+            flag(self.record().kind == "comparison"),
+            searches,
+            flag(self.finished),
+        ])
     }
 
     fn action_space(&self) -> ActionSpace {
@@ -1322,6 +1368,58 @@ mod tests {
             fixture.contains("templates") && fixture.contains("generated"),
             "{fixture}"
         );
+    }
+
+    #[test]
+    fn the_critic_state_reads_the_searches_against_the_gold() {
+        let mut env = HotpotQaEnv::new(HotpotQaConfig {
+            episode_worlds: true,
+            world_size: 60,
+            ..HotpotQaConfig::default()
+        })
+        .unwrap();
+        let state = |env: &HotpotQaEnv| env.critic_state().expect("hotpotqa has one");
+        for seed in 0..24 {
+            env.reset(seed).unwrap();
+            let comparison = flag(env.record().kind == "comparison");
+            let at_start = state(&env);
+            assert_eq!(at_start.len(), 9);
+            assert_eq!(
+                &at_start[..4],
+                &[0.0; 4],
+                "seed {seed}: nothing searched yet"
+            );
+            assert_eq!(
+                (at_start[6], at_start[7], at_start[8]),
+                (comparison, 0.0, 0.0)
+            );
+            // A search for nothing in the world finds no gold.
+            env.step(&Action::Search("qqqq zzzz".into())).unwrap();
+            let missed = state(&env);
+            assert_eq!(
+                (missed[0], missed[7]),
+                (0.0, 0.25),
+                "seed {seed}: {missed:?}"
+            );
+            let mut share = 0.0;
+            while let Action::Search(query) = env.oracle_action().unwrap() {
+                env.step(&Action::Search(query)).unwrap();
+                let now = state(&env);
+                assert!(now.iter().all(|x| (0.0..=1.0).contains(x)), "{now:?}");
+                assert!(now[0] >= share, "seed {seed}: the gold shown only grows");
+                share = now[0];
+            }
+            let searched = state(&env);
+            // The oracle's searches show both gold paragraphs; a bridge question's answer is in
+            // them, a comparison's is one of the two names the question offers or yes/no.
+            assert_eq!(&searched[..3], &[1.0, 1.0, 1.0], "seed {seed}");
+            if comparison == 0.0 {
+                assert_eq!(searched[3], 1.0, "seed {seed}: {}", env.record().question);
+            }
+            let answer = env.oracle_action().unwrap();
+            env.step(&answer).unwrap();
+            assert_eq!(state(&env)[8], 1.0);
+        }
     }
 
     #[test]

@@ -130,7 +130,7 @@ fn critic_state_width(cfg: &Config) -> Result<usize, TrainError> {
         session.reset(cfg.seed).map_err(|e| fail(e.to_string()))?;
         let Some(state) = session.env().critic_state() else {
             return Err(fail(format!(
-                "env {} supplies no critic state (envs that do: frozen_lake, sokoban)",
+                "env {} supplies no critic state (envs that do: frozen_lake, sokoban, hotpotqa)",
                 spec.env_type
             )));
         };
