@@ -151,11 +151,12 @@ pub enum CriticMode {
     /// whether a path that always nears the goal exists, adjacent holes, budget left and what
     /// each move would do; Sokoban's solver optimum, solvability, distances, budget left and,
     /// for each move, whether it moves or pushes, lands a box on a target, leaves the room
-    /// solvable or starts a shortest solution), which the agent's render does not state. Fitted
+    /// solvable or starts a shortest solution; search QA's gold paragraphs and answer found so
+    /// far, which the policy never sees), which the agent's render does not state. Fitted
     /// after each update on the steps of the last `critic.history_batches` batches, in as many
     /// mini-batches as `ppo_epochs` passes over the newest batch take; it costs no forward
-    /// pass. Every training env must supply such facts (FrozenLake and Sokoban do), and a
-    /// `gateway` run cannot use it (its outside agents send no env state).
+    /// pass. Every training env must supply such facts (FrozenLake, Sokoban and search QA do),
+    /// and a `gateway` run cannot use it (its outside agents send no env state).
     State,
     /// No critic: for the critic-free estimators.
     None,
