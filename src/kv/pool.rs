@@ -5,6 +5,8 @@
 //! tree for rollouts) own slot lists and pass them in.
 
 use candle_core::{DType, Device, Tensor};
+use multiversion::multiversion;
+use rayon::prelude::*;
 
 use super::{KvError, KvShape, SeqSlots};
 
@@ -307,27 +309,26 @@ impl KvPool {
                 })
             }
         };
+        // The slots each new token sees (its sequence's up to itself), in token order.
+        let visible: Vec<&[u32]> = seqs
+            .iter()
+            .flat_map(|seq| (0..seq.num_new).map(|i| &seq.slots[..seq.context_len() + i + 1]))
+            .collect();
         let mut out = vec![0.0f32; q.len()];
-        let mut token = 0usize;
-        for seq in seqs {
-            for i in 0..seq.num_new {
-                let visible = &seq.slots[..seq.context_len() + i + 1];
-                for h in 0..num_heads {
-                    let at = (token * num_heads + h) * hd;
-                    let kv_off = (h / rep) * hd;
-                    let rows = visible.iter().map(|&s| s as usize * row + kv_off);
-                    online_softmax_attention(
-                        &q[at..at + hd],
-                        &kv.k,
-                        &kv.v,
-                        rows,
-                        scale,
-                        &mut out[at..at + hd],
-                    );
-                }
-                token += 1;
-            }
-        }
+        // One (token, head) row per task: the rows are independent, so the result does not
+        // depend on the thread count.
+        out.par_chunks_mut(hd)
+            .enumerate()
+            .for_each(|(at, out_row)| {
+                let (token, h) = (at / num_heads, at % num_heads);
+                let rows = RowsOf {
+                    slots: visible[token],
+                    row,
+                    offset: (h / rep) * hd,
+                };
+                let q_row = &q[at * hd..(at + 1) * hd];
+                attention_row(q_row, (&kv.k, &kv.v), rows, scale, out_row);
+            });
         Ok(out)
     }
 
@@ -442,35 +443,68 @@ fn flat_f32(t: &Tensor) -> Result<Vec<f32>, KvError> {
         .to_vec1::<f32>()?)
 }
 
-/// `out = Σ_j softmax_j(scale · q·k_j) v_j` over the rows starting at `row_starts`, in one pass.
-fn online_softmax_attention(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    row_starts: impl Iterator<Item = usize>,
-    scale: f32,
-    out: &mut [f32],
-) {
+/// Where one head's K/V rows lie in a layer's storage: the slot's row start plus the head's offset.
+#[derive(Clone, Copy)]
+struct RowsOf<'a> {
+    slots: &'a [u32],
+    /// Floats a slot's row holds (every KV head).
+    row: usize,
+    /// Where the head's part starts in a row.
+    offset: usize,
+}
+
+impl<'a> RowsOf<'a> {
+    fn starts(self) -> impl Iterator<Item = usize> + 'a {
+        self.slots
+            .iter()
+            .map(move |&s| s as usize * self.row + self.offset)
+    }
+}
+
+/// `out = Σ_j softmax_j(scale · q·k_j) v_j` over `rows`: every score first, then one weighted
+/// sum of the values (vectorised for the CPU it runs on).
+#[multiversion(targets = "simd")]
+fn attention_row(q: &[f32], (k, v): (&[f32], &[f32]), rows: RowsOf, scale: f32, out: &mut [f32]) {
     let hd = q.len();
-    let (mut max, mut denom) = (f32::NEG_INFINITY, 0.0f32);
-    for start in row_starts {
-        let k_row = &k[start..start + hd];
-        let score = scale * q.iter().zip(k_row).map(|(a, b)| a * b).sum::<f32>();
-        if score > max {
-            let shrink = (max - score).exp();
-            denom *= shrink;
-            out.iter_mut().for_each(|o| *o *= shrink);
-            max = score;
-        }
-        let weight = (score - max).exp();
-        denom += weight;
+    let mut weights: Vec<f32> = rows
+        .starts()
+        .map(|start| scale * dot(q, &k[start..start + hd]))
+        .collect();
+    let max = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut denom = 0.0f32;
+    for w in &mut weights {
+        *w = (*w - max).exp();
+        denom += *w;
+    }
+    out.fill(0.0);
+    for (start, &w) in rows.starts().zip(&weights) {
         for (o, x) in out.iter_mut().zip(&v[start..start + hd]) {
-            *o += weight * x;
+            *o += w * x;
         }
     }
     if denom > 0.0 {
         out.iter_mut().for_each(|o| *o /= denom);
     }
+}
+
+/// `a · b` over eight running sums, so that the compiler vectorises it.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let mut sums = [0.0f32; LANES];
+    let (a_blocks, b_blocks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = a_blocks
+        .remainder()
+        .iter()
+        .zip(b_blocks.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a_blocks.zip(b_blocks) {
+        for lane in 0..LANES {
+            sums[lane] += x[lane] * y[lane];
+        }
+    }
+    sums.iter().sum::<f32>() + tail
 }
 
 #[cfg(test)]
