@@ -1,6 +1,7 @@
 //! `stepppo train | eval | plot` end to end on a tiny model (one short step), and config errors
 //! that name the key.
 
+use std::path::Path;
 use std::process::Command;
 use stepppo::train::metrics::{read_events, read_jsonl};
 
@@ -132,24 +133,44 @@ fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
     assert!(run.join("learning_curves.svg").is_file());
 }
 
+/// The shipped search-QA config.
+const SEARCH_QA_CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/hotpotqa_steppo.yaml");
+
+/// Search-QA sets for a toy run beyond [`TINY_RUN`]: short replies, no checkpoints.
+const QA_TOY: &[&str] = &[
+    "save_steps=0",
+    "generating_args.max_new_tokens=8",
+    "val_generating_args.max_new_tokens=8",
+];
+
+/// `stepppo train` of the search-QA config into `run`.
+fn search_qa_train(run: &Path) -> Vec<&str> {
+    vec![
+        "train",
+        "--config",
+        SEARCH_QA_CONFIG,
+        "--out",
+        run.to_str().unwrap(),
+    ]
+}
+
 /// `configs/hotpotqa_steppo.yaml` end to end at toy size: copy pre-training, the oracle warm start,
 /// one StepPO step with its separate critic, and validation's search-QA metrics.
 #[test]
 fn the_search_qa_config_trains_one_step() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/hotpotqa_steppo.yaml");
-    let args = vec!["train", "--config", config, "--out", run.to_str().unwrap()];
-    let qa_only = [
-        "save_steps=0",
+    let copy = [
         "sft.copy.steps=3",
         "sft.copy.max_steps=4",
         "sft.copy.batch_size=2",
         "sft.copy.length=8",
-        "generating_args.max_new_tokens=8",
-        "val_generating_args.max_new_tokens=8",
     ];
-    let out = stepppo_ok(&with_sets(args, &[TINY_RUN, &qa_only].concat()));
+    let qa_only = [QA_TOY, &copy].concat();
+    let out = stepppo_ok(&with_sets(
+        search_qa_train(&run),
+        &[TINY_RUN, &qa_only].concat(),
+    ));
     let printed = [out.stdout, out.stderr].concat();
     let printed = String::from_utf8_lossy(&printed);
     // The config's copy target is out of a toy model's reach: one more step, to the cap.
@@ -172,16 +193,12 @@ fn the_search_qa_config_trains_one_step() {
     let warm_start = run.join("warm_start");
     let pretrain = format!("pretrain={}", warm_start.display());
     let again = dir.path().join("again");
-    let args = vec![
-        "train",
-        "--config",
-        config,
-        "--out",
-        again.to_str().unwrap(),
-    ];
     let off = [&pretrain, "sft.steps=0", "sft.copy.steps=0"];
-    stepppo_ok(&with_sets(args, &[TINY_RUN, &qa_only, &off].concat()));
-    let figures = |dir: &std::path::Path| -> Vec<(String, f64)> {
+    stepppo_ok(&with_sets(
+        search_qa_train(&again),
+        &[TINY_RUN, &qa_only, &off].concat(),
+    ));
+    let figures = |dir: &Path| -> Vec<(String, f64)> {
         let rows = read_jsonl(&dir.join("metrics.jsonl")).unwrap();
         let (_, step1) = rows.into_iter().find(|(s, _)| *s == 1).unwrap();
         step1
@@ -192,14 +209,8 @@ fn the_search_qa_config_trains_one_step() {
     assert_eq!(figures(&again), figures(&run));
 
     // --overwrite would clear the run's warm_start/ before loading it: refused, nothing removed.
-    let args = vec![
-        "train",
-        "--config",
-        config,
-        "--out",
-        run.to_str().unwrap(),
-        "--overwrite",
-    ];
+    let mut args = search_qa_train(&run);
+    args.push("--overwrite");
     let out = stepppo(&with_sets(args, &[TINY_RUN, &qa_only, &off].concat()));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -282,7 +293,7 @@ fn step_gae_with_a_critic_logs_the_critic_metrics() {
 }
 
 /// Stores `episodes` non-slippery FrozenLake episodes of `agent` in `out`.
-fn collect_frozen_lake(agent: &str, episodes: usize, out: &std::path::Path) {
+fn collect_frozen_lake(agent: &str, episodes: usize, out: &Path) {
     let episodes = episodes.to_string();
     stepppo_ok(&[
         "collect",
@@ -300,11 +311,7 @@ fn collect_frozen_lake(agent: &str, episodes: usize, out: &std::path::Path) {
 }
 
 /// `stepppo sft` of `data` into a tiny built-in model at `model`, plus `extra` arguments.
-fn sft_tiny(
-    data: &std::path::Path,
-    model: &std::path::Path,
-    extra: &[&str],
-) -> std::process::Output {
+fn sft_tiny(data: &Path, model: &Path, extra: &[&str]) -> std::process::Output {
     let mut args = vec![
         "sft",
         "--dataset",
@@ -408,17 +415,15 @@ fn a_config_that_fails_leaves_no_run_directory_behind() {
 fn a_state_critic_trains_on_search_qas_privileged_facts() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/hotpotqa_steppo.yaml");
-    let args = vec!["train", "--config", config, "--out", run.to_str().unwrap()];
     let sets = [
-        "save_steps=0",
         "sft.copy.steps=0",
-        "generating_args.max_new_tokens=8",
-        "val_generating_args.max_new_tokens=8",
         "critic.mode=state",
         "critic.ppo_epochs=3",
     ];
-    stepppo_ok(&with_sets(args, &[TINY_RUN, &sets].concat()));
+    stepppo_ok(&with_sets(
+        search_qa_train(&run),
+        &[TINY_RUN, QA_TOY, &sets].concat(),
+    ));
     let rows = read_jsonl(&run.join("metrics.jsonl")).unwrap();
     let logged = |name: &str| rows.iter().any(|(s, m)| *s == 1 && m.contains_key(name));
     assert!(logged("critic/vf_explained_var"), "no critic metrics");

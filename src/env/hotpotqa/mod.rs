@@ -585,8 +585,9 @@ impl HotpotQaEnv {
             .filter(|title| !self.gold_retrieved.iter().any(|g| g == title))
             .map(str::to_string)
             .collect();
-        self.gold_retrieved.extend(new.iter().cloned());
-        new.len()
+        let count = new.len();
+        self.gold_retrieved.extend(new);
+        count
     }
 
     /// Whether `text` holds the gold answer as whole words, both under the official
