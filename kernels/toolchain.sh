@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs a CUDA 13.0 build toolchain without a system CUDA toolkit or a GPU, from PyPI
-# wheels only, and prints the environment a `--features cuda` (or `nccl`) build needs.
+# wheels only, and prints the environment a `--features cuda` (or `nccl`, `flash-attn`) build
+# needs.
 #
 #   source <(bash kernels/toolchain.sh [DIR])   # default DIR: $HOME/.cache/stepppo-cuda
 #   cargo build --release --features cuda
@@ -10,6 +11,10 @@
 # holds unversioned symlinks to the wheels' libraries and a link-time stand-in libcuda.so
 # (SONAME libcuda.so.1) whose symbols are the driver entry points cudarc binds; at run time
 # the GPU machine's real driver library is loaded instead. The stand-in is never shipped.
+# For `flash-attn`, candle-flash-attn's build wants CUTLASS v3.5.0 as a git checkout; the
+# `nvidia-cutlass` wheel of that release holds the same headers, laid out here as the checkout
+# its builder looks for, and its 53 compiled kernels (about 80 minutes on 2 cores) are kept in
+# DIR/flash-attn-build, so later builds take seconds.
 set -euo pipefail
 dir=${1:-${STEPPPO_CUDA_HOME:-$HOME/.cache/stepppo-cuda}}
 mkdir -p "$dir"
@@ -19,7 +24,7 @@ wheels=(
   nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88
   nvidia-cuda-cccl==13.0.85 nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88
   nvidia-cublas==13.0.2.14 nvidia-curand==10.4.0.35
-  nvidia-nccl-cu13==2.28.9
+  nvidia-nccl-cu13==2.28.9 nvidia-cutlass==3.5.0.0
 )
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv" >&2
@@ -43,6 +48,19 @@ nccl=$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(nvidia.__pat
 [ -e "$nccl/libnccl.so.2" ] || { echo "toolchain.sh: libnccl.so.2 not found under $nccl" >&2; exit 1; }
 ln -sfn "$nccl/libnccl.so.2" "$root/lib/libnccl.so"
 
+# CUTLASS where candle-flash-attn's builder (cudaforge) finds its pinned commit checked out.
+cutlass_commit=7d49e6c7e2f8896c47f586706e67e1fb215529dc
+checkout=$dir/cudaforge/git/checkouts/cutlass-${cutlass_commit:0:16}
+if [ ! -s "$checkout/.git/HEAD" ]; then
+  cutlass_src=$("$venv/bin/python" -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source"))')
+  mkdir -p "$checkout/tools/util"
+  cp -r "$cutlass_src/include" "$checkout/include"
+  cp -r "$cutlass_src/tools/util/include" "$checkout/tools/util/include"
+  git init -q "$checkout"
+  echo "$cutlass_commit" > "$checkout/.git/HEAD"
+fi
+mkdir -p "$dir/flash-attn-build"
+
 # Link-time stand-in for the driver library: one dummy definition per cu* symbol that
 # cudarc's driver bindings declare (read from the cudarc sources cargo downloaded).
 cudarc_src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* 2>/dev/null | sort -V | tail -n 1 || true)
@@ -60,5 +78,7 @@ export CUDA_ROOT="$root"
 export CUDA_PATH="$root"
 export CUDA_COMPUTE_CAP=90
 export CUDAFORGE_THREADS=\${CUDAFORGE_THREADS:-2}
+export CUDAFORGE_HOME="$dir/cudaforge"
+export CANDLE_FLASH_ATTN_BUILD_DIR="$dir/flash-attn-build"
 export LIBRARY_PATH="$root/lib\${LIBRARY_PATH:+:\$LIBRARY_PATH}"
 ENV

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything the GPU check needs and packs it into .gpu/
-# (git-ignored): the `stepppo` binary and the CUDA test binaries, built with `--features cuda`
-# (FEATURES picks others: `cuda,flash-attn`, or `nccl`), xz-compressed. A build with `nccl` (or
+# (git-ignored): the `stepppo` binary and the CUDA test binaries, built with `--features
+# nccl,flash-attn` (everything the check exercises; FEATURES picks others, e.g. `cuda`),
+# xz-compressed. The first build with `flash-attn` compiles its 53 kernels, about 80 minutes on 2
+# cores; kernels/toolchain.sh keeps them for every later build. A build with `nccl` (or
 # `mpi`) also carries the `dist_mpi` test and, in .gpu/debs, Debian bookworm's Open MPI runtime
 # packages with the libraries they load that a base system lacks: the GPU machine has no MPI,
 # and scripts/gpu_check.sh unpacks them there. Carry `.gpu` to the GPU machine and run
 # `bash scripts/gpu_check.sh` there (see docs/guides/cuda.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-features=${FEATURES:-cuda}
+features=${FEATURES:-nccl,flash-attn}
 with_mpi=
 case ",$features," in *,mpi,*|*,nccl,*) with_mpi=1 ;; esac
 # Open MPI 4.1's runtime (`libopenmpi3`, `mpirun` from `openmpi-bin`, help texts and settings

@@ -10,6 +10,9 @@
 #   - decode attention's bandwidth (Qwen2.5-0.5B's heads, head_dim 64 and 128, batch 64 x 4,096
 #     and 8 x 32,768 tokens of context) against a device copy, and PyTorch's SDPA on the same
 #     shapes;
+#   - prefill attention, our paged kernel next to candle-flash-attn (a bundle built with
+#     `flash-attn`) on the same pool: a group's 1,024-token prompts, a turn's 64 tokens over a
+#     2,048-token cached context, one 4,096-token prompt;
 #   - stepppo's rollout throughput with the radix cache vs without it, and transformers
 #     `generate` on the same workload (Qwen2.5-0.5B shape, random bf16 weights);
 #   - the embedded default trained on the GPU for 3 steps; compute-sanitizer on our kernels.
@@ -100,6 +103,11 @@ for shape in "64 4096" "8 32768"; do
     part "kernels-$1x$2-d$hd" 20 "$bin" bench kernels --device cuda --batch "$1" --context "$2" --head-dim "$hd" --json
   done
 done
+for shape in "8 1024 1024 64" "8 2048 64 64" "1 4096 4096 64" "8 1024 1024 128"; do
+  set -- $shape
+  part "prefill-$1x$3of$2-d$4" 20 "$bin" bench kernels --device cuda --batch "$1" --context "$2" \
+    --prefill "$3" --head-dim "$4" --iters 20 --json
+done
 part torch-decode 40 python3 scripts/torch_decode_bench.py --shapes 64x4096,8x32768 --head-dims 64,128
 part prefix 80 "$bin" bench prefix --device cuda --model configs/models/qwen2.5-0.5b.json --spec "$spec" --json
 part hf-rollout 80 python3 scripts/hf_rollout_bench.py --spec "$spec" --json
@@ -107,6 +115,10 @@ part hf-rollout 80 python3 scripts/hf_rollout_bench.py --spec "$spec" --json
 part train-default-cuda 45 "$bin" train --out /tmp/default-cuda --set device=cuda --set max_steps=3 \
   --set eval_steps=3 --set save_steps=0
 cp /tmp/default-cuda/metrics.jsonl "$out/train-default-cuda-metrics.jsonl" 2>/dev/null
+# The rollout again with flash-attention serving the prefill (radix arm's wall time against the
+# paged run above); a bundle without `flash-attn` says so and moves on.
+part prefix-flash 60 "$bin" bench prefix --device cuda --model configs/models/qwen2.5-0.5b.json \
+  --spec "$spec" --prefill-attention flash --json
 if command -v compute-sanitizer >/dev/null; then
   part memcheck 60 compute-sanitizer --tool memcheck /tmp/stepppo-gpu/cuda_kernels
 fi

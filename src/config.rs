@@ -15,6 +15,7 @@ use crate::algo::config::{
     Schedule,
 };
 use crate::algo::{AdvantageConfig, Estimator, FilterConfig, LossConfig, OptimizerConfig};
+use crate::kv::PrefillAttention;
 use crate::model::Precision;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -513,6 +514,11 @@ pub struct CacheConfig {
     pub prefix_cache: bool,
     /// KV slots in the pool (tokens across all live sequences and cached prefixes); at least 1.
     pub kv_slots: usize,
+    /// The kernel of prefill attention on CUDA (calls where a sequence brings more than one new
+    /// token; decode always runs our split-context kernel). `flash` also needs `device: cuda`
+    /// and bf16 generation (`rollout_dtype` unset or `bf16`). `scripts/gpu_check.sh` measures
+    /// the two side by side.
+    pub prefill_attention: PrefillAttention,
 }
 
 impl Default for CacheConfig {
@@ -520,6 +526,7 @@ impl Default for CacheConfig {
         CacheConfig {
             prefix_cache: true,
             kv_slots: 65536,
+            prefill_attention: PrefillAttention::Paged,
         }
     }
 }
@@ -678,21 +685,21 @@ pub struct Config {
     /// one more forward of time; the gradients are the same. CPU only so far.
     #[serde(default)]
     pub activation_checkpointing: bool,
-    /// The dtype of the training path's matrix products (policy and separate critic, warm start
-    /// included): `f32`, or `bf16` mixed precision — every projection, MLP, adapter and LM-head
-    /// product reads bf16 copies of the weights and writes bf16, while the master weights,
-    /// gradients and AdamW moments, the residual stream, norms, RoPE, attention, log-probs,
-    /// entropies, values and losses stay f32 (PyTorch autocast's split). Generation has its own
-    /// key, `rollout_dtype`.
+    /// The dtype of the training path's matrix products (policy, separate critic and KL
+    /// reference, warm start included): `f32`, or `bf16` mixed precision — every projection, MLP,
+    /// adapter and LM-head product reads bf16 copies of the weights and writes bf16, while the
+    /// master weights, gradients and AdamW moments, the residual stream, norms, RoPE, attention,
+    /// log-probs, entropies, values and losses stay f32 (PyTorch autocast's split). Generation
+    /// has its own key, `rollout_dtype`.
     #[serde(default)]
     pub precision: Precision,
     /// The dtype generation stores the policy's weights, activations and K/V in: `f32`, or
     /// `bf16` as a transformers model loaded in bf16 computes (norms, attention scores and
     /// softmax, log-probs and sampling accumulate in f32). Unset: f32 on the CPU, bf16 on CUDA.
-    /// The update scores
-    /// the sampled tokens in `precision`; when either is bf16 the update recomputes the
-    /// sampled tokens' log-probs in its own numerics and weights each token by the truncated
-    /// ratio to the sampler's (`async_rollout.proximal: recompute`, the default).
+    /// The update scores the sampled tokens in `precision`; when either is bf16 the update
+    /// recomputes the sampled tokens' log-probs in its own numerics and weights each token by
+    /// the truncated ratio to the sampler's (`async_rollout.proximal: recompute`, the default);
+    /// the reward's KL penalty then reads these recomputed log-probs too.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout_dtype: Option<Precision>,
     /// Rounds kept in the re-rendered prompt of the `window` layout; 0 holds the current state
@@ -1241,6 +1248,7 @@ impl Config {
         if self.cache.kv_slots == 0 {
             return fail("cache.kv_slots", "must be at least 1".into());
         }
+        self.validate_prefill_attention()?;
         let algo = [
             self.advantage_config().validate(),
             self.filter_config().validate(),
@@ -1289,6 +1297,25 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// `cache.prefill_attention: flash` runs only where candle-flash-attn does: compiled in, on
+    /// CUDA, over bf16 K/V.
+    fn validate_prefill_attention(&self) -> Result<(), (String, String)> {
+        let kernel = self.cache.prefill_attention;
+        if kernel != PrefillAttention::Flash {
+            return Ok(());
+        }
+        let reason = if !kernel.compiled() {
+            "stepppo was built without the `flash-attn` feature (cargo build --release --features flash-attn)"
+        } else if self.device != DeviceKind::Cuda {
+            "flash-attention runs on CUDA only: set device: cuda or prefill_attention: paged"
+        } else if self.rollout_dtype == Some(Precision::F32) {
+            "flash-attention runs on bf16 K/V only: set rollout_dtype: bf16 or prefill_attention: paged"
+        } else {
+            return Ok(());
+        };
+        Err(("cache.prefill_attention".into(), reason.into()))
     }
 
     /// `sft.copy.until_probability`: a probability in (0, 1] with room above `steps`;
@@ -1769,6 +1796,21 @@ mod tests {
             }
         }
         assert!(n >= 7, "expected the 7 ready configs, found {n}");
+    }
+
+    #[test]
+    fn flash_prefill_attention_where_it_cannot_run_is_an_error_naming_the_key() {
+        assert!(with(&["cache.prefill_attention=paged"]).is_ok());
+        let on_cpu = err_text(with(&["cache.prefill_attention=flash"]));
+        assert!(on_cpu.contains("cache.prefill_attention"), "{on_cpu}");
+        let want = if cfg!(feature = "flash-attn") {
+            "CUDA only"
+        } else {
+            "without the `flash-attn` feature"
+        };
+        assert!(on_cpu.contains(want), "{on_cpu}");
+        let e = err_text(with(&["cache.prefill_attention=flush"]));
+        assert!(e.contains("cache.prefill_attention"), "{e}");
     }
 
     #[test]

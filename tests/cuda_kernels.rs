@@ -1,12 +1,14 @@
 //! GPU tests of our CUDA kernels (feature `cuda`): scatter + paged attention over the radix
 //! pool against the CPU pool's f32 attention on the same bf16-rounded inputs, across context
 //! lengths, batch sizes, GQA ratios, head dims and both pool dtypes (bf16, f32), in both the
-//! prefill and the split-context decode kernels. Without a CUDA device each test prints why it skipped and passes.
+//! prefill and the split-context decode kernels; built with `flash-attn`, candle-flash-attn's
+//! prefill against the same reference. Without a CUDA device each test prints why it skipped and
+//! passes.
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
-use stepppo::kv::{KvPool, SeqSlots};
+use stepppo::kv::{KvPool, PrefillAttention, SeqSlots};
 use stepppo::model::ModelConfig;
 use stepppo::seed::splitmix64;
 
@@ -75,6 +77,27 @@ fn case(
     shared: usize,
     seed: u64,
 ) -> f32 {
+    case_with(
+        dev,
+        (dtype, PrefillAttention::Paged),
+        heads,
+        lens,
+        news,
+        shared,
+        seed,
+    )
+}
+
+/// [`case`] with the GPU pool's prefill kernel chosen.
+fn case_with(
+    dev: &Device,
+    (dtype, prefill): (DType, PrefillAttention),
+    heads: (usize, usize, usize),
+    lens: &[usize],
+    news: &[usize],
+    shared: usize,
+    seed: u64,
+) -> f32 {
     let (qh, kvh, hd) = heads;
     let cfg = shape(qh, kvh, hd);
     let pool_slots = lens.iter().sum::<usize>() + shared;
@@ -102,6 +125,7 @@ fn case(
     let want = cpu.attend(0, &q, &seqs, qh, scale).unwrap();
 
     let mut gpu = KvPool::with_dtype(&cfg, pool_slots, dev, dtype).unwrap();
+    gpu.set_prefill_attention(prefill).unwrap();
     let everything = [SeqSlots {
         slots: &all,
         num_new: all.len(),
@@ -194,6 +218,54 @@ fn prefill_kernel_matches_reference_attention() {
             }
         }
     }
+}
+
+/// candle-flash-attn's prefill (bf16 pools) over the context gathered from the pool, against the
+/// same reference: with and without a cached prefix, mixed with decoding sequences.
+#[cfg(feature = "flash-attn")]
+#[test]
+fn flash_prefill_matches_reference_attention() {
+    let Some(dev) = cuda() else { return };
+    let bf16_bound = DTYPES[0].1;
+    for (i, heads) in HEADS.iter().enumerate() {
+        for (lens, news, shared) in [
+            (vec![17], vec![17], 0),
+            (vec![100, 40, 65], vec![3, 40, 64], 0),
+            (vec![1500, 300], vec![129, 1], 0),
+            (vec![600, 600, 600, 600], vec![64, 64, 64, 64], 512),
+        ] {
+            let err = case_with(
+                &dev,
+                (DType::BF16, PrefillAttention::Flash),
+                *heads,
+                &lens,
+                &news,
+                shared,
+                23 + i as u64,
+            );
+            assert!(
+                err < bf16_bound,
+                "flash prefill {heads:?} lens {lens:?} new {news:?} shared {shared}: relative error {err}"
+            );
+        }
+    }
+}
+
+/// An f32 pool refuses the flash prefill (flash-attention has no f32 kernels) and keeps ours.
+#[test]
+fn flash_prefill_on_an_f32_pool_is_an_error() {
+    let Some(dev) = cuda() else { return };
+    let mut pool = KvPool::with_dtype(&shape(4, 2, 64), 8, &dev, DType::F32).unwrap();
+    let err = pool
+        .set_prefill_attention(PrefillAttention::Flash)
+        .unwrap_err()
+        .to_string();
+    let want = if cfg!(feature = "flash-attn") {
+        "bf16 pools only"
+    } else {
+        "without the `flash-attn` feature"
+    };
+    assert!(err.contains(want), "{err}");
 }
 
 /// A pool refuses queries in another dtype than its own (no silent cast).

@@ -142,6 +142,29 @@ fn kl_to_the_reference_starts_at_zero_and_resumes_exactly() {
     assert_eq!(weights(&resumed), weights(&straight));
 }
 
+/// Under bf16 the reference is scored in the update's numerics, and the reward's KL penalty
+/// reads the policy's log-probs recomputed in them: at step 1, where the policy is the reference,
+/// the penalty is exactly zero (an f32 reference against bf16 log-probs would leave rounding).
+#[test]
+fn under_bf16_the_kl_to_the_reference_compares_like_with_like() {
+    let mut cfg = tiny_config_with(&["precision=bf16"]);
+    cfg.init_kl_coef = 0.5;
+    cfg.use_kl_loss = true;
+    cfg.kl_loss_coef = 0.1;
+    cfg.kl_penalty = stepppo::algo::config::KlEstimator::K3;
+    let root = tempfile::tempdir().unwrap();
+    let mut t = Trainer::create(cfg, root.path()).unwrap();
+    let mut kl = Vec::new();
+    t.run(2, &mut |event| {
+        if let stepppo::train::trainer::Event::Step { scalars, .. } = event {
+            kl.push(scalars["actor/reward_kl_penalty"]);
+        }
+    })
+    .unwrap();
+    assert_eq!(kl[0], 0.0, "{kl:?}");
+    assert!(kl[1].is_finite() && kl[1] >= 0.0, "{kl:?}");
+}
+
 #[test]
 fn the_self_imitation_buffer_is_checkpointed_and_resumes_exactly() {
     self_imitation_resumes_exactly("context=window");

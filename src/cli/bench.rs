@@ -1,7 +1,8 @@
 //! `stepppo bench prefix`: the prefix-reuse workloads over the four cache arms, with the
 //! built-in tokenizer and a freshly initialised model (built-in size or an HF config.json),
 //! printed as a table or JSON lines. `stepppo bench kernels`: the CUDA decode kernel's achieved
-//! bandwidth next to a device-to-device copy (feature `cuda`). `stepppo bench attention`: the
+//! bandwidth next to a device-to-device copy, or the prefill kernels' throughput side by side
+//! (feature `cuda`; flash-attention's with `flash-attn`). `stepppo bench attention`: the
 //! training forward's attention, fused CPU op against the matmul path, forward + backward.
 
 use anyhow::Context;
@@ -16,7 +17,8 @@ use stepppo::tokenizer::Tokenizer;
 pub enum BenchCommand {
     /// Prefix-reuse workloads over the four cache arms (none, per_traj, group_prompt, radix).
     Prefix(PrefixArgs),
-    /// CUDA decode-attention bandwidth against a device copy (needs `--features cuda` and a GPU).
+    /// CUDA decode-attention bandwidth against a device copy, or (`--prefill N`) prefill
+    /// attention, ours next to flash-attention (needs `--features cuda` and a GPU).
     Kernels(KernelArgs),
     /// Training attention on CPU: the fused causal op against the matmul path, forward + backward.
     Attention(AttentionArgs),
@@ -46,9 +48,14 @@ pub struct KernelArgs {
     /// Sequences decoded together.
     #[arg(long, default_value_t = 64)]
     batch: usize,
-    /// Context length of every sequence.
+    /// Context length of every sequence (its new tokens included).
     #[arg(long, default_value_t = 4096)]
     context: usize,
+    /// Measure prefill instead of decode: each sequence brings this many new tokens (the last
+    /// of its context), run by our paged kernel and, in a build with `flash-attn`, by
+    /// candle-flash-attn side by side.
+    #[arg(long)]
+    prefill: Option<usize>,
     /// Model shape: `tiny`, `small` or an HF config.json (default: Qwen2.5-0.5B's shape).
     #[arg(long, default_value = "configs/models/qwen2.5-0.5b.json")]
     model: String,
@@ -89,6 +96,10 @@ pub struct PrefixArgs {
     /// Seed of the model weights, prompts and sampling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Prefill attention on CUDA: `paged` (ours) or `flash` (candle-flash-attn; a build with
+    /// the `flash-attn` feature and a bf16 model).
+    #[arg(long, default_value = "paged")]
+    prefill_attention: stepppo::kv::PrefillAttention,
 }
 
 pub fn run(c: BenchCommand) -> anyhow::Result<()> {
@@ -144,7 +155,10 @@ fn prefix(a: PrefixArgs) -> anyhow::Result<()> {
             &model,
             &tok,
             w,
-            &EngineConfig::default(),
+            &EngineConfig {
+                prefill_attention: a.prefill_attention,
+                ..EngineConfig::default()
+            },
             a.seed,
             &mut print,
         )
@@ -240,14 +254,16 @@ fn selected(names: &[String]) -> anyhow::Result<Vec<Workload>> {
 
 #[cfg(feature = "cuda")]
 mod kernels {
-    //! Decode attention over the KV pool on the GPU: bytes of K and V the kernel must read per
+    //! Attention over the KV pool on the GPU. Decode: bytes of K and V the kernel must read per
     //! call, divided by its time, next to the bandwidth of a plain device-to-device copy.
+    //! Prefill: our paged kernel and flash-attention on the same pool and queries, their times,
+    //! causal attention FLOP/s and largest difference.
 
     use std::time::Instant;
 
     use anyhow::Context;
     use candle_core::{DType, Device, Tensor};
-    use stepppo::kv::{KvPool, SeqSlots};
+    use stepppo::kv::{KvPool, PrefillAttention, SeqSlots};
     use stepppo::tokenizer::Tokenizer;
 
     use super::{model_config, KernelArgs};
@@ -258,63 +274,184 @@ mod kernels {
             device.is_cuda(),
             "`bench kernels` measures CUDA kernels: pass --device cuda"
         );
+        if let Some(n) = a.prefill {
+            anyhow::ensure!(
+                (1..=a.context).contains(&n),
+                "--prefill {n}: between 1 and --context {}",
+                a.context
+            );
+        }
         let mut cfg = model_config(&a.model, &Tokenizer::builtin())?;
         cfg.num_hidden_layers = 1;
         if let Some(hd) = a.head_dim {
             cfg.head_dim = Some(hd);
         }
         let dtype = a.dtype.dtype();
-        let elem = dtype.size_in_bytes();
-        let (heads, kv_heads, hd) = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim(),
-        );
         let slots_total = a.batch * a.context;
         let mut pool = KvPool::with_dtype(&cfg, slots_total, &device, dtype)?;
         let all: Vec<u32> = pool.alloc(slots_total).context("pool allocation")?;
-        fill_pool(&mut pool, &all, (kv_heads, hd, dtype), &device)?;
-        let seqs: Vec<SeqSlots> = all
-            .chunks(a.context)
-            .map(|slots| SeqSlots { slots, num_new: 1 })
-            .collect();
-        let scale = 1.0 / (hd as f32).sqrt();
-        let plan = pool.plan(&seqs, scale)?;
-        let q = Tensor::randn(0f32, 1.0, (a.batch, heads, hd), &device)?.to_dtype(dtype)?;
-        let decode_s = time(&device, a.iters, || {
-            Ok(pool.attend_rows(0, &q, &plan, heads, scale)?)
-        })?;
-        // What decode must read: every K and V row once.
-        let kv_bytes = 2.0 * (slots_total * kv_heads * hd * elem) as f64;
-        let copy_src = Tensor::zeros(slots_total * kv_heads * hd * 2, DType::BF16, &device)?;
-        let copy_s = time(&device, a.iters, || Ok(copy_src.copy()?))?;
-        let copy_bytes = 2.0 * (copy_src.elem_count() * 2) as f64;
-        let decode_gbs = kv_bytes / decode_s / 1e9;
-        let copy_gbs = copy_bytes / copy_s / 1e9;
-        let report = serde_json::json!({
-            "batch": a.batch, "context": a.context, "q_heads": heads, "kv_heads": kv_heads, "head_dim": hd,
-            "dtype": a.dtype.to_string(),
-            "decode_ms": decode_s * 1e3, "decode_gb_s": decode_gbs, "copy_gb_s": copy_gbs,
-            "fraction_of_copy": decode_gbs / copy_gbs,
-        });
+        let bench = Bench {
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            hd: cfg.head_dim(),
+            dtype,
+            device,
+        };
+        fill_pool(&mut pool, &all, &bench)?;
+        let report = match a.prefill {
+            None => decode(&pool, &all, &a, &bench)?,
+            Some(new) => prefill(&mut pool, &all, new, &a, &bench)?,
+        };
         if a.json {
             println!("{report}");
         } else {
-            println!(
-                "decode {}: batch {} × context {} ({heads} q / {kv_heads} kv heads, head_dim {hd}): {:.3} ms, {:.0} GB/s; device copy {:.0} GB/s; {:.0}% of copy",
-                a.dtype, a.batch, a.context, decode_s * 1e3, decode_gbs, copy_gbs, 100.0 * decode_gbs / copy_gbs
-            );
+            println!("{}", text(&report, &a));
         }
         Ok(())
     }
 
-    /// Random K/V rows in every slot, written through the scatter kernel.
-    fn fill_pool(
+    /// The shape and device of one measurement.
+    struct Bench {
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+        dtype: DType,
+        device: Device,
+    }
+
+    /// Decode: every sequence brings one token; bytes of K/V read over time, against a copy.
+    fn decode(
+        pool: &KvPool,
+        all: &[u32],
+        a: &KernelArgs,
+        b: &Bench,
+    ) -> anyhow::Result<serde_json::Value> {
+        let seqs: Vec<SeqSlots> = all
+            .chunks(a.context)
+            .map(|slots| SeqSlots { slots, num_new: 1 })
+            .collect();
+        let scale = 1.0 / (b.hd as f32).sqrt();
+        let plan = pool.plan(&seqs, scale)?;
+        let q = Tensor::randn(0f32, 1.0, (a.batch, b.heads, b.hd), &b.device)?.to_dtype(b.dtype)?;
+        let decode_s = time(&b.device, a.iters, || {
+            Ok(pool.attend_rows(0, &q, &plan, b.heads, scale)?)
+        })?;
+        // What decode must read: every K and V row once.
+        let kv_bytes = 2.0 * (all.len() * b.kv_heads * b.hd * b.dtype.size_in_bytes()) as f64;
+        let copy_src = Tensor::zeros(all.len() * b.kv_heads * b.hd * 2, DType::BF16, &b.device)?;
+        let copy_s = time(&b.device, a.iters, || Ok(copy_src.copy()?))?;
+        let copy_bytes = 2.0 * (copy_src.elem_count() * 2) as f64;
+        let decode_gbs = kv_bytes / decode_s / 1e9;
+        let copy_gbs = copy_bytes / copy_s / 1e9;
+        Ok(serde_json::json!({
+            "batch": a.batch, "context": a.context, "q_heads": b.heads, "kv_heads": b.kv_heads,
+            "head_dim": b.hd, "dtype": a.dtype.to_string(),
+            "decode_ms": decode_s * 1e3, "decode_gb_s": decode_gbs, "copy_gb_s": copy_gbs,
+            "fraction_of_copy": decode_gbs / copy_gbs,
+        }))
+    }
+
+    /// Prefill: each sequence's last `new` tokens attend over its whole context, through our
+    /// kernel and (built with `flash-attn`, bf16) flash-attention, the same inputs for both.
+    fn prefill(
         pool: &mut KvPool,
-        slots: &[u32],
-        (kv_heads, hd, dtype): (usize, usize, DType),
-        dev: &Device,
-    ) -> anyhow::Result<()> {
+        all: &[u32],
+        new: usize,
+        a: &KernelArgs,
+        b: &Bench,
+    ) -> anyhow::Result<serde_json::Value> {
+        let seqs: Vec<SeqSlots> = all
+            .chunks(a.context)
+            .map(|slots| SeqSlots {
+                slots,
+                num_new: new,
+            })
+            .collect();
+        let scale = 1.0 / (b.hd as f32).sqrt();
+        let q = Tensor::randn(0f32, 1.0, (a.batch * new, b.heads, b.hd), &b.device)?
+            .to_dtype(b.dtype)?;
+        // Score and weighted-sum FLOPs of the causal part each new token sees.
+        let keys_seen: usize = (0..new).map(|i| a.context - new + i + 1).sum();
+        let flops = 4.0 * (a.batch * keys_seen * b.heads * b.hd) as f64;
+        let mut report = serde_json::json!({
+            "batch": a.batch, "context": a.context, "new": new, "q_heads": b.heads,
+            "kv_heads": b.kv_heads, "head_dim": b.hd, "dtype": a.dtype.to_string(),
+        });
+        let mut paged_out = None;
+        for kernel in [PrefillAttention::Paged, PrefillAttention::Flash] {
+            if !kernel.compiled() || (kernel == PrefillAttention::Flash && b.dtype != DType::BF16) {
+                continue;
+            }
+            pool.set_prefill_attention(kernel)?;
+            let plan = pool.plan(&seqs, scale)?;
+            let out = pool.attend_rows(0, &q, &plan, b.heads, scale)?;
+            let s = time(&b.device, a.iters, || {
+                Ok(pool.attend_rows(0, &q, &plan, b.heads, scale)?)
+            })?;
+            let name = serde_json::to_value(kernel)?;
+            let name = name.as_str().unwrap_or("kernel");
+            report[format!("{name}_ms")] = (s * 1e3).into();
+            report[format!("{name}_tflop_s")] = (flops / s / 1e12).into();
+            match &paged_out {
+                None => paged_out = Some(out),
+                Some(paged) => {
+                    let diff = (out.to_dtype(DType::F32)? - paged.to_dtype(DType::F32)?)?
+                        .abs()?
+                        .max_all()?
+                        .to_scalar::<f32>()?;
+                    report[format!("{name}_max_abs_diff_vs_paged")] = diff.into();
+                }
+            }
+        }
+        pool.set_prefill_attention(PrefillAttention::Paged)?;
+        if let (Some(p), Some(f)) = (report.get("paged_ms"), report.get("flash_ms")) {
+            let speedup = p.as_f64().unwrap_or(0.0) / f.as_f64().unwrap_or(f64::INFINITY);
+            report["flash_speedup"] = speedup.into();
+        }
+        Ok(report)
+    }
+
+    /// The report as one line of text.
+    fn text(r: &serde_json::Value, a: &KernelArgs) -> String {
+        let f = |k: &str| r.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+        let shape = format!(
+            "batch {} × context {} ({} q / {} kv heads, head_dim {})",
+            a.batch, a.context, r["q_heads"], r["kv_heads"], r["head_dim"]
+        );
+        match a.prefill {
+            None => format!(
+                "decode {}: {shape}: {:.3} ms, {:.0} GB/s; device copy {:.0} GB/s; {:.0}% of copy",
+                a.dtype,
+                f("decode_ms"),
+                f("decode_gb_s"),
+                f("copy_gb_s"),
+                100.0 * f("fraction_of_copy")
+            ),
+            Some(new) => {
+                let flash = if r.get("flash_ms").is_some() {
+                    format!(
+                        "flash {:.3} ms ({:.1} TFLOP/s, max |diff| {:.2e}); flash {:.2}× paged",
+                        f("flash_ms"),
+                        f("flash_tflop_s"),
+                        f("flash_max_abs_diff_vs_paged"),
+                        f("flash_speedup")
+                    )
+                } else {
+                    "flash not run (needs the `flash-attn` feature and --dtype bf16)".into()
+                };
+                format!(
+                    "prefill {} of {new} new tokens: {shape}: paged {:.3} ms ({:.1} TFLOP/s); {flash}",
+                    a.dtype,
+                    f("paged_ms"),
+                    f("paged_tflop_s"),
+                )
+            }
+        }
+    }
+
+    /// Random K/V rows in every slot, written through the scatter kernel.
+    fn fill_pool(pool: &mut KvPool, slots: &[u32], b: &Bench) -> anyhow::Result<()> {
+        let (kv_heads, hd, dtype, dev) = (b.kv_heads, b.hd, b.dtype, &b.device);
         for chunk in slots.chunks(1 << 16) {
             let seq = [SeqSlots {
                 slots: chunk,

@@ -7,7 +7,8 @@
 //! combine step. No phase gathers a context into a contiguous copy.
 //!
 //! Slot tables travel to the device once per call (one `u32` per context position); the
-//! kernels run on candle's stream, so they order with the surrounding tensor ops.
+//! kernels run on candle's stream, so they order with the surrounding tensor ops. A pool set to
+//! [`PrefillAttention::Flash`] runs its prefill calls through `super::flash` instead.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
@@ -17,7 +18,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, InplaceOp3, Layout, Shape, Tenso
 use half::bf16;
 use std::sync::OnceLock;
 
-use super::SeqSlots;
+use super::{PrefillAttention, SeqSlots};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 const MODULE: &str = "stepppo_attention";
@@ -143,6 +144,47 @@ impl InplaceOp3 for ScatterRows {
             DType::BF16 => Self::launch::<bf16>(pool, pool_l, rows, rows_l, slots, slots_l),
             DType::F32 => Self::launch::<f32>(pool, pool_l, rows, rows_l, slots, slots_l),
             other => candle_core::bail!("kv scatter: a {other:?} pool (kernels take bf16 or f32)"),
+        }
+    }
+}
+
+/// The attention kernel of one incremental forward over a CUDA pool: decode (every sequence
+/// brings one token) always runs ours; prefill runs the pool's [`PrefillAttention`].
+pub enum DeviceAttention {
+    Paged(PagedAttention),
+    #[cfg(feature = "flash-attn")]
+    Flash(super::flash::FlashPrefill),
+}
+
+impl DeviceAttention {
+    #[cfg_attr(not(feature = "flash-attn"), allow(unused_variables))]
+    pub fn new(
+        seqs: &[SeqSlots],
+        scale: f32,
+        prefill: PrefillAttention,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Self> {
+        #[cfg(feature = "flash-attn")]
+        if prefill == PrefillAttention::Flash && seqs.iter().any(|s| s.num_new != 1) {
+            return Ok(Self::Flash(super::flash::FlashPrefill::new(
+                seqs, scale, device,
+            )?));
+        }
+        Ok(Self::Paged(PagedAttention::new(seqs, scale)))
+    }
+
+    /// Causal attention of every sequence's new tokens over its slots (see
+    /// [`PagedAttention::apply`]).
+    pub fn apply(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Paged(op) => op.apply(q, k_pool, v_pool),
+            #[cfg(feature = "flash-attn")]
+            Self::Flash(op) => op.apply(q, k_pool, v_pool),
         }
     }
 }

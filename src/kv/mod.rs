@@ -1,14 +1,57 @@
 //! The KV cache: the slot pool that holds every layer's keys and values by token slot, and the
-//! CPU attention kernel that reads them by slot index ([`pool`]; the bf16 device side is `cuda`,
-//! built with the `cuda` feature), and the radix-tree prefix cache over these slots ([`radix`]).
-//! It does not schedule sequences: the rollout engine and plain generation own the slot lists.
+//! CPU attention kernel that reads them by slot index ([`pool`]; the device side is `cuda`,
+//! built with the `cuda` feature, and `flash`, candle-flash-attn's prefill, built with
+//! `flash-attn`), and the radix-tree prefix cache over these slots ([`radix`]). It does not
+//! schedule sequences: the rollout engine and plain generation own the slot lists.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "flash-attn")]
+pub mod flash;
 pub mod pool;
 pub mod radix;
 
 pub use pool::{AttentionPlan, KvPool};
+
+/// The kernel that runs a CUDA pool's prefill attention (calls where some sequence brings more
+/// than one new token); decode always runs our split-context kernel, and a CPU pool its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillAttention {
+    /// Our kernel, which reads K/V through each sequence's slot list (bf16 or f32 pools).
+    #[default]
+    Paged,
+    /// candle-flash-attn's variable-length flash-attention v2 over the context's K/V rows,
+    /// gathered from the pool first: bf16 pools only, in a build with the `flash-attn` feature.
+    Flash,
+}
+
+impl PrefillAttention {
+    /// Whether this build can run the kernel at all.
+    pub fn compiled(self) -> bool {
+        match self {
+            PrefillAttention::Paged => true,
+            PrefillAttention::Flash => cfg!(feature = "flash-attn"),
+        }
+    }
+}
+
+impl std::str::FromStr for PrefillAttention {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "paged" => Ok(PrefillAttention::Paged),
+            "flash" => Ok(PrefillAttention::Flash),
+            other => Err(format!(
+                "`{other}`: the prefill attention is `paged` or `flash`"
+            )),
+        }
+    }
+}
 
 /// Errors of the KV cache.
 #[derive(Debug, thiserror::Error)]

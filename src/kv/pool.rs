@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use super::{KvError, KvShape, SeqSlots};
+use super::{KvError, KvShape, PrefillAttention, SeqSlots};
 
 /// Where the K/V rows live. CPU rows are plain `f32` vectors so the attention loop reads them in
 /// place (they hold bf16 values exactly); CUDA rows are bf16 or f32 device tensors read by our
@@ -33,7 +33,7 @@ pub struct AttentionPlan<'a> {
     seqs: &'a [SeqSlots<'a>],
     new_slots: Vec<u32>,
     #[cfg(feature = "cuda")]
-    cuda: Option<(super::cuda::PagedAttention, Tensor)>,
+    cuda: Option<(super::cuda::DeviceAttention, Tensor)>,
 }
 
 /// One layer's keys and values, `capacity × row` floats each.
@@ -52,6 +52,7 @@ pub struct KvPool {
     /// Free slots, popped from the back (slot 0 first on a fresh pool).
     free: Vec<u32>,
     in_use: Vec<bool>,
+    prefill_attention: PrefillAttention,
 }
 
 impl KvPool {
@@ -108,7 +109,55 @@ impl KvPool {
             capacity: num_slots,
             free: (0..num_slots as u32).rev().collect(),
             in_use: vec![false; num_slots],
+            prefill_attention: PrefillAttention::Paged,
         })
+    }
+
+    /// Chooses the kernel of this pool's prefill calls. [`PrefillAttention::Flash`] needs a
+    /// build with the `flash-attn` feature and a CUDA pool holding bf16.
+    pub fn set_prefill_attention(&mut self, kernel: PrefillAttention) -> Result<(), KvError> {
+        if kernel == PrefillAttention::Flash {
+            let refuse = |reason: String| {
+                Err(KvError::UnsupportedDevice {
+                    device: self.device_name(),
+                    reason,
+                })
+            };
+            if !kernel.compiled() {
+                return refuse(
+                    "flash prefill attention: stepppo was built without the `flash-attn` feature"
+                        .into(),
+                );
+            }
+            match self.device_dtype() {
+                None => return refuse("flash prefill attention runs on CUDA pools only".into()),
+                Some(DType::BF16) => {}
+                Some(other) => {
+                    return refuse(format!(
+                        "flash prefill attention runs on bf16 pools only; this one holds {other:?}"
+                    ))
+                }
+            }
+        }
+        self.prefill_attention = kernel;
+        Ok(())
+    }
+
+    /// The dtype of a device pool's rows; `None` for a CPU pool.
+    fn device_dtype(&self) -> Option<DType> {
+        match &self.storage {
+            KvStorage::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            KvStorage::Cuda(layers) => Some(layers[0].k.dtype()),
+        }
+    }
+
+    fn device_name(&self) -> String {
+        match &self.storage {
+            KvStorage::Cpu(_) => "Cpu".into(),
+            #[cfg(feature = "cuda")]
+            KvStorage::Cuda(layers) => format!("{:?}", layers[0].k.device()),
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -348,7 +397,9 @@ impl KvPool {
             KvStorage::Cuda(layers) => {
                 let dev = layers[0].k.device();
                 let slots = Tensor::new(new_slots.as_slice(), dev)?;
-                Some((super::cuda::PagedAttention::new(seqs, scale), slots))
+                let attention =
+                    super::cuda::DeviceAttention::new(seqs, scale, self.prefill_attention, dev)?;
+                Some((attention, slots))
             }
             KvStorage::Cpu(_) => None,
         };
@@ -513,6 +564,23 @@ mod tests {
 
     fn pool(slots: usize) -> KvPool {
         KvPool::new(&crate::model::ModelConfig::tiny(16), slots, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn a_cpu_pool_refuses_flash_prefill_and_keeps_its_kernel() {
+        let mut p = pool(4);
+        p.set_prefill_attention(PrefillAttention::Paged).unwrap();
+        let err = p
+            .set_prefill_attention(PrefillAttention::Flash)
+            .unwrap_err()
+            .to_string();
+        let want = if cfg!(feature = "flash-attn") {
+            "CUDA pools only"
+        } else {
+            "without the `flash-attn` feature"
+        };
+        assert!(err.contains(want), "{err}");
+        assert_eq!(p.prefill_attention, PrefillAttention::Paged);
     }
 
     #[test]

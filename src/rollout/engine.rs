@@ -21,7 +21,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::kv::radix::{NodeRef, RadixError, RadixTree};
-use crate::kv::{KvError, KvPool};
+use crate::kv::{KvError, KvPool, PrefillAttention};
 use crate::model::{LogitsWanted, Model, ModelConfig, ModelError, SeqChunk};
 use crate::rollout::grammar::ResponseGrammar;
 use crate::rollout::sampling::{sample_allowed, SamplingParams};
@@ -136,6 +136,8 @@ pub struct EngineConfig {
     /// A waiting request that shares more than this many uncached tokens with a request being
     /// prefilled waits for it to land in the tree (in-batch prefix sharing).
     pub defer_min_shared: usize,
+    /// The kernel of the pool's prefill attention on CUDA.
+    pub prefill_attention: PrefillAttention,
 }
 
 impl Default for EngineConfig {
@@ -146,6 +148,7 @@ impl Default for EngineConfig {
             prefill_chunk: 512,
             max_batch_tokens: 2048,
             defer_min_shared: 16,
+            prefill_attention: PrefillAttention::Paged,
         }
     }
 }
@@ -360,7 +363,8 @@ impl Engine {
         Self::with_pool(pool, cfg)
     }
 
-    fn with_pool(pool: KvPool, cfg: EngineConfig) -> Result<Self> {
+    fn with_pool(mut pool: KvPool, cfg: EngineConfig) -> Result<Self> {
+        pool.set_prefill_attention(cfg.prefill_attention)?;
         Ok(Self {
             cfg,
             pool,

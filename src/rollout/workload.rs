@@ -204,6 +204,8 @@ pub struct ArmReport {
     pub speedup_vs_none: f64,
     /// Forward FLOPs of the `none` arm over this arm's: the speedup limit of compute-bound runs.
     pub flop_ratio_vs_none: f64,
+    /// The kernel that ran prefill attention (CUDA; a CPU pool has one kernel).
+    pub prefill_attention: crate::kv::PrefillAttention,
 }
 
 impl ArmReport {
@@ -282,6 +284,7 @@ pub fn compare_arms(
             response_len: w.response_len,
             prompt_tokens: c.prompt_tokens,
             tokens_prefilled: c.tokens_prefilled,
+            prefill_attention: engine_cfg.prefill_attention,
             tokens_from_cache: c.tokens_from_cache,
             hit_ratio: c.hit_ratio(),
             decode_tokens: c.decode_tokens,

@@ -35,6 +35,7 @@ pub(crate) fn engine_for(cfg: &Config, policy: &Model) -> Result<Engine, TrainEr
             CacheMode::None
         },
         num_slots: cfg.cache.kv_slots,
+        prefill_attention: cfg.cache.prefill_attention,
         ..EngineConfig::default()
     };
     Ok(Engine::for_model(policy, engine_cfg)?)

@@ -343,13 +343,17 @@ impl Trainer {
         cfg: Config,
         run_dir: &Path,
         tok: Tokenizer,
-        (mut policy, mut critic, reference): (Model, Option<CriticModel>, Option<Model>),
+        (mut policy, mut critic, mut reference): (Model, Option<CriticModel>, Option<Model>),
         (actor_opt, critic_opt): (AdamW, Option<AdamW>),
         (dataset, dist): (DatasetWriter, Arc<dyn Collective>),
         state: TrainState,
         warm_start: Option<SftReport>,
     ) -> Result<Self, TrainError> {
         set_numerics(&cfg, &mut policy, critic.as_mut())?;
+        if let Some(reference) = reference.as_mut() {
+            // The KL term compares like with like: both log-probs in the update's numerics.
+            reference.set_precision(cfg.precision);
+        }
         // Before the KV pool and the rollout's weights are allocated.
         let memory = MemoryBudget::for_run(
             &cfg,
@@ -722,8 +726,14 @@ impl Trainer {
             Some(t) => self.critic_values(&records, &sequences, t)?,
             None => Vec::new(),
         };
+        let correction = self.proximal_correction(&records, &sequences, &mut scalars)?;
         let reference_logprobs = self.reference_logprobs(&records, &sequences)?;
-        let kl_penalty = self.kl_penalty(&records, reference_logprobs.as_deref(), &mut scalars)?;
+        let kl_penalty = self.kl_penalty(
+            &records,
+            correction.as_ref().map(|c| c.logprobs.as_slice()),
+            reference_logprobs.as_deref(),
+            &mut scalars,
+        )?;
         let advantages = self.advantages(
             &records,
             &old_values,
@@ -733,11 +743,10 @@ impl Trainer {
         )?;
         let step_advantages: Vec<f32> = advantages.0.iter().map(|a| mean(a)).collect();
         self.admit_to_replay(&records, &mut scalars)?;
-        let (actor_advantages, proximal_logprobs) =
-            match self.proximal_correction(&records, &sequences, &mut scalars)? {
-                Some(c) => (c.weighted_advantages(&advantages.0), Some(c.logprobs)),
-                None => (advantages.0, None),
-            };
+        let (actor_advantages, proximal_logprobs) = match correction {
+            Some(c) => (c.weighted_advantages(&advantages.0), Some(c.logprobs)),
+            None => (advantages.0, None),
+        };
         let time_adv = t_adv.elapsed().as_secs_f64();
 
         let t_update = Instant::now();
@@ -991,11 +1000,15 @@ impl Trainer {
         })
     }
 
-    /// The KL-in-reward penalty of every response token, `init_kl_coef · KL(π_rollout ‖ π_ref)`
-    /// (ROLL `init_kl_coef` / `kl_penalty`); `None` when it is off.
+    /// The KL-in-reward penalty of every response token, `init_kl_coef · KL(π_θ ‖ π_ref)`
+    /// (ROLL `init_kl_coef` / `kl_penalty`), `None` when it is off. π_θ's log-probs are the
+    /// proximal ones when the update recomputed them in its own numerics (`policy_logprobs`; the
+    /// reference is scored in the same numerics, as verl scores its recomputed old log-probs),
+    /// else the sampler's.
     fn kl_penalty(
         &self,
         records: &[StepRecord],
+        policy_logprobs: Option<&[Vec<f32>]>,
         reference_logprobs: Option<&[Vec<f32>]>,
         scalars: &mut Scalars,
     ) -> Result<Option<Vec<Vec<f32>>>, TrainError> {
@@ -1003,13 +1016,20 @@ impl Trainer {
         else {
             return Ok(None);
         };
-        let rollout_logprobs: Vec<Vec<f32>> = records
-            .iter()
-            .map(|r| r.response_logprobs.clone())
-            .collect();
+        let sampled: Vec<Vec<f32>>;
+        let rollout_logprobs = match policy_logprobs {
+            Some(p) => p,
+            None => {
+                sampled = records
+                    .iter()
+                    .map(|r| r.response_logprobs.clone())
+                    .collect();
+                &sampled
+            }
+        };
         let coef = self.cfg.init_kl_coef;
         let penalty = kl_reward_penalty(
-            &rollout_logprobs,
+            rollout_logprobs,
             reference_logprobs,
             coef,
             self.cfg.kl_penalty,
