@@ -9,7 +9,9 @@ Usage: scripts/paired_table.py OUT_DIR [--tag TAG] [--metric success] [--first s
                                         [--exclude-seeds 50,…]
 (--exclude-seeds leaves out seeds whose warm start failed, to show the table with and without them.)
 
-A difference is called beyond noise when both intervals exclude 0.
+A difference is called beyond noise when both intervals exclude 0 over at least MIN_SEEDS (5)
+seeds: with fewer, two equal differences give intervals of zero width, and a bootstrap over 3
+or 4 seeds has only a handful of distinct resamples; those rows say "too few seeds".
 
 Then, for arms whose runs fit a critic, the critic's explained variance pooled over the last 20
 steps of each run (1 − Σ rows · residual variance / Σ rows · return variance, from the run
@@ -165,6 +167,9 @@ def main():
     critic_table(args.out, arms, excluded)
 
 
+MIN_SEEDS = 5
+
+
 def paired_differences(scores, arms, steps, first):
     print(f"\nPaired differences `{first}` − arm (same seed, same warm start, same episodes):\n")
     print("| arm | step | n | mean diff | 95 % t CI | 95 % bootstrap CI | beyond noise |")
@@ -180,8 +185,9 @@ def paired_differences(scores, arms, steps, first):
             m, h = mean_ci(d)
             lo, hi = bootstrap_ci(d)
             beyond = (m - h > 0 or m + h < 0) and (lo > 0 or hi < 0)
+            verdict = "too few seeds" if len(d) < MIN_SEEDS else ("yes" if beyond else "no")
             print(f"| `{arm}` | {s} | {len(d)} | {m:+.3f} | [{m - h:+.3f}, {m + h:+.3f}] | "
-                  f"[{lo:+.3f}, {hi:+.3f}] | {'yes' if beyond else 'no'} |")
+                  f"[{lo:+.3f}, {hi:+.3f}] | {verdict} |")
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ impl InplaceOp3 for ScatterRows {
 /// The attention kernel of one incremental forward over a CUDA pool: decode (every sequence
 /// brings one token) always runs ours; prefill runs the pool's [`PrefillAttention`].
 pub enum DeviceAttention {
-    Paged(PagedAttention),
+    Paged(Box<PagedAttention>),
     #[cfg(feature = "flash-attn")]
     Flash(super::flash::FlashPrefill),
 }
@@ -170,7 +170,7 @@ impl DeviceAttention {
                 seqs, scale, device,
             )?));
         }
-        Ok(Self::Paged(PagedAttention::new(seqs, scale)))
+        Ok(Self::Paged(Box::new(PagedAttention::new(seqs, scale))))
     }
 
     /// Causal attention of every sequence's new tokens over its slots (see
