@@ -2,7 +2,10 @@
 # Builds, on a machine without a GPU, everything the GPU check needs and packs it into .gpu/
 # (git-ignored): the `stepppo` binary and the CUDA test binaries, built with `--features
 # nccl,flash-attn` (everything the check exercises; FEATURES picks others, e.g. `cuda`),
-# xz-compressed. The first build with `flash-attn` compiles its 53 kernels, about 80 minutes on 2
+# packed into one xz archive (.gpu/bins.tar.xz) whose dictionary spans more than a binary: every
+# binary links the same ~290 MB of candle's and flash-attention's kernels, which the archive then
+# stores once (four binaries: 126 MB as separate .xz files, over the 64 MiB a device call
+# carries). The first build with `flash-attn` compiles its 53 kernels, about 80 minutes on 2
 # cores; kernels/toolchain.sh keeps them for every later build. A build with `nccl` (or
 # `mpi`) also carries the `dist_mpi` test and, in .gpu/debs, Debian bookworm's Open MPI runtime
 # packages with the libraries they load that a base system lacks: the GPU machine has no MPI,
@@ -42,10 +45,13 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and wanted(m["target"]["name"]):
         print(m["executable"])')
 rm -rf .gpu/*
-cp "${CARGO_TARGET_DIR:-target}/release/stepppo" .gpu/stepppo
-for t in $tests; do cp "$t" ".gpu/$(basename "$t" | sed 's/-[0-9a-f]*$//')"; done
-strip .gpu/* 2>/dev/null || true
-xz -T2 -6 .gpu/*
+mkdir .gpu/bin
+cp "${CARGO_TARGET_DIR:-target}/release/stepppo" .gpu/bin/stepppo
+for t in $tests; do cp "$t" ".gpu/bin/$(basename "$t" | sed 's/-[0-9a-f]*$//')"; done
+strip .gpu/bin/*
+# One thread: xz's threads compress blocks independently, and the repeats lie a binary apart.
+tar cf - -C .gpu/bin . | xz -T1 --lzma2=preset=6,dict=512MiB > .gpu/bins.tar.xz
+rm -rf .gpu/bin
 if [ -n "$with_mpi" ]; then
   mkdir .gpu/debs
   (cd .gpu/debs && { apt-get download -qq "${mpi_debs[@]}" \

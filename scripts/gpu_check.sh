@@ -40,7 +40,7 @@ part() {
 }
 pack() { tar czf "$out/gpu-check.tgz" -C "$out" --exclude gpu-check.tgz . && echo "packed $out/gpu-check.tgz"; }
 trap pack EXIT
-for f in .gpu/*.xz; do xz -dc "$f" > "/tmp/stepppo-gpu/$(basename "$f" .xz)"; done
+tar xJf .gpu/bins.tar.xz -C /tmp/stepppo-gpu
 chmod +x /tmp/stepppo-gpu/*
 libs=$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null || true)
 nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib"))' 2>/dev/null || true)
