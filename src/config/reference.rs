@@ -1015,7 +1015,7 @@ mod tests {
     #[test]
     fn field_names_follow_the_source() {
         let names = field_names::<CacheConfig>();
-        assert_eq!(names, ["prefix_cache", "kv_slots"]);
+        assert_eq!(names, ["prefix_cache", "kv_slots", "prefill_attention"]);
     }
 
     #[test]
