@@ -388,8 +388,7 @@ mod kernels {
             let s = time(&b.device, a.iters, || {
                 Ok(pool.attend_rows(0, &q, &plan, b.heads, scale)?)
             })?;
-            let name = serde_json::to_value(kernel)?;
-            let name = name.as_str().unwrap_or("kernel");
+            let name = kernel.name();
             report[format!("{name}_ms")] = (s * 1e3).into();
             report[format!("{name}_tflop_s")] = (flops / s / 1e12).into();
             match &paged_out {
@@ -403,7 +402,6 @@ mod kernels {
                 }
             }
         }
-        pool.set_prefill_attention(PrefillAttention::Paged)?;
         if let (Some(p), Some(f)) = (report.get("paged_ms"), report.get("flash_ms")) {
             let speedup = p.as_f64().unwrap_or(0.0) / f.as_f64().unwrap_or(f64::INFINITY);
             report["flash_speedup"] = speedup.into();

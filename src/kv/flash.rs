@@ -5,7 +5,7 @@
 //! (bottom-right causal, so new tokens see the cached prefix and the new tokens before them;
 //! grouped-query heads read their shared K/V head). bf16 pools only; decode stays on our kernel.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 use super::SeqSlots;
 
@@ -43,21 +43,14 @@ impl FlashPrefill {
     }
 
     /// Causal attention of every sequence's new tokens over its slots: `q` is
-    /// `[n_new, q_heads, head_dim]`, pools `[slots, kv_heads, head_dim]`, all bf16.
+    /// `[n_new, q_heads, head_dim]`, pools `[slots, kv_heads, head_dim]`, all bf16 (the pool
+    /// refuses this kernel on other storage; candle-flash-attn refuses other inputs).
     pub fn apply(
         &self,
         q: &Tensor,
         k_pool: &Tensor,
         v_pool: &Tensor,
     ) -> candle_core::Result<Tensor> {
-        for (t, what) in [(q, "q"), (k_pool, "k pool"), (v_pool, "v pool")] {
-            if t.dtype() != DType::BF16 {
-                candle_core::bail!(
-                    "flash prefill: {what} is {:?}; flash-attention runs on bf16 pools only",
-                    t.dtype()
-                );
-            }
-        }
         let k = k_pool.index_select(&self.context_slots, 0)?;
         let v = v_pool.index_select(&self.context_slots, 0)?;
         candle_flash_attn::flash_attn_varlen(

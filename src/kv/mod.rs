@@ -30,6 +30,14 @@ pub enum PrefillAttention {
 }
 
 impl PrefillAttention {
+    /// The name configs and flags use.
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefillAttention::Paged => "paged",
+            PrefillAttention::Flash => "flash",
+        }
+    }
+
     /// Whether this build can run the kernel at all.
     pub fn compiled(self) -> bool {
         match self {
