@@ -15,7 +15,11 @@
 #     2,048-token cached context, one 4,096-token prompt;
 #   - stepppo's rollout throughput with the radix cache vs without it, and transformers
 #     `generate` on the same workload (Qwen2.5-0.5B shape, random bf16 weights);
-#   - the embedded default trained on the GPU for 3 steps; compute-sanitizer on our kernels.
+#   - the embedded default trained on the GPU for 3 steps; compute-sanitizer on our kernels;
+#   - real sizes: 3 steps of the search-QA config on the Qwen2.5-0.5B shape (bf16) and on the
+#     Qwen2.5-3B shape (bf16, activation checkpointing, LoRA on the policy and the critic), random
+#     weights, each step's time, update time and peak GPU memory (`memory/peak_gib`) printed.
+#     ONLY=train runs these alone.
 # A bundle built with `nccl` also brings Open MPI's Debian packages (.gpu/debs): they are unpacked
 # under /tmp/mpiroot and relocated there (the machine has no MPI), the `dist_mpi` test runs as
 # one rank under that `mpirun`, its gradient summed by NCCL on the GPU, and a short training run on
@@ -90,6 +94,35 @@ print(f"plain CUDA run vs one NCCL rank, policy after 2 steps: {len(a)} tensors,
 PY
   [ "${ONLY:-}" = dist ] && exit 0
 fi
+# Real sizes: 3 StepPO steps of the search-QA config from random weights of a model shape (no warm
+# start: every answer is a format penalty; the runs measure time and memory, not learning).
+real_size_training() {
+  local qa=(--config configs/hotpotqa_steppo.yaml --set device=cuda --set precision=bf16
+    --set sft.steps=0 --set sft.copy.steps=0 --set max_steps=3 --set eval_steps=0 --set save_steps=0)
+  part train-qwen2.5-0.5b-bf16 120 "$bin" train --out /tmp/real-0.5b "${qa[@]}" \
+    --set pretrain=configs/models/qwen2.5-0.5b.json
+  part train-qwen2.5-3b-bf16-ckpt-lora 180 "$bin" train --out /tmp/real-3b "${qa[@]}" \
+    --set pretrain=configs/models/qwen2.5-3b.json --set activation_checkpointing=true \
+    --set 'lora={rank: 16, alpha: 32}' --set 'critic.lora={rank: 16, alpha: 32}'
+  for run in /tmp/real-0.5b /tmp/real-3b; do
+    [ -f "$run/metrics.jsonl" ] || continue
+    cp "$run/metrics.jsonl" "$out/$(basename "$run")-metrics.jsonl"
+    python3 - "$run/metrics.jsonl" <<'PY' 2>&1 | tee -a "$out/real-size.log"
+import json, sys
+print(sys.argv[1])
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    if "time/update" in m:
+        print(f"  step {m['step']}: {m['time/step']:.1f} s (rollout {m['time/rollout']:.1f}, "
+              f"update {m['time/update']:.1f}), peak {m.get('memory/peak_gib', float('nan')):.2f} GiB, "
+              f"{m['throughput/tokens_per_s']:.0f} tokens/s")
+PY
+  done
+}
+if [ "${ONLY:-}" = train ]; then
+  real_size_training
+  exit 0
+fi
 # In order of what matters most, each bounded, so a slow or hung part leaves the rest their time.
 part transformers-gpu-fixtures 40 python3 scripts/make_bf16_generation_fixtures.py --device cuda \
   --out /tmp/transformers-gpu
@@ -122,3 +155,4 @@ part prefix-flash 60 "$bin" bench prefix --device cuda --model configs/models/qw
 if command -v compute-sanitizer >/dev/null; then
   part memcheck 60 compute-sanitizer --tool memcheck /tmp/stepppo-gpu/cuda_kernels
 fi
+real_size_training

@@ -6,21 +6,15 @@
 //! passes.
 #![cfg(feature = "cuda")]
 
+#[path = "common/cuda.rs"]
+mod gpu;
+
 use candle_core::{DType, Device, Tensor};
+use gpu::cuda;
 use half::bf16;
 use stepppo::kv::{KvPool, PrefillAttention, SeqSlots};
 use stepppo::model::ModelConfig;
 use stepppo::seed::splitmix64;
-
-fn cuda() -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            eprintln!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
-}
 
 fn shape(q_heads: usize, kv_heads: usize, head_dim: usize) -> ModelConfig {
     let mut cfg = ModelConfig::tiny(64);

@@ -1,5 +1,6 @@
 //! `stepppo init-model`, `stepppo generate` and `stepppo plan` through the binary.
 
+use std::path::Path;
 use std::process::Command;
 
 fn stepppo(args: &[&str]) -> std::process::Output {
@@ -155,4 +156,48 @@ fn plan_prints_each_part_and_lora_shrinks_the_peak() {
     let bad = stepppo(&["plan", "--model", "no/such/dir"]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("no/such/dir"));
+}
+
+/// Every shape in `configs/models/` plans with the parameter count its model card publishes.
+#[test]
+fn shipped_model_shapes_have_their_published_sizes() {
+    let published = [
+        ("qwen2.5-0.5b.json", 494_032_768u64),
+        ("qwen2.5-3b.json", 3_085_938_688),
+        ("qwen2.5-7b.json", 7_615_616_512),
+    ];
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models");
+    let mut shipped: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    shipped.sort();
+    let mut listed: Vec<String> = published.iter().map(|(f, _)| f.to_string()).collect();
+    listed.sort();
+    assert_eq!(
+        shipped,
+        listed,
+        "a shape in {} without its size here",
+        dir.display()
+    );
+    for (file, parameters) in published {
+        let path = dir.join(file);
+        let out = stepppo(&[
+            "plan",
+            "--model",
+            path.to_str().unwrap(),
+            "--memory-gib",
+            "1000",
+        ]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{file}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.contains(&format!("weights ({parameters} parameters")),
+            "{file}: {text}"
+        );
+    }
 }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 use std::process::Command;
-use stepppo::train::metrics::{read_events, read_jsonl};
+use stepppo::train::metrics::{is_measurement, read_events, read_jsonl};
 
 /// Any config at toy size: the tiny model, one step, two-episode batches.
 const TINY_RUN: &[&str] = &[
@@ -87,6 +87,8 @@ fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
         ("response_length/mean", 1.0, 6.0),
         ("time/rollout", f64::MIN_POSITIVE, f64::MAX),
         ("throughput/tokens_per_s", f64::MIN_POSITIVE, f64::MAX),
+        // The step's resident-set peak: at least the 1 MiB any process holds.
+        ("memory/peak_gib", 1.0 / 1024.0, f64::MAX),
         ("val/SimpleFrozenLake/success", 0.0, 1.0),
     ] {
         let v = value(name);
@@ -203,7 +205,7 @@ fn the_search_qa_config_trains_one_step() {
         let (_, step1) = rows.into_iter().find(|(s, _)| *s == 1).unwrap();
         step1
             .into_iter()
-            .filter(|(k, _)| !k.starts_with("time/") && !k.starts_with("throughput/"))
+            .filter(|(k, _)| !is_measurement(k))
             .collect()
     };
     assert_eq!(figures(&again), figures(&run));

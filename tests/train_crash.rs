@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::Command;
 use stepppo::store::Dataset;
 use stepppo::train::credit_log::CREDIT_FILE;
-use stepppo::train::metrics::{read_events, read_jsonl, Scalars};
+use stepppo::train::metrics::{is_measurement, read_events, read_jsonl, Scalars};
 
 /// Four steps of a tiny run with checkpoints at steps 2 and 4.
 const TINY: &[&str] = &[
@@ -67,7 +67,7 @@ fn assert_ok(out: &std::process::Output, what: &str) {
 fn deterministic(rows: Vec<(u64, Scalars)>) -> Vec<(u64, Scalars)> {
     rows.into_iter()
         .map(|(step, mut m)| {
-            m.retain(|k, _| !k.starts_with("time/") && !k.starts_with("throughput/"));
+            m.retain(|k, _| !is_measurement(k));
             (step, m)
         })
         .collect()
@@ -83,10 +83,7 @@ fn events(run: &Path) -> Vec<(u64, Vec<(String, f32)>)> {
     for f in files {
         for e in read_events(&f).unwrap() {
             if e.file_version.is_none() {
-                let kept = e
-                    .scalars
-                    .into_iter()
-                    .filter(|(k, _)| !k.starts_with("time/") && !k.starts_with("throughput/"));
+                let kept = e.scalars.into_iter().filter(|(k, _)| !is_measurement(k));
                 all.push((e.step, kept.collect()));
             }
         }

@@ -50,7 +50,8 @@ pub struct PlanArgs {
     /// given, sharing the policy's base).
     #[arg(long)]
     separate_critic: bool,
-    /// Memory to hold the plan against, in GiB; default what this machine has available (CPU).
+    /// Memory to hold the plan against, in GiB; default what the device has available (on CUDA
+    /// the free memory of the first GPU, in a build with the `cuda` feature).
     #[arg(long)]
     memory_gib: Option<f64>,
 }
@@ -111,7 +112,9 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
         Some(gib) => bail!("--memory-gib: must be positive, got {gib}"),
         None => match a.device {
             DeviceArg::Cpu => stepppo::device::memory_available(&candle_core::Device::Cpu),
-            DeviceArg::Cuda => None,
+            DeviceArg::Cuda => stepppo::device::parse_device("cuda")
+                .ok()
+                .and_then(|gpu| stepppo::device::memory_available(&gpu)),
         },
     };
     print!("{}", MemoryPlan::of(&shape).table(&shape, available));

@@ -35,7 +35,7 @@ use crate::model::{LoraSpec, Model, ModelConfig, Precision};
 const F32: u64 = 4;
 /// Bytes of a bf16.
 const BF16: u64 = 2;
-const GIB: f64 = (1u64 << 30) as f64;
+pub(crate) const GIB: f64 = (1u64 << 30) as f64;
 
 /// Where the run computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -12,6 +12,14 @@ use std::path::{Path, PathBuf};
 /// One step's scalars, by metric name (e.g. `actor/pg_loss`).
 pub type Scalars = BTreeMap<String, f64>;
 
+/// Whether the metric `name` measures the machine (wall-clock time, throughput, memory) rather
+/// than the run: two runs of one config and seed differ in these and agree in every other.
+pub fn is_measurement(name: &str) -> bool {
+    ["time/", "throughput/", "memory/"]
+        .iter()
+        .any(|prefix| name.starts_with(prefix))
+}
+
 /// Errors of the metric sinks and readers; each names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {

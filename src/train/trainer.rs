@@ -34,7 +34,7 @@ use super::critic::{critic_seed, CriticModel, CriticOrigin};
 use super::device_batch::BatchLayout;
 use super::eval::{self, TagSummary, Validation, VAL_SEED_OFFSET};
 use super::masks::{response_masks, ResponseMasks};
-use super::memory_plan::MemoryBudget;
+use super::memory_plan::{MemoryBudget, GIB};
 use super::metrics::{MetricsSink, Scalars};
 use super::ranks;
 use super::run_dir::{self, Rewound, RunPosition};
@@ -620,7 +620,7 @@ impl Trainer {
         if self.rollout_worker.is_some() {
             return self.train_step_async();
         }
-        let t_step = Instant::now();
+        let t_step = self.start_step_clock();
         // Validation may have filled the cache under this version: start every rollout from the
         // same (empty) cache so a resumed run samples exactly what the original did.
         self.engine.flush()?;
@@ -650,7 +650,7 @@ impl Trainer {
 
     /// One training step on the batch the rollout thread generated for it (`async_rollout`).
     fn train_step_async(&mut self) -> Result<Scalars, TrainError> {
-        let t_step = Instant::now();
+        let t_step = self.start_step_clock();
         let worker = self.rollout_worker.as_mut().expect("async");
         let received = worker.take(self.state.step)?;
         let batch = received.batch;
@@ -671,6 +671,13 @@ impl Trainer {
         scalars.insert("async/rollout_busy".into(), rollout_busy);
         scalars.insert("async/trainer_busy".into(), trainer_busy);
         Ok(scalars)
+    }
+
+    /// The start of a step: its wall clock, and a new window of the device's memory peak
+    /// (`memory/peak_gib` at the step's end).
+    fn start_step_clock(&self) -> Instant {
+        crate::device::reset_memory_peak(self.policy.device());
+        Instant::now()
     }
 
     /// The engine, policy and tokenizer that generate (an outside rollout source, such as the
@@ -818,6 +825,9 @@ impl Trainer {
             "throughput/tokens_per_s".into(),
             tokens as f64 / time_step.max(1e-9),
         );
+        if let Some(peak) = crate::device::memory_peak(self.policy.device()) {
+            scalars.insert("memory/peak_gib".into(), peak as f64 / GIB);
+        }
         Ok(scalars)
     }
 
