@@ -17,11 +17,23 @@
 //! freed memory kept in the heap, candle's idle pool workers parked soon).
 //!
 //! Next to the two, the step's limit on this machine: its matrix products' FLOPs (forward, and
-//! twice that backward; the attention's causal half; the LM head at the response positions)
-//! divided by the fastest rate either library reaches on the shape's largest product (`[tokens,
-//! hidden] × [hidden, intermediate]`, measured in each child at its thread count). No step can
+//! twice that backward, once where only LoRA's adapters train, plus a second forward under
+//! checkpointing; the attention's causal half; the LM head at the response positions) divided
+//! by the fastest rate either library reaches on the shape's largest product (`[tokens, hidden]
+//! × [hidden, intermediate]` in the arm's dtype, measured in each child at its thread count). No step can
 //! be faster than that, whatever its non-product work costs; `limit speed` is PyTorch's time over
 //! it, the most any update could gain on PyTorch here.
+//!
+//! On a GPU (`STEPPPO_BENCH_DEVICE=cuda`) the shapes are Qwen2.5-0.5B's at 16 × 1,024 tokens and
+//! Qwen2.5-3B's (`configs/models/qwen2.5-3b.json`) at 8 × 1,024, one row a case (threads do not
+//! apply), PyTorch on the same GPU. `STEPPPO_BENCH_ARMS` picks what is trained, each arm a case
+//! of its own: `full` (every weight, f32; the CPU default), `+bf16` (bf16 products, f32 master
+//! weights and optimizer; PyTorch: `torch.autocast` bf16), `+ckpt` (activation checkpointing;
+//! PyTorch: transformers' gradient checkpointing), `lora` (rank-16 adapters on all seven
+//! projections, alpha 32, the base frozen; PyTorch: the same adapters, B zero so the first loss
+//! agrees); the GPU default is `full+bf16 full+bf16+ckpt lora+bf16+ckpt`. Each side also reports
+//! the peak memory of its timed steps (stepppo: [`stepppo::device::memory_peak`]; PyTorch:
+//! `torch.cuda.max_memory_allocated`, or the peak resident set on the CPU).
 //!
 //! `cargo bench --bench training [-- FILTER]` (FILTER picks shapes by name);
 //! `STEPPPO_BENCH_RUNS` sets the timed steps per case (default 5, after one warm-up step);
@@ -37,18 +49,68 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use stepppo::algo::config::{LossConfig, OptimizerConfig};
 use stepppo::algo::{policy_loss, AdamW};
-use stepppo::model::{Model, ModelConfig, PaddedBatch};
+use stepppo::model::{Adapters, LoraSpec, Model, ModelConfig, PaddedBatch, Precision};
 use stepppo::tokenizer::Tokenizer;
 
 /// Set in a child process: the model directory whose case it times (stepppo's side).
 const CASE_VAR: &str = "STEPPPO_TRAINING_CASE";
+/// Set in a child process: the arm it times.
+const ARM_VAR: &str = "STEPPPO_TRAINING_ARM";
+const DEVICE_VAR: &str = "STEPPPO_BENCH_DEVICE";
+const ARMS_VAR: &str = "STEPPPO_BENCH_ARMS";
 const RUNS_VAR: &str = "STEPPPO_BENCH_RUNS";
 const DIR_VAR: &str = "STEPPPO_BENCH_DIR";
 const PYTHON_VAR: &str = "STEPPPO_TORCH_PYTHON";
 const SCRIPT: &str = "scripts/torch_update_step.py";
 /// Qwen2.5-0.5B's shape (its own vocabulary, tied embeddings).
 const QWEN_05B: &str = "configs/models/qwen2.5-0.5b.json";
+const QWEN_3B: &str = "configs/models/qwen2.5-3b.json";
 const THREADS: [usize; 2] = [1, 2];
+const GPU_ARMS: &str = "full+bf16 full+bf16+ckpt lora+bf16+ckpt";
+/// The adapters of `lora` arms (the PyTorch script builds the same).
+const LORA_RANK: usize = 16;
+const LORA_ALPHA: f64 = 32.0;
+
+/// What a case trains and how: LoRA or every weight, bf16 products, activation checkpointing.
+#[derive(Clone, Copy, Debug)]
+struct Arm {
+    lora: bool,
+    bf16: bool,
+    checkpointing: bool,
+}
+
+impl Arm {
+    /// `full` or `lora`, then any of `+bf16` and `+ckpt`.
+    fn parse(name: &str) -> Arm {
+        let mut parts = name.split('+');
+        let lora = match parts.next() {
+            Some("full") => false,
+            Some("lora") => true,
+            _ => panic!("{ARMS_VAR}: arm {name:?} must start with full or lora"),
+        };
+        let mut arm = Arm {
+            lora,
+            bf16: false,
+            checkpointing: false,
+        };
+        for flag in parts {
+            match flag {
+                "bf16" => arm.bf16 = true,
+                "ckpt" => arm.checkpointing = true,
+                _ => panic!("{ARMS_VAR}: arm {name:?}: unknown part {flag:?} (bf16, ckpt)"),
+            }
+        }
+        arm
+    }
+
+    fn dtype(self) -> DType {
+        if self.bf16 {
+            DType::BF16
+        } else {
+            DType::F32
+        }
+    }
+}
 const ENTROPY_COEF: f32 = 0.001;
 const LR: f64 = 1e-5;
 
@@ -60,7 +122,25 @@ struct Shape {
     len: usize,
 }
 
-fn shapes() -> Vec<Shape> {
+/// The shapes of `dev`: the CPU's four, or two real sizes on a GPU.
+fn shapes(dev: &Device) -> Vec<Shape> {
+    let shape_file = |file: &str| ModelConfig::from_file(Path::new(file)).expect(file);
+    if !dev.is_cpu() {
+        return vec![
+            Shape {
+                name: "qwen2.5_0.5b_16x1024",
+                cfg: shape_file(QWEN_05B),
+                batch: 16,
+                len: 1024,
+            },
+            Shape {
+                name: "qwen2.5_3b_8x1024",
+                cfg: shape_file(QWEN_3B),
+                batch: 8,
+                len: 1024,
+            },
+        ];
+    }
     let vocab = Tokenizer::builtin().vocab_size();
     let mut qwen_90m = ModelConfig::small(vocab);
     qwen_90m.hidden_size = 896;
@@ -89,7 +169,7 @@ fn shapes() -> Vec<Shape> {
         },
         Shape {
             name: "qwen2.5_0.5b_2x256",
-            cfg: ModelConfig::from_file(Path::new(QWEN_05B)).expect("the 0.5B shape's config"),
+            cfg: shape_file(QWEN_05B),
             batch: 2,
             len: 256,
         },
@@ -118,12 +198,13 @@ struct Inputs {
     probe: (usize, usize, usize),
 }
 
-/// A child's report: the first step's loss, the timed steps' median and the best rate of the
-/// probe product.
+/// A child's report: the first step's loss, the timed steps' median, their peak memory and the
+/// best rate of the probe product.
 #[derive(Serialize, Deserialize)]
 struct Report {
     first_loss: f64,
     median_ms: f64,
+    peak_mib: Option<f64>,
     product_gflops: f64,
 }
 
@@ -131,10 +212,12 @@ struct Report {
 const PROBE_RUNS: usize = 5;
 
 impl Shape {
-    /// FLOPs of the matrix products of one update step: the forward's (every projection at
-    /// every token, the attention's scores and mixing over the causal half, the LM head at the
-    /// response positions) and twice as many backward (the input's and the weight's gradient).
-    fn product_flops(&self) -> f64 {
+    /// FLOPs of the matrix products of one update step of `arm`: the forward's (every
+    /// projection at every token, the attention's scores and mixing over the causal half, the
+    /// LM head at the response positions); as many again backward for the inputs' gradient, and
+    /// for the weights' where every weight trains (LoRA's adapters are negligible); a second
+    /// forward under activation checkpointing.
+    fn product_flops(&self, arm: Arm) -> f64 {
         let c = &self.cfg;
         let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim());
         let (heads, kv) = (c.num_attention_heads, c.num_key_value_heads);
@@ -144,7 +227,8 @@ impl Shape {
         let causal_pairs = (self.len * (self.len + 1) / 2 * self.batch) as f64;
         let attention = 2.0 * 2.0 * causal_pairs * (heads * d * c.num_hidden_layers) as f64;
         let head = 2.0 * (self.batch * (self.len / 2)) as f64 * (h * c.vocab_size) as f64;
-        3.0 * (projections + attention + head)
+        let passes = 2 + usize::from(!arm.lora) + usize::from(arm.checkpointing);
+        passes as f64 * (projections + attention + head)
     }
 
     /// The probe product: the largest of the step, `[tokens, hidden] × [hidden, intermediate]`.
@@ -157,15 +241,21 @@ impl Shape {
     }
 }
 
-/// The best GFLOP/s of `PROBE_RUNS` products `[m, k] × [k, n]` in candle.
-fn probe_gflops((m, k, n): (usize, usize, usize), dev: &Device) -> f64 {
-    let a = Tensor::rand(-1f32, 1f32, (m, k), dev).unwrap();
-    let b = Tensor::rand(-1f32, 1f32, (k, n), dev).unwrap();
+/// The best GFLOP/s of `PROBE_RUNS` products `[m, k] × [k, n]` in candle, in `dtype`.
+fn probe_gflops((m, k, n): (usize, usize, usize), dev: &Device, dtype: DType) -> f64 {
+    let operand = |rows, cols| {
+        Tensor::rand(-1f32, 1f32, (rows, cols), dev)
+            .and_then(|t| t.to_dtype(dtype))
+            .unwrap()
+    };
+    let (a, b) = (operand(m, k), operand(k, n));
     let _ = a.matmul(&b).unwrap();
+    dev.synchronize().unwrap();
     (0..PROBE_RUNS)
         .map(|_| {
             let start = Instant::now();
             let _ = a.matmul(&b).unwrap();
+            dev.synchronize().unwrap();
             2.0 * (m * k * n) as f64 / start.elapsed().as_secs_f64() / 1e9
         })
         .fold(0.0, f64::max)
@@ -286,20 +376,46 @@ fn update_step(model: &Model, opt: &mut AdamW, x: &StepTensors, max_norm: f64) -
     );
     let cfg = loss_config();
     let (loss, _) = policy_loss(&logp, &x.old, &x.adv, &x.mask, None, &entropy, &cfg).unwrap();
-    let grads = loss.backward().unwrap();
+    let grads = stepppo::model::backward(&loss).unwrap();
     opt.step(&grads, LR, Some(max_norm)).unwrap();
-    loss.to_dtype(DType::F64).unwrap().to_scalar().unwrap()
+    let loss = loss.to_dtype(DType::F64).unwrap().to_scalar().unwrap();
+    // The optimizer's last kernels too, on a device that runs them asynchronously.
+    x.old.device().synchronize().unwrap();
+    loss
 }
 
-/// The child's work: load the case's model and inputs, time `runs` steps after one warm-up.
-fn time_stepppo(dir: &Path) -> Report {
-    let dev = Device::Cpu;
+/// The case's model on `dev`, trained as `arm` says.
+fn model_for(dir: &Path, arm: Arm, dev: &Device) -> Model {
+    let mut model = Model::load(dir, dev).unwrap();
+    if arm.lora {
+        let spec = LoraSpec {
+            rank: LORA_RANK,
+            alpha: LORA_ALPHA,
+            dropout: 0.0,
+            target_modules: vec!["all-linear".into()],
+        };
+        let adapters = Adapters::fresh(model.config(), &spec, 11, dev, "bench").unwrap();
+        model.attach_adapters(adapters).unwrap();
+    }
+    model.set_activation_checkpointing(arm.checkpointing);
+    model.set_precision(if arm.bf16 {
+        Precision::Bf16
+    } else {
+        Precision::F32
+    });
+    model
+}
+
+/// The child's work: load the case's model and inputs, time `runs` steps after one warm-up,
+/// and the peak memory of the timed steps.
+fn time_stepppo(dir: &Path, arm: Arm, dev: &Device) -> Report {
     let x: Inputs =
         serde_json::from_slice(&std::fs::read(dir.join("inputs.json")).unwrap()).unwrap();
-    let model = Model::load(dir, &dev).unwrap();
-    let mut opt = AdamW::new(model.named_vars(), &OptimizerConfig::default()).unwrap();
-    let tensors = StepTensors::new(&x, &dev);
+    let model = model_for(dir, arm, dev);
+    let mut opt = AdamW::new(model.trainable_vars(), &OptimizerConfig::default()).unwrap();
+    let tensors = StepTensors::new(&x, dev);
     let first_loss = update_step(&model, &mut opt, &tensors, x.max_grad_norm);
+    stepppo::device::reset_memory_peak(dev);
     let mut ms: Vec<f64> = (0..x.runs)
         .map(|_| {
             let start = Instant::now();
@@ -307,10 +423,12 @@ fn time_stepppo(dir: &Path) -> Report {
             start.elapsed().as_secs_f64() * 1e3
         })
         .collect();
+    let peak_mib = stepppo::device::memory_peak(dev).map(|b| b as f64 / (1u64 << 20) as f64);
     Report {
         first_loss,
         median_ms: median(&mut ms),
-        product_gflops: probe_gflops(x.probe, &dev),
+        peak_mib,
+        product_gflops: probe_gflops(x.probe, dev, arm.dtype()),
     }
 }
 
@@ -366,13 +484,27 @@ fn run_child(mut cmd: Command, threads: usize) -> Report {
     }
 }
 
+/// The device the bench runs on (`STEPPPO_BENCH_DEVICE`, default the CPU).
+fn bench_device() -> Device {
+    let name = std::env::var(DEVICE_VAR).unwrap_or_else(|_| "cpu".into());
+    stepppo::device::parse_device(&name).unwrap_or_else(|e| panic!("{DEVICE_VAR}: {e}"))
+}
+
 fn main() {
+    let dev = bench_device();
     if let Ok(dir) = std::env::var(CASE_VAR) {
         stepppo::device::prepare_cpu_process();
-        let report = time_stepppo(Path::new(&dir));
+        let arm = Arm::parse(&std::env::var(ARM_VAR).expect("a child is given its arm"));
+        let report = time_stepppo(Path::new(&dir), arm, &dev);
         println!("RESULT {}", serde_json::to_string(&report).unwrap());
         return;
     }
+    let default_arms = if dev.is_cpu() { "full" } else { GPU_ARMS };
+    let arms = std::env::var(ARMS_VAR).unwrap_or_else(|_| default_arms.into());
+    let threads: &[usize] = if dev.is_cpu() { &THREADS } else { &[1] };
+    arms.split_whitespace().for_each(|arm| {
+        Arm::parse(arm);
+    });
     let filter: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))
@@ -388,8 +520,9 @@ fn main() {
     let temp = tempfile::tempdir().unwrap();
     let root = std::env::var(DIR_VAR).map_or(temp.path().to_path_buf(), PathBuf::from);
     println!(
-        "{:<18} {:>3} {:>12} {:>12} {:>12} {:>12} {:>7} {:>10} {:>7} {:>11} {:>11}",
+        "{:<20} {:<15} {:>3} {:>12} {:>12} {:>12} {:>12} {:>7} {:>10} {:>7} {:>11} {:>11} {:>10} {:>10}",
         "shape",
+        "arm",
         "thr",
         "stepppo ms",
         "stepppo tok/s",
@@ -399,15 +532,19 @@ fn main() {
         "limit ms",
         "limit",
         "loss",
-        "torch loss"
+        "torch loss",
+        "peak MiB",
+        "torch MiB"
     );
-    for shape in shapes() {
+    for shape in shapes(&dev) {
         if !filter.is_empty() && !filter.iter().any(|f| shape.name.contains(f.as_str())) {
             continue;
         }
         let dir = prepare(&shape, runs, &root);
-        for threads in THREADS {
-            bench_case(&shape, &dir, threads, python.as_ref().ok());
+        for arm in arms.split_whitespace() {
+            for &threads in threads {
+                bench_case(&shape, &dir, (arm, threads), python.as_ref().ok());
+            }
         }
     }
 }
@@ -422,13 +559,16 @@ fn prepare(shape: &Shape, runs: usize, root: &Path) -> PathBuf {
     dir
 }
 
-fn bench_case(shape: &Shape, dir: &Path, threads: usize, python: Option<&String>) {
+fn bench_case(shape: &Shape, dir: &Path, (arm, threads): (&str, usize), python: Option<&String>) {
     let mut ours = Command::new(std::env::current_exe().unwrap());
-    ours.env(CASE_VAR, dir);
+    ours.env(CASE_VAR, dir).env(ARM_VAR, arm);
     let ours = run_child(ours, threads);
+    let parsed = Arm::parse(arm);
+    let device = std::env::var(DEVICE_VAR).unwrap_or_else(|_| "cpu".into());
     let theirs = python.map(|py| {
         let mut cmd = Command::new(py);
         cmd.arg(script_path()).arg(dir).arg(threads.to_string());
+        cmd.args(["--device", &device, "--arm", arm]);
         run_child(cmd, threads)
     });
     let tokens = (shape.batch * shape.len) as f64;
@@ -437,10 +577,11 @@ fn bench_case(shape: &Shape, dir: &Path, threads: usize, python: Option<&String>
     let best_gflops = theirs.as_ref().map_or(ours.product_gflops, |t| {
         t.product_gflops.max(ours.product_gflops)
     });
-    let limit_ms = shape.product_flops() / (best_gflops * 1e9) * 1e3;
+    let limit_ms = shape.product_flops(parsed) / (best_gflops * 1e9) * 1e3;
     println!(
-        "{:<18} {:>3} {:>12.1} {:>12.0} {:>12} {:>12} {:>7} {:>10.1} {:>7} {:>11.6} {:>11}",
+        "{:<20} {:<15} {:>3} {:>12.1} {:>12.0} {:>12} {:>12} {:>7} {:>10.1} {:>7} {:>11.6} {:>11} {:>10} {:>10}",
         shape.name,
+        arm,
         threads,
         ours.median_ms,
         rate(ours.median_ms),
@@ -451,14 +592,17 @@ fn bench_case(shape: &Shape, dir: &Path, threads: usize, python: Option<&String>
         fmt(theirs.as_ref().map(|t| t.median_ms / limit_ms), 2),
         ours.first_loss,
         fmt(theirs.as_ref().map(|t| t.first_loss), 6),
+        fmt(ours.peak_mib, 0),
+        fmt(theirs.as_ref().and_then(|t| t.peak_mib), 0),
     );
     println!(
-        "{:<18} {:>3} products at {:.1} GFLOP/s (stepppo) / {} GFLOP/s (PyTorch) on {:?}; {:.1} GFLOP per step",
+        "{:<20} {:<15} {:>3} products at {:.1} GFLOP/s (stepppo) / {} GFLOP/s (PyTorch) on {:?}; {:.1} GFLOP per step",
+        "",
         "",
         "",
         ours.product_gflops,
         fmt(theirs.as_ref().map(|t| t.product_gflops), 1),
         shape.probe(),
-        shape.product_flops() / 1e9,
+        shape.product_flops(parsed) / 1e9,
     );
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything the GPU check needs and packs it into .gpu/
-# (git-ignored): the `stepppo` binary and the CUDA test binaries, built with `--features
+# (git-ignored): the `stepppo` binary, the CUDA test binaries and the update bench (`training`), built with `--features
 # nccl,flash-attn` (everything the check exercises; FEATURES picks others, e.g. `cuda`),
 # packed into one xz archive (.gpu/bins.tar.xz) whose dictionary spans more than a binary: every
 # binary links the same ~290 MB of candle's and flash-attention's kernels, which the archive then
@@ -44,9 +44,17 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and wanted(m["target"]["name"]):
         print(m["executable"])')
+# The update bench (stepppo's update next to PyTorch's on the GPU).
+bench=$(cargo bench --features "$features" --bench training --no-run --message-format=json \
+  | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "training":
+        print(m["executable"])')
 rm -rf .gpu/*
 mkdir .gpu/bin
 cp "${CARGO_TARGET_DIR:-target}/release/stepppo" .gpu/bin/stepppo
+cp "$bench" .gpu/bin/training
 for t in $tests; do cp "$t" ".gpu/bin/$(basename "$t" | sed 's/-[0-9a-f]*$//')"; done
 strip .gpu/bin/*
 # One thread: xz's threads compress blocks independently, and the repeats lie a binary apart.

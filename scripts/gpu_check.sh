@@ -16,10 +16,13 @@
 #   - stepppo's rollout throughput with the radix cache vs without it, and transformers
 #     `generate` on the same workload (Qwen2.5-0.5B shape, random bf16 weights);
 #   - the embedded default trained on the GPU for 3 steps; compute-sanitizer on our kernels;
-#   - real sizes: 3 steps of the search-QA config on the Qwen2.5-0.5B shape (bf16) and on the
-#     Qwen2.5-3B shape (bf16, activation checkpointing, LoRA on the policy and the critic), random
-#     weights, each step's time, update time and peak GPU memory (`memory/peak_gib`) printed.
-#     ONLY=train runs these alone.
+#   - real sizes: the actor update next to PyTorch's on the same GPU, weights and batch (the
+#     `training` bench: Qwen2.5-0.5B's and Qwen2.5-3B's shapes; bf16, bf16 with activation
+#     checkpointing, LoRA with both; tokens/s and peak memory of each side), then 3 steps of the
+#     search-QA config on the Qwen2.5-0.5B shape (bf16) and on the Qwen2.5-3B shape (bf16,
+#     activation checkpointing, LoRA on the policy and the critic), random weights, each step's
+#     time, update time and peak GPU memory (`memory/peak_gib`) printed. ONLY=train runs these
+#     alone.
 # A bundle built with `nccl` also brings Open MPI's Debian packages (.gpu/debs): they are unpacked
 # under /tmp/mpiroot and relocated there (the machine has no MPI), the `dist_mpi` test runs as
 # one rank under that `mpirun`, its gradient summed by NCCL on the GPU, and a short training run on
@@ -99,9 +102,11 @@ fi
 real_size_training() {
   local qa=(--config configs/hotpotqa_steppo.yaml --set device=cuda --set precision=bf16
     --set sft.steps=0 --set sft.copy.steps=0 --set max_steps=3 --set eval_steps=0 --set save_steps=0)
-  part train-qwen2.5-0.5b-bf16 120 "$bin" train --out /tmp/real-0.5b "${qa[@]}" \
+  part update-vs-torch 180 env STEPPPO_BENCH_DEVICE=cuda STEPPPO_TORCH_PYTHON=python3 \
+    STEPPPO_BENCH_RUNS=3 /tmp/stepppo-gpu/training
+  part train-qwen2.5-0.5b-bf16 100 "$bin" train --out /tmp/real-0.5b "${qa[@]}" \
     --set pretrain=configs/models/qwen2.5-0.5b.json
-  part train-qwen2.5-3b-bf16-ckpt-lora 180 "$bin" train --out /tmp/real-3b "${qa[@]}" \
+  part train-qwen2.5-3b-bf16-ckpt-lora 160 "$bin" train --out /tmp/real-3b "${qa[@]}" \
     --set pretrain=configs/models/qwen2.5-3b.json --set activation_checkpointing=true \
     --set 'lora={rank: 16, alpha: 32}' --set 'critic.lora={rank: 16, alpha: 32}'
   for run in /tmp/real-0.5b /tmp/real-3b; do
