@@ -95,6 +95,14 @@ fn builtin_generates_from_text_and_bad_flags_fail() {
     let out = stepppo(&["generate", "--prompt", "x", "--temperature", "0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--temperature"));
+    // flash-attention's prefill runs on CUDA only: refused by name on the CPU.
+    let out = stepppo(&["generate", "--prompt", "x", "--prefill-attention", "flash"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--prefill-attention") && err.contains("flash"),
+        "{err}"
+    );
     let out = stepppo(&["generate", "--model", "/nonexistent/dir", "--prompt", "x"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/dir"));
     let out = stepppo(&[

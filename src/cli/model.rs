@@ -61,6 +61,10 @@ pub struct GenerateArgs {
     /// the CPU, bf16 on CUDA.
     #[arg(long)]
     dtype: Option<Precision>,
+    /// Prefill attention on CUDA: `paged` (ours) or `flash` (candle-flash-attn; a build with
+    /// the `flash-attn` feature and bf16 K/V).
+    #[arg(long, default_value = "paged")]
+    prefill_attention: stepppo::kv::PrefillAttention,
 }
 
 #[derive(Args, Debug)]
@@ -134,6 +138,8 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         &device,
         model.rollout_precision().dtype(),
     )?;
+    pool.set_prefill_attention(a.prefill_attention)
+        .context("--prefill-attention")?;
     let mut rngs = [ChaCha8Rng::seed_from_u64(stepppo::seed::derive(
         a.seed,
         &[0],

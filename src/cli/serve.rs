@@ -67,6 +67,10 @@ pub struct ServeArgs {
     /// the CPU, bf16 on CUDA.
     #[arg(long)]
     pub dtype: Option<Precision>,
+    /// Prefill attention on CUDA: `paged` (ours) or `flash` (candle-flash-attn; a build with
+    /// the `flash-attn` feature and bf16 K/V).
+    #[arg(long, default_value = "paged")]
+    pub prefill_attention: stepppo::kv::PrefillAttention,
     /// Compute threads on CPU (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -98,6 +102,7 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     let engine_cfg = EngineConfig {
         num_slots: a.kv_slots,
+        prefill_attention: a.prefill_attention,
         ..EngineConfig::default()
     };
     let engine = Engine::for_model(&model, engine_cfg)?;
