@@ -119,7 +119,8 @@ for line in open(sys.argv[1]):
     m = json.loads(line)
     if "time/update" in m:
         print(f"  step {m['step']}: {m['time/step']:.1f} s (rollout {m['time/rollout']:.1f}, "
-              f"update {m['time/update']:.1f}), peak {m.get('memory/peak_gib', float('nan')):.2f} GiB, "
+              f"update {m['time/update']:.1f}), peak {m.get('memory/peak_gib', float('nan')):.2f} GiB "
+              f"(planned {m.get('memory/planned_peak_gib', float('nan')):.2f}), "
               f"{m['throughput/tokens_per_s']:.0f} tokens/s")
 PY
   done

@@ -89,6 +89,7 @@ fn train_writes_metrics_events_plot_and_a_checkpoint_eval_reads() {
         ("throughput/tokens_per_s", f64::MIN_POSITIVE, f64::MAX),
         // The step's resident-set peak: at least the 1 MiB any process holds.
         ("memory/peak_gib", 1.0 / 1024.0, f64::MAX),
+        ("memory/planned_peak_gib", f64::MIN_POSITIVE, f64::MAX),
         ("val/SimpleFrozenLake/success", 0.0, 1.0),
     ] {
         let v = value(name);

@@ -26,6 +26,7 @@
 //! `cargo bench --bench lora`.
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::{Config, CriticMode};
 use crate::model::lora::adapter_param_shapes;
@@ -217,10 +218,13 @@ impl MemoryPlan {
 
 /// A run's plan held against the memory it may use: checked before the first step with the
 /// least a mini-batch can hold ([`MemoryBudget::check_start`]) and before each forward of an
-/// update with the forward's own size ([`MemoryBudget::check_forward`]).
+/// update with the forward's own size ([`MemoryBudget::check_forward`]), whose largest planned
+/// peak since the last [`MemoryBudget::take_largest_planned`] it keeps (the run logs it beside
+/// the measured peak).
 pub struct MemoryBudget {
     shape: PlanShape,
     available: u64,
+    largest_planned: AtomicU64,
 }
 
 impl MemoryBudget {
@@ -281,7 +285,17 @@ impl MemoryBudget {
 
     /// `shape` (its tokens the least a mini-batch holds) held against `available` bytes.
     pub fn new(shape: PlanShape, available: u64) -> Self {
-        Self { shape, available }
+        Self {
+            shape,
+            available,
+            largest_planned: AtomicU64::new(0),
+        }
+    }
+
+    /// The largest peak the checked forwards planned since the last call; `None` when none was
+    /// checked.
+    pub fn take_largest_planned(&self) -> Option<u64> {
+        Some(self.largest_planned.swap(0, Ordering::Relaxed)).filter(|&peak| peak > 0)
     }
 
     /// Before the first step: the weights, optimizer, KV pool and the smallest mini-batch.
@@ -303,7 +317,10 @@ impl MemoryBudget {
             sequence_tokens,
             ..self.shape.clone()
         };
-        MemoryPlan::of(&shape).check(&shape, self.available)
+        let plan = MemoryPlan::of(&shape);
+        self.largest_planned
+            .fetch_max(plan.peak(), Ordering::Relaxed);
+        plan.check(&shape, self.available)
     }
 }
 
@@ -543,14 +560,29 @@ mod tests {
     fn a_budget_refuses_a_forward_past_it_with_the_table() {
         let s = shape(ModelConfig::small(1000), None, 64);
         let start = MemoryPlan::of(&s).peak();
-        let budget = MemoryBudget::new(s, start + (1 << 20));
+        let budget = MemoryBudget::new(s.clone(), start + (1 << 20));
         assert!(budget.check_start().is_ok());
+        assert_eq!(
+            budget.take_largest_planned(),
+            None,
+            "check_start is no forward"
+        );
         assert!(budget.check_forward(64, 32, 64).is_ok());
         let err = budget
             .check_forward(64 * 1024, 32 * 1024, 1024)
             .unwrap_err();
         assert!(err.contains("peak of an update"), "{err}");
         assert!(err.contains("largest forward that fits"), "{err}");
+        // The refused forward's plan is the largest, and taking it starts over.
+        let refused = PlanShape {
+            batch_tokens: 64 * 1024,
+            logit_rows: 32 * 1024,
+            sequence_tokens: 1024,
+            ..s
+        };
+        let largest = MemoryPlan::of(&refused).peak();
+        assert_eq!(budget.take_largest_planned(), Some(largest));
+        assert_eq!(budget.take_largest_planned(), None);
     }
 
     #[test]

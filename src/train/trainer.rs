@@ -828,6 +828,9 @@ impl Trainer {
         if let Some(peak) = crate::device::memory_peak(self.policy.device()) {
             scalars.insert("memory/peak_gib".into(), peak as f64 / GIB);
         }
+        if let Some(planned) = self.memory.as_ref().and_then(|m| m.take_largest_planned()) {
+            scalars.insert("memory/planned_peak_gib".into(), planned as f64 / GIB);
+        }
         Ok(scalars)
     }
 
