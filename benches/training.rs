@@ -122,10 +122,10 @@ struct Shape {
     len: usize,
 }
 
-/// The shapes of `dev`: the CPU's four, or two real sizes on a GPU.
-fn shapes(dev: &Device) -> Vec<Shape> {
+/// The CPU's four shapes, or two real sizes on a GPU.
+fn shapes(on_cpu: bool) -> Vec<Shape> {
     let shape_file = |file: &str| ModelConfig::from_file(Path::new(file)).expect(file);
-    if !dev.is_cpu() {
+    if !on_cpu {
         return vec![
             Shape {
                 name: "qwen2.5_0.5b_16x1024",
@@ -465,43 +465,49 @@ fn script_path() -> PathBuf {
     }
 }
 
-/// Runs one side of a case in a child process with `threads` threads and parses its report.
-fn run_child(mut cmd: Command, threads: usize) -> Report {
+/// Runs one side of a case in a child process with `threads` threads and parses its report;
+/// a child that fails (an out-of-memory, a missing library) gives the end of what it printed.
+fn run_child(mut cmd: Command, threads: usize) -> Result<Report, String> {
     let out = cmd
         .env("RAYON_NUM_THREADS", threads.to_string())
         .env("OMP_NUM_THREADS", threads.to_string())
         .output()
-        .unwrap();
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().find_map(|l| l.strip_prefix("RESULT "));
-    match line {
-        Some(json) if out.status.success() => serde_json::from_str(json).unwrap(),
-        _ => panic!(
-            "child failed ({}):\n{stdout}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ),
+    match stdout.lines().find_map(|l| l.strip_prefix("RESULT ")) {
+        Some(json) if out.status.success() => serde_json::from_str(json).map_err(|e| e.to_string()),
+        _ => {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let tail: Vec<&str> = stderr.lines().rev().take(4).collect();
+            Err(format!(
+                "{} ({})",
+                out.status,
+                tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+            ))
+        }
     }
 }
 
-/// The device the bench runs on (`STEPPPO_BENCH_DEVICE`, default the CPU).
-fn bench_device() -> Device {
-    let name = std::env::var(DEVICE_VAR).unwrap_or_else(|_| "cpu".into());
-    stepppo::device::parse_device(&name).unwrap_or_else(|e| panic!("{DEVICE_VAR}: {e}"))
+/// The device the bench runs on (`STEPPPO_BENCH_DEVICE`: `cpu`, the default, `cuda` or `cuda:N`).
+fn device_name() -> String {
+    std::env::var(DEVICE_VAR).unwrap_or_else(|_| "cpu".into())
 }
 
 fn main() {
-    let dev = bench_device();
+    let on_cpu = device_name().trim().eq_ignore_ascii_case("cpu");
     if let Ok(dir) = std::env::var(CASE_VAR) {
+        // Before any other thread exists (a CUDA device starts its own).
         stepppo::device::prepare_cpu_process();
+        let dev = stepppo::device::parse_device(&device_name())
+            .unwrap_or_else(|e| panic!("{DEVICE_VAR}: {e}"));
         let arm = Arm::parse(&std::env::var(ARM_VAR).expect("a child is given its arm"));
         let report = time_stepppo(Path::new(&dir), arm, &dev);
         println!("RESULT {}", serde_json::to_string(&report).unwrap());
         return;
     }
-    let default_arms = if dev.is_cpu() { "full" } else { GPU_ARMS };
+    let default_arms = if on_cpu { "full" } else { GPU_ARMS };
     let arms = std::env::var(ARMS_VAR).unwrap_or_else(|_| default_arms.into());
-    let threads: &[usize] = if dev.is_cpu() { &THREADS } else { &[1] };
+    let threads: &[usize] = if on_cpu { &THREADS } else { &[1] };
     arms.split_whitespace().for_each(|arm| {
         Arm::parse(arm);
     });
@@ -536,7 +542,7 @@ fn main() {
         "peak MiB",
         "torch MiB"
     );
-    for shape in shapes(&dev) {
+    for shape in shapes(on_cpu) {
         if !filter.is_empty() && !filter.iter().any(|f| shape.name.contains(f.as_str())) {
             continue;
         }
@@ -562,14 +568,30 @@ fn prepare(shape: &Shape, runs: usize, root: &Path) -> PathBuf {
 fn bench_case(shape: &Shape, dir: &Path, (arm, threads): (&str, usize), python: Option<&String>) {
     let mut ours = Command::new(std::env::current_exe().unwrap());
     ours.env(CASE_VAR, dir).env(ARM_VAR, arm);
-    let ours = run_child(ours, threads);
+    let ours = match run_child(ours, threads) {
+        Ok(report) => report,
+        Err(why) => {
+            println!(
+                "{:<20} {arm:<15} {threads:>3} stepppo failed: {why}",
+                shape.name
+            );
+            return;
+        }
+    };
     let parsed = Arm::parse(arm);
-    let device = std::env::var(DEVICE_VAR).unwrap_or_else(|_| "cpu".into());
-    let theirs = python.map(|py| {
+    let device = device_name();
+    let theirs = python.and_then(|py| {
         let mut cmd = Command::new(py);
         cmd.arg(script_path()).arg(dir).arg(threads.to_string());
         cmd.args(["--device", &device, "--arm", arm]);
         run_child(cmd, threads)
+            .map_err(|why| {
+                println!(
+                    "{:<20} {arm:<15} {threads:>3} PyTorch failed: {why}",
+                    shape.name
+                )
+            })
+            .ok()
     });
     let tokens = (shape.batch * shape.len) as f64;
     let rate = |ms: f64| tokens / (ms / 1e3);

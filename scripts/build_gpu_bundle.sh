@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything the GPU check needs and packs it into .gpu/
-# (git-ignored): the `stepppo` binary, the CUDA test binaries and the update bench (`training`), built with `--features
-# nccl,flash-attn` (everything the check exercises; FEATURES picks others, e.g. `cuda`),
-# packed into one xz archive (.gpu/bins.tar.xz) whose dictionary spans more than a binary: every
+# (git-ignored): the `stepppo` binary, the CUDA test binaries, the library's unit tests and the
+# update bench (`training`), built with `--features nccl,flash-attn` (everything the check
+# exercises; FEATURES picks others, e.g. `cuda`), packed into one xz archive
+# (.gpu/bins.tar.xz) whose dictionary spans more than a binary: every
 # binary links the same ~290 MB of candle's and flash-attention's kernels, which the archive then
 # stores once (four binaries: 126 MB as separate .xz files, over the 64 MiB a device call
 # carries). The first build with `flash-attn` compiles its 53 kernels, about 80 minutes on 2
@@ -35,15 +36,22 @@ exclude=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 cargo build --release --features "$features"
-only=(--test 'cuda_*')
+# The test binaries, each with the name it runs under there: the `cuda_*` tests, the library's
+# unit tests (`lib_tests`; the GPU check runs those named `on_cuda`) and `dist_mpi`.
+only=(--lib --test 'cuda_*')
 [ -n "$with_mpi" ] && only+=(--test dist_mpi)
 tests=$(cargo test --release --features "$features" "${only[@]}" --no-run --message-format=json \
   | WITH_MPI=$with_mpi python3 -c 'import json, os, sys
-wanted = lambda name: name.startswith("cuda_") or (name == "dist_mpi" and os.environ["WITH_MPI"])
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and wanted(m["target"]["name"]):
-        print(m["executable"])')
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    name, kind = m["target"]["name"], m["target"]["kind"]
+    if "lib" in kind:
+        name = "lib_tests"
+    elif not (name.startswith("cuda_") or (name == "dist_mpi" and os.environ["WITH_MPI"])):
+        continue
+    print(m["executable"], name)')
 # The update bench (stepppo's update next to PyTorch's on the GPU).
 bench=$(cargo bench --features "$features" --bench training --no-run --message-format=json \
   | python3 -c 'import json, sys
@@ -55,7 +63,7 @@ rm -rf .gpu/*
 mkdir .gpu/bin
 cp "${CARGO_TARGET_DIR:-target}/release/stepppo" .gpu/bin/stepppo
 cp "$bench" .gpu/bin/training
-for t in $tests; do cp "$t" ".gpu/bin/$(basename "$t" | sed 's/-[0-9a-f]*$//')"; done
+while read -r exe name; do cp "$exe" ".gpu/bin/$name"; done <<< "$tests"
 strip .gpu/bin/*
 # One thread: xz's threads compress blocks independently, and the repeats lie a binary apart.
 tar cf - -C .gpu/bin . | xz -T1 --lzma2=preset=6,dict=512MiB > .gpu/bins.tar.xz

@@ -2,8 +2,9 @@
 # Runs the CUDA checks on a GPU machine from the repository root, with the `.gpu` bundle made by
 # scripts/build_gpu_bundle.sh (no Rust toolchain needed there), within BUDGET_S seconds (default
 # 470: under 8 minutes), every part under its own timeout and the budget left, its figures
-# printed as they come (a part cut short still leaves them), all of it packed at the end into
-# ${OUT:-gpu-results}/gpu-check.tgz. In order of what matters most:
+# printed as they come (a part cut short still leaves them), the logs kept in /tmp/gpu-check and
+# packed at the end into ${OUT:-gpu-results}/gpu-check.tgz, the one file it writes there (a device
+# call brings back few files). In order of what matters most:
 #   - transformers samples the tiny fixtures in bf16 on the GPU (its log-probs for the test);
 #   - the GPU tests: our kernels against reference attention (bf16 and f32 pools), generation on
 #     CUDA against the CPU in f32 and in bf16, and against transformers' bf16 on the same GPU;
@@ -23,15 +24,18 @@
 #     activation checkpointing, LoRA on the policy and the critic), random weights, each step's
 #     time, update time and peak GPU memory (`memory/peak_gib`) printed. ONLY=train runs these
 #     alone.
-# A bundle built with `nccl` also brings Open MPI's Debian packages (.gpu/debs): they are unpacked
-# under /tmp/mpiroot and relocated there (the machine has no MPI), the `dist_mpi` test runs as
-# one rank under that `mpirun`, its gradient summed by NCCL on the GPU, and a short training run on
-# the GPU as a plain process and as one NCCL rank must end with the same weights. ONLY=dist stops
-# after that.
+# ONLY=dist runs the data-parallel checks alone: a bundle built with `nccl` brings Open MPI's
+# Debian packages (.gpu/debs), unpacked under /tmp/mpiroot and relocated there (the machine has no
+# MPI); the `dist_mpi` test runs as one rank under that `mpirun`, its gradient summed by NCCL on the
+# GPU, and a short training run on the GPU as a plain process and as one NCCL rank must end with
+# the same weights.
 set -uo pipefail
-out=${OUT:-gpu-results}
-mkdir -p "$out" /tmp/stepppo-gpu
+results=${OUT:-gpu-results}
+out=/tmp/gpu-check
+rm -rf "$out"
+mkdir -p "$results" "$out" /tmp/stepppo-gpu
 deadline=$((SECONDS + ${BUDGET_S:-470}))
+export PYTHONUNBUFFERED=1
 # part NAME SECONDS CMD...: CMD under the smaller of SECONDS and the budget left (skipped under
 # 5 s), its output shown as it comes and kept in $out/NAME.log.
 part() {
@@ -45,7 +49,7 @@ part() {
   echo "== $name (at most ${limit} s)"
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
 }
-pack() { tar czf "$out/gpu-check.tgz" -C "$out" --exclude gpu-check.tgz . && echo "packed $out/gpu-check.tgz"; }
+pack() { tar czf "$results/gpu-check.tgz" -C "$out" . && echo "packed $results/gpu-check.tgz"; }
 trap pack EXIT
 tar xJf .gpu/bins.tar.xz -C /tmp/stepppo-gpu
 chmod +x /tmp/stepppo-gpu/*
@@ -72,7 +76,11 @@ fi
 bin=/tmp/stepppo-gpu/stepppo
 spec=${SPEC:-gpu_group:8,8,4,1024,64,64}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
-if [ -x /tmp/stepppo-gpu/dist_mpi ] && command -v mpirun >/dev/null; then
+if [ "${ONLY:-}" = dist ]; then
+  if ! [ -x /tmp/stepppo-gpu/dist_mpi ] || ! command -v mpirun >/dev/null; then
+    echo "ONLY=dist: the bundle has no dist_mpi or Open MPI (build it with FEATURES=nccl)"
+    exit 1
+  fi
   ldd /tmp/stepppo-gpu/dist_mpi > "$out/dist_mpi-ldd.txt" 2>&1
   grep 'not found' "$out/dist_mpi-ldd.txt"
   NCCL_DEBUG=${NCCL_DEBUG:-WARN} part test-dist_mpi 90 mpirun -np 1 /tmp/stepppo-gpu/dist_mpi --nocapture
@@ -95,15 +103,20 @@ a, b = (load_file(f"{d}/ckpt-2/policy/model.safetensors") for d in sys.argv[1:])
 worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 print(f"plain CUDA run vs one NCCL rank, policy after 2 steps: {len(a)} tensors, max |diff| {worst:.3g}")
 PY
-  [ "${ONLY:-}" = dist ] && exit 0
+  exit 0
 fi
 # Real sizes: 3 StepPO steps of the search-QA config from random weights of a model shape (no warm
 # start: every answer is a format penalty; the runs measure time and memory, not learning).
 real_size_training() {
   local qa=(--config configs/hotpotqa_steppo.yaml --set device=cuda --set precision=bf16
-    --set sft.steps=0 --set sft.copy.steps=0 --set max_steps=3 --set eval_steps=0 --set save_steps=0)
-  part update-vs-torch 180 env STEPPPO_BENCH_DEVICE=cuda STEPPPO_TORCH_PYTHON=python3 \
-    STEPPPO_BENCH_RUNS=3 /tmp/stepppo-gpu/training
+    --set sft.steps=0 --set sft.copy.steps=0 --set max_steps=3 --set eval_steps=0 --set save_steps=0
+    --set cpu_threads=0)
+  local shape
+  for shape in 0.5b 3b; do
+    part "update-vs-torch-$shape" 120 env STEPPPO_BENCH_DEVICE=cuda STEPPPO_TORCH_PYTHON=python3 \
+      STEPPPO_BENCH_RUNS=3 STEPPPO_BENCH_DIR=/tmp/update-bench /tmp/stepppo-gpu/training "_$shape"
+    rm -rf /tmp/update-bench
+  done
   part train-qwen2.5-0.5b-bf16 100 "$bin" train --out /tmp/real-0.5b "${qa[@]}" \
     --set pretrain=configs/models/qwen2.5-0.5b.json
   part train-qwen2.5-3b-bf16-ckpt-lora 160 "$bin" train --out /tmp/real-3b "${qa[@]}" \
@@ -123,6 +136,7 @@ for line in open(sys.argv[1]):
               f"(planned {m.get('memory/planned_peak_gib', float('nan')):.2f}), "
               f"{m['throughput/tokens_per_s']:.0f} tokens/s")
 PY
+    rm -rf "$run"
   done
 }
 if [ "${ONLY:-}" = train ]; then
@@ -130,12 +144,15 @@ if [ "${ONLY:-}" = train ]; then
   exit 0
 fi
 # In order of what matters most, each bounded, so a slow or hung part leaves the rest their time.
-part transformers-gpu-fixtures 40 python3 scripts/make_bf16_generation_fixtures.py --device cuda \
-  --out /tmp/transformers-gpu
-export STEPPPO_TRANSFORMERS_GPU_FIXTURES=/tmp/transformers-gpu
+# The test against transformers' bf16 on the GPU runs only where transformers made its fixtures.
+if part transformers-gpu-fixtures 40 python3 scripts/make_bf16_generation_fixtures.py --device cuda \
+  --out /tmp/transformers-gpu; then
+  export STEPPPO_TRANSFORMERS_GPU_FIXTURES=/tmp/transformers-gpu
+fi
 for t in /tmp/stepppo-gpu/cuda_*; do
   part "test-$(basename "$t")" 75 "$t" --nocapture
 done
+part test-lib-on-cuda 40 /tmp/stepppo-gpu/lib_tests on_cuda --nocapture
 for shape in "64 4096" "8 32768"; do
   set -- $shape
   for hd in 64 128; do

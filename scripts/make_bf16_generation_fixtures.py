@@ -14,6 +14,10 @@ Re-creates the same files (fixed seeds).
 does the same with transformers on the GPU, writing DIR/<model>/bf16_generation.json, which
 `tests/cuda_generation.rs` reads (STEPPPO_TRANSFORMERS_GPU_FIXTURES=DIR) to hold stepppo's CUDA
 bf16 generation against transformers' bf16 on the same GPU (scripts/gpu_check.sh does both).
+stepppo's CUDA attention runs heads 32, 64 or 128 wide: a fixture with narrower heads (Qwen2's
+and Llama 3's are 16) is sampled from a variant of its family with 32-wide heads instead, random
+weights drawn as scripts/make_hf_fixtures.py draws them, saved as DIR/<model>/model for the test
+to load.
 """
 
 import argparse
@@ -22,12 +26,30 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from make_hf_fixtures import randomize
 
 FIXTURES = Path("tests/fixtures/hf")
 MODELS = ["qwen2", "qwen3", "llama3"]
 NEW_TOKENS = 64
 PROMPT = [3, 17, 42, 99, 7, 200, 5, 61]
+CUDA_HEAD_DIMS = (32, 64, 128)
+
+
+def cuda_model(name, out):
+    """The fixture's directory where stepppo's CUDA attention runs its heads; else a variant of
+    the family with 32-wide heads and fresh random weights, saved under OUT/<name>/model."""
+    config = AutoConfig.from_pretrained(FIXTURES / name)
+    width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if width in CUDA_HEAD_DIMS:
+        return FIXTURES / name
+    config.head_dim = CUDA_HEAD_DIMS[0]
+    torch.manual_seed(0)
+    model = randomize(AutoModelForCausalLM.from_config(config), seed=7)
+    directory = out / name / "model"
+    model.save_pretrained(directory)
+    return directory
 
 
 def sample_bf16(directory, device):
@@ -77,7 +99,8 @@ def main():
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False  # f32 scores exact, as stepppo's
     for name in MODELS:
-        directory = FIXTURES / name
+        on_gpu = args.device.startswith("cuda")
+        directory = cuda_model(name, args.out) if on_gpu else FIXTURES / name
         tokens, bf16 = sample_bf16(directory, args.device)
         f32 = score_f32(directory, tokens, args.device)
         gap = max(abs(a - b) for a, b in zip(bf16, f32))

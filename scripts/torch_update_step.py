@@ -99,7 +99,6 @@ def main():
     ).to(device)
     if "ckpt" in flags:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     if base == "lora":
         add_adapters(model)
     model.train()
@@ -157,7 +156,8 @@ def step(model, opt, trained, t, x, autocast):
     """One update; returns its loss."""
     ids = t["input_ids"]
     with autocast():
-        hidden = model.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+        out = model.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        hidden = out.last_hidden_state
         picked = hidden.reshape(-1, hidden.shape[-1])[t["positions"]]
         logp_all = torch.log_softmax(model.lm_head(picked).float(), dim=-1)
     logp = logp_all.gather(-1, t["targets"].unsqueeze(-1)).squeeze(-1).reshape(t["old"].shape)

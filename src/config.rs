@@ -682,7 +682,7 @@ pub struct Config {
     /// Recompute each decoder block's activations in the backward instead of keeping them from
     /// the forward (policy and separate critic, warm start included): an update keeps one
     /// block's activations at a time plus two hidden-size vectors a layer and token, for about
-    /// one more forward of time; the gradients are the same. CPU only so far.
+    /// one more forward of time; the gradients are the same. On the CPU and CUDA.
     #[serde(default)]
     pub activation_checkpointing: bool,
     /// The dtype of the training path's matrix products (policy, separate critic and KL
@@ -1289,13 +1289,6 @@ impl Config {
         self.validate_copy_target()?;
         self.validate_self_imitation()?;
         self.validate_async_rollout()?;
-        if self.activation_checkpointing && self.device != DeviceKind::Cpu {
-            return Err((
-                "activation_checkpointing".into(),
-                "recomputed blocks run on the CPU only so far; set device: cpu or turn it off"
-                    .into(),
-            ));
-        }
         Ok(())
     }
 

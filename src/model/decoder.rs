@@ -230,7 +230,7 @@ impl candle_core::CustomOp2 for InputGradient {
         _x: &CpuStorage,
         _x_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        check_whole(y_layout)?;
+        check_whole(self.name(), y_layout)?;
         Ok((y.clone(), y_layout.shape().clone()))
     }
 
@@ -243,7 +243,7 @@ impl candle_core::CustomOp2 for InputGradient {
         _x_layout: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        check_whole(y_layout)?;
+        check_whole(self.name(), y_layout)?;
         Ok((y.try_clone(y_layout)?, y_layout.shape().clone()))
     }
 
@@ -259,11 +259,12 @@ impl candle_core::CustomOp2 for InputGradient {
 }
 
 /// A storage the op copies whole must be exactly the tensor: contiguous from its start.
-fn check_whole(layout: &Layout) -> candle_core::Result<()> {
+/// A pass-through op's output must be its whole storage, which the op copies as it is.
+fn check_whole(op: &str, layout: &Layout) -> candle_core::Result<()> {
     if layout.is_contiguous() && layout.start_offset() == 0 {
         Ok(())
     } else {
-        candle_core::bail!("frozen-product: the product is not a whole contiguous storage")
+        candle_core::bail!("{op}: the output is not a whole contiguous storage")
     }
 }
 
@@ -918,11 +919,6 @@ fn checkpointed_block(
         // Nothing in or before the block trains: no graph to keep.
         (false, None) => return trunk.block_forward(layer, x, rope, attend),
     };
-    if !x.device().is_cpu() {
-        return Err(ModelError::Input(
-            "activation checkpointing runs on the CPU only so far".into(),
-        ));
-    }
     let y = trunk
         .with_block_detached(layer)?
         .block_forward(layer, &x.detach(), rope, attend)?;
@@ -961,8 +957,23 @@ impl CustomOp3 for RecomputedBlock {
         _anchor: &CpuStorage,
         _anchor_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let data = super::attention::f32_slice(y, y_layout)?;
-        Ok((CpuStorage::F32(data.to_vec()), y_layout.shape().clone()))
+        check_whole(self.name(), y_layout)?;
+        Ok((y.clone(), y_layout.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _x: &candle_core::CudaStorage,
+        _x_layout: &Layout,
+        y: &candle_core::CudaStorage,
+        y_layout: &Layout,
+        _anchor: &candle_core::CudaStorage,
+        _anchor_layout: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        check_whole(self.name(), y_layout)?;
+        Ok((y.try_clone(y_layout)?, y_layout.shape().clone()))
     }
 
     fn bwd(

@@ -330,7 +330,7 @@ impl Model {
 
     /// Recomputes each decoder block's activations in the backward instead of keeping them from
     /// the forward (gradients through [`backward`]): memory for time, the same gradients to float
-    /// rounding. CPU only so far.
+    /// rounding.
     pub fn set_activation_checkpointing(&mut self, on: bool) {
         self.trunk.activation_checkpointing = on;
     }

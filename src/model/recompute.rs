@@ -10,9 +10,8 @@
 //! gradient to candle's backward and hands the weights' gradients to [`set_aside`]. This module
 //! owns that collector: [`backward`], the backward every training loss goes through, runs
 //! candle's and adds the gradients set aside into its store. The gradients are those of the plain
-//! forward, to float rounding: the same ops, run again on the same values.
-//!
-//! CPU only so far (the op's forward is a copy of f32 CPU storage).
+//! forward, to float rounding: the same ops, run again on the same values. The op's forward is a
+//! copy of the block's output storage, on the CPU or on CUDA.
 
 use std::cell::RefCell;
 
@@ -86,10 +85,9 @@ mod tests {
             .collect()
     }
 
-    fn inputs() -> [TrainInput; 2] {
-        let dev = Device::Cpu;
+    fn inputs(dev: &Device) -> [TrainInput; 2] {
         let seqs = vec![vec![3, 7, 9, 11, 2], vec![5, 6, 1]];
-        let padded = PaddedBatch::right_padded(&seqs, 0, &dev).unwrap();
+        let padded = PaddedBatch::right_padded(&seqs, 0, dev).unwrap();
         let segment = |start, len, root| Segment { start, len, root };
         let tree = TreeBatch::new(
             &[3, 7, 9, 11, 2, 4, 8],
@@ -98,17 +96,18 @@ mod tests {
                 segment(3, 2, Some(0)),
                 segment(5, 2, Some(0)),
             ],
-            &dev,
+            dev,
         )
         .unwrap();
         [TrainInput::Padded(padded), TrainInput::Tree(tree)]
     }
 
-    #[test]
-    fn checkpointed_blocks_give_the_gradients_of_the_plain_forward() {
+    /// Checkpointed blocks give the gradients of the plain forward on `dev`, padded and tree
+    /// inputs, with and without LoRA.
+    fn checkpointed_blocks_give_the_plain_gradients_on(dev: &Device) {
         let cfg = ModelConfig::tiny(16);
         for lora in [false, true] {
-            let mut model = Model::new(&cfg, 5, &Device::Cpu).unwrap();
+            let mut model = Model::new(&cfg, 5, dev).unwrap();
             if lora {
                 let spec = LoraSpec {
                     rank: 2,
@@ -116,7 +115,7 @@ mod tests {
                     dropout: 0.0,
                     target_modules: vec!["all-linear".into()],
                 };
-                let mut adapters = Adapters::fresh(&cfg, &spec, 9, &Device::Cpu, "test").unwrap();
+                let mut adapters = Adapters::fresh(&cfg, &spec, 9, dev, "test").unwrap();
                 // Non-zero B, so the A's get gradients too.
                 for (_, var) in adapters.named_vars() {
                     let t = var.as_tensor();
@@ -125,7 +124,7 @@ mod tests {
                 adapters = adapters.with_base_model("test");
                 model.attach_adapters(adapters).unwrap();
             }
-            for input in inputs() {
+            for input in inputs(dev) {
                 model.set_activation_checkpointing(false);
                 let plain = gradients(&model, &input);
                 model.set_activation_checkpointing(true);
@@ -144,10 +143,25 @@ mod tests {
     }
 
     #[test]
+    fn checkpointed_blocks_give_the_gradients_of_the_plain_forward() {
+        checkpointed_blocks_give_the_plain_gradients_on(&Device::Cpu);
+    }
+
+    /// The same on a GPU (run by scripts/gpu_check.sh); skips where there is none.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn checkpointed_blocks_give_the_gradients_of_the_plain_forward_on_cuda() {
+        match Device::new_cuda(0) {
+            Ok(gpu) => checkpointed_blocks_give_the_plain_gradients_on(&gpu),
+            Err(e) => eprintln!("skipped: no CUDA device ({e})"),
+        }
+    }
+
+    #[test]
     fn a_plain_backward_through_a_checkpointed_block_is_an_error() {
         let mut model = Model::new(&ModelConfig::tiny(16), 5, &Device::Cpu).unwrap();
         model.set_activation_checkpointing(true);
-        let [input, _] = inputs();
+        let [input, _] = inputs(&Device::Cpu);
         let loss = model.hidden(&input).unwrap().sum_all().unwrap();
         let err = loss.backward().err().unwrap().to_string();
         assert!(err.contains("stepppo::model::backward"), "{err}");
