@@ -169,12 +169,7 @@ fn decode_rate(model: &Model) -> f64 {
 }
 
 fn peak_rss_mb() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(f64::NAN, |kb| kb / 1024.0)
+    stepppo::device::memory_peak(&Device::Cpu).map_or(f64::NAN, |b| b as f64 / (1u64 << 20) as f64)
 }
 
 /// The memory plan's peak (MiB) of one update of `batch` × `len` tokens, half of them scored.
