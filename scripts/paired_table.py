@@ -11,7 +11,10 @@ Usage: scripts/paired_table.py OUT_DIR [--tag TAG] [--metric success] [--first s
 
 A difference is called beyond noise when both intervals exclude 0 over at least MIN_SEEDS (5)
 seeds: with fewer, two equal differences give intervals of zero width, and a bootstrap over 3
-or 4 seeds has only a handful of distinct resamples; those rows say "too few seeds".
+or 4 seeds has only a handful of distinct resamples; those rows say "too few seeds". Beside each
+difference, the smallest true difference the paired t test would find beyond noise 80 % of the
+time with these seeds and this spread of differences, (t_0.975 + t_0.80) · sd / √n over n − 1
+degrees of freedom: a "no" only rules out leads larger than that.
 
 Then, for arms whose runs fit a critic, the critic's explained variance pooled over the last 20
 steps of each run (1 − Σ rows · residual variance / Σ rows · return variance, from the run
@@ -33,8 +36,20 @@ T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
        2.052, 2.048, 2.045, 2.042]
 
 
+# One-sided 80 % Student t quantiles by degrees of freedom (1..30), for the power column.
+T80 = [1.376, 1.061, 0.978, 0.941, 0.920, 0.906, 0.896, 0.889, 0.883, 0.879, 0.876, 0.873, 0.870,
+       0.868, 0.866, 0.865, 0.863, 0.862, 0.861, 0.860, 0.859, 0.858, 0.858, 0.857, 0.856, 0.856,
+       0.855, 0.855, 0.854, 0.854]
+
+
 def t95(n):
     return T95[min(n - 1, len(T95)) - 1] if n >= 2 else float("nan")
+
+
+def detectable_difference(half_width, n):
+    """The difference a paired t test over n seeds finds beyond noise with 80 % power, from the
+    95 % half-width of the mean difference (t95 · sd / √n)."""
+    return half_width * (1 + T80[min(n - 1, len(T80)) - 1] / t95(n))
 
 
 def mean_ci(xs):
@@ -172,8 +187,9 @@ MIN_SEEDS = 5
 
 def paired_differences(scores, arms, steps, first):
     print(f"\nPaired differences `{first}` − arm (same seed, same warm start, same episodes):\n")
-    print("| arm | step | n | mean diff | 95 % t CI | 95 % bootstrap CI | beyond noise |")
-    print("|---|--:|--:|--:|---|---|---|")
+    print("| arm | step | n | mean diff | 95 % t CI | 95 % bootstrap CI | beyond noise "
+          "| detectable at 80 % power |")
+    print("|---|--:|--:|--:|---|---|---|--:|")
     for arm in arms[1:]:
         for s in steps:
             if s == 0:
@@ -187,7 +203,7 @@ def paired_differences(scores, arms, steps, first):
             beyond = (m - h > 0 or m + h < 0) and (lo > 0 or hi < 0)
             verdict = "too few seeds" if len(d) < MIN_SEEDS else ("yes" if beyond else "no")
             print(f"| `{arm}` | {s} | {len(d)} | {m:+.3f} | [{m - h:+.3f}, {m + h:+.3f}] | "
-                  f"[{lo:+.3f}, {hi:+.3f}] | {verdict} |")
+                  f"[{lo:+.3f}, {hi:+.3f}] | {verdict} | ±{detectable_difference(h, len(d)):.3f} |")
 
 
 if __name__ == "__main__":
