@@ -42,14 +42,19 @@ T80 = [1.376, 1.061, 0.978, 0.941, 0.920, 0.906, 0.896, 0.889, 0.883, 0.879, 0.8
        0.855, 0.855, 0.854, 0.854]
 
 
+def quantile(table, n):
+    """The table's quantile for n seeds (n − 1 degrees of freedom; the last entry above 30)."""
+    return table[min(n - 1, len(table)) - 1] if n >= 2 else float("nan")
+
+
 def t95(n):
-    return T95[min(n - 1, len(T95)) - 1] if n >= 2 else float("nan")
+    return quantile(T95, n)
 
 
 def detectable_difference(half_width, n):
     """The difference a paired t test over n seeds finds beyond noise with 80 % power, from the
     95 % half-width of the mean difference (t95 · sd / √n)."""
-    return half_width * (1 + T80[min(n - 1, len(T80)) - 1] / t95(n))
+    return half_width * (1 + quantile(T80, n) / t95(n))
 
 
 def mean_ci(xs):
@@ -203,7 +208,7 @@ def paired_differences(scores, arms, steps, first):
             beyond = (m - h > 0 or m + h < 0) and (lo > 0 or hi < 0)
             verdict = "too few seeds" if len(d) < MIN_SEEDS else ("yes" if beyond else "no")
             print(f"| `{arm}` | {s} | {len(d)} | {m:+.3f} | [{m - h:+.3f}, {m + h:+.3f}] | "
-                  f"[{lo:+.3f}, {hi:+.3f}] | {verdict} | ±{detectable_difference(h, len(d)):.3f} |")
+                  f"[{lo:+.3f}, {hi:+.3f}] | {verdict} | {detectable_difference(h, len(d)):.3f} |")
 
 
 if __name__ == "__main__":
