@@ -19,8 +19,8 @@ use std::time::Instant;
 use stepppo::config::{Config, EMBEDDED_DEFAULT_NAME, EMBEDDED_DEFAULT_YAML};
 use stepppo::env::AgentKind;
 use stepppo::tokenizer::Tokenizer;
-use stepppo::train::sft;
-use stepppo::train::trainer::Event;
+use stepppo::train::run::trainer::Event;
+use stepppo::train::warm_start::sft;
 use stepppo::train::Trainer;
 
 /// (label, overrides of the embedded default): the estimator and what it needs. The default is
@@ -76,7 +76,7 @@ const EV_WINDOW: usize = 20;
 /// Per step: rows, return variance, residual variance, ceiling (NaN when not logged).
 type CriticRow = (f64, f64, f64, f64);
 
-fn critic_row(scalars: &stepppo::train::metrics::Scalars) -> Option<CriticRow> {
+fn critic_row(scalars: &stepppo::train::run::metrics::Scalars) -> Option<CriticRow> {
     let get = |k: &str| scalars.get(k).copied();
     Some((
         get("critic/rows")?,

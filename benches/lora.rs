@@ -9,7 +9,7 @@
 //! its response, the PPO loss with an entropy term, gradient clipping at 1 and AdamW. LoRA: rank
 //! 16, alpha 32, on all seven projections. Each (shape, arm) runs in a child process of its own,
 //! so its peak RSS (`VmHWM`) is its own; beside it, the peak `stepppo plan` predicts for the case
-//! ([`stepppo::train::memory_plan`]) and its error.
+//! ([`stepppo::train::learner::memory_plan`]) and its error.
 //!
 //! `cargo bench --bench lora [-- FILTER]` (FILTER picks shapes by name); `STEPPPO_BENCH_RUNS`
 //! sets the timed updates (default 3, after one warm-up); `STEPPPO_BENCH_THREADS` the compute
@@ -33,7 +33,7 @@ use stepppo::model::{
 use stepppo::rollout::generate;
 use stepppo::rollout::sampling::SamplingParams;
 use stepppo::tokenizer::Tokenizer;
-use stepppo::train::memory_plan::{MemoryPlan, PlanDevice, PlanShape, TrainedModel};
+use stepppo::train::learner::memory_plan::{MemoryPlan, PlanDevice, PlanShape, TrainedModel};
 
 /// Set in a child: `SHAPE ARM`, the case it measures.
 const CASE_VAR: &str = "STEPPPO_LORA_CASE";

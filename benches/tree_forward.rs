@@ -29,8 +29,8 @@ use stepppo::model::checkpoint::builtin_policy;
 use stepppo::model::{Model, PaddedBatch, TrainInput, TreeBatch};
 use stepppo::store::{collect, CollectConfig, Dataset, DatasetWriter, StepRecord, WriterOptions};
 use stepppo::tokenizer::Tokenizer;
-use stepppo::train::batch::{pack, pad, trajectories, PackedBatch};
-use stepppo::train::prefix_tree::PrefixTree;
+use stepppo::train::learner::batch::{pack, pad, trajectories, PackedBatch};
+use stepppo::train::learner::prefix_tree::PrefixTree;
 
 /// Set in a child process: the `workload/arm` it measures alone.
 const ARM_VAR: &str = "TREE_FORWARD_ARM";

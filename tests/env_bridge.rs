@@ -31,7 +31,7 @@ use stepppo::rollout::agent_loop::{run_rollout, RolloutConfig};
 use stepppo::rollout::engine::{Engine, EngineConfig};
 use stepppo::store::StepRecord;
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
-use stepppo::train::metrics::read_jsonl;
+use stepppo::train::run::metrics::read_jsonl;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 // ---------------------------------------------------------------- the reference gym server

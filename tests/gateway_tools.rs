@@ -18,7 +18,7 @@ use stepppo::rollout::engine::{Engine, EngineConfig};
 use stepppo::serve::{self, ApiKey, GatewayOptions, PolicyBackend, Recorder};
 use stepppo::store::{self, Dataset, StepRecord, WriterOptions};
 use stepppo::tokenizer::{ChatTemplate, Message, Tokenizer};
-use stepppo::train::sft::{behaviour_clone, CloneSettings};
+use stepppo::train::warm_start::sft::{behaviour_clone, CloneSettings};
 use stepppo::train::BatchLayout;
 
 const MODEL: &str = "tiny-tools";

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use stepppo::env::build_session;
 use stepppo::store::{self, Dataset};
-use stepppo::train::metrics::read_jsonl;
+use stepppo::train::run::metrics::read_jsonl;
 
 const SETS: &[&str] = &[
     "builtin_size=tiny",

@@ -7,9 +7,9 @@ use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig};
 use stepppo::rollout::grammar::ResponseGrammar;
 use stepppo::store::StepRecord;
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
-use stepppo::train::batch::trajectories;
-use stepppo::train::masks::ResponseMasks;
-use stepppo::train::scoring::response_logprobs;
+use stepppo::train::learner::batch::trajectories;
+use stepppo::train::learner::masks::ResponseMasks;
+use stepppo::train::learner::scoring::response_logprobs;
 use stepppo::train::BatchLayout;
 
 struct Setup {
@@ -346,7 +346,7 @@ fn tool_mode_reads_a_cloned_models_call_and_answers_with_the_tool_result() {
     use stepppo::env::{build_session, Agent, AgentKind};
     use stepppo::rollout::sampling::SamplingParams;
     use stepppo::store::{agent_episode, EpisodeIds};
-    use stepppo::train::sft::{behaviour_clone, CloneSettings};
+    use stepppo::train::warm_start::sft::{behaviour_clone, CloneSettings};
     let mut s = setup(CacheMode::Radix);
     let env_config = search_env_in_tool_mode();
     let cfg = RolloutConfig {

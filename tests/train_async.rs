@@ -8,7 +8,7 @@ mod common;
 use std::path::Path;
 use stepppo::config::Config;
 use stepppo::store::Dataset;
-use stepppo::train::metrics::read_jsonl;
+use stepppo::train::run::metrics::read_jsonl;
 use stepppo::train::Trainer;
 
 /// Groups per rollout batch in [`config`].

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 use std::process::Command;
-use stepppo::train::metrics::{is_measurement, read_events, read_jsonl};
+use stepppo::train::run::metrics::{is_measurement, read_events, read_jsonl};
 
 /// Any config at toy size: the tiny model, one step, two-episode batches.
 const TINY_RUN: &[&str] = &[

@@ -11,13 +11,15 @@ use stepppo::algo::loss::explained_variance;
 use stepppo::algo::{AdamW, CriticTarget, LossConfig, OptimizerConfig};
 use stepppo::model::{Critic, Model, ModelConfig, ValueMlp};
 use stepppo::store::StepRecord;
-use stepppo::train::critic::fit::state_values;
-use stepppo::train::critic::history::CriticHistory;
-use stepppo::train::critic::CriticModel;
-use stepppo::train::masks::ResponseMasks;
-use stepppo::train::metrics::Scalars;
-use stepppo::train::scoring::critic_values;
-use stepppo::train::update::{ppo_update, CriticLearner, Learners, UpdateInputs, UpdateSettings};
+use stepppo::train::learner::critic::fit::state_values;
+use stepppo::train::learner::critic::history::CriticHistory;
+use stepppo::train::learner::critic::CriticModel;
+use stepppo::train::learner::masks::ResponseMasks;
+use stepppo::train::learner::scoring::critic_values;
+use stepppo::train::learner::update::{
+    ppo_update, CriticLearner, Learners, UpdateInputs, UpdateSettings,
+};
+use stepppo::train::run::metrics::Scalars;
 use stepppo::train::BatchLayout;
 
 const VOCAB: usize = 64;

@@ -11,7 +11,7 @@
 //! falls below it.
 
 use std::process::Command;
-use stepppo::train::metrics::read_jsonl;
+use stepppo::train::run::metrics::read_jsonl;
 
 const STEPS: u64 = 15;
 const MIN_FINAL: f64 = 0.72;

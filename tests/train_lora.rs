@@ -122,7 +122,7 @@ fn the_kl_reference_of_a_lora_run_is_the_base() {
     let (mut kl, mut kl_loss) = (Vec::new(), Vec::new());
     let mut t = Trainer::create(cfg, root.path()).unwrap();
     t.run(3, &mut |event| {
-        if let stepppo::train::trainer::Event::Step { scalars, .. } = event {
+        if let stepppo::train::run::trainer::Event::Step { scalars, .. } = event {
             kl.push(scalars["actor/reward_kl_penalty"]);
             kl_loss.push(scalars["actor/kl_loss"]);
         }

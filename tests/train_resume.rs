@@ -6,8 +6,9 @@ mod common;
 
 use stepppo::config::Config;
 use stepppo::store::{Dataset, StepRecord};
-use stepppo::train::metrics::read_jsonl;
-use stepppo::train::{checkpoint, Trainer};
+use stepppo::train::run::checkpoint;
+use stepppo::train::run::metrics::read_jsonl;
+use stepppo::train::Trainer;
 
 /// StepPO with the shared-trunk critic: the most state a checkpoint has to carry.
 const SHARED_CRITIC: &[&str] = &["critic.mode=shared", "critic.history_batches=1"];
@@ -119,7 +120,7 @@ fn kl_to_the_reference_starts_at_zero_and_resumes_exactly() {
     let mut straight = Trainer::create(cfg(), &a).unwrap();
     straight
         .run(4, &mut |event| {
-            if let stepppo::train::trainer::Event::Step { scalars, .. } = event {
+            if let stepppo::train::run::trainer::Event::Step { scalars, .. } = event {
                 kl.push(scalars["actor/reward_kl_penalty"]);
                 kl_loss.push(scalars["actor/kl_loss"]);
             }
@@ -156,7 +157,7 @@ fn under_bf16_the_kl_to_the_reference_compares_like_with_like() {
     let mut t = Trainer::create(cfg, root.path()).unwrap();
     let mut kl = Vec::new();
     t.run(2, &mut |event| {
-        if let stepppo::train::trainer::Event::Step { scalars, .. } = event {
+        if let stepppo::train::run::trainer::Event::Step { scalars, .. } = event {
             kl.push(scalars["actor/reward_kl_penalty"]);
         }
     })
@@ -190,7 +191,7 @@ fn self_imitation_resumes_exactly(context: &str) {
     let mut straight = Trainer::create(cfg(), &a).unwrap();
     straight
         .run(4, &mut |event| {
-            if let stepppo::train::trainer::Event::Step { scalars, .. } = event {
+            if let stepppo::train::run::trainer::Event::Step { scalars, .. } = event {
                 sizes.push(scalars["self_imitation/buffer_size"]);
                 nll.extend(scalars.get("self_imitation/nll").copied());
             }
@@ -398,7 +399,7 @@ fn bf16_rollouts_record_bf16_logprobs_deterministically_and_may_change_at_resume
 /// ratio the policy loss saw, and the version that sampled it (the learner's, synchronously).
 #[test]
 fn the_credit_log_holds_what_each_update_used() {
-    use stepppo::train::credit_log::{read_credit, CREDIT_FILE};
+    use stepppo::train::run::credit_log::{read_credit, CREDIT_FILE};
     let root = tempfile::tempdir().unwrap();
     let cfg = tiny_config_with(&["critic.mode=separate", "critic.history_batches=1"]);
     let mut trainer = Trainer::create(cfg, root.path()).unwrap();

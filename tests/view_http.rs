@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use stepppo::env::StepInfo;
 use stepppo::store::{DatasetWriter, StepRecord, WriterOptions};
 use stepppo::tokenizer::Tokenizer;
-use stepppo::train::credit_log::{read_credit, CREDIT_FILE};
+use stepppo::train::run::credit_log::{read_credit, CREDIT_FILE};
 use stepppo::train::Trainer;
 use stepppo::view::{self, ViewOptions};
 

@@ -1,5 +1,5 @@
 //! `stepppo plan`: the memory a training update of a model needs, part by part, and the largest
-//! forward that fits in a given memory ([`stepppo::train::memory_plan`]).
+//! forward that fits in a given memory ([`stepppo::train::learner::memory_plan`]).
 
 use std::path::Path;
 
@@ -8,7 +8,7 @@ use clap::{Args, ValueEnum};
 use stepppo::model::checkpoint::CONFIG_FILE;
 use stepppo::model::{LoraSpec, ModelConfig, Precision};
 use stepppo::tokenizer::Tokenizer;
-use stepppo::train::memory_plan::{MemoryPlan, PlanDevice, PlanShape, TrainedModel};
+use stepppo::train::learner::memory_plan::{MemoryPlan, PlanDevice, PlanShape, TrainedModel};
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {

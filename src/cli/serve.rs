@@ -12,7 +12,7 @@ use stepppo::model::Precision;
 use stepppo::rollout::engine::{Engine, EngineConfig};
 use stepppo::serve::{self, ApiKey, GatewayOptions, PolicyBackend, Recorder, API_KEY_ENV};
 use stepppo::store::WriterOptions;
-use stepppo::train::checkpoint;
+use stepppo::train::run::checkpoint;
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {

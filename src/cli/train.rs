@@ -6,14 +6,14 @@ use std::path::{Path, PathBuf};
 use stepppo::config::{Config, DeviceKind, GatewayConfig};
 use stepppo::serve::{self, ApiKey, GatewayOptions, API_KEY_ENV};
 use stepppo::store::Dataset;
-use stepppo::train::checkpoint;
-use stepppo::train::eval::{self, TagSummary};
-use stepppo::train::gateway::GatewayTrainer;
-use stepppo::train::plot::plot_run;
-use stepppo::train::progress::Progress;
-use stepppo::train::run_dir;
-use stepppo::train::sft;
-use stepppo::train::trainer::Event;
+use stepppo::train::run::checkpoint;
+use stepppo::train::run::eval::{self, TagSummary};
+use stepppo::train::run::gateway::GatewayTrainer;
+use stepppo::train::run::plot::plot_run;
+use stepppo::train::run::progress::Progress;
+use stepppo::train::run::run_dir;
+use stepppo::train::run::trainer::Event;
+use stepppo::train::warm_start::sft;
 use stepppo::train::Trainer;
 
 #[derive(Args, Debug)]

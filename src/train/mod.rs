@@ -1,51 +1,19 @@
-//! The training side of stepppo: the loop ([`trainer`]), generation ahead of it in a thread of
-//! its own ([`async_rollout`]), the PPO update ([`update`]) and the optimizer step it shares with
-//! the critic's fit (`optimizer_step`), the critic beside the policy and its fit ([`critic`]),
-//! forward passes without a gradient over a batch ([`scoring`]: reference log-probs, rollout-time
-//! values), packing of step records into training sequences ([`batch`]), their device tensors
-//! (`device_batch`), padded or as a prefix tree ([`prefix_tree`]), constrained-decoding masks on
-//! the update side ([`masks`]), construction of the device, engine and fresh policy (`setup`),
-//! the supervised warm start ([`sft`], after [`copy_pretrain`]), self-imitation replay
-//! ([`self_imitation`]), validation ([`eval`]), checkpoints, the run directory's consistency
-//! across crashes ([`run_dir`]), metric sinks (JSONL and TensorBoard), the per-step credit log
-//! ([`credit_log`]), learning-curve plots, collapse warnings and the progress bar.
-//!
-//! Dependencies point down: `trainer` uses the others and nothing uses it; below it
-//! `async_rollout` → `eval`; `update` → `critic` → `scoring` and `optimizer_step`; `update` →
-//! `self_imitation` → `sft` → `copy_pretrain` and `setup`; these share `device_batch` → `masks`,
-//! `prefix_tree` → `batch`; `eval` uses `setup`, `run_dir` uses `checkpoint`, `credit_log` →
-//! `metrics` and `plot`, and every module may use [`TrainError`], which wraps only the leaves' errors.
+//! The training side of stepppo, in three rooms by role, each using only the rooms below it:
+//! the [`run`] (the `Trainer` loop and everything it writes: run directory, checkpoints, metrics,
+//! credit log, plots, validation, progress) drives the [`warm_start`] (the policy a fresh run
+//! starts from, copy pretraining, behaviour cloning), and both use the [`learner`] (one update of
+//! actor and critic: batching and masks, scoring, the PPO update, the critic, the optimizer step,
+//! the memory plan). This file holds what every room shares: [`TrainError`], which wraps the
+//! leaves' errors, and [`Scalars`], a step's named metric values.
 
-pub mod async_rollout;
-pub mod batch;
-pub mod checkpoint;
 #[cfg(test)]
 mod close;
-pub mod collapse;
-pub mod copy_pretrain;
-pub mod credit_log;
-pub mod critic;
-mod device_batch;
-pub mod eval;
-pub mod gateway;
-pub mod masks;
-pub mod memory_plan;
-pub mod metrics;
-mod optimizer_step;
-pub mod plot;
-pub mod prefix_tree;
-pub mod progress;
-mod ranks;
-pub mod run_dir;
-pub mod scoring;
-pub mod self_imitation;
-mod setup;
-pub mod sft;
-pub mod trainer;
-pub mod update;
+pub mod learner;
+pub mod run;
+pub mod warm_start;
 
-pub use device_batch::BatchLayout;
-pub use trainer::{TrainState, Trainer};
+pub use learner::device_batch::BatchLayout;
+pub use run::trainer::{TrainState, Trainer};
 
 /// Errors of the training side; each names the file, key, record or step involved.
 #[derive(Debug, thiserror::Error)]
@@ -67,18 +35,18 @@ pub enum TrainError {
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error(transparent)]
-    Checkpoint(#[from] checkpoint::CheckpointError),
+    Checkpoint(#[from] run::checkpoint::CheckpointError),
     #[error(transparent)]
-    Metrics(#[from] metrics::MetricsError),
+    Metrics(#[from] run::metrics::MetricsError),
     #[error(transparent)]
-    Plot(#[from] plot::PlotError),
+    Plot(#[from] run::plot::PlotError),
     #[error("data parallel: {0}")]
     Dist(#[from] crate::dist::DistError),
     #[error(transparent)]
-    Batch(#[from] batch::BatchError),
+    Batch(#[from] learner::batch::BatchError),
     #[error("env: {0}")]
     Env(String),
-    /// The memory plan of the run exceeds what the machine has ([`memory_plan`]).
+    /// The memory plan of the run exceeds what the machine has ([`learner::memory_plan`]).
     #[error("out of memory: {0}")]
     Memory(String),
     #[error("{0}")]

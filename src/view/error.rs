@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use crate::store::StoreError;
 use crate::tokenizer::TokenizerError;
-use crate::train::metrics::MetricsError;
+use crate::train::run::metrics::MetricsError;
 
 /// Why the viewer could not start or read what it serves.
 #[derive(Debug, thiserror::Error)]

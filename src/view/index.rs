@@ -12,7 +12,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::store::{Dataset, StepMetaView, StepView};
-use crate::train::credit_log::StepCredit;
+use crate::train::run::credit_log::StepCredit;
 
 use super::error::ViewError;
 use super::source::{Fingerprint, Source};

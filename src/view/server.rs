@@ -22,7 +22,7 @@ use serde_json::{json, Map, Value};
 
 use crate::algo::AdvantageConfig;
 use crate::tokenizer::Tokenizer;
-use crate::train::metrics::read_jsonl;
+use crate::train::run::metrics::read_jsonl;
 
 use super::error::ViewError;
 use super::index::Snapshot;

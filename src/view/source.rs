@@ -11,8 +11,8 @@ use crate::algo::AdvantageConfig;
 use crate::config::Config;
 use crate::store::{Manifest, EXTRA_WORDS_KEY, MANIFEST_FILE, TOKENIZER_DIR_KEY};
 use crate::tokenizer::Tokenizer;
-use crate::train::checkpoint;
-use crate::train::credit_log::{read_credit, StepCredit, CREDIT_FILE};
+use crate::train::run::checkpoint;
+use crate::train::run::credit_log::{read_credit, StepCredit, CREDIT_FILE};
 
 use super::error::ViewError;
 

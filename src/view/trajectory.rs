@@ -10,7 +10,7 @@ use crate::algo::{self, AdvantageConfig, AdvantageInputs, ReplayRow};
 use crate::store::{decode_trajectory, StepRecord, StoreError, Trajectory};
 use crate::tokenizer::tool_calls::{ParsedCall, ParsedReply};
 use crate::tokenizer::Tokenizer;
-use crate::train::credit_log::StepCredit;
+use crate::train::run::credit_log::StepCredit;
 
 use super::index::{Snapshot, TrajSummary};
 

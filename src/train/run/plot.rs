@@ -3,7 +3,7 @@
 //! success (train and validation, per env tag), trajectory reward, token entropy, and gradient
 //! norm (actor and critic). This module owns the drawing only; metric names come from the trainer.
 
-use super::metrics::{read_jsonl, MetricsError, Scalars};
+use crate::train::run::metrics::{read_jsonl, MetricsError, Scalars};
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
 
@@ -138,7 +138,7 @@ fn draw_panel(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::metrics::JsonlSink;
+    use crate::train::run::metrics::JsonlSink;
 
     #[test]
     fn plots_every_panel_series_from_metrics() {

@@ -17,15 +17,15 @@
 //! written into every checkpoint as a store dataset (`ckpt-N/self_imitation/`), so `--resume`
 //! continues with the same buffer.
 
-use super::batch::{pack, trajectories, PackedBatch};
-use super::device_batch::{BatchLayout, DeviceBatch};
-use super::masks::ResponseMasks;
-use super::TrainError;
 use crate::config::ContextLayout;
 use crate::dist::Collective;
 use crate::model::Model;
 use crate::seed;
 use crate::store::{Dataset, DatasetWriter, StepRecord, WriterOptions};
+use crate::train::learner::batch::{pack, trajectories, PackedBatch};
+use crate::train::learner::device_batch::{BatchLayout, DeviceBatch};
+use crate::train::learner::masks::ResponseMasks;
+use crate::train::TrainError;
 use candle_core::Tensor;
 use rand::Rng;
 use rand::SeedableRng;
@@ -316,7 +316,7 @@ impl ReplayDraw {
             return Ok(None);
         };
         let hidden = policy.hidden(&batch.input)?;
-        let nll = super::sft::cross_entropy(policy, packed, batch, &hidden)?;
+        let nll = crate::train::warm_start::sft::cross_entropy(policy, packed, batch, &hidden)?;
         let value = f64::from(nll.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?);
         Ok(Some((nll.affine(self.coef, 0.0)?, value)))
     }

@@ -3,10 +3,11 @@
 //! update logs ([`Means`]), merged over ranks. Shared by the PPO update and the value-MLP
 //! critics' fit.
 
-use super::metrics::Scalars;
-use super::{ranks, TrainError};
 use crate::algo::AdamW;
 use crate::dist::Collective;
+use crate::train::learner::ranks;
+use crate::train::run::metrics::Scalars;
+use crate::train::TrainError;
 use candle_core::Tensor;
 
 /// Running means of the update's metrics.
@@ -14,7 +15,7 @@ use candle_core::Tensor;
 /// A value measured on one rank's part of a mini-batch counts as that part's share of the
 /// mini-batch ([`Means::part`]), so merged over ranks it is the whole mini-batch's value (for the
 /// means the losses aggregate); a value every rank holds alike counts once per rank.
-pub(super) struct Means {
+pub(in crate::train) struct Means {
     sums: Scalars,
     counts: std::collections::BTreeMap<String, f64>,
     /// Weight of the values added now (1 outside [`Means::part`]).
@@ -32,7 +33,7 @@ impl Default for Means {
 }
 
 impl Means {
-    pub(super) fn add(&mut self, name: &str, v: f64) {
+    pub(in crate::train) fn add(&mut self, name: &str, v: f64) {
         if v.is_finite() {
             *self.sums.entry(name.into()).or_default() += v * self.weight;
             *self.counts.entry(name.into()).or_default() += self.weight;
@@ -40,7 +41,11 @@ impl Means {
     }
 
     /// Runs `f` with the values it adds weighted by this rank's `share` of the mini-batch.
-    pub(super) fn part<T>(&mut self, share: &ranks::Share, f: impl FnOnce(&mut Self) -> T) -> T {
+    pub(in crate::train) fn part<T>(
+        &mut self,
+        share: &ranks::Share,
+        f: impl FnOnce(&mut Self) -> T,
+    ) -> T {
         self.weight = share.scale();
         let out = f(self);
         self.weight = 1.0;
@@ -48,7 +53,7 @@ impl Means {
     }
 
     /// The sums and counts of every rank.
-    pub(super) fn merged(self, dist: &dyn Collective) -> Result<Self, TrainError> {
+    pub(in crate::train) fn merged(self, dist: &dyn Collective) -> Result<Self, TrainError> {
         let (sums, counts) = ranks::merge_means(self.sums, self.counts, dist)?;
         Ok(Self {
             sums,
@@ -57,7 +62,7 @@ impl Means {
         })
     }
 
-    pub(super) fn into_scalars(self, out: &mut Scalars) {
+    pub(in crate::train) fn into_scalars(self, out: &mut Scalars) {
         for (k, s) in self.sums {
             out.insert(k.clone(), s / self.counts[&k]);
         }
@@ -65,7 +70,7 @@ impl Means {
 }
 
 /// Whether `loss` is finite, and its gradients when it is (none without a loss).
-pub(super) fn backward(
+pub(in crate::train) fn backward(
     loss: Option<&Tensor>,
 ) -> Result<(bool, Option<candle_core::backprop::GradStore>), TrainError> {
     let Some(loss) = loss else {
@@ -81,7 +86,7 @@ pub(super) fn backward(
 /// Steps the critic's optimizer on `loss` (this rank's part; `None`: none here), its gradients
 /// summed over ranks; returns whether the update was skipped (a loss or a gradient that is not
 /// finite).
-pub(super) fn step_critic(
+pub(in crate::train) fn step_critic(
     opt: &mut AdamW,
     loss: Option<&Tensor>,
     (lr, max_grad_norm): (f64, f64),

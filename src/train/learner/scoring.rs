@@ -3,13 +3,13 @@
 //! packs the records' sequences in chunks laid out as the update lays out its mini-batches,
 //! padded or as a prefix tree ([`BatchLayout`]).
 
-use super::batch::{pack, PackedBatch};
-use super::device_batch::{BatchLayout, DeviceBatch};
-use super::masks::ResponseMasks;
-use super::TrainError;
 use crate::algo::CriticTarget;
 use crate::model::{Model, TrainInput};
 use crate::store::StepRecord;
+use crate::train::learner::batch::{pack, PackedBatch};
+use crate::train::learner::device_batch::{BatchLayout, DeviceBatch};
+use crate::train::learner::masks::ResponseMasks;
+use crate::train::TrainError;
 use candle_core::{Device, Tensor};
 
 /// Log-probs of every record's response tokens under `model` (no gradient), one forward per
@@ -56,7 +56,7 @@ pub fn response_logprobs(
 /// constrained-decoding bias of `masks` (needed to score tokens, not values). A chunk gathers
 /// similar-length sequences when padded (little padding per forward), a group's sequences when
 /// laid out as a tree (their prefix forwarded once).
-pub(super) fn for_each_chunk(
+pub(in crate::train) fn for_each_chunk(
     records: &[StepRecord],
     sequences: &[Vec<usize>],
     (chunk, layout): (usize, BatchLayout),

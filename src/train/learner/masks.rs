@@ -4,13 +4,13 @@
 //! from a config. The grammars themselves are [`crate::rollout::grammar`]'s; applying the bias in
 //! a forward pass is the model's.
 
-use super::batch::PackedBatch;
-use super::TrainError;
 use crate::config::Config;
 use crate::env::build_session;
 use crate::rollout::grammar::{Allowed, ResponseGrammar};
 use crate::store::StepRecord;
 use crate::tokenizer::Tokenizer;
+use crate::train::learner::batch::PackedBatch;
+use crate::train::TrainError;
 use candle_core::{Device, Tensor};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -60,7 +60,7 @@ impl ResponseMasks {
 
     /// `[rows * width, vocab]` bias of a packed batch, `None` when no response token of it is
     /// constrained. Tokens past the point where a response left its grammar stay unconstrained.
-    pub(super) fn logit_bias(
+    pub(in crate::train) fn logit_bias(
         &self,
         p: &PackedBatch,
         records: &[StepRecord],

@@ -6,8 +6,8 @@
 //! indices (flat positions of the padded `[B, T]` outputs) onto the packed positions; forwarding
 //! the tree is the model's ([`crate::model::TreeBatch`]).
 
-use super::batch::PackedBatch;
 use crate::model::Segment;
+use crate::train::learner::batch::PackedBatch;
 use std::collections::BTreeMap;
 
 /// The packed tokens and segments of a mini-batch, and where each sequence's positions lie.
@@ -113,7 +113,7 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 mod tests {
     use super::*;
     use crate::store::StepRecord;
-    use crate::train::batch::pack;
+    use crate::train::learner::batch::pack;
 
     fn rec(traj: u64, group: u64, step: u32, ctx: u32, obs: &[u32], resp: &[u32]) -> StepRecord {
         StepRecord {

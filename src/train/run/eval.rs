@@ -10,9 +10,6 @@
 //! `val_generating_args` (greedy unless `do_sample`). The groups an env error dropped
 //! (`on_error: skip`) are counted in `val/env_errors`; their episodes are not in the figures.
 
-use super::metrics::Scalars;
-use super::setup::{device_of, engine_for};
-use super::TrainError;
 use crate::config::{Config, CustomEnv, EnvManagerConfig, GeneratingArgs};
 use crate::dist::Collective;
 use crate::model::Model;
@@ -21,6 +18,9 @@ use crate::rollout::engine::{CacheCounters, Engine};
 use crate::rollout::sampling::SamplingParams;
 use crate::store::StepRecord;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
+use crate::train::run::metrics::Scalars;
+use crate::train::warm_start::setup::{device_of, engine_for};
+use crate::train::TrainError;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -155,7 +155,7 @@ pub fn training_env_scores(
         sums.insert(format!("env/{key}"), mean * n);
         counts.insert(format!("env/{key}"), n);
     }
-    let (sums, counts) = super::ranks::merge_means(sums, counts, dist)?;
+    let (sums, counts) = crate::train::learner::ranks::merge_means(sums, counts, dist)?;
     Ok(sums
         .into_iter()
         .filter_map(|(key, sum)| {
@@ -230,7 +230,7 @@ pub struct ManagerRollout {
     pub env_scores: Scalars,
 }
 
-/// Runs this rank's share ([`super::ranks::group_share`], `rank` of `ranks`) of the groups of
+/// Runs this rank's share ([`crate::train::learner::ranks::group_share`], `rank` of `ranks`) of the groups of
 /// `manager` (tags in partition order). An env error names the tag (`custom_envs.<tag>`).
 #[allow(clippy::too_many_arguments)]
 pub fn run_manager(
@@ -248,7 +248,7 @@ pub fn run_manager(
     let mut out = ManagerRollout::default();
     let mut next_group = first_group_id;
     for (tag, &groups) in manager.tags.iter().zip(&manager.num_groups_partition) {
-        let (offset, share) = super::ranks::group_share(groups, rank, ranks);
+        let (offset, share) = crate::train::learner::ranks::group_share(groups, rank, ranks);
         let first = next_group + offset as u64;
         next_group += groups as u64;
         if share == 0 {

@@ -42,7 +42,7 @@ pub enum MetricsError {
     },
 }
 
-pub(super) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> MetricsError + '_ {
+pub(in crate::train) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> MetricsError + '_ {
     move |source| MetricsError::Io {
         path: path.to_path_buf(),
         source,
@@ -423,7 +423,7 @@ pub fn rewind(run_dir: &Path, position: &MetricsPosition) -> Result<usize, Metri
 }
 
 /// Cuts `path` to `bytes`; a file shorter than that (or missing) is an error: rows are lost.
-pub(super) fn cut(path: &Path, bytes: u64) -> Result<(), MetricsError> {
+pub(in crate::train) fn cut(path: &Path, bytes: u64) -> Result<(), MetricsError> {
     let len = if path.exists() { file_len(path)? } else { 0 };
     if len < bytes {
         return Err(MetricsError::Record {
@@ -444,7 +444,7 @@ pub(super) fn cut(path: &Path, bytes: u64) -> Result<(), MetricsError> {
     Ok(())
 }
 
-pub(super) fn file_len(path: &Path) -> Result<u64, MetricsError> {
+pub(in crate::train) fn file_len(path: &Path) -> Result<u64, MetricsError> {
     Ok(std::fs::metadata(path).map_err(io_err(path))?.len())
 }
 

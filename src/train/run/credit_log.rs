@@ -8,7 +8,7 @@
 //! files: a checkpoint records its length ([`CreditLog::position`]) and a resume cuts it back
 //! ([`rewind`]).
 
-use super::metrics::{self, io_err, MetricsError};
+use crate::train::run::metrics::{self, io_err, MetricsError};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};

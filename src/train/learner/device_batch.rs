@@ -1,19 +1,19 @@
 //! The model inputs of a packed mini-batch on the device: [`DeviceBatch`] pads a
-//! [`PackedBatch`](super::batch::PackedBatch)'s sequences or, in the tree [`BatchLayout`]
-//! (`tree_forward`), lays them out as a prefix tree ([`super::prefix_tree`]) with its gather
+//! [`PackedBatch`](crate::train::learner::batch::PackedBatch)'s sequences or, in the tree [`BatchLayout`]
+//! (`tree_forward`), lays them out as a prefix tree ([`crate::train::learner::prefix_tree`]) with its gather
 //! indices moved onto the packed positions; it uploads its gather indices and target tokens, adds
 //! the constrained-decoding bias of [`ResponseMasks`] when asked, and gathers per-position outputs
 //! back to step rows, whatever the layout. Shared by every training-path pass: the PPO update,
 //! the rollout-time critic values and reference log-probs, the feature-critic fit, the warm start
-//! and the self-imitation replay; the index arithmetic is [`super::batch`]'s, the losses are
+//! and the self-imitation replay; the index arithmetic is [`crate::train::learner::batch`]'s, the losses are
 //! theirs.
 
-use super::batch::{pad, PackedBatch};
-use super::masks::ResponseMasks;
-use super::prefix_tree::PrefixTree;
-use super::TrainError;
 use crate::model::{PaddedBatch, TrainInput, TreeBatch};
 use crate::store::StepRecord;
+use crate::train::learner::batch::{pad, PackedBatch};
+use crate::train::learner::masks::ResponseMasks;
+use crate::train::learner::prefix_tree::PrefixTree;
+use crate::train::TrainError;
 use candle_core::{Device, Tensor, D};
 
 /// How a pass lays out its sequences: right-padded with `pad_id`, or with `tree` (the config's
@@ -26,23 +26,23 @@ pub struct BatchLayout {
 }
 
 /// The model inputs of a packed mini-batch on the device.
-pub(super) struct DeviceBatch {
+pub(in crate::train) struct DeviceBatch {
     /// The tokens the model reads; the indices below address its outputs' positions.
-    pub(super) input: TrainInput,
+    pub(in crate::train) input: TrainInput,
     /// Where a tree input holds each position of the padded `[B, T]` layout; `None` when padded.
     tree: Option<PrefixTree>,
-    pub(super) token_index: Tensor,
+    pub(in crate::train) token_index: Tensor,
     /// The target token at each `token_index` position.
-    pub(super) token_targets: Tensor,
+    pub(in crate::train) token_targets: Tensor,
     value_index: Tensor,
     /// `[rows * width, vocab]` constrained-decoding bias of the response tokens, if any.
-    pub(super) logit_bias: Option<Tensor>,
+    pub(in crate::train) logit_bias: Option<Tensor>,
 }
 
 impl DeviceBatch {
     /// `p`, packed from `sequences` of `records`, in `layout`; a sequence's group (the prefix it
     /// may share) is its first record's `group_id`.
-    pub(super) fn laid_out(
+    pub(in crate::train) fn laid_out(
         p: &PackedBatch,
         (records, sequences): (&[StepRecord], &[Vec<usize>]),
         layout: BatchLayout,
@@ -56,7 +56,11 @@ impl DeviceBatch {
     }
 
     /// The sequences of `p` right-padded with `pad_id`.
-    pub(super) fn new(p: &PackedBatch, pad_id: u32, device: &Device) -> Result<Self, TrainError> {
+    pub(in crate::train) fn new(
+        p: &PackedBatch,
+        pad_id: u32,
+        device: &Device,
+    ) -> Result<Self, TrainError> {
         let (b, t) = (p.inputs.len(), p.seq_len);
         let (ids, mask) = pad(&p.inputs, t, pad_id);
         let input = TrainInput::Padded(PaddedBatch {
@@ -97,7 +101,7 @@ impl DeviceBatch {
     }
 
     /// This batch with the constrained-decoding bias of `masks` on `p`'s response tokens.
-    pub(super) fn constrained(
+    pub(in crate::train) fn constrained(
         self,
         p: &PackedBatch,
         records: &[StepRecord],
@@ -112,7 +116,7 @@ impl DeviceBatch {
 
     /// Flat indices into the padded `[B, T]` layout of the batch → the positions of the same
     /// tokens in this batch's outputs.
-    pub(super) fn positions(&self, flat: &[u32]) -> Vec<u32> {
+    pub(in crate::train) fn positions(&self, flat: &[u32]) -> Vec<u32> {
         match &self.tree {
             Some(tree) => flat.iter().map(|&i| tree.packed(i)).collect(),
             None => flat.to_vec(),
@@ -121,25 +125,33 @@ impl DeviceBatch {
 
     /// Per-position values (`[B, T]`, or `[1, N]` of a tree) → `[rows, width]` at the response
     /// tokens.
-    pub(super) fn at_tokens(&self, x: &Tensor, p: &PackedBatch) -> Result<Tensor, TrainError> {
+    pub(in crate::train) fn at_tokens(
+        &self,
+        x: &Tensor,
+        p: &PackedBatch,
+    ) -> Result<Tensor, TrainError> {
         Ok(x.flatten_all()?
             .index_select(&self.token_index, D::Minus1)?
             .reshape((p.rows, p.max_response_len))?)
     }
 
     /// Per-position features (`[B, T, F]`, or `[1, N, F]`) → `[rows, F]` at each step's start.
-    pub(super) fn rows_at_step_starts(&self, x: &Tensor) -> Result<Tensor, TrainError> {
+    pub(in crate::train) fn rows_at_step_starts(&self, x: &Tensor) -> Result<Tensor, TrainError> {
         Ok(x.flatten_to(1)?.index_select(&self.value_index, 0)?)
     }
 
     /// Per-position features (`[B, T, F]`, or `[1, N, F]`) → `[rows * width, F]` at the response
     /// tokens.
-    pub(super) fn rows_at_tokens(&self, x: &Tensor) -> Result<Tensor, TrainError> {
+    pub(in crate::train) fn rows_at_tokens(&self, x: &Tensor) -> Result<Tensor, TrainError> {
         Ok(x.flatten_to(1)?.index_select(&self.token_index, 0)?)
     }
 
     /// Per-position values (`[B, T]`, or `[1, N]`) → `[rows, 1]` at each step's start.
-    pub(super) fn at_step_starts(&self, x: &Tensor, p: &PackedBatch) -> Result<Tensor, TrainError> {
+    pub(in crate::train) fn at_step_starts(
+        &self,
+        x: &Tensor,
+        p: &PackedBatch,
+    ) -> Result<Tensor, TrainError> {
         Ok(x.flatten_all()?
             .index_select(&self.value_index, D::Minus1)?
             .reshape((p.rows, 1))?)

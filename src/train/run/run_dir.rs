@@ -2,14 +2,14 @@
 //! its append-only files (the step dataset, `metrics.jsonl`, the TensorBoard events, the credit
 //! log) that every checkpoint records, so that resuming brings each of them back to the
 //! checkpoint's moment and nothing written after it (the rollouts, metric rows and events of steps
-//! the crash undid) is kept twice. Checkpoint directories themselves are [`super::checkpoint`]'s.
+//! the crash undid) is kept twice. Checkpoint directories themselves are [`crate::train::run::checkpoint`]'s.
 
-use super::checkpoint;
-use super::credit_log::{self, CreditLog, CREDIT_FILE};
-use super::metrics::{self, MetricsPosition, MetricsSink};
-use super::TrainError;
 use crate::config::Config;
 use crate::store::{self, DatasetPosition, DatasetWriter};
+use crate::train::run::checkpoint;
+use crate::train::run::credit_log::{self, CreditLog, CREDIT_FILE};
+use crate::train::run::metrics::{self, MetricsPosition, MetricsSink};
+use crate::train::TrainError;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -106,7 +106,7 @@ fn run_entries(run_dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
         let path = entry.map_err(io)?.path();
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
         let is_checkpoint = name.starts_with("ckpt-");
-        let is_plot = name == super::plot::PLOT_FILE;
+        let is_plot = name == crate::train::run::plot::PLOT_FILE;
         if is_checkpoint || is_plot || RUN_ENTRIES.contains(&name) {
             found.push(path);
         }

@@ -1,35 +1,36 @@
 //! The PPO update of one rollout batch: `ppo_epochs` passes over shuffled mini-batches of
 //! sequences (whole trajectories in the `concat` layout, single steps in `window`). Each
 //! mini-batch runs one policy forward over its sequences, padded or, with `tree_forward`, as a
-//! prefix tree in which each group's common prefix is forwarded once ([`super::prefix_tree`]),
+//! prefix tree in which each group's common prefix is forwarded once ([`crate::train::learner::prefix_tree`]),
 //! gathers every step row's response-token log-probs and entropies, and applies the algo policy
 //! loss (per step row aggregation); the separate critic runs one forward too (in the same layout)
 //! and is trained at each step's start position (`step_gae`) or at every response token
 //! (`token_gae`); a shared-trunk value head adds its loss to the actor's; a feature critic is
 //! fitted after the actor's epochs, on the updated policy's features of the batch, and a state
-//! critic on the records' critic states ([`super::critic::fit`]); with self-imitation on, each actor
+//! critic on the records' critic states ([`crate::train::learner::critic::fit`]); with self-imitation on, each actor
 //! mini-batch also adds the negative log-likelihood of a draw from the replay buffer
-//! ([`super::self_imitation`]). Those passes, and
-//! the rollout-time critic values and reference log-probs ([`super::scoring`]), run in the same
+//! ([`crate::train::learner::self_imitation`]). Those passes, and
+//! the rollout-time critic values and reference log-probs ([`crate::train::learner::scoring`]), run in the same
 //! layout as the mini-batches ([`BatchLayout`]). A non-finite loss or gradient skips that update (counted and
 //! reported); the run goes on.
 
-use super::batch::{pack, PackedBatch};
-use super::critic::fit::{self, FitBatch, FitSettings};
-use super::critic::history::CriticHistory;
-use super::device_batch::{BatchLayout, DeviceBatch};
-use super::masks::ResponseMasks;
-use super::memory_plan::MemoryBudget;
-use super::metrics::Scalars;
-use super::optimizer_step::{backward, step_critic, Means};
-use super::self_imitation::Replay;
-use super::{ranks, TrainError};
 use crate::algo::loss::{agg_normaliser, LOG_RATIO_BOUND};
 use crate::algo::{policy_loss, value_loss, AdamW, CriticTarget, LossConfig};
 use crate::dist::Collective;
 use crate::model::{Critic, Model, ValueMlp};
 use crate::seed;
 use crate::store::StepRecord;
+use crate::train::learner::batch::{pack, PackedBatch};
+use crate::train::learner::critic::fit::{self, FitBatch, FitSettings};
+use crate::train::learner::critic::history::CriticHistory;
+use crate::train::learner::device_batch::{BatchLayout, DeviceBatch};
+use crate::train::learner::masks::ResponseMasks;
+use crate::train::learner::memory_plan::MemoryBudget;
+use crate::train::learner::optimizer_step::{backward, step_critic, Means};
+use crate::train::learner::ranks;
+use crate::train::learner::self_imitation::Replay;
+use crate::train::run::metrics::Scalars;
+use crate::train::TrainError;
 use candle_core::{Device, Tensor};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -100,7 +101,7 @@ pub struct UpdateSettings<'a> {
     /// The data-parallel world: this rank's part of each mini-batch, and the gradient sum.
     pub dist: &'a dyn Collective,
     /// Forward each mini-batch as a prefix tree: the sequences of a group share their common
-    /// prefix, forwarded once ([`super::prefix_tree`]); the same losses and gradients as padded
+    /// prefix, forwarded once ([`crate::train::learner::prefix_tree`]); the same losses and gradients as padded
     /// sequences, to float rounding.
     pub tree_forward: bool,
     /// The run's memory plan: each mini-batch is checked against it before its forward.
@@ -812,10 +813,10 @@ mod tests {
     use crate::algo::OptimizerConfig;
     use crate::model::ModelConfig;
     use crate::model::TrainInput;
-    use crate::train::batch::{pad, trajectories};
     use crate::train::close::{assert_close, assert_rows_close};
-    use crate::train::critic::CriticModel;
-    use crate::train::scoring::{critic_values, response_logprobs};
+    use crate::train::learner::batch::{pad, trajectories};
+    use crate::train::learner::critic::CriticModel;
+    use crate::train::learner::scoring::{critic_values, response_logprobs};
 
     fn record(adv_len: usize) -> StepRecord {
         StepRecord {
@@ -1161,7 +1162,7 @@ mod tests {
         let sequences = trajectories(records);
         let p = pack(records, &sequences).unwrap();
         let groups: Vec<u64> = sequences.iter().map(|s| records[s[0]].group_id).collect();
-        let tree = crate::train::prefix_tree::PrefixTree::new(&p, &groups);
+        let tree = crate::train::learner::prefix_tree::PrefixTree::new(&p, &groups);
         (p.inputs.iter().map(Vec::len).sum(), tree.ids.len())
     }
 

@@ -12,12 +12,6 @@
 //! transcript is played (a remote server) ends the warm start with its error under `on_error:
 //! fail`; under `skip` that episode is left out and counted.
 
-use super::batch::{pack, trajectories, PackedBatch};
-use super::copy_pretrain::CopyReport;
-use super::device_batch::{BatchLayout, DeviceBatch};
-use super::metrics::first_and_final;
-use super::setup::{device_of, fresh_policy};
-use super::TrainError;
 use crate::algo::step_returns;
 use crate::algo::{AdamW, OptimizerConfig};
 use crate::config::{Config, SftConfig};
@@ -26,6 +20,12 @@ use crate::model::{Critic, Model};
 use crate::seed;
 use crate::store::{agent_episode, EpisodeIds, StepRecord, StoreError};
 use crate::tokenizer::Tokenizer;
+use crate::train::learner::batch::{pack, trajectories, PackedBatch};
+use crate::train::learner::device_batch::{BatchLayout, DeviceBatch};
+use crate::train::run::metrics::first_and_final;
+use crate::train::warm_start::copy_pretrain::CopyReport;
+use crate::train::warm_start::setup::{device_of, fresh_policy};
+use crate::train::TrainError;
 use candle_core::Tensor;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -360,7 +360,7 @@ fn clone_sequences(records: &[StepRecord]) -> Vec<Vec<usize>> {
 
 /// Mean negative log-likelihood of `batch`'s response tokens (a scalar with gradient), from the
 /// policy trunk's output `hidden`, under the batch's constrained-decoding bias when it has one.
-pub(super) fn cross_entropy(
+pub(in crate::train) fn cross_entropy(
     policy: &Model,
     packed: &PackedBatch,
     batch: &DeviceBatch,

@@ -11,10 +11,10 @@
 //! training starts is frozen into `<run>/reference/`; every response token's reward is charged
 //! `init_kl_coef · KL` against it, and/or the actor loss gains `kl_loss_coef · KL`. With
 //! `self_imitation.coef > 0` each rollout's better choices enter a replay buffer
-//! ([`super::self_imitation`]) before the update replays them; the buffer goes into every
-//! checkpoint, as does a state critic's fitting history ([`super::critic::history`]). Every RNG is
+//! ([`crate::train::learner::self_imitation`]) before the update replays them; the buffer goes into every
+//! checkpoint, as does a state critic's fitting history ([`crate::train::learner::critic::history`]). Every RNG is
 //! derived from `seed` and those counters. With `async_rollout` the rollout runs ahead of the
-//! step in a thread of its own ([`super::async_rollout`]) and the update corrects for the lag
+//! step in a thread of its own ([`crate::train::run::async_rollout`]) and the update corrects for the lag
 //! with decoupled PPO (`algo::decoupled`); its pending batches go into every checkpoint.
 //!
 //! An env that fails (a remote env's server) ends the run with its error under `on_error: fail`,
@@ -22,32 +22,6 @@
 //! dataset. Under `skip` the failed groups are dropped, counted in `rollout/env_errors` (and
 //! `val/env_errors`) and reported as warnings.
 
-use super::async_rollout::{self, RolloutWorker};
-use super::batch::trajectories;
-use super::checkpoint::{self, CheckpointWriter};
-use super::collapse::CollapseDetector;
-use super::copy_pretrain::copy_pretrain;
-use super::credit_log::{CreditLog, StepCredit};
-use super::critic::fit::state_values;
-use super::critic::history::{self as critic_history, CriticHistory};
-use super::critic::{critic_seed, CriticModel, CriticOrigin};
-use super::device_batch::BatchLayout;
-use super::eval::{self, TagSummary, Validation, VAL_SEED_OFFSET};
-use super::masks::{response_masks, ResponseMasks};
-use super::memory_plan::{MemoryBudget, GIB};
-use super::metrics::{MetricsSink, Scalars};
-use super::ranks;
-use super::run_dir::{self, Rewound, RunPosition};
-use super::scoring::{critic_values, response_logprobs};
-use super::self_imitation::{self, Replay, ReplayBuffer};
-use super::setup::{
-    attach_critic_adapters, attach_run_adapters, device_of, engine_for, fresh_policy, run_lora_spec,
-};
-use super::sft::{self, CloneSettings, SftReport};
-use super::update::{
-    self, CriticLearner, Learners, StepRatios, UpdateInputs, UpdateReport, UpdateSettings,
-};
-use super::TrainError;
 use crate::algo::config::LossAggMode;
 use crate::algo::filter::group_reward_std;
 use crate::algo::loss::VarianceParts;
@@ -66,6 +40,32 @@ use crate::rollout::grammar::ResponseGrammar;
 use crate::seed;
 use crate::store::{DatasetWriter, SegmentEntry, StepRecord, WriterOptions};
 use crate::tokenizer::Tokenizer;
+use crate::train::learner::batch::trajectories;
+use crate::train::learner::critic::fit::state_values;
+use crate::train::learner::critic::history::{self as critic_history, CriticHistory};
+use crate::train::learner::critic::{critic_seed, CriticModel, CriticOrigin};
+use crate::train::learner::device_batch::BatchLayout;
+use crate::train::learner::masks::{response_masks, ResponseMasks};
+use crate::train::learner::memory_plan::{MemoryBudget, GIB};
+use crate::train::learner::ranks;
+use crate::train::learner::scoring::{critic_values, response_logprobs};
+use crate::train::learner::self_imitation::{self, Replay, ReplayBuffer};
+use crate::train::learner::update::{
+    self, CriticLearner, Learners, StepRatios, UpdateInputs, UpdateReport, UpdateSettings,
+};
+use crate::train::run::async_rollout::{self, RolloutWorker};
+use crate::train::run::checkpoint::{self, CheckpointWriter};
+use crate::train::run::collapse::CollapseDetector;
+use crate::train::run::credit_log::{CreditLog, StepCredit};
+use crate::train::run::eval::{self, TagSummary, Validation, VAL_SEED_OFFSET};
+use crate::train::run::metrics::{MetricsSink, Scalars};
+use crate::train::run::run_dir::{self, Rewound, RunPosition};
+use crate::train::warm_start::copy_pretrain::copy_pretrain;
+use crate::train::warm_start::setup::{
+    attach_critic_adapters, attach_run_adapters, device_of, engine_for, fresh_policy, run_lora_spec,
+};
+use crate::train::warm_start::sft::{self, CloneSettings, SftReport};
+use crate::train::TrainError;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -84,8 +84,8 @@ pub struct TrainState {
     pub skipped_updates: u64,
 }
 
-/// Seed-path tags of the components a run initialises (1, the policy's, is [`super::setup`]'s;
-/// 2, the critic's, [`super::critic`]'s).
+/// Seed-path tags of the components a run initialises (1, the policy's, is [`crate::train::warm_start::setup`]'s;
+/// 2, the critic's, [`crate::train::learner::critic`]'s).
 const SEED_SFT: u64 = 3;
 const SEED_SHUFFLE: u64 = 4;
 const SEED_REPLAY: u64 = 5;

@@ -6,11 +6,11 @@
 pub mod fit;
 pub mod history;
 
-use super::TrainError;
 use crate::config::{Config, CriticMode};
 use crate::env::build_session;
 use crate::model::{Critic, Model, TrainInput, ValueMlp};
 use crate::seed;
+use crate::train::TrainError;
 use candle_core::{Device, Tensor};
 use std::path::Path;
 
@@ -113,7 +113,7 @@ impl CriticModel {
 }
 
 /// Seed of the critic's initial weights.
-pub(super) fn critic_seed(cfg: &Config) -> u64 {
+pub(in crate::train) fn critic_seed(cfg: &Config) -> u64 {
     seed::derive(cfg.seed, &[SEED_CRITIC])
 }
 

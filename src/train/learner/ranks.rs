@@ -13,12 +13,12 @@ use std::collections::BTreeMap;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 
-use super::metrics::Scalars;
-use super::TrainError;
 use crate::algo::AdamW;
 use crate::dist::Collective;
 use crate::rollout::engine::CacheCounters;
 use crate::store::StepRecord;
+use crate::train::run::metrics::Scalars;
+use crate::train::TrainError;
 
 /// The groups `rank` of `size` plays out of `groups` consecutive ones: `(offset, count)`.
 pub fn group_share(groups: usize, rank: usize, size: usize) -> (usize, usize) {

@@ -16,14 +16,14 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use super::trainer::{Event, Trainer};
-use super::TrainError;
 use crate::model::Model;
 use crate::rollout::engine::{CacheCounters, Engine};
 use crate::rollout::grammar::ResponseGrammar;
 use crate::serve::{ApiError, Backend, ClosedTrajectory};
 use crate::store::StepRecord;
 use crate::tokenizer::Tokenizer;
+use crate::train::run::trainer::{Event, Trainer};
+use crate::train::TrainError;
 
 /// The queue of closed sessions of one task (or of the sessions without a task).
 const NO_TASK: &str = "";

@@ -17,15 +17,15 @@
 //! the checkpoint does not keep: they are finished and written into it ([`save_pending`]), and
 //! a resumed run consumes them before anything new ([`load_pending`]).
 
-use super::eval::{self, ManagerRollout};
-use super::metrics::Scalars;
-use super::setup::engine_for;
-use super::TrainError;
 use crate::config::Config;
 use crate::model::Model;
 use crate::rollout::engine::CacheCounters;
 use crate::store::{Dataset, DatasetWriter, WriterOptions};
 use crate::tokenizer::Tokenizer;
+use crate::train::run::eval::{self, ManagerRollout};
+use crate::train::run::metrics::Scalars;
+use crate::train::warm_start::setup::engine_for;
+use crate::train::TrainError;
 use crossbeam::channel::{unbounded, Receiver, Sender};
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;

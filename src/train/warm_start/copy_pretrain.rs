@@ -12,12 +12,12 @@
 //! abruptly, at a step that varies with the seed; with a target (`until_probability`) the
 //! training goes on past its steps, in rounds, until the held-out copy probability reaches it.
 
-use super::TrainError;
 use crate::algo::{AdamW, OptimizerConfig};
 use crate::config::CopyPretrainConfig;
 use crate::model::Model;
 use crate::seed;
 use crate::tokenizer::Tokenizer;
+use crate::train::TrainError;
 use candle_core::{Device, Tensor};
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
@@ -222,7 +222,7 @@ fn train_on(
             checks.push(held_out(&run)?);
         }
     }
-    let (first_loss, final_loss) = super::metrics::first_and_final(&run.losses);
+    let (first_loss, final_loss) = crate::train::run::metrics::first_and_final(&run.losses);
     let (steps, probability) = *checks.last().expect("one check at least");
     Ok(CopyReport {
         steps,

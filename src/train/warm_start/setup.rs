@@ -3,14 +3,15 @@
 //! run starts from ([`fresh_policy`]) with its LoRA adapters ([`attach_run_adapters`]), and a
 //! separate critic's adapters ([`attach_critic_adapters`]). It builds things from a config; it
 //! runs nothing and holds no run state (the loop's critic, optimizers and checkpoints are
-//! [`super::trainer`]'s).
+//! [`crate::train::run::trainer`]'s).
 
-use super::{run_dir, TrainError};
 use crate::config::{BuiltinSize, Config, DeviceKind, PretrainSource};
 use crate::model::{Adapters, Critic, LoraSpec, Model, ModelConfig, ModelError};
 use crate::rollout::engine::{CacheMode, Engine, EngineConfig};
 use crate::seed;
 use crate::tokenizer::Tokenizer;
+use crate::train::run::run_dir;
+use crate::train::TrainError;
 use candle_core::Device;
 use std::path::{Path, PathBuf};
 
