@@ -76,7 +76,7 @@ const EV_WINDOW: usize = 20;
 /// Per step: rows, return variance, residual variance, ceiling (NaN when not logged).
 type CriticRow = (f64, f64, f64, f64);
 
-fn critic_row(scalars: &stepppo::train::run::metrics::Scalars) -> Option<CriticRow> {
+fn critic_row(scalars: &stepppo::train::Scalars) -> Option<CriticRow> {
     let get = |k: &str| scalars.get(k).copied();
     Some((
         get("critic/rows")?,

@@ -11,7 +11,8 @@ use std::path::Path;
 use std::process::Command;
 use stepppo::store::Dataset;
 use stepppo::train::run::credit_log::CREDIT_FILE;
-use stepppo::train::run::metrics::{is_measurement, read_events, read_jsonl, Scalars};
+use stepppo::train::run::metrics::{is_measurement, read_events, read_jsonl};
+use stepppo::train::Scalars;
 
 /// Four steps of a tiny run with checkpoints at steps 2 and 4.
 const TINY: &[&str] = &[

@@ -19,8 +19,8 @@ use stepppo::train::learner::scoring::critic_values;
 use stepppo::train::learner::update::{
     ppo_update, CriticLearner, Learners, UpdateInputs, UpdateSettings,
 };
-use stepppo::train::run::metrics::Scalars;
 use stepppo::train::BatchLayout;
+use stepppo::train::Scalars;
 
 const VOCAB: usize = 64;
 /// Width of the records' critic states: a one-hot of the four states.

@@ -15,6 +15,9 @@ pub mod warm_start;
 pub use learner::device_batch::BatchLayout;
 pub use run::trainer::{TrainState, Trainer};
 
+/// One step's scalars, by metric name (e.g. `actor/pg_loss`).
+pub type Scalars = std::collections::BTreeMap<String, f64>;
+
 /// Errors of the training side; each names the file, key, record or step involved.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {

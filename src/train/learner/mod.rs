@@ -12,6 +12,7 @@ pub mod critic;
 pub(crate) mod device_batch;
 pub mod masks;
 pub mod memory_plan;
+pub(crate) mod nll;
 pub(crate) mod optimizer_step;
 pub mod prefix_tree;
 pub(crate) mod ranks;

@@ -6,7 +6,7 @@
 use crate::algo::AdamW;
 use crate::dist::Collective;
 use crate::train::learner::ranks;
-use crate::train::run::metrics::Scalars;
+use crate::train::Scalars;
 use crate::train::TrainError;
 use candle_core::Tensor;
 

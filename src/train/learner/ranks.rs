@@ -17,7 +17,7 @@ use crate::algo::AdamW;
 use crate::dist::Collective;
 use crate::rollout::engine::CacheCounters;
 use crate::store::StepRecord;
-use crate::train::run::metrics::Scalars;
+use crate::train::Scalars;
 use crate::train::TrainError;
 
 /// The groups `rank` of `size` plays out of `groups` consecutive ones: `(offset, count)`.

@@ -316,7 +316,7 @@ impl ReplayDraw {
             return Ok(None);
         };
         let hidden = policy.hidden(&batch.input)?;
-        let nll = crate::train::warm_start::sft::cross_entropy(policy, packed, batch, &hidden)?;
+        let nll = crate::train::learner::nll::cross_entropy(policy, packed, batch, &hidden)?;
         let value = f64::from(nll.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?);
         Ok(Some((nll.affine(self.coef, 0.0)?, value)))
     }

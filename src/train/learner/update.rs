@@ -29,7 +29,7 @@ use crate::train::learner::memory_plan::MemoryBudget;
 use crate::train::learner::optimizer_step::{backward, step_critic, Means};
 use crate::train::learner::ranks;
 use crate::train::learner::self_imitation::Replay;
-use crate::train::run::metrics::Scalars;
+use crate::train::Scalars;
 use crate::train::TrainError;
 use candle_core::{Device, Tensor};
 use rand::seq::SliceRandom;

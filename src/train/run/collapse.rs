@@ -3,7 +3,7 @@
 //! advantages. The detector reads the per-step metrics the trainer already logs and returns
 //! human-readable warnings; it never changes the run.
 
-use crate::train::run::metrics::Scalars;
+use crate::train::Scalars;
 
 /// Metric names the detector reads.
 pub const IN_GROUP_STD: &str = "rollout/in_group_reward_std";

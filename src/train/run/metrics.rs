@@ -4,13 +4,11 @@
 //! messages TensorBoard reads for scalars (`Event`, `Summary`, `Summary.Value`). This module owns
 //! writing and reading back metrics; what is measured is decided by the trainer.
 
+use crate::train::Scalars;
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
-
-/// One step's scalars, by metric name (e.g. `actor/pg_loss`).
-pub type Scalars = BTreeMap<String, f64>;
 
 /// Whether the metric `name` measures the machine (wall-clock time, throughput, memory) rather
 /// than the run: two runs of one config and seed differ in these and agree in every other.
@@ -463,13 +461,6 @@ fn event_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, MetricsError> {
     }
     files.sort();
     Ok(files)
-}
-
-/// Means of the first and the last few (up to 10) of `xs`: where a loss curve starts and ends.
-pub fn first_and_final(xs: &[f64]) -> (f64, f64) {
-    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
-    let k = (xs.len() / 2).clamp(1, 10).min(xs.len());
-    (mean(&xs[..k]), mean(&xs[xs.len() - k..]))
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 //! success (train and validation, per env tag), trajectory reward, token entropy, and gradient
 //! norm (actor and critic). This module owns the drawing only; metric names come from the trainer.
 
-use crate::train::run::metrics::{read_jsonl, MetricsError, Scalars};
+use crate::train::run::metrics::{read_jsonl, MetricsError};
+use crate::train::Scalars;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
 

@@ -9,6 +9,7 @@ use crate::store::{self, DatasetPosition, DatasetWriter};
 use crate::train::run::checkpoint;
 use crate::train::run::credit_log::{self, CreditLog, CREDIT_FILE};
 use crate::train::run::metrics::{self, MetricsPosition, MetricsSink};
+use crate::train::warm_start::setup::{CRITIC_BASE_DIR, LORA_BASE_DIR, WARM_START_DIR};
 use crate::train::TrainError;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -21,18 +22,6 @@ pub const DATASET_DIR: &str = "dataset";
 pub const CONFIG_FILE: &str = "config.json";
 /// The frozen reference policy (HF layout), for a run that keeps one.
 pub const REFERENCE_DIR: &str = "reference";
-/// The policy as the warm start left it (HF layout), for a run that had one: another run with
-/// `pretrain` set to it and the warm start off starts its RL from the very same policy (and
-/// critic, where the critic is copied from the policy as RL starts; a critic pre-trained apart,
-/// `critic.pretrain`, is not saved here).
-pub const WARM_START_DIR: &str = "warm_start";
-/// The frozen base model of a LoRA run whose base is on no disk otherwise (the built-in model
-/// without a warm start); the adapters of its checkpoints name it.
-pub const LORA_BASE_DIR: &str = "base";
-/// The frozen base of a separate critic with LoRA adapters, where it is on no disk otherwise (a
-/// built-in trunk, or a critic the warm start trained); the critic's adapters name it.
-pub const CRITIC_BASE_DIR: &str = "critic_base";
-
 /// Where the run's append-only files stood when a checkpoint was taken.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunPosition {

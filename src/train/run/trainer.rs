@@ -58,13 +58,15 @@ use crate::train::run::checkpoint::{self, CheckpointWriter};
 use crate::train::run::collapse::CollapseDetector;
 use crate::train::run::credit_log::{CreditLog, StepCredit};
 use crate::train::run::eval::{self, TagSummary, Validation, VAL_SEED_OFFSET};
-use crate::train::run::metrics::{MetricsSink, Scalars};
+use crate::train::run::metrics::MetricsSink;
 use crate::train::run::run_dir::{self, Rewound, RunPosition};
 use crate::train::warm_start::copy_pretrain::copy_pretrain;
 use crate::train::warm_start::setup::{
-    attach_critic_adapters, attach_run_adapters, device_of, engine_for, fresh_policy, run_lora_spec,
+    attach_critic_adapters, attach_run_adapters, device_of, engine_for, fresh_policy,
+    run_lora_spec, WARM_START_DIR,
 };
 use crate::train::warm_start::sft::{self, CloneSettings, SftReport};
+use crate::train::Scalars;
 use crate::train::TrainError;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
@@ -197,7 +199,7 @@ impl Trainer {
                 _ => None,
             };
             let report = warm_start(&cfg, &policy, separate, &tok)?;
-            policy.save(&run_dir.join(run_dir::WARM_START_DIR), Some(&tok))?;
+            policy.save(&run_dir.join(WARM_START_DIR), Some(&tok))?;
             Some(report)
         } else {
             None

@@ -222,7 +222,7 @@ fn train_on(
             checks.push(held_out(&run)?);
         }
     }
-    let (first_loss, final_loss) = crate::train::run::metrics::first_and_final(&run.losses);
+    let (first_loss, final_loss) = crate::train::warm_start::first_and_final(&run.losses);
     let (steps, probability) = *checks.last().expect("one check at least");
     Ok(CopyReport {
         steps,

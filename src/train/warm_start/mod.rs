@@ -7,3 +7,10 @@
 pub mod copy_pretrain;
 pub(crate) mod setup;
 pub mod sft;
+
+/// Means of the first and the last few (up to 10) of `xs`: where a loss curve starts and ends.
+pub fn first_and_final(xs: &[f64]) -> (f64, f64) {
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
+    let k = (xs.len() / 2).clamp(1, 10).min(xs.len());
+    (mean(&xs[..k]), mean(&xs[xs.len() - k..]))
+}

@@ -1,19 +1,31 @@
 //! Construction shared by the training loop, the warm start and evaluation: the device a config
 //! names ([`device_of`]), the rollout engine of a policy ([`engine_for`]) and the policy a fresh
 //! run starts from ([`fresh_policy`]) with its LoRA adapters ([`attach_run_adapters`]), and a
-//! separate critic's adapters ([`attach_critic_adapters`]). It builds things from a config; it
-//! runs nothing and holds no run state (the loop's critic, optimizers and checkpoints are
-//! [`crate::train::run::trainer`]'s).
+//! separate critic's adapters ([`attach_critic_adapters`]), and the names of the run-directory
+//! entries these write ([`WARM_START_DIR`], [`LORA_BASE_DIR`], [`CRITIC_BASE_DIR`]). It builds
+//! things from a config; it runs nothing and holds no run state (the loop's critic, optimizers
+//! and checkpoints are the run's).
 
 use crate::config::{BuiltinSize, Config, DeviceKind, PretrainSource};
 use crate::model::{Adapters, Critic, LoraSpec, Model, ModelConfig, ModelError};
 use crate::rollout::engine::{CacheMode, Engine, EngineConfig};
 use crate::seed;
 use crate::tokenizer::Tokenizer;
-use crate::train::run::run_dir;
 use crate::train::TrainError;
 use candle_core::Device;
 use std::path::{Path, PathBuf};
+
+/// The policy as the warm start left it (HF layout), for a run that had one: another run with
+/// `pretrain` set to it and the warm start off starts its RL from the very same policy (and
+/// critic, where the critic is copied from the policy as RL starts; a critic pre-trained apart,
+/// `critic.pretrain`, is not saved here).
+pub const WARM_START_DIR: &str = "warm_start";
+/// The frozen base model of a LoRA run whose base is on no disk otherwise (the built-in model
+/// without a warm start); the adapters of its checkpoints name it.
+pub const LORA_BASE_DIR: &str = "base";
+/// The frozen base of a separate critic with LoRA adapters, where it is on no disk otherwise (a
+/// built-in trunk, or a critic the warm start trained); the critic's adapters name it.
+pub const CRITIC_BASE_DIR: &str = "critic_base";
 
 /// Seed-path tag of the policy's initialisation (the loop's other components use 2 and up).
 const SEED_POLICY: u64 = 1;
@@ -108,13 +120,11 @@ const SEED_CRITIC_ADAPTERS: u64 = 7;
 /// `pretrain`.
 fn lora_base_dir(cfg: &Config, run_dir: &Path, warm_started: bool) -> PathBuf {
     if warm_started {
-        run_dir.join(run_dir::WARM_START_DIR)
+        run_dir.join(WARM_START_DIR)
     } else {
         match cfg.pretrain_source() {
             PretrainSource::Checkpoint(dir) => dir.to_path_buf(),
-            PretrainSource::Builtin(_) | PretrainSource::Shape(_) => {
-                run_dir.join(run_dir::LORA_BASE_DIR)
-            }
+            PretrainSource::Builtin(_) | PretrainSource::Shape(_) => run_dir.join(LORA_BASE_DIR),
         }
     }
 }
@@ -216,7 +226,7 @@ pub(crate) fn attach_critic_adapters(
         None => policy_base(cfg, run_dir, (policy, tok), warm_started, write_base)?,
         Some(dir) if dir != "builtin" && !critic_warmed => PathBuf::from(dir),
         Some(_) => {
-            let base = run_dir.join(run_dir::CRITIC_BASE_DIR);
+            let base = run_dir.join(CRITIC_BASE_DIR);
             if write_base {
                 critic.save(&base)?;
             }

@@ -22,8 +22,9 @@ use crate::store::{agent_episode, EpisodeIds, StepRecord, StoreError};
 use crate::tokenizer::Tokenizer;
 use crate::train::learner::batch::{pack, trajectories, PackedBatch};
 use crate::train::learner::device_batch::{BatchLayout, DeviceBatch};
-use crate::train::run::metrics::first_and_final;
+use crate::train::learner::nll;
 use crate::train::warm_start::copy_pretrain::CopyReport;
+use crate::train::warm_start::first_and_final;
 use crate::train::warm_start::setup::{device_of, fresh_policy};
 use crate::train::TrainError;
 use candle_core::Tensor;
@@ -266,7 +267,7 @@ fn clone_loss(
     let batch =
         DeviceBatch::laid_out(&packed, (records, chosen), settings.layout, policy.device())?;
     let hidden = policy.hidden(&batch.input)?;
-    let ce = cross_entropy(policy, &packed, &batch, &hidden)?;
+    let ce = nll::cross_entropy(policy, &packed, &batch, &hidden)?;
     let mut loss = ce.clone();
     if settings.observation_loss_coef > 0.0 {
         let obs = observation_cross_entropy(policy, &packed, &batch, &hidden)?;
@@ -356,26 +357,6 @@ fn clone_sequences(records: &[StepRecord]) -> Vec<Vec<usize>> {
             }
         })
         .collect()
-}
-
-/// Mean negative log-likelihood of `batch`'s response tokens (a scalar with gradient), from the
-/// policy trunk's output `hidden`, under the batch's constrained-decoding bias when it has one.
-pub(in crate::train) fn cross_entropy(
-    policy: &Model,
-    packed: &PackedBatch,
-    batch: &DeviceBatch,
-    hidden: &Tensor,
-) -> Result<Tensor, TrainError> {
-    let (picked, _) = policy.head_logprobs_entropy(
-        hidden,
-        &batch.token_index,
-        &batch.token_targets,
-        1.0,
-        batch.logit_bias.as_ref(),
-    )?;
-    let weights = Tensor::new(packed.token_mask.as_slice(), policy.device())?;
-    let n = packed.num_tokens().max(1) as f64;
-    Ok((picked * weights)?.sum_all()?.affine(-1.0 / n, 0.0)?)
 }
 
 /// Mean negative log-likelihood of every observation token of `packed`, from the policy trunk's
