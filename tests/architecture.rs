@@ -24,6 +24,10 @@ fn modules(root: &Path) -> BTreeMap<ModPath, String> {
             if path.extension().is_none_or(|e| e != "rs") {
                 continue;
             }
+            // A test module of its own file (`#[cfg(test)] mod tests;`) is test code.
+            if path.file_stem().is_some_and(|s| s == "tests") {
+                continue;
+            }
             let rel = path.strip_prefix(root).unwrap().with_extension("");
             let mut parts: ModPath = rel.iter().map(|p| p.to_string_lossy().into()).collect();
             if parts
@@ -229,4 +233,122 @@ fn the_reader_sees_a_circle_it_is_shown() {
     mods.insert(path("b::y"), "use crate::a::X;".to_string());
     assert!(find_circle(&edges(&mods)).is_none());
     assert!(find_circle(&top_level(&edges(&mods))).is_some());
+}
+
+/// The rooms of `train` point down: cut to `train::run`, `train::warm_start` and
+/// `train::learner` (each folder taken as one), the graph has no circle.
+#[test]
+fn the_training_rooms_point_down() {
+    let mods = modules(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
+    let room = |m: &ModPath| m[..m.len().min(2)].to_vec();
+    let mut rooms: BTreeMap<ModPath, BTreeSet<ModPath>> = BTreeMap::new();
+    for (from, targets) in edges(&mods)
+        .iter()
+        .filter(|(m, _)| m.first().is_some_and(|t| t == "train"))
+    {
+        for to in targets.iter().filter(|t| t[0] == "train") {
+            let (a, b) = (room(from), room(to));
+            if a != b && !a.starts_with(&b) && !b.starts_with(&a) {
+                rooms.entry(a).or_default().insert(b);
+            }
+        }
+    }
+    assert!(rooms.len() >= 2, "found the rooms {rooms:?}");
+    if let Some(circle) = find_circle(&rooms) {
+        let names: Vec<String> = circle.iter().map(|m| m.join("::")).collect();
+        panic!(
+            "the training rooms import each other: {}",
+            names.join(" → ")
+        );
+    }
+}
+
+/// The top-level modules each module of ARCHITECTURE.md says it imports: the backticked names
+/// after "Imports" in its `### \`name\`` section or its `- \`name.rs\`` line, those inside
+/// parentheses (which parts) left out; "nothing" is none.
+fn documented_imports(text: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let mut out = BTreeMap::new();
+    let mut current: Option<String> = None;
+    let mut imports: Option<String> = None;
+    let mut flush = |current: &Option<String>, imports: &mut Option<String>| {
+        if let (Some(name), Some(list)) = (current, imports.take()) {
+            let mut names = BTreeSet::new();
+            let mut depth = 0;
+            for (k, part) in list.split('`').enumerate() {
+                if k % 2 == 0 {
+                    depth += part.matches('(').count() as i32 - part.matches(')').count() as i32;
+                } else if depth == 0 {
+                    names.insert(part.to_string());
+                }
+            }
+            out.insert(name.clone(), names);
+        }
+    };
+    for line in text.lines() {
+        let heading = line.strip_prefix("### `");
+        let bullet = line.strip_prefix("- `").filter(|l| l.contains(".rs` —"));
+        if let Some(rest) = heading.or(bullet) {
+            flush(&current, &mut imports);
+            let name = rest.split('`').next().unwrap_or("");
+            current = Some(name.trim_end_matches(".rs").to_string());
+        } else if line.starts_with("## ") {
+            flush(&current, &mut imports);
+            current = None;
+        }
+        if current.is_none() {
+            continue;
+        }
+        if let Some(at) = line.find("Imports") {
+            imports = Some(line[at..].to_string());
+        } else if let Some(list) = imports.as_mut().filter(|l| !l.trim_end().ends_with('.')) {
+            if line.starts_with("Main types") || line.trim().is_empty() {
+                list.push('.');
+            } else {
+                list.push(' ');
+                list.push_str(line);
+            }
+        }
+    }
+    flush(&current, &mut imports);
+    out
+}
+
+#[test]
+fn architecture_md_lists_each_modules_imports_as_the_code_has_them() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let documented = documented_imports(&text);
+    let mods = modules(&root.join("src"));
+    let actual = top_level(&edges(&mods));
+    let tops: BTreeSet<String> = mods
+        .keys()
+        .filter_map(|m| m.first().cloned())
+        .filter(|m| m != "cli")
+        .collect();
+    let mut wrong = Vec::new();
+    for top in &tops {
+        let have: BTreeSet<String> = actual
+            .get(&vec![top.clone()])
+            .into_iter()
+            .flatten()
+            .map(|m| m[0].clone())
+            .collect();
+        match documented.get(top) {
+            None => wrong.push(format!("`{top}` has no Imports line")),
+            Some(listed) if *listed != have => wrong.push(format!(
+                "`{top}` lists {listed:?}, its code imports {have:?}"
+            )),
+            Some(_) => {}
+        }
+    }
+    assert!(wrong.is_empty(), "ARCHITECTURE.md: {}", wrong.join("; "));
+}
+
+#[test]
+fn the_imports_reader_takes_top_level_names_only() {
+    let text = "### `view` — x\nImports: `algo`, `train` (`run::checkpoint`,\n`run::metrics`).\nMain types: `V`.\n\n- `seed.rs` — seeds. Imports nothing.\n## Layering\n";
+    let got = documented_imports(text);
+    let names = |xs: &[&str]| xs.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+    assert_eq!(got["view"], names(&["algo", "train"]));
+    assert_eq!(got["seed"], names(&[]));
 }

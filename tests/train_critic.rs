@@ -1,5 +1,3 @@
-#![allow(clippy::result_large_err)] // `critic_values` takes the value function as a closure returning the crate's error.
-
 //! The step-level critic learns: on a fixed dataset whose return is a function of the state
 //! (which of four observations the step saw), critic-only updates (the policy frozen, as in the
 //! critic warm-up) raise the explained variance of the step-start values over the whole batch
@@ -9,13 +7,11 @@
 use candle_core::Device;
 use stepppo::algo::loss::explained_variance;
 use stepppo::algo::{AdamW, CriticTarget, LossConfig, OptimizerConfig};
-use stepppo::model::{Critic, Model, ModelConfig, ValueMlp};
+use stepppo::model::{Critic as CriticTrunk, Model, ModelConfig, ValueMlp};
 use stepppo::store::StepRecord;
 use stepppo::train::learner::critic::fit::state_values;
-use stepppo::train::learner::critic::history::CriticHistory;
-use stepppo::train::learner::critic::CriticModel;
+use stepppo::train::learner::critic::{FeatureCritic, SeparateCritic, StateCritic, ValueReading};
 use stepppo::train::learner::masks::ResponseMasks;
-use stepppo::train::learner::scoring::critic_values;
 use stepppo::train::learner::update::{
     ppo_update, CriticLearner, Learners, UpdateInputs, UpdateSettings,
 };
@@ -55,8 +51,10 @@ const TREE: BatchLayout = BatchLayout {
     tree: true,
 };
 
+type Critic = dyn stepppo::train::learner::critic::Critic;
+
 fn explained(
-    critic: &CriticModel,
+    critic: &Critic,
     policy: &Model,
     records: &[StepRecord],
     sequences: &[Vec<usize>],
@@ -70,36 +68,32 @@ fn explained(
 /// Step-start values of every record: read from the token positions, or a state critic's from
 /// the records' critic states.
 fn values_of(
-    critic: &CriticModel,
+    critic: &Critic,
     policy: &Model,
     records: &[StepRecord],
     sequences: &[Vec<usize>],
 ) -> Vec<Vec<f32>> {
-    if let CriticModel::State(c) = critic {
-        return state_values(c, records, CriticTarget::StepStart, &Device::Cpu).unwrap();
-    }
-    critic_values(
-        &|input| critic.values(policy, input),
+    let reading = ValueReading {
+        policy,
         records,
         sequences,
-        CriticTarget::StepStart,
-        (16, TREE),
-        &ResponseMasks::default(),
-        &Device::Cpu,
-    )
-    .unwrap()
+        target: CriticTarget::StepStart,
+        chunks: (16, TREE),
+        masks: &ResponseMasks::default(),
+        dist: &stepppo::dist::Single,
+    };
+    critic.record_values(&reading).unwrap()
 }
 
 /// Learning rate of every fit.
 const LR: f64 = 3e-3;
 
-/// How [`fit`] trains: `rounds` critic-only updates of `critic_epochs` passes; a state critic
-/// fits on the rows of its last `history_batches` batches; with `alternate`, even rounds train
-/// the critic on the steps of states 0 and 1 only, odd rounds on states 2 and 3.
+/// How [`fit`] trains: `rounds` critic-only updates of `critic_epochs` passes; with
+/// `alternate`, even rounds train the critic on the steps of states 0 and 1 only, odd rounds on
+/// states 2 and 3.
 struct Plan {
     rounds: u64,
     critic_epochs: usize,
-    history_batches: usize,
     alternate: bool,
 }
 
@@ -108,15 +102,22 @@ impl Plan {
         Plan {
             rounds,
             critic_epochs,
-            history_batches: 1,
             alternate: false,
         }
     }
 }
 
+/// A state critic on [`STATE_WIDTH`] wide states, fitting on the rows of its last
+/// `history_batches` batches.
+fn state_critic(history_batches: usize) -> StateCritic {
+    let mlp =
+        ValueMlp::with_width(STATE_WIDTH, &ModelConfig::tiny(VOCAB), 2, &Device::Cpu).unwrap();
+    StateCritic::new(mlp, history_batches)
+}
+
 /// Runs `plan`'s critic-only updates at [`LR`]; returns the explained variance over every record
 /// before and after and the last update's metrics, and asserts the frozen policy did not move.
-fn fit(critic: &CriticModel, policy: &Model, plan: &Plan) -> (f64, f64, Scalars) {
+fn fit(critic: &mut Critic, policy: &Model, plan: &Plan) -> (f64, f64, Scalars) {
     let opt_cfg = OptimizerConfig {
         lr: LR,
         critic_lr: LR,
@@ -124,11 +125,10 @@ fn fit(critic: &CriticModel, policy: &Model, plan: &Plan) -> (f64, f64, Scalars)
         ..OptimizerConfig::default()
     };
     let mut actor_opt = AdamW::new(policy.named_vars(), &opt_cfg).unwrap();
-    let mut critic_opt = AdamW::new(critic.trainable_vars(), &opt_cfg).unwrap();
+    let mut critic_opt = AdamW::new(critic.trainable_vars(policy), &opt_cfg).unwrap();
     let records = records();
     let sequences: Vec<Vec<usize>> = (0..records.len()).map(|i| vec![i]).collect();
     let before = explained(critic, policy, &records, &sequences);
-    let mut history = CriticHistory::new(plan.history_batches, STATE_WIDTH);
     let mut last = Scalars::new();
 
     let returns: Vec<Vec<f32>> = records.iter().map(|r| vec![r.reward; 2]).collect();
@@ -174,15 +174,13 @@ fn fit(critic: &CriticModel, policy: &Model, plan: &Plan) -> (f64, f64, Scalars)
             tree_forward: TREE.tree,
             memory: None,
         };
-        let learner = match critic {
-            CriticModel::Separate(c) => CriticLearner::Separate(c, &mut critic_opt),
-            CriticModel::Features(c) => CriticLearner::Features(c, &mut critic_opt),
-            CriticModel::State(c) => CriticLearner::State(c, &mut critic_opt, &mut history),
-        };
         let mut learners = Learners {
             policy,
             actor_opt: &mut actor_opt,
-            critic: Some(learner),
+            critic: Some(CriticLearner {
+                critic: &mut *critic,
+                opt: &mut critic_opt,
+            }),
         };
         last = ppo_update(&inputs, &settings, &mut learners)
             .unwrap()
@@ -196,7 +194,7 @@ fn fit(critic: &CriticModel, policy: &Model, plan: &Plan) -> (f64, f64, Scalars)
 
 /// Runs [`fit`] and checks that the critic went from explaining little of the
 /// return to nearly all of it.
-fn assert_learns(critic: &CriticModel, policy: &Model, plan: Plan) {
+fn assert_learns(critic: &mut Critic, policy: &Model, plan: Plan) {
     let (before, after, _) = fit(critic, policy, &plan);
     assert!(
         before < 0.3,
@@ -209,25 +207,23 @@ fn assert_learns(critic: &CriticModel, policy: &Model, plan: Plan) {
 fn critic_only_updates_raise_the_explained_variance_on_a_fixed_dataset() {
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
-    let critic = CriticModel::Separate(Box::new(Critic::new(&cfg, 2, &Device::Cpu).unwrap()));
-    assert_learns(&critic, &policy, Plan::plain(30, 1));
+    let mut critic = SeparateCritic::new(CriticTrunk::new(&cfg, 2, &Device::Cpu).unwrap());
+    assert_learns(&mut critic, &policy, Plan::plain(30, 1));
 }
 
 #[test]
 fn a_feature_critic_fits_the_frozen_policys_features() {
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
-    let critic = CriticModel::Features(ValueMlp::new(&policy, 2).unwrap());
-    assert_learns(&critic, &policy, Plan::plain(3, 10));
+    let mut critic = FeatureCritic::new(ValueMlp::new(&policy, 2).unwrap());
+    assert_learns(&mut critic, &policy, Plan::plain(3, 10));
 }
 
 #[test]
 fn a_state_critic_fits_the_records_critic_states() {
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
-    let critic =
-        CriticModel::State(ValueMlp::with_width(STATE_WIDTH, &cfg, 2, &Device::Cpu).unwrap());
-    assert_learns(&critic, &policy, Plan::plain(3, 10));
+    assert_learns(&mut state_critic(1), &policy, Plan::plain(3, 10));
 }
 
 #[test]
@@ -235,15 +231,12 @@ fn a_state_critic_with_a_history_fits_the_states_of_earlier_batches() {
     // Each round trains on half the states; a history of two batches holds all four.
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
-    let critic =
-        CriticModel::State(ValueMlp::with_width(STATE_WIDTH, &cfg, 2, &Device::Cpu).unwrap());
     let plan = Plan {
         rounds: 6,
         critic_epochs: 10,
-        history_batches: 2,
         alternate: true,
     };
-    let (before, after, metrics) = fit(&critic, &policy, &plan);
+    let (before, after, metrics) = fit(&mut state_critic(2), &policy, &plan);
     assert_eq!(metrics["critic/history_rows"], 16.0);
     assert!(after > 0.9, "explained variance {before:.3} → {after:.3}");
 }
@@ -277,7 +270,7 @@ impl Flat for candle_core::Tensor {
 fn a_critic_copied_from_the_policy_starts_from_its_trunk_and_owns_its_weights() {
     let cfg = ModelConfig::tiny(VOCAB);
     let policy = Model::new(&cfg, 1, &Device::Cpu).unwrap();
-    let critic = Critic::from_policy(&policy, 2, false).unwrap();
+    let critic = CriticTrunk::from_policy(&policy, 2, false).unwrap();
     let policy_vars: std::collections::HashMap<String, Vec<f32>> = policy
         .named_vars()
         .into_iter()

@@ -13,7 +13,7 @@ pub(crate) mod device_batch;
 pub mod masks;
 pub mod memory_plan;
 pub(crate) mod nll;
-pub(crate) mod optimizer_step;
+pub mod optimizer_step;
 pub mod prefix_tree;
 pub(crate) mod ranks;
 pub mod scoring;

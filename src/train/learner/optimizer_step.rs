@@ -15,7 +15,7 @@ use candle_core::Tensor;
 /// A value measured on one rank's part of a mini-batch counts as that part's share of the
 /// mini-batch ([`Means::part`]), so merged over ranks it is the whole mini-batch's value (for the
 /// means the losses aggregate); a value every rank holds alike counts once per rank.
-pub(in crate::train) struct Means {
+pub struct Means {
     sums: Scalars,
     counts: std::collections::BTreeMap<String, f64>,
     /// Weight of the values added now (1 outside [`Means::part`]).
@@ -33,7 +33,7 @@ impl Default for Means {
 }
 
 impl Means {
-    pub(in crate::train) fn add(&mut self, name: &str, v: f64) {
+    pub fn add(&mut self, name: &str, v: f64) {
         if v.is_finite() {
             *self.sums.entry(name.into()).or_default() += v * self.weight;
             *self.counts.entry(name.into()).or_default() += self.weight;

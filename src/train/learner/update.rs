@@ -17,12 +17,12 @@
 use crate::algo::loss::{agg_normaliser, LOG_RATIO_BOUND};
 use crate::algo::{policy_loss, value_loss, AdamW, CriticTarget, LossConfig};
 use crate::dist::Collective;
-use crate::model::{Critic, Model, ValueMlp};
+use crate::model::Model;
 use crate::seed;
 use crate::store::StepRecord;
 use crate::train::learner::batch::{pack, PackedBatch};
-use crate::train::learner::critic::fit::{self, FitBatch, FitSettings};
-use crate::train::learner::critic::history::CriticHistory;
+use crate::train::learner::critic::fit::{FitBatch, FitSettings};
+use crate::train::learner::critic::{Critic, FitContext};
 use crate::train::learner::device_batch::{BatchLayout, DeviceBatch};
 use crate::train::learner::masks::ResponseMasks;
 use crate::train::learner::memory_plan::MemoryBudget;
@@ -130,21 +130,10 @@ impl UpdateSettings<'_> {
     }
 }
 
-/// The critic side of the update.
-pub enum CriticLearner<'a> {
-    /// A separate critic and its optimizer: its own forward and step per mini-batch.
-    Separate(&'a Critic, &'a mut AdamW),
-    /// A value MLP on the policy's detached features and its optimizer: fitted after the actor's
-    /// epochs on the features of the updated policy ([`fit::fit_value_mlp`]).
-    Features(&'a ValueMlp, &'a mut AdamW),
-    /// A value MLP on the records' critic states, its optimizer and its fitting history:
-    /// fitted after the actor's epochs on the rows of the history, the batch's own added first
-    /// ([`fit::fit_value_mlp`]).
-    State(&'a ValueMlp, &'a mut AdamW, &'a mut CriticHistory),
-    /// A value head on the policy's trunk: its loss joins the actor's in one backward pass, and
-    /// this optimizer (over the head's parameters, at the critic's learning rate and weight
-    /// decay) steps the head while the actor's steps the trunk.
-    SharedHead(&'a mut AdamW),
+/// The critic side of the update: the critic and the optimizer that steps it.
+pub struct CriticLearner<'a> {
+    pub critic: &'a mut dyn Critic,
+    pub opt: &'a mut AdamW,
 }
 
 /// The models and optimizers the update steps.
@@ -234,9 +223,9 @@ pub fn ppo_update(
     let mut actor_updates = 0usize;
     // Passes in which the critic trains on the actor's mini-batches (a feature critic is fitted
     // after them, on features of its own).
-    let mini_batch_critic_epochs = match learners.critic {
-        Some(CriticLearner::Features(..) | CriticLearner::State(..)) | None => 0,
-        Some(_) => settings.critic_epochs,
+    let mini_batch_critic_epochs = match &learners.critic {
+        Some(c) if c.critic.trains_on_mini_batches() => settings.critic_epochs,
+        _ => 0,
     };
     let dist = settings.dist;
     for epoch in 0..settings.epochs.max(mini_batch_critic_epochs) {
@@ -273,59 +262,38 @@ pub fn ppo_update(
                 skipped += usize::from(actor_skipped);
                 actor_updates += usize::from(stepped);
             }
-            let critic_trains = train_critic
-                && match &learners.critic {
-                    Some(CriticLearner::Separate(..)) => true,
-                    // A shared head trains with the actor's backward when the actor steps.
-                    Some(CriticLearner::SharedHead(_)) => !train_actor,
-                    _ => false,
-                };
-            if !critic_trains {
+            let Some(learner) = learners.critic.as_mut() else {
+                continue;
+            };
+            // A head on the policy's trunk trains with the actor's backward when the actor steps.
+            let in_actor_backward = learner.critic.trains_in_actor_backward() && train_actor;
+            if !train_critic || in_actor_backward {
                 continue;
             }
-            let values = match (&learners.critic, part) {
-                (Some(CriticLearner::Separate(critic, _)), Some((_, batch))) => {
-                    Some(critic.values_of(&batch.input)?)
-                }
-                (_, Some((_, batch))) => {
-                    let policy = learners.policy;
-                    Some(policy.head_values(&policy.hidden(&batch.input)?)?)
-                }
-                (_, None) => None,
+            let values = match part {
+                Some((_, batch)) => Some(learner.critic.values(learners.policy, &batch.input)?),
+                None => None,
             };
-            if let Some(critic) = learners.critic.as_mut() {
-                let opt = match critic {
-                    CriticLearner::Separate(_, opt)
-                    | CriticLearner::Features(_, opt)
-                    | CriticLearner::State(_, opt, _)
-                    | CriticLearner::SharedHead(opt) => opt,
-                };
-                let local = values.as_ref().zip(part);
-                skipped += usize::from(critic_step(inputs, settings, local, opt, &mut means)?);
-            }
+            let local = values.as_ref().zip(part);
+            skipped += usize::from(critic_step(
+                inputs,
+                settings,
+                local,
+                learner.opt,
+                &mut means,
+            )?);
         }
     }
-    if let Some(target) = inputs.critic_target {
-        let batch = inputs.fit_batch(target);
-        let fitted = match learners.critic.as_mut() {
-            Some(CriticLearner::Features(critic, opt)) => {
-                let layout = (settings.layout(), settings.masks);
-                let rows = fit::feature_rows(&batch, learners.policy, layout)?;
-                let newest = rows.returns.len();
-                Some((rows, newest, &**critic, opt))
-            }
-            Some(CriticLearner::State(critic, opt, history)) => {
-                history.push(fit::state_rows(&batch, history.width())?);
-                let rows = fit::history_rows(history, learners.policy.device())?;
-                means.add("critic/history_rows", rows.returns.len() as f64);
-                Some((rows, history.newest_len(), &**critic, opt))
-            }
-            _ => None,
+    if let (Some(target), Some(learner)) = (inputs.critic_target, learners.critic.as_mut()) {
+        let ctx = FitContext {
+            policy: learners.policy,
+            layout: settings.layout(),
+            masks: settings.masks,
+            settings: settings.fit_settings(),
         };
-        if let Some((rows, newest, critic, opt)) = fitted {
-            let fit_settings = settings.fit_settings();
-            skipped += fit::fit_value_mlp(&rows, newest, critic, opt, &fit_settings, &mut means)?;
-        }
+        skipped += learner
+            .critic
+            .fit(&inputs.fit_batch(target), &ctx, learner.opt, &mut means)?;
     }
     let mut out = Scalars::new();
     means.merged(dist)?.into_scalars(&mut out);
@@ -489,7 +457,10 @@ fn actor_step(
     (means, ratios): (&mut Means, &mut StepRatios),
 ) -> Result<(bool, bool), TrainError> {
     let dist = settings.dist;
-    let shared_head = matches!(learners.critic, Some(CriticLearner::SharedHead(_)));
+    let shared_head = learners
+        .critic
+        .as_ref()
+        .is_some_and(|c| c.critic.trains_in_actor_backward());
     let actor = part.map_or((0, 0.0), |(p, _)| {
         let counts = kept_counts(p, &inputs.actor_keep);
         normaliser(settings, p, &inputs.actor_keep, &counts, p.max_response_len)
@@ -551,7 +522,11 @@ fn actor_step(
             .step(&grads, settings.actor_lr, Some(settings.max_grad_norm))?;
     means.add("actor/grad_norm", report.grad_norm);
     means.add("actor/lr", report.lr);
-    if let Some(CriticLearner::SharedHead(head_opt)) = learners.critic.as_mut() {
+    if let Some(CriticLearner { opt: head_opt, .. }) = learners
+        .critic
+        .as_mut()
+        .filter(|c| c.critic.trains_in_actor_backward())
+    {
         // The head's parameters are the head optimizer's: summed over ranks on their own.
         let head_grads = ranks::summed_gradients(head_opt, local_grads.as_ref(), finite, dist)?
             .ok_or_else(|| TrainError::Data("a shared head lost its gradient".into()))?;
@@ -579,7 +554,10 @@ fn actor_loss(
 ) -> Result<(Tensor, Option<Tensor>), TrainError> {
     let device = learners.policy.device().clone();
     let (mask, _) = row_mask(p, &inputs.actor_keep, &device)?;
-    let shared_head = matches!(learners.critic, Some(CriticLearner::SharedHead(_)));
+    let shared_head = learners
+        .critic
+        .as_ref()
+        .is_some_and(|c| c.critic.trains_in_actor_backward());
     let (logp, entropy, shared_values) = if shared_head {
         let (lp, ent, v) = shared_forward(learners.policy, batch, settings.temperature)?;
         (lp, ent, Some(v))
@@ -813,9 +791,11 @@ mod tests {
     use crate::algo::OptimizerConfig;
     use crate::model::ModelConfig;
     use crate::model::TrainInput;
+    use crate::model::{Critic as CriticTrunk, ValueMlp};
     use crate::train::close::{assert_close, assert_rows_close};
     use crate::train::learner::batch::{pad, trajectories};
-    use crate::train::learner::critic::CriticModel;
+    use crate::train::learner::critic::fit;
+    use crate::train::learner::critic::{FeatureCritic, SeparateCritic, SharedHead};
     use crate::train::learner::scoring::{critic_values, response_logprobs};
 
     fn record(adv_len: usize) -> StepRecord {
@@ -1088,7 +1068,10 @@ mod tests {
         let learners = Learners {
             policy,
             actor_opt: &mut actor_opt,
-            critic: Some(CriticLearner::SharedHead(&mut head_opt)),
+            critic: Some(CriticLearner {
+                critic: &mut SharedHead,
+                opt: &mut head_opt,
+            }),
         };
         let (p, batch) = local_batch(inputs, &settings, policy, &inputs.sequences)
             .unwrap()
@@ -1210,7 +1193,7 @@ mod tests {
     fn a_separate_critic_reads_the_same_values_from_the_tree() {
         let records = group_records(2, 3, true);
         let inputs = tree_inputs(&records, trajectories(&records));
-        let critic = Critic::new(&ModelConfig::tiny(64), 9, &Device::Cpu).unwrap();
+        let critic = CriticTrunk::new(&ModelConfig::tiny(64), 9, &Device::Cpu).unwrap();
         let policy = Model::new(&ModelConfig::tiny(64), 5, &Device::Cpu).unwrap();
         let loss = LossConfig::default();
         let run = |tree| {
@@ -1259,8 +1242,8 @@ mod tests {
         let cfg = ModelConfig::tiny(64);
         let mut policy = Model::new(&cfg, 5, &Device::Cpu).unwrap();
         policy.attach_value_head(6).unwrap();
-        let critic = CriticModel::Separate(Box::new(Critic::new(&cfg, 9, &Device::Cpu).unwrap()));
-        let features = CriticModel::Features(ValueMlp::new(&policy, 4).unwrap());
+        let critic = SeparateCritic::new(CriticTrunk::new(&cfg, 9, &Device::Cpu).unwrap());
+        let features = FeatureCritic::new(ValueMlp::new(&policy, 4).unwrap());
         // Chunks of 4 sequences: a group is split over two chunks.
         let chunks = |tree| (4, BatchLayout { pad_id: 0, tree });
         let masks = ResponseMasks::default();

@@ -34,21 +34,19 @@ use crate::config::{config_name, Config, CriticMode, ProximalPolicy};
 use crate::crash;
 use crate::dist::{Collective, Metered, Single};
 use crate::env::AgentKind;
-use crate::model::{Critic, LoraSpec, Model, Precision};
+use crate::model::{Critic as CriticTrunk, LoraSpec, Model, Precision};
 use crate::rollout::engine::{CacheCounters, Engine};
 use crate::rollout::grammar::ResponseGrammar;
 use crate::seed;
 use crate::store::{DatasetWriter, SegmentEntry, StepRecord, WriterOptions};
 use crate::tokenizer::Tokenizer;
 use crate::train::learner::batch::trajectories;
-use crate::train::learner::critic::fit::state_values;
-use crate::train::learner::critic::history::{self as critic_history, CriticHistory};
-use crate::train::learner::critic::{critic_seed, CriticModel, CriticOrigin};
+use crate::train::learner::critic::{self, Critic, CriticOrigin, ValueReading};
 use crate::train::learner::device_batch::BatchLayout;
 use crate::train::learner::masks::{response_masks, ResponseMasks};
 use crate::train::learner::memory_plan::{MemoryBudget, GIB};
 use crate::train::learner::ranks;
-use crate::train::learner::scoring::{critic_values, response_logprobs};
+use crate::train::learner::scoring::response_logprobs;
 use crate::train::learner::self_imitation::{self, Replay, ReplayBuffer};
 use crate::train::learner::update::{
     self, CriticLearner, Learners, StepRatios, UpdateInputs, UpdateReport, UpdateSettings,
@@ -119,7 +117,7 @@ pub struct Trainer {
     run_dir: PathBuf,
     tok: Tokenizer,
     policy: Model,
-    critic: Option<CriticModel>,
+    critic: Option<Box<dyn Critic>>,
     /// The frozen policy the KL penalty and the KL loss are measured against
     /// ([`Config::keeps_reference`]).
     reference: Option<Model>,
@@ -142,9 +140,6 @@ pub struct Trainer {
     masks: ResponseMasks,
     /// Self-imitation replay buffer; `None` when `self_imitation.coef` is 0.
     replay_buffer: Option<ReplayBuffer>,
-    /// The state critic's fitting history (`critic.history_batches`); `None` without a state
-    /// critic.
-    critic_history: Option<CriticHistory>,
     /// The run's memory plan against the machine's memory; `None` where that is not known.
     memory: Option<MemoryBudget>,
     /// Warnings found while opening the run or during a step or validation, reported with the
@@ -185,7 +180,7 @@ impl Trainer {
             run_dir::prepare_fresh(run_dir, false)?;
         }
         let (mut policy, tok) = fresh_policy(&cfg, &device)?;
-        let mut critic = CriticModel::open(&cfg, &mut policy, CriticOrigin::Fresh)?;
+        let mut critic = critic::open(&cfg, &mut policy, CriticOrigin::Fresh)?;
         set_numerics(&cfg, &mut policy, critic.as_mut())?;
         check_memory(&cfg, &policy, run_lora_spec(&cfg)?)?;
         // Only now that the device and every model directory were found good does the run
@@ -194,28 +189,20 @@ impl Trainer {
             std::fs::create_dir_all(run_dir).map_err(io_err(run_dir))?;
         }
         let warm_start = if (cfg.sft.steps > 0 || cfg.sft.copy.steps > 0) && lead {
-            let separate = match &critic {
-                Some(CriticModel::Separate(c)) => Some(c.as_ref()),
-                _ => None,
-            };
-            let report = warm_start(&cfg, &policy, separate, &tok)?;
+            let trunk = critic.as_ref().and_then(|c| c.trunk());
+            let report = warm_start(&cfg, &policy, trunk, &tok)?;
             policy.save(&run_dir.join(WARM_START_DIR), Some(&tok))?;
             Some(report)
         } else {
             None
         };
         broadcast_weights(dist.as_ref(), &policy.named_vars())?;
-        if let Some(CriticModel::Separate(c)) = &critic {
-            broadcast_weights(dist.as_ref(), &c.named_vars())?;
+        if let Some(c) = &critic {
+            broadcast_weights(dist.as_ref(), &c.broadcast_vars())?;
         }
-        if cfg.critic.mode == CriticMode::Separate && critic.is_none() {
-            // A LoRA critic beside a LoRA policy reads the policy's frozen base: no second copy.
-            let share_base = cfg.lora_enabled() && cfg.critic.lora.is_some();
-            let copy = Critic::from_policy(&policy, critic_seed(&cfg), share_base)?;
-            critic = Some(CriticModel::Separate(Box::new(copy)));
-        }
+        let mut critic = critic::complete_fresh(&cfg, &policy, critic)?;
         let warm_started = cfg.sft.steps > 0 || cfg.sft.copy.steps > 0;
-        if let Some(CriticModel::Separate(c)) = critic.as_mut() {
+        if let Some(c) = critic.as_mut().and_then(|c| c.trunk_mut()) {
             attach_critic_adapters(&cfg, run_dir, (c, &policy, &tok), warm_started, lead)?;
         }
         attach_run_adapters(&cfg, run_dir, (&mut policy, &tok), warm_started, lead)?;
@@ -230,7 +217,7 @@ impl Trainer {
         } else {
             None
         };
-        let (actor_opt, critic_opt) = optimizers(&cfg, &policy, critic.as_ref())?;
+        let (actor_opt, critic_opt) = optimizers(&cfg, &policy, critic.as_deref())?;
         if lead {
             let text = serde_json::to_string_pretty(&cfg).expect("a config serialises");
             let path = run_dir.join(run_dir::CONFIG_FILE);
@@ -285,10 +272,9 @@ impl Trainer {
             &ckpt.join("policy").display().to_string(),
             &device,
         )?;
-        let critic_dir = ckpt.join("critic");
-        let critic = CriticModel::open(&cfg, &mut policy, CriticOrigin::Checkpoint(&critic_dir))?;
+        let critic = critic::open(&cfg, &mut policy, CriticOrigin::Checkpoint(&ckpt))?;
         check_memory(&cfg, &policy, policy.adapters().map(|a| a.spec().clone()))?;
-        let (mut actor_opt, mut critic_opt) = optimizers(&cfg, &policy, critic.as_ref())?;
+        let (mut actor_opt, mut critic_opt) = optimizers(&cfg, &policy, critic.as_deref())?;
         actor_opt.load(&ckpt.join("optim_actor.safetensors"))?;
         if let Some(opt) = critic_opt.as_mut() {
             opt.load(&ckpt.join("optim_critic.safetensors"))?;
@@ -313,14 +299,6 @@ impl Trainer {
             None,
         )?;
         trainer.pending_warnings.extend(rewound);
-        let saved_history = ckpt.join(critic_history::CHECKPOINT_FILE);
-        if let Some(history) = trainer.critic_history.as_mut() {
-            // A checkpoint without one comes from a run that fitted on each batch alone.
-            if saved_history.exists() {
-                let capacity = trainer.cfg.critic.history_batches;
-                *history = CriticHistory::load(&saved_history, capacity, history.width())?;
-            }
-        }
         let saved_buffer = ckpt.join(self_imitation::CHECKPOINT_DIR);
         if trainer.replay_buffer.is_some() && saved_buffer.exists() {
             let capacity = trainer.cfg.self_imitation.buffer_size;
@@ -345,7 +323,7 @@ impl Trainer {
         cfg: Config,
         run_dir: &Path,
         tok: Tokenizer,
-        (mut policy, mut critic, mut reference): (Model, Option<CriticModel>, Option<Model>),
+        (mut policy, mut critic, mut reference): (Model, Option<Box<dyn Critic>>, Option<Model>),
         (actor_opt, critic_opt): (AdamW, Option<AdamW>),
         (dataset, dist): (DatasetWriter, Arc<dyn Collective>),
         state: TrainState,
@@ -369,13 +347,6 @@ impl Trainer {
         let masks = response_masks(&cfg, &tok, policy.config().vocab_size)?;
         let replay_buffer = (cfg.self_imitation.coef > 0.0)
             .then(|| ReplayBuffer::new(cfg.self_imitation.buffer_size, cfg.context));
-        let critic_history = match &critic {
-            Some(CriticModel::State(c)) => Some(CriticHistory::new(
-                cfg.critic.history_batches,
-                c.input_width(),
-            )),
-            _ => None,
-        };
         let (sink, credit_log) = match dist.rank() {
             0 => (
                 Some(MetricsSink::open(run_dir)?),
@@ -402,7 +373,6 @@ impl Trainer {
             warm_start,
             masks,
             replay_buffer,
-            critic_history,
             pending_warnings: Vec::new(),
             rollout_worker: None,
             memory,
@@ -473,17 +443,7 @@ impl Trainer {
     /// The critic model's weights by name, LoRA adapters included (for comparisons and tests);
     /// empty without a critic model.
     pub fn critic_weights(&self) -> Vec<(String, Tensor)> {
-        let vars = match &self.critic {
-            Some(CriticModel::Separate(c)) => {
-                let adapters = c.adapters().map(|a| a.named_vars());
-                c.named_vars()
-                    .into_iter()
-                    .chain(adapters.into_iter().flatten())
-                    .collect()
-            }
-            Some(other) => other.trainable_vars(),
-            None => Vec::new(),
-        };
+        let vars = self.critic.as_ref().map_or_else(Vec::new, |c| c.weights());
         vars.into_iter()
             .map(|(n, v)| (n, v.as_tensor().clone()))
             .collect()
@@ -911,33 +871,21 @@ impl Trainer {
         sequences: &[Vec<usize>],
         target: CriticTarget,
     ) -> Result<Vec<Vec<f32>>, TrainError> {
-        let device = self.policy.device().clone();
-        if let Some(CriticModel::State(critic)) = &self.critic {
-            // Cheap and the same on every rank: no split.
-            return state_values(critic, records, target, &device);
+        let reading = ValueReading {
+            policy: &self.policy,
+            records,
+            sequences,
+            target,
+            chunks: (VALUE_CHUNK, self.layout()),
+            masks: &self.masks,
+            dist: self.dist.as_ref(),
+        };
+        match &self.critic {
+            Some(critic) => critic.record_values(&reading),
+            None => Err(TrainError::Data(
+                "the estimator reads critic values, and the run has no critic".into(),
+            )),
         }
-        let dist = self.dist.as_ref();
-        let chunks = (VALUE_CHUNK, self.layout());
-        ranks::per_record_rows(records.len(), sequences, dist, |mine| match &self.critic {
-            Some(c) => critic_values(
-                &|input| c.values(&self.policy, input),
-                records,
-                mine,
-                target,
-                chunks,
-                &self.masks,
-                &device,
-            ),
-            None => critic_values(
-                &|input| Ok(self.policy.values(input)?),
-                records,
-                mine,
-                target,
-                chunks,
-                &self.masks,
-                &device,
-            ),
-        })
     }
 
     /// Decoupled PPO's correction of a batch whose behaviour log-probs are not the update's
@@ -1149,27 +1097,15 @@ impl Trainer {
             tree_forward: self.cfg.tree_forward,
             memory: self.memory.as_ref(),
         };
-        let shared_head = self.cfg.critic.mode == CriticMode::Shared;
+        let critic = self
+            .critic
+            .as_deref_mut()
+            .zip(self.critic_opt.as_mut())
+            .map(|(critic, opt)| CriticLearner { critic, opt });
         let mut learners = Learners {
             policy: &self.policy,
             actor_opt: &mut self.actor_opt,
-            critic: match (&self.critic, shared_head) {
-                (Some(CriticModel::Separate(critic)), _) => self
-                    .critic_opt
-                    .as_mut()
-                    .map(|o| CriticLearner::Separate(critic, o)),
-                (Some(CriticModel::Features(critic)), _) => self
-                    .critic_opt
-                    .as_mut()
-                    .map(|o| CriticLearner::Features(critic, o)),
-                (Some(CriticModel::State(critic)), _) => self
-                    .critic_opt
-                    .as_mut()
-                    .zip(self.critic_history.as_mut())
-                    .map(|(o, history)| CriticLearner::State(critic, o, history)),
-                (None, true) => self.critic_opt.as_mut().map(CriticLearner::SharedHead),
-                (None, false) => None,
-            },
+            critic,
         };
         update::ppo_update(inputs, &settings, &mut learners)
     }
@@ -1199,18 +1135,15 @@ impl Trainer {
         crash::point("checkpoint.partial");
         self.actor_opt.save(&tmp.join("optim_actor.safetensors"))?;
         if let Some(critic) = &self.critic {
-            let vars = critic.trainable_vars();
+            let vars = critic.weights();
             writer.ensure_finite(vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
-            critic.save(&tmp.join("critic"))?;
+            critic.save(&tmp)?;
         }
         if let Some(opt) = &self.critic_opt {
             opt.save(&tmp.join("optim_critic.safetensors"))?;
         }
         if let Some(buffer) = &self.replay_buffer {
             buffer.save(&tmp.join(self_imitation::CHECKPOINT_DIR))?;
-        }
-        if let Some(history) = &self.critic_history {
-            history.save(&tmp.join(critic_history::CHECKPOINT_FILE))?;
         }
         if let Some(worker) = self.rollout_worker.as_mut() {
             async_rollout::save_pending(&tmp.join(async_rollout::PENDING_DIR), worker.pending()?)?;
@@ -1352,16 +1285,15 @@ fn broadcast_weights(dist: &dyn Collective, vars: &[(String, Var)]) -> Result<()
 fn set_numerics(
     cfg: &Config,
     policy: &mut Model,
-    critic: Option<&mut CriticModel>,
+    critic: Option<&mut Box<dyn Critic>>,
 ) -> Result<(), TrainError> {
     policy.set_activation_checkpointing(cfg.activation_checkpointing);
     policy.set_precision(cfg.precision);
     if let Some(rollout) = cfg.rollout_dtype {
         policy.set_rollout_precision(rollout)?;
     }
-    if let Some(CriticModel::Separate(c)) = critic {
-        c.set_activation_checkpointing(cfg.activation_checkpointing);
-        c.set_precision(cfg.precision);
+    if let Some(c) = critic {
+        c.set_numerics(cfg);
     }
     Ok(())
 }
@@ -1381,20 +1313,16 @@ fn check_memory(cfg: &Config, policy: &Model, lora: Option<LoraSpec>) -> Result<
 fn optimizers(
     cfg: &Config,
     policy: &Model,
-    critic: Option<&CriticModel>,
+    critic: Option<&dyn Critic>,
 ) -> Result<(AdamW, Option<AdamW>), TrainError> {
-    let (head, trunk): (Vec<_>, Vec<_>) = policy
+    let trunk: Vec<_> = policy
         .trainable_vars()
         .into_iter()
-        .partition(|(name, _)| name.starts_with(crate::model::critic::VALUE_HEAD_PREFIX));
+        .filter(|(name, _)| !name.starts_with(crate::model::critic::VALUE_HEAD_PREFIX))
+        .collect();
     let actor_opt = AdamW::new(trunk, &cfg.optimizer_config())?;
-    let critic_vars = match critic {
-        Some(c) => Some(c.trainable_vars()),
-        None if !head.is_empty() => Some(head),
-        None => None,
-    };
-    let critic_opt = critic_vars
-        .map(|vars| AdamW::new(vars, &cfg.critic_optimizer_config()))
+    let critic_opt = critic
+        .map(|c| AdamW::new(c.trainable_vars(policy), &cfg.critic_optimizer_config()))
         .transpose()?;
     Ok((actor_opt, critic_opt))
 }
@@ -1546,7 +1474,7 @@ fn writer_options(cfg: &Config) -> WriterOptions {
 fn warm_start(
     cfg: &Config,
     policy: &Model,
-    critic: Option<&Critic>,
+    critic: Option<&CriticTrunk>,
     tok: &Tokenizer,
 ) -> Result<SftReport, TrainError> {
     let kind: AgentKind = cfg
