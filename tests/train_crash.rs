@@ -227,4 +227,12 @@ fn resume_keeps_the_run_config_and_names_the_keys_a_flag_would_change() {
     let want = root.path().join("straight");
     assert_ok(&fresh(&want, None), "uninterrupted run");
     assert_same_run(&want, &run, "resume after a refused one");
+    // Resuming a run that reached its max_steps trains nothing and says so.
+    let finished = train(&run, &["--resume", "--set", "max_steps=4"], None);
+    assert_ok(&finished, "resume of a finished run");
+    let err = String::from_utf8_lossy(&finished.stderr);
+    assert!(
+        err.contains("already reached step 4 of max_steps 4"),
+        "{err}"
+    );
 }

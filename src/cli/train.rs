@@ -248,6 +248,15 @@ fn train_from_gateway(
 }
 
 fn report_run(trainer: &mut Trainer, max_steps: u64, run_dir: &Path) -> anyhow::Result<()> {
+    let reached = trainer.state().step;
+    if reached >= max_steps {
+        eprintln!(
+            "{} already reached step {reached} of max_steps {max_steps}: nothing to train; \
+             raise it to continue (--resume --set max_steps=N)",
+            run_dir.display()
+        );
+        return Ok(());
+    }
     let start = std::time::Instant::now();
     let progress = Progress::new(max_steps, trainer.state().step);
     let mut last_val: Option<f64> = None;
