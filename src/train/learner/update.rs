@@ -220,6 +220,7 @@ pub fn ppo_update(
     let mut means = Means::default();
     let mut ratios = StepRatios::new(inputs.records.len());
     let mut skipped = 0usize;
+    let mut critic_skipped = 0usize;
     let mut actor_updates = 0usize;
     // Passes in which the critic trains on the actor's mini-batches (a feature critic is fitted
     // after them, on features of its own).
@@ -275,7 +276,7 @@ pub fn ppo_update(
                 None => None,
             };
             let local = values.as_ref().zip(part);
-            skipped += usize::from(critic_step(
+            critic_skipped += usize::from(critic_step(
                 inputs,
                 settings,
                 local,
@@ -291,14 +292,18 @@ pub fn ppo_update(
             masks: settings.masks,
             settings: settings.fit_settings(),
         };
-        skipped += learner
-            .critic
-            .fit(&inputs.fit_batch(target), &ctx, learner.opt, &mut means)?;
+        critic_skipped +=
+            learner
+                .critic
+                .fit(&inputs.fit_batch(target), &ctx, learner.opt, &mut means)?;
     }
     let mut out = Scalars::new();
     means.merged(dist)?.into_scalars(&mut out);
     out.insert("actor/skipped_updates".into(), skipped as f64);
     out.insert("actor/updates".into(), actor_updates as f64);
+    if learners.critic.is_some() {
+        out.insert("critic/skipped_updates".into(), critic_skipped as f64);
+    }
     Ok(UpdateReport {
         scalars: out,
         ratios: ratios.merged(dist)?,

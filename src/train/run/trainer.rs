@@ -497,14 +497,18 @@ impl Trainer {
         for w in self.detector.observe(scalars) {
             on_event(Event::Warning(format!("step {}: {w}", self.state.step)));
         }
-        if scalars
-            .get("actor/skipped_updates")
-            .is_some_and(|&n| n > 0.0)
-        {
-            on_event(Event::Warning(format!(
-                "step {}: {} update(s) skipped for a non-finite loss or gradient",
-                self.state.step, scalars["actor/skipped_updates"]
-            )));
+        for role in ["actor", "critic"] {
+            let skipped = scalars
+                .get(&format!("{role}/skipped_updates"))
+                .copied()
+                .unwrap_or(0.0);
+            if skipped > 0.0 {
+                on_event(Event::Warning(format!(
+                    "step {}: {skipped} {role} update(s) skipped for a non-finite loss or \
+                     gradient",
+                    self.state.step
+                )));
+            }
         }
         self.log(self.state.step, scalars)?;
         crash::point("train.step_logged");
@@ -760,7 +764,10 @@ impl Trainer {
         if let (Some(log), Some(rows)) = (self.credit_log.as_mut(), credit) {
             log.append(&rows)?;
         }
-        self.state.skipped_updates += update_scalars["actor/skipped_updates"] as u64;
+        self.state.skipped_updates += ["actor/skipped_updates", "critic/skipped_updates"]
+            .iter()
+            .filter_map(|k| update_scalars.get(*k))
+            .sum::<f64>() as u64;
         scalars.extend(update_scalars);
         let time_update = t_update.elapsed().as_secs_f64();
 
