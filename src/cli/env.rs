@@ -30,8 +30,8 @@ pub enum EnvCommand {
 pub struct ServeArgs {
     /// Environment name (see `stepppo env list`).
     env: String,
-    /// Env or protocol setting (e.g. `tools=true`); the value is read as JSON when it parses,
-    /// else as a string.
+    /// Env or protocol setting (e.g. `tools=true`); the value is read as YAML, as `train --set`
+    /// reads it (`3`, `true`, `[a, b]`, else a string).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
     /// Address to bind.
@@ -54,7 +54,8 @@ pub struct PlayArgs {
     seed: u64,
     #[arg(long, default_value_t = 1)]
     episodes: u64,
-    /// Env or protocol setting; the value is read as JSON when it parses, else as a string.
+    /// Env or protocol setting; the value is read as YAML, as `train --set` reads it (`3`,
+    /// `true`, `[a, b]`, else a string).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
     /// One JSON object per episode instead of a transcript (its `metrics` summed over the turns).
@@ -130,14 +131,11 @@ fn synth(args: SynthArgs) -> anyhow::Result<()> {
 }
 
 fn config_from_sets(sets: &[String]) -> anyhow::Result<Value> {
-    let mut map = Map::new();
+    let mut config = Value::Object(Map::new());
     for pair in sets {
-        let Some((key, value)) = env::parse_set(pair) else {
-            bail!("--set `{pair}`: expected KEY=VALUE");
-        };
-        map.insert(key, value);
+        stepppo::config::apply_set(&mut config, pair)?;
     }
-    Ok(Value::Object(map))
+    Ok(config)
 }
 
 fn play(args: PlayArgs) -> anyhow::Result<()> {

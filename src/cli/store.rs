@@ -15,7 +15,6 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand, ValueEnum};
-use serde_json::Value;
 use stepppo::algo::{self, AdvantageConfig, AdvantageInputs};
 use stepppo::env::{self, AgentKind};
 use stepppo::interchange;
@@ -40,7 +39,8 @@ pub struct CollectArgs {
     pub group_size: u64,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Env or protocol setting; the value is read as JSON when it parses, else as a string.
+    /// Env or protocol setting; the value is read as YAML, as `train --set` reads it (`3`,
+    /// `true`, `[a, b]`, else a string).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
     /// Dataset directory to create.
@@ -115,7 +115,7 @@ pub struct ScoringArgs {
     #[arg(long, requires = "advantages")]
     pub lam: Option<f32>,
     /// Any other `AdvantageConfig` key, dotted for nested ones (e.g.
-    /// `reward_normalization.method=mean`); the value is read as JSON when it parses.
+    /// `reward_normalization.method=mean`); the value is read as YAML, as `train --set` reads it.
     #[arg(long = "set", value_name = "KEY=VALUE", requires = "advantages")]
     pub set: Vec<String>,
     /// Critic directory (HF layout; a policy directory gets a fresh value head): values at each
@@ -209,15 +209,13 @@ pub struct ImportArgs {
 
 pub fn collect(a: CollectArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.group_size >= 1, "--group-size must be at least 1");
-    let mut env_config = serde_json::Map::new();
+    let mut env_config = serde_json::Value::Object(serde_json::Map::new());
     for pair in &a.set {
-        let (key, value) =
-            env::parse_set(pair).with_context(|| format!("--set `{pair}`: expected KEY=VALUE"))?;
-        env_config.insert(key, value);
+        stepppo::config::apply_set(&mut env_config, pair)?;
     }
     let cfg = store::CollectConfig {
         env: a.env,
-        env_config: serde_json::Value::Object(env_config),
+        env_config,
         agent: a.agent,
         episodes: a.episodes,
         group_size: a.group_size,
@@ -389,64 +387,37 @@ pub fn dataset(c: DatasetCommand) -> anyhow::Result<()> {
 }
 
 /// `AdvantageConfig` from its defaults, `--advantages`, `--gamma`, `--lam` and every `--set`,
-/// applied in that order; an error names the option and the key.
+/// applied in that order (`--set lam=…` is `lambd`); an error names the option and the key.
 fn advantage_config(estimator: &str, a: &ScoringArgs) -> anyhow::Result<AdvantageConfig> {
     let mut overrides = vec![(
         format!("--advantages {estimator}"),
-        "adv_estimator".to_string(),
-        Value::String(estimator.to_string()),
+        format!("adv_estimator={estimator}"),
     )];
     if let Some(gamma) = a.gamma {
-        overrides.push((format!("--gamma {gamma}"), "gamma".into(), gamma.into()));
+        overrides.push((format!("--gamma {gamma}"), format!("gamma={gamma}")));
     }
     if let Some(lam) = a.lam {
-        overrides.push((format!("--lam {lam}"), "lambd".into(), lam.into()));
+        overrides.push((format!("--lam {lam}"), format!("lambd={lam}")));
     }
     for pair in &a.set {
-        let (key, value) =
-            env::parse_set(pair).with_context(|| format!("--set `{pair}`: expected KEY=VALUE"))?;
-        overrides.push((format!("--set `{pair}`"), key, value));
+        let arg = match pair.strip_prefix("lam=") {
+            Some(value) => format!("lambd={value}"),
+            None => pair.clone(),
+        };
+        overrides.push((format!("--set `{pair}`"), arg));
     }
     let mut tree = serde_json::to_value(AdvantageConfig::default())?;
-    for (option, key, value) in overrides {
-        set_config_key(&mut tree, &key, value).with_context(|| option.clone())?;
+    for (option, arg) in overrides {
+        stepppo::config::apply_set(&mut tree, &arg).with_context(|| option.clone())?;
+        let key = arg
+            .split_once('=')
+            .map_or(arg.as_str(), |(key, _)| key.trim());
         serde_json::from_value::<AdvantageConfig>(tree.clone())
             .map_err(|e| anyhow::anyhow!("{option}: key `{key}`: {e}"))?;
     }
     let cfg: AdvantageConfig = serde_json::from_value(tree)?;
     cfg.validate()?;
     Ok(cfg)
-}
-
-/// Replaces the value at dotted `key` (`lam` is read as `lambd`); unknown keys are errors
-/// listing the known ones.
-fn set_config_key(tree: &mut Value, key: &str, value: Value) -> anyhow::Result<()> {
-    let key = if key == "lam" { "lambd" } else { key };
-    let pointer = format!("/{}", key.replace('.', "/"));
-    if let Some(slot) = tree.pointer_mut(&pointer) {
-        *slot = value;
-        return Ok(());
-    }
-    let (section, known) = match key.rsplit_once('.') {
-        Some((parent, _)) => (
-            parent,
-            tree.pointer(&format!("/{}", parent.replace('.', "/"))),
-        ),
-        None => ("", Some(&*tree)),
-    };
-    let known: Vec<&str> = known
-        .and_then(Value::as_object)
-        .map(|o| o.keys().map(String::as_str).collect())
-        .unwrap_or_default();
-    anyhow::bail!(
-        "unknown key `{key}` (keys of {}: {})",
-        if section.is_empty() {
-            "the advantage config"
-        } else {
-            section
-        },
-        known.join(", ")
-    )
 }
 
 /// Critic values read from one forward per context window (a whole trajectory in the

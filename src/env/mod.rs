@@ -410,18 +410,6 @@ pub fn build_session(env_name: &str, config: &Value) -> Result<AgentSession, Env
     Ok(AgentSession::new(env, protocol))
 }
 
-/// Parses a `--set key=value` pair: the value is JSON when it parses (numbers, booleans,
-/// quoted strings), else a plain string.
-pub fn parse_set(pair: &str) -> Option<(String, Value)> {
-    let (key, raw) = pair.split_once('=')?;
-    let key = key.trim();
-    if key.is_empty() {
-        return None;
-    }
-    let value = serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string()));
-    Some((key.to_string(), value))
-}
-
 /// Stable 64-bit FNV-1a hash of bytes (not std's randomized hasher): identical across runs.
 pub fn stable_hash(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
@@ -625,20 +613,6 @@ mod tests {
                 .max_turns,
             12
         );
-    }
-
-    #[test]
-    fn parse_set_reads_json_or_string() {
-        assert_eq!(
-            parse_set("is_slippery=false"),
-            Some(("is_slippery".into(), json!(false)))
-        );
-        assert_eq!(parse_set("p=0.5"), Some(("p".into(), json!(0.5))));
-        assert_eq!(
-            parse_set("name=dragon"),
-            Some(("name".into(), json!("dragon")))
-        );
-        assert_eq!(parse_set("novalue"), None);
     }
 
     #[test]
