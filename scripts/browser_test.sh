@@ -34,9 +34,9 @@ KEPT="${1:+kept}"
 RUN="${RUN_DIR:-}"
 if [ -z "$RUN" ]; then
     RUN="$WORK/run"
-    TINY=(builtin_size=tiny max_steps=2 eval_steps=1 sft.steps=2 sft.episodes=2 sft.batch_size=2 rollout_batch_size=2
-          ppo_mini_batch_size=2 train_env_manager.num_env_groups=1 train_env_manager.group_size=2
-          "train_env_manager.num_groups_partition=[1]" val_batch_size=2 val_env_manager.num_env_groups=2
+    TINY=(builtin_size=tiny max_steps=2 eval_steps=1 sft.steps=2 sft.episodes=2 sft.batch_size=2
+          ppo_mini_batch_size=2 train_env_manager.group_size=2
+          "train_env_manager.num_groups_partition=[1]"
           "val_env_manager.num_groups_partition=[2]" generating_args.max_new_tokens=6
           val_generating_args.max_new_tokens=6 custom_envs.SimpleFrozenLake.env_config.max_turns=2
           cache.kv_slots=4096)

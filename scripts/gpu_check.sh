@@ -89,9 +89,8 @@ if [ "${ONLY:-}" = dist ]; then
   # or 128; `tiny` has 8), the same weights.
   short=(--set device=cuda --set max_steps=2 --set eval_steps=2
     --set save_steps=2 --set sft.steps=3 --set sft.episodes=4 --set sft.batch_size=2
-    --set rollout_batch_size=8 --set ppo_mini_batch_size=4 --set train_env_manager.num_env_groups=4
+    --set ppo_mini_batch_size=4
     --set train_env_manager.group_size=2 --set train_env_manager.num_groups_partition=[4]
-    --set val_batch_size=2 --set val_env_manager.num_env_groups=2
     --set val_env_manager.num_groups_partition=[2] --set generating_args.max_new_tokens=6
     --set val_generating_args.max_new_tokens=6 --set custom_envs.SimpleFrozenLake.env_config.max_turns=2)
   part train-cuda-single 120 "$bin" train --out /tmp/dp-single "${short[@]}"

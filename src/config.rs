@@ -269,26 +269,34 @@ impl Default for GeneratingArgs {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EnvManagerConfig {
-    /// Groups per batch, each on an env seed of its own; at least 1.
-    pub num_env_groups: usize,
+    /// Groups per batch, each on an env seed of its own: the sum of `num_groups_partition`, at
+    /// least 1. Optional: computed when absent (and written into the run's config), an error
+    /// naming it when it differs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_env_groups: Option<usize>,
     /// Trajectories per group (G), all on the group's env seed; at least 1 (`rloo` needs 2).
     pub group_size: usize,
     /// Env tags (keys of `custom_envs`), one per partition; at least one.
     pub tags: Vec<String>,
-    /// Number of groups of each tag, in `tags` order; sums to `num_env_groups`.
+    /// Number of groups of each tag, in `tags` order; their sum is the batch's groups.
     pub num_groups_partition: Vec<usize>,
     /// Training only (an error under `val_env_manager`): draw env seeds from this many levels
     /// (group `g` plays level `g mod n`), as Procgen's `num_levels`, so each level is seen again
-    /// every `n / num_env_groups` steps and a critic can learn its value, while validation keeps
+    /// every `n / groups` steps and a critic can learn its value, while validation keeps
     /// playing levels training never saw. At least 1; unset: a new level for every group.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_levels: Option<u64>,
 }
 
 impl EnvManagerConfig {
+    /// Groups per batch: the sum of `num_groups_partition` (`num_env_groups` restates it).
+    pub fn groups(&self) -> usize {
+        self.num_groups_partition.iter().sum()
+    }
+
     /// Trajectories per rollout batch.
     pub fn batch_size(&self) -> usize {
-        self.num_env_groups * self.group_size
+        self.groups() * self.group_size
     }
 
     /// The tag of each group, in group order.
@@ -533,8 +541,8 @@ impl Default for CacheConfig {
 
 /// `gateway`: train from agents outside the process. With this section, `stepppo train` serves
 /// the OpenAI-compatible gateway instead of running its own agent loop: clients play episodes
-/// against it, close each session with its reward, and every `train_env_manager.num_env_groups`
-/// groups of `group_size` closed sessions of one task make a rollout batch (the gateway serves
+/// against it, close each session with its reward, and `train_env_manager`'s groups,
+/// each `group_size` closed sessions of one task, make a rollout batch (the gateway serves
 /// the new weights from the next request on). Validation still runs `val_env_manager`. A
 /// `state` critic and `async_rollout` are refused with a gateway. `docs/gateway.md` has the
 /// protocol.
@@ -623,10 +631,14 @@ pub struct Config {
     /// `--resume`.
     #[serde(default)]
     pub save_steps: usize,
-    /// Trajectories per step; must equal `train_env_manager.num_env_groups × group_size`.
-    pub rollout_batch_size: usize,
-    /// Validation episodes; must equal `val_env_manager.num_env_groups × group_size`.
-    pub val_batch_size: usize,
+    /// Trajectories per step: `train_env_manager`'s groups × `group_size`. Optional: computed
+    /// when absent (and written into the run's config), an error naming it when it differs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout_batch_size: Option<usize>,
+    /// Validation episodes: `val_env_manager`'s groups × `group_size`. Optional as
+    /// `rollout_batch_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_batch_size: Option<usize>,
 
     // --- model
     /// The policy: `builtin` (the built-in model of `builtin_size`), an HF checkpoint directory
@@ -954,7 +966,7 @@ impl Config {
 
     /// Reads the typed schema from a JSON value and validates it.
     pub fn from_value(value: serde_json::Value, file: &str) -> Result<Config, ConfigError> {
-        let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
+        let mut config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
             ConfigError::Key {
                 file: file.into(),
@@ -967,7 +979,19 @@ impl Config {
             key,
             msg,
         })?;
+        config.complete_counts();
         Ok(config)
+    }
+
+    /// Fills the batch counts a config left out (`rollout_batch_size`, `val_batch_size`, each
+    /// manager's `num_env_groups`) with the values its groups give; [`Config::validate`] has
+    /// checked the ones it states.
+    pub fn complete_counts(&mut self) {
+        for m in [&mut self.train_env_manager, &mut self.val_env_manager] {
+            m.num_env_groups = Some(m.groups());
+        }
+        self.rollout_batch_size = Some(self.train_env_manager.batch_size());
+        self.val_batch_size = Some(self.val_env_manager.batch_size());
     }
 
     /// The run directory: `output_dir`, else `runs/<exp_name>`.
@@ -1064,31 +1088,34 @@ impl Config {
         if let Some(gateway) = &self.gateway {
             gateway.validate()?;
         }
-        let train = &self.train_env_manager;
-        if self.rollout_batch_size != train.batch_size() {
-            return fail(
+        for (key, given, m) in [
+            (
                 "rollout_batch_size",
-                format!(
-                    "must equal train_env_manager.num_env_groups × group_size = {} × {} = {}, got {}",
-                    train.num_env_groups,
-                    train.group_size,
-                    train.batch_size(),
-                    self.rollout_batch_size
-                ),
-            );
-        }
-        let val = &self.val_env_manager;
-        if self.val_batch_size != val.batch_size() {
-            return fail(
-                "val_batch_size",
-                format!(
-                    "must equal val_env_manager.num_env_groups × group_size = {} × {} = {}, got {}",
-                    val.num_env_groups,
-                    val.group_size,
-                    val.batch_size(),
-                    self.val_batch_size
-                ),
-            );
+                self.rollout_batch_size,
+                &self.train_env_manager,
+            ),
+            ("val_batch_size", self.val_batch_size, &self.val_env_manager),
+        ] {
+            let manager = if key == "rollout_batch_size" {
+                "train_env_manager"
+            } else {
+                "val_env_manager"
+            };
+            match given {
+                Some(n) if n != m.batch_size() => {
+                    return fail(
+                        key,
+                        format!(
+                            "must equal {manager}'s groups × group_size = {} × {} = {}, got {n} \
+                             (leave it out to have it computed)",
+                            m.groups(),
+                            m.group_size,
+                            m.batch_size()
+                        ),
+                    )
+                }
+                _ => {}
+            }
         }
         if self.max_steps == 0 {
             return fail("max_steps", "must be at least 1".into());
@@ -1096,12 +1123,13 @@ impl Config {
         if self.ppo_epochs == 0 {
             return fail("ppo_epochs", "must be at least 1".into());
         }
-        if self.ppo_mini_batch_size == 0 || self.ppo_mini_batch_size > self.rollout_batch_size {
+        let rollout_batch = self.train_env_manager.batch_size();
+        if self.ppo_mini_batch_size == 0 || self.ppo_mini_batch_size > rollout_batch {
             return fail(
                 "ppo_mini_batch_size",
                 format!(
                     "must be in 1..={} (rollout_batch_size), got {}",
-                    self.rollout_batch_size, self.ppo_mini_batch_size
+                    rollout_batch, self.ppo_mini_batch_size
                 ),
             );
         }
@@ -1199,6 +1227,7 @@ impl Config {
             }
             _ => {}
         }
+        let train = &self.train_env_manager;
         let uses_group_mean = matches!(
             self.adv_estimator,
             Estimator::Reinforce | Estimator::StepReinforce
@@ -1437,20 +1466,8 @@ impl Config {
         m: &EnvManagerConfig,
     ) -> Result<(), (String, String)> {
         let fail = |sub: &str, msg: String| Err((format!("{key}.{sub}"), msg));
-        if m.num_env_groups == 0 {
-            return fail("num_env_groups", "must be at least 1".into());
-        }
         if m.group_size == 0 {
             return fail("group_size", "must be at least 1".into());
-        }
-        if m.num_env_groups.checked_mul(m.group_size).is_none() {
-            return fail(
-                "group_size",
-                format!(
-                    "num_env_groups × group_size = {} × {} overflows",
-                    m.num_env_groups, m.group_size
-                ),
-            );
         }
         if m.tags.is_empty() {
             return fail("tags", "must name at least one env of custom_envs".into());
@@ -1484,10 +1501,25 @@ impl Config {
         let Some(total) = total else {
             return fail("num_groups_partition", "its sum overflows".into());
         };
-        if total != m.num_env_groups {
+        if total == 0 {
             return fail(
                 "num_groups_partition",
-                format!("sums to {total} but num_env_groups is {}", m.num_env_groups),
+                "must sum to at least 1 group".into(),
+            );
+        }
+        if total.checked_mul(m.group_size).is_none() {
+            return fail(
+                "group_size",
+                format!("groups × group_size = {total} × {} overflows", m.group_size),
+            );
+        }
+        if let Some(n) = m.num_env_groups.filter(|&n| n != total) {
+            return fail(
+                "num_env_groups",
+                format!(
+                    "is {n} but num_groups_partition sums to {total} (leave num_env_groups out \
+                     to have it computed)"
+                ),
             );
         }
         self.check_env_tags(key, &m.tags)
@@ -1773,7 +1805,7 @@ mod tests {
         assert!(c.constrained_decoding && !c.use_kl_loss);
         assert_eq!(
             c.rollout_batch_size,
-            c.train_env_manager.num_env_groups * c.train_env_manager.group_size
+            Some(c.train_env_manager.groups() * c.train_env_manager.group_size)
         );
     }
 
@@ -2019,9 +2051,21 @@ mod tests {
         let e = err_text(Config::from_yaml_str(
             EMBEDDED_DEFAULT_YAML,
             "x.yaml",
-            &["train_env_manager.group_size=3".into()],
+            &[
+                "train_env_manager.group_size=3".into(),
+                "rollout_batch_size=64".into(),
+            ],
         ));
-        assert!(e.contains("rollout_batch_size"), "{e}");
+        assert!(
+            e.contains("rollout_batch_size") && e.contains("got 64"),
+            "{e}"
+        );
+        let e = err_text(Config::from_yaml_str(
+            EMBEDDED_DEFAULT_YAML,
+            "x.yaml",
+            &["val_env_manager.num_env_groups=3".into()],
+        ));
+        assert!(e.contains("val_env_manager.num_env_groups"), "{e}");
     }
 
     #[test]

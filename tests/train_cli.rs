@@ -13,13 +13,9 @@ const TINY_RUN: &[&str] = &[
     "sft.steps=2",
     "sft.episodes=2",
     "sft.batch_size=2",
-    "rollout_batch_size=2",
     "ppo_mini_batch_size=2",
-    "train_env_manager.num_env_groups=1",
     "train_env_manager.group_size=2",
     "train_env_manager.num_groups_partition=[1]",
-    "val_batch_size=2",
-    "val_env_manager.num_env_groups=2",
     "val_env_manager.num_groups_partition=[2]",
 ];
 
@@ -387,9 +383,12 @@ fn config_errors_name_the_key() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("ppo_epocs"), "{err}");
-    let out = stepppo(&["train", "--set", "train_env_manager.group_size=5"]);
+    let out = stepppo(&["train", "--set", "rollout_batch_size=7"]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("rollout_batch_size"), "{err}");
+    assert!(
+        err.contains("rollout_batch_size") && err.contains("got 7"),
+        "{err}"
+    );
     let out = stepppo(&["train", "--set", "gateway.listen=localhost"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(

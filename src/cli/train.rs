@@ -235,7 +235,7 @@ fn train_from_gateway(
         "gateway: http://{}/v1 serving `{}`; an update every {} groups of {} closed sessions",
         served.addr(),
         opts.model_name,
-        cfg.train_env_manager.num_env_groups,
+        cfg.train_env_manager.groups(),
         cfg.train_env_manager.group_size
     );
     trainer.begin(on_event)?;
@@ -398,8 +398,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         let m = &mut cfg.val_env_manager;
         m.group_size = 1;
         m.num_groups_partition = vec![n; m.tags.len()];
-        m.num_env_groups = n * m.tags.len();
-        cfg.val_batch_size = m.num_env_groups;
+        cfg.complete_counts();
     }
     let summaries = eval::evaluate_policy(&policy_dir, a.adapter.as_deref(), &cfg)?;
     print_summaries(&summaries, a.json)

@@ -1,7 +1,7 @@
 //! Training from the gateway: the trainer as the [`Backend`] of the OpenAI-compatible gateway.
 //! Outside agents play episodes through it and close each session with its reward; closed
 //! sessions wait in their task's queue until `group_size` of them make a group (sessions that
-//! name no task are grouped in closing order). When `num_env_groups` groups are ready they are
+//! name no task are grouped in closing order). When `train_env_manager`'s groups are ready they are
 //! one rollout batch: ids are given as the agent loop gives them (group `next_group_id + g`,
 //! trajectory `group_id · group_size + member`), the trainer learns from them, and the gateway's
 //! next request is served by the new policy version (the engine's cache was flushed with it).
@@ -60,7 +60,7 @@ impl<'a> GatewayTrainer<'a> {
     }
 
     fn groups_per_step(&self) -> usize {
-        self.trainer.config().train_env_manager.num_env_groups
+        self.trainer.config().train_env_manager.groups()
     }
 
     /// The oldest ready groups as one batch of records with the agent loop's ids.

@@ -401,7 +401,7 @@ impl Trainer {
 
     /// Hands the rollout thread every job the current policy version serves (async only).
     fn hand_out_rollouts(&mut self) -> Result<(), TrainError> {
-        let groups = self.cfg.train_env_manager.num_env_groups as u64;
+        let groups = self.cfg.train_env_manager.groups() as u64;
         match self.rollout_worker.as_mut() {
             Some(worker) => worker.hand_out(
                 &self.policy,
@@ -680,7 +680,7 @@ impl Trainer {
         self.store(&local)?;
         let records = ranks::gather_records(local, self.dist.as_ref())?;
         let counters = ranks::sum_counters(counters, self.dist.as_ref())?;
-        self.state.next_group_id += self.cfg.train_env_manager.num_env_groups as u64;
+        self.state.next_group_id += self.cfg.train_env_manager.groups() as u64;
         eval::env_metrics("env", &records, &mut scalars);
         staleness_metrics(&records, self.state.step, &mut scalars);
         rollout_metrics(
