@@ -43,8 +43,8 @@ pub const READY_CONFIGS: &[(&str, &str)] = &[
     ("frozenlake_gigpo.yaml", "GiGPO on FrozenLake"),
     (
         "frozenlake_remote.yaml",
-        "the previous default's critic-free recipe on gymnasium's FrozenLake behind the env \
-         bridge (`env_type: remote`)",
+        "the default's recipe without its state critic (`step_reinforce`) on gymnasium's \
+         FrozenLake behind the env bridge (`env_type: remote`)",
     ),
     (
         "frozenlake_gateway.yaml",
