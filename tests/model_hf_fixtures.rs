@@ -478,6 +478,43 @@ fn merge_adapter_writes_a_model_that_loads_without_peft() {
     );
     assert_eq!(tensor_specs(out.path()), tensor_specs(&fixture(base)));
     check_against_transformers(out.path(), &peft_fixture(name));
+    assert_eq!(
+        std::fs::read(out.path().join("generation_config.json")).unwrap(),
+        std::fs::read(fixture(base).join("generation_config.json")).unwrap(),
+        "the base's generation_config.json goes along"
+    );
+    assert!(
+        !String::from_utf8_lossy(&status.stderr).contains("warning"),
+        "the adapter names this base: {}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+
+    // An --out that holds something is refused without --overwrite, replaced with it.
+    let merge = |adapter: &Path, extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_stepppo"))
+            .args(["merge-adapter", "--model"])
+            .arg(fixture(base))
+            .arg("--adapter")
+            .arg(adapter)
+            .arg("--out")
+            .arg(out.path())
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let refused = merge(&peft_fixture(name), &[]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && err.contains("--overwrite"),
+        "{err}"
+    );
+    // An adapter made for another base of the same shapes merges, with a warning naming it.
+    let other = adapter_with(name, "base_model_name_or_path", "Qwen/Qwen2-0.5B".into());
+    let replaced = merge(other.path(), &["--overwrite"]);
+    let err = String::from_utf8_lossy(&replaced.stderr);
+    assert!(replaced.status.success(), "{err}");
+    assert!(err.contains("names the base `Qwen/Qwen2-0.5B`"), "{err}");
+    assert_eq!(tensor_specs(out.path()), tensor_specs(&fixture(base)));
 }
 
 /// A copy of fixture `name` whose `adapter_config.json` has `key` set to `value`.

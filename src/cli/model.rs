@@ -8,8 +8,8 @@ use clap::Args;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
-use stepppo::model::checkpoint::{builtin_policy, load_policy_with_adapter, TOKENIZER_FILE};
-use stepppo::model::{Adapters, Model, ModelConfig, Precision};
+use stepppo::model::checkpoint::{load_policy_with_adapter, merge_adapter as merge_adapter_into};
+use stepppo::model::{Model, ModelConfig, Precision};
 use stepppo::rollout::generate as generate_tokens;
 use stepppo::rollout::sampling::SamplingParams;
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
@@ -76,9 +76,12 @@ pub struct MergeAdapterArgs {
     #[arg(long)]
     adapter: PathBuf,
     /// Directory to write the merged model into (HF layout: config.json, model.safetensors,
-    /// tokenizer.json); transformers loads it without PEFT.
+    /// tokenizer.json, the base's generation_config.json); transformers loads it without PEFT.
     #[arg(long)]
     out: PathBuf,
+    /// Replace the contents of an existing, non-empty --out.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 #[derive(Args, Debug)]
@@ -167,37 +170,30 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
 }
 
 pub fn merge_adapter(a: MergeAdapterArgs) -> anyhow::Result<()> {
-    let context = || format!("loading {} with adapter {}", a.model, a.adapter.display());
-    let (mut model, tok) = if a.model == "builtin" {
-        let (model, tok) = builtin_policy(&Device::Cpu)?;
-        (model, Some(tok))
-    } else {
-        // A base without a tokenizer (weights and config only) merges too, into a directory
-        // without one.
-        let dir = std::path::Path::new(&a.model);
-        let tok = dir
-            .join(TOKENIZER_FILE)
-            .is_file()
-            .then(|| Tokenizer::from_dir(dir))
-            .transpose()
-            .with_context(context)?;
-        (Model::load(dir, &Device::Cpu).with_context(context)?, tok)
-    };
-    let adapters =
-        Adapters::load(&a.adapter, model.config(), &Device::Cpu).with_context(context)?;
-    let rank = adapters.spec().rank;
-    model.attach_adapters(adapters)?;
-    model.merged()?.save(&a.out, tok.as_ref())?;
+    let report = merge_adapter_into(&a.model, &a.adapter, &a.out, a.overwrite)
+        .with_context(|| format!("merging adapter {} into {}", a.adapter.display(), a.model))?;
+    if let Some(named) = &report.other_base {
+        eprintln!(
+            "warning: {} names the base `{named}`, merged onto `{}` (same shapes): the result is \
+             only what was trained if the two hold the same weights",
+            a.adapter.display(),
+            a.model
+        );
+    }
+    let mut notes = Vec::new();
+    if !report.tokenizer {
+        notes.push("the base has no tokenizer.json, so neither has this");
+    }
+    if report.generation_config {
+        notes.push("with the base's generation_config.json");
+    }
     println!(
-        "wrote {} ({} with the rank-{rank} adapter of {} folded in{})",
+        "wrote {} ({} with the rank-{} adapter of {} folded in{})",
         a.out.display(),
         a.model,
+        report.rank,
         a.adapter.display(),
-        if tok.is_none() {
-            "; the base has no tokenizer.json, so neither has this"
-        } else {
-            ""
-        }
+        notes.iter().map(|n| format!("; {n}")).collect::<String>()
     );
     Ok(())
 }

@@ -328,6 +328,99 @@ impl ValueMlp {
     }
 }
 
+/// transformers' sampling defaults beside a checkpoint's weights, which a merged model keeps.
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+
+/// What [`merge_adapter`] wrote.
+#[derive(Debug, Clone)]
+pub struct MergeReport {
+    /// The adapter's LoRA rank.
+    pub rank: usize,
+    /// The base the adapter's `base_model_name_or_path` names, when it names another one than
+    /// the base merged onto (same shapes, or the merge would have failed).
+    pub other_base: Option<String>,
+    /// The base had a `tokenizer.json`, copied beside the merged weights.
+    pub tokenizer: bool,
+    /// The base's `generation_config.json` was copied.
+    pub generation_config: bool,
+}
+
+/// Folds the PEFT LoRA adapter directory `adapter` into `base` (`builtin` or an HF directory) and
+/// writes the merged model to `out` in HF layout with the base's tokenizer and
+/// `generation_config.json` when it has them. An existing, non-empty `out` is an error unless
+/// `overwrite`; an adapter made for another base of the same shapes merges, and the report says
+/// which base it names.
+pub fn merge_adapter(
+    base: &str,
+    adapter: &Path,
+    out: &Path,
+    overwrite: bool,
+) -> Result<MergeReport> {
+    let occupied = std::fs::read_dir(out).is_ok_and(|mut entries| entries.next().is_some());
+    if occupied && !overwrite {
+        return Err(ModelError::Config {
+            path: out.display().to_string(),
+            message: "exists and is not empty; pass --overwrite to replace it, or choose \
+                      another --out"
+                .into(),
+        });
+    }
+    let (mut model, tok) = if base == "builtin" {
+        let (model, tok) = builtin_policy(&Device::Cpu)?;
+        (model, Some(tok))
+    } else {
+        // A base without a tokenizer (weights and config only) merges too, into a directory
+        // without one.
+        let dir = Path::new(base);
+        if std::fs::canonicalize(dir).ok() == std::fs::canonicalize(out).ok() {
+            return Err(ModelError::Config {
+                path: out.display().to_string(),
+                message: "is the base itself; write the merged model elsewhere".into(),
+            });
+        }
+        let tok = dir
+            .join(TOKENIZER_FILE)
+            .is_file()
+            .then(|| Tokenizer::from_dir(dir))
+            .transpose()?;
+        (Model::load(dir, &Device::Cpu)?, tok)
+    };
+    let named = Adapters::base_model_of(adapter)?;
+    let adapters = Adapters::load(adapter, model.config(), &Device::Cpu)?;
+    let rank = adapters.spec().rank;
+    model.attach_adapters(adapters)?;
+    let merged = model.merged()?;
+    if occupied {
+        // `overwrite`: the old contents go, so no file of another model stays beside the new.
+        std::fs::remove_dir_all(out).map_err(|source| ModelError::Io {
+            path: out.display().to_string(),
+            source,
+        })?;
+    }
+    merged.save(out, tok.as_ref())?;
+    let generation_config = Path::new(base).join(GENERATION_CONFIG_FILE);
+    let copied = base != "builtin" && generation_config.is_file();
+    if copied {
+        let to = out.join(GENERATION_CONFIG_FILE);
+        std::fs::copy(&generation_config, &to).map_err(|source| ModelError::Io {
+            path: to.display().to_string(),
+            source,
+        })?;
+    }
+    Ok(MergeReport {
+        rank,
+        other_base: (!named.is_empty() && !same_base(&named, base)).then_some(named),
+        tokenizer: tok.is_some(),
+        generation_config: copied,
+    })
+}
+
+/// Whether the base an adapter names (`named`) is `base`: the same word, or the same directory.
+fn same_base(named: &str, base: &str) -> bool {
+    let canonical = |p: &str| std::fs::canonicalize(p).ok();
+    named == base || canonical(named).is_some_and(|n| Some(n) == canonical(base))
+}
+
 /// Seed of the built-in policy (`--model builtin`).
 pub const BUILTIN_SEED: u64 = 0;
 
