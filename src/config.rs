@@ -961,7 +961,7 @@ impl Config {
         for arg in sets {
             apply_set(&mut value, arg)?;
         }
-        Config::from_value(value, file)
+        Config::from_value(value, file).map_err(|e| with_sets(e, sets))
     }
 
     /// Reads the typed schema from a JSON value and validates it.
@@ -1680,6 +1680,25 @@ pub fn check_resume(stored: &Config, given: &Config, file: &str) -> Result<(), C
             file: file.into(),
             keys,
         })
+    }
+}
+
+/// A key error of a config read with `--set` overrides names them beside the file: the value at
+/// fault, or one a rule compares it with, may be an override's rather than the file's.
+fn with_sets(error: ConfigError, sets: &[String]) -> ConfigError {
+    match error {
+        ConfigError::Key { file, key, msg } if !sets.is_empty() => {
+            let sets: Vec<String> = sets
+                .iter()
+                .map(|s| format!("--set {}", shorten(s)))
+                .collect();
+            ConfigError::Key {
+                file: format!("{file} with {}", sets.join(" ")),
+                key,
+                msg,
+            }
+        }
+        other => other,
     }
 }
 

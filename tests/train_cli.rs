@@ -386,7 +386,8 @@ fn config_errors_name_the_key() {
     let out = stepppo(&["train", "--set", "rollout_batch_size=7"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("rollout_batch_size") && err.contains("got 7"),
+        err.contains("with --set rollout_batch_size=7: key `rollout_batch_size`")
+            && err.contains("got 7"),
         "{err}"
     );
     let out = stepppo(&["train", "--set", "gateway.listen=localhost"]);
