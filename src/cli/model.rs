@@ -8,7 +8,9 @@ use clap::Args;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
-use stepppo::model::checkpoint::{load_policy_with_adapter, merge_adapter as merge_adapter_into};
+use stepppo::model::checkpoint::{
+    chat_template_note, load_policy_with_adapter, merge_adapter as merge_adapter_into,
+};
 use stepppo::model::{Model, ModelConfig, Precision};
 use stepppo::rollout::generate as generate_tokens;
 use stepppo::rollout::sampling::SamplingParams;
@@ -128,6 +130,10 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let device = stepppo::device::parse_device(&a.device)?;
     let (mut model, tok) = load_policy_with_adapter(&a.model, a.adapter.as_deref(), &device)
         .with_context(|| format!("loading model {}", a.model))?;
+    if let Some(note) = chat_template_note(&a.model, &tok).filter(|_| a.prompt.is_some() && !a.raw)
+    {
+        eprintln!("warning: {note}");
+    }
     if let Some(dtype) = a.dtype {
         model.set_rollout_precision(dtype).context("--dtype")?;
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use stepppo::model::checkpoint::load_policy_with_adapter;
+use stepppo::model::checkpoint::{chat_template_note, load_policy_with_adapter};
 use stepppo::model::lora::ADAPTER_CONFIG_FILE;
 use stepppo::model::Precision;
 use stepppo::rollout::engine::{Engine, EngineConfig};
@@ -97,6 +97,9 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let spec = model_spec(&a.model)?;
     let (mut model, tokenizer) = load_policy_with_adapter(&spec, a.adapter.as_deref(), &device)
         .with_context(|| format!("loading model {spec}"))?;
+    if let Some(note) = chat_template_note(&spec, &tokenizer) {
+        eprintln!("warning: {note}");
+    }
     if let Some(dtype) = a.dtype {
         model.set_rollout_precision(dtype).context("--dtype")?;
     }

@@ -456,6 +456,21 @@ pub fn load_policy(spec: &str, device: &Device) -> Result<(Model, Tokenizer)> {
     load_plain_policy(spec, device)
 }
 
+/// What a user of the model `spec` (`builtin` or a directory) should hear when its tokenizer has
+/// no chat template (neither `chat_template.jinja` nor `tokenizer_config.json`'s
+/// `chat_template`): conversations are then rendered in ChatML, Qwen's turns, which a model
+/// trained on another template does not expect. `None` for the built-in model, whose own turns
+/// are ChatML, and for a tokenizer with a template.
+pub fn chat_template_note(spec: &str, tok: &Tokenizer) -> Option<String> {
+    (spec != "builtin" && tok.chat_template().is_none()).then(|| {
+        format!(
+            "{spec} has no chat template (no chat_template.jinja, no `chat_template` in \
+             tokenizer_config.json): conversations are rendered as ChatML \
+             (<|im_start|>role ... <|im_end|>); add the model's own template to render its turns"
+        )
+    })
+}
+
 /// `builtin` or an HF-layout model directory (no adapters).
 fn load_plain_policy(spec: &str, device: &Device) -> Result<(Model, Tokenizer)> {
     if spec == "builtin" {
@@ -482,4 +497,17 @@ pub fn load_policy_with_adapter(
         model.attach_adapters(adapters)?;
     }
     Ok((model, tok))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoint_without_a_chat_template_is_told_its_turns_are_chatml() {
+        let tok = Tokenizer::builtin();
+        assert_eq!(chat_template_note("builtin", &tok), None);
+        let note = chat_template_note("models/mine", &tok).unwrap();
+        assert!(note.starts_with("models/mine has no chat template") && note.contains("ChatML"));
+    }
 }

@@ -30,10 +30,11 @@ use crate::algo::{
     compute_advantages, kl_reward_penalty, step_returns, uncertainty_filter, AdamW,
     AdvantageInputs, CriticTarget, LrSchedule, ProximalCorrection,
 };
-use crate::config::{config_name, Config, CriticMode, ProximalPolicy};
+use crate::config::{config_name, Config, CriticMode, PretrainSource, ProximalPolicy};
 use crate::crash;
 use crate::dist::{Collective, Metered, Single};
 use crate::env::AgentKind;
+use crate::model::checkpoint::chat_template_note;
 use crate::model::{Critic as CriticTrunk, LoraSpec, Model, Precision};
 use crate::rollout::engine::{CacheCounters, Engine};
 use crate::rollout::grammar::ResponseGrammar;
@@ -180,6 +181,10 @@ impl Trainer {
             run_dir::prepare_fresh(run_dir, false)?;
         }
         let (mut policy, tok) = fresh_policy(&cfg, &device)?;
+        let template_note = match cfg.pretrain_source() {
+            PretrainSource::Checkpoint(dir) => chat_template_note(&dir.display().to_string(), &tok),
+            PretrainSource::Builtin(_) | PretrainSource::Shape(_) => None,
+        };
         let mut critic = critic::open(&cfg, &mut policy, CriticOrigin::Fresh)?;
         set_numerics(&cfg, &mut policy, critic.as_mut())?;
         check_memory(&cfg, &policy, run_lora_spec(&cfg)?)?;
@@ -234,6 +239,7 @@ impl Trainer {
             TrainState::default(),
             warm_start,
         )?;
+        trainer.pending_warnings.extend(template_note);
         trainer.start_async(Vec::new())?;
         Ok(trainer)
     }
