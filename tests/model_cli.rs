@@ -1,4 +1,5 @@
-//! `stepppo init-model`, `stepppo generate` and `stepppo plan` through the binary.
+//! `stepppo init-model`, `stepppo generate`, `stepppo score` and `stepppo plan` through the
+//! binary.
 
 use std::path::Path;
 use std::process::Command;
@@ -77,6 +78,52 @@ fn init_model_then_generate_from_the_directory() {
         .unwrap()
         .iter()
         .all(|l| l.as_f64().unwrap() < 0.0));
+}
+
+#[test]
+fn score_gives_the_logprobs_generate_sampled_at_temperature_one() {
+    let sampled = json_of(&stepppo(&[
+        "generate",
+        "--prompt-ids",
+        "5,6,7,8",
+        "--max-new-tokens",
+        "12",
+        "--seed",
+        "4",
+        "--json",
+    ]));
+    let ids: Vec<String> = sampled["output_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    assert!(!ids.is_empty());
+    let scored = json_of(&stepppo(&[
+        "score",
+        "--prompt-ids",
+        "5,6,7,8",
+        "--ids",
+        &ids.join(","),
+        "--json",
+    ]));
+    let floats = |v: &serde_json::Value| -> Vec<f64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let (want, got) = (floats(&sampled["logprobs"]), floats(&scored["logprobs"]));
+    assert_eq!(want.len(), got.len());
+    for (w, g) in want.iter().zip(&got) {
+        assert!((w - g).abs() <= 1e-5, "generate {w} vs score {g}");
+    }
+    let sum = scored["sum_logprob"].as_f64().unwrap();
+    assert!((sum - got.iter().sum::<f64>()).abs() < 1e-4 && sum < 0.0);
+    let out = stepppo(&["score", "--prompt-ids", "1", "--ids", "999999"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("999999"), "{err}");
 }
 
 #[test]

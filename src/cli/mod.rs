@@ -43,6 +43,8 @@ enum Command {
     Dataset(store::DatasetCommand),
     /// Generate text with a model.
     Generate(model::GenerateArgs),
+    /// Score a given continuation of a prompt: each token's log-prob (teacher forcing).
+    Score(model::ScoreArgs),
     /// Write a freshly initialised HF-format model directory.
     InitModel(model::InitModelArgs),
     /// Fold a PEFT LoRA adapter into its base model and write the merged HF-format directory.
@@ -69,6 +71,7 @@ impl Cli {
             Command::Replay(a) => store::replay(a),
             Command::Dataset(c) => store::dataset(c),
             Command::Generate(a) => model::generate(a),
+            Command::Score(a) => model::score(a),
             Command::InitModel(a) => model::init_model(a),
             Command::MergeAdapter(a) => model::merge_adapter(a),
             Command::Serve(a) => serve::serve(a),

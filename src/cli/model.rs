@@ -12,12 +12,13 @@ use stepppo::model::checkpoint::{
     chat_template_note, load_policy_with_adapter, merge_adapter as merge_adapter_into,
 };
 use stepppo::model::{Model, ModelConfig, Precision};
-use stepppo::rollout::generate as generate_tokens;
 use stepppo::rollout::sampling::SamplingParams;
+use stepppo::rollout::{forced_logprobs, generate as generate_tokens};
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
 
+/// A model and a prompt: what `generate` continues and `score` scores a continuation of.
 #[derive(Args, Debug)]
-pub struct GenerateArgs {
+pub struct PromptedModel {
     /// `builtin` (the freshly initialised small model, seed 0), an HF-format model directory, or
     /// a PEFT LoRA adapter directory (on the base its `base_model_name_or_path` names).
     #[arg(long, default_value = "builtin")]
@@ -35,6 +36,27 @@ pub struct GenerateArgs {
     /// Prompt token ids, comma-separated, used as they are.
     #[arg(long, value_delimiter = ',')]
     prompt_ids: Option<Vec<u32>>,
+    /// Encode --prompt as-is instead of as a chat user turn.
+    #[arg(long)]
+    raw: bool,
+    /// `cpu`, `cuda` or `cuda:N` (CUDA needs a `--features cuda` build).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// The dtype the weights, activations and K/V are stored in: `f32` or `bf16` (norms,
+    /// attention scores, log-probs and sampling accumulate in f32 either way). Default: f32 on
+    /// the CPU, bf16 on CUDA.
+    #[arg(long)]
+    dtype: Option<Precision>,
+    /// Prefill attention on CUDA: `paged` (ours) or `flash` (candle-flash-attn; a build with
+    /// the `flash-attn` feature and bf16 K/V).
+    #[arg(long, default_value = "paged")]
+    prefill_attention: stepppo::kv::PrefillAttention,
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    source: PromptedModel,
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
     /// Take the most likely token at each step.
@@ -49,24 +71,22 @@ pub struct GenerateArgs {
     top_k: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Encode --prompt as-is instead of as a chat user turn.
-    #[arg(long)]
-    raw: bool,
     /// Print one JSON object with prompt_ids, output_ids, output_text, logprobs.
     #[arg(long)]
     json: bool,
-    /// `cpu`, `cuda` or `cuda:N` (CUDA needs a `--features cuda` build).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// The dtype the weights, activations and K/V are stored in: `f32` or `bf16` (norms,
-    /// attention scores, log-probs and sampling accumulate in f32 either way). Default: f32 on
-    /// the CPU, bf16 on CUDA.
+}
+
+#[derive(Args, Debug)]
+pub struct ScoreArgs {
+    #[command(flatten)]
+    source: PromptedModel,
+    /// The continuation to score, token ids comma-separated: each one's log-prob after the
+    /// prompt and the ids before it (teacher forcing, temperature 1, the rollout's decode path).
+    #[arg(long, value_delimiter = ',', required = true)]
+    ids: Vec<u32>,
+    /// Print one JSON object with prompt_ids, ids, logprobs and their sum.
     #[arg(long)]
-    dtype: Option<Precision>,
-    /// Prefill attention on CUDA: `paged` (ours) or `flash` (candle-flash-attn; a build with
-    /// the `flash-attn` feature and bf16 K/V).
-    #[arg(long, default_value = "paged")]
-    prefill_attention: stepppo::kv::PrefillAttention,
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -116,17 +136,9 @@ fn sampling_params(a: &GenerateArgs) -> anyhow::Result<SamplingParams> {
     })
 }
 
-fn prompt_ids(a: &GenerateArgs, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
-    Ok(match (&a.prompt_ids, &a.prompt) {
-        (Some(ids), _) => ids.clone(),
-        (None, Some(text)) if a.raw => tok.encode(text),
-        (None, Some(text)) => ChatTemplate.user_turn(tok, text)?,
-        (None, None) => Vec::new(),
-    })
-}
-
-pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
-    let params = sampling_params(&a)?;
+/// The model (in its rollout dtype), its tokenizer, the prompt's ids and the device, with a
+/// warning where the checkpoint's turns fall back to ChatML.
+fn load_prompted(a: &PromptedModel) -> anyhow::Result<(Model, Tokenizer, Vec<u32>, Device)> {
     let device = stepppo::device::parse_device(&a.device)?;
     let (mut model, tok) = load_policy_with_adapter(&a.model, a.adapter.as_deref(), &device)
         .with_context(|| format!("loading model {}", a.model))?;
@@ -137,18 +149,64 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     if let Some(dtype) = a.dtype {
         model.set_rollout_precision(dtype).context("--dtype")?;
     }
-    let prompt = prompt_ids(&a, &tok)?;
+    let prompt = match (&a.prompt_ids, &a.prompt) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(text)) if a.raw => tok.encode(text),
+        (None, Some(text)) => ChatTemplate.user_turn(&tok, text)?,
+        (None, None) => Vec::new(),
+    };
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
+    Ok((model, tok, prompt, device))
+}
+
+/// A KV pool of `slots` in the model's rollout dtype, with the prefill kernel `a` names.
+fn pool_for(
+    model: &Model,
+    a: &PromptedModel,
+    slots: usize,
+    device: &Device,
+) -> anyhow::Result<KvPool> {
     let mut pool = KvPool::with_dtype(
         model.config(),
-        prompt.len() + a.max_new_tokens,
-        &device,
+        slots,
+        device,
         model.rollout_precision().dtype(),
     )?;
     pool.set_prefill_attention(a.prefill_attention)
         .context("--prefill-attention")?;
+    Ok(pool)
+}
+
+pub fn score(a: ScoreArgs) -> anyhow::Result<()> {
+    let (model, tok, prompt, device) = load_prompted(&a.source)?;
+    let vocab = model.config().vocab_size;
+    if let Some(bad) = a.ids.iter().find(|&&id| id as usize >= vocab) {
+        bail!("--ids: token id {bad} is outside the model's vocabulary of {vocab}");
+    }
+    let mut pool = pool_for(&model, &a.source, prompt.len() + a.ids.len(), &device)?;
+    let logprobs = forced_logprobs(&model, &mut pool, &prompt, &a.ids)?;
+    let sum: f64 = logprobs.iter().map(|&l| f64::from(l)).sum();
+    if a.json {
+        let out = serde_json::json!({
+            "prompt_ids": prompt, "ids": a.ids, "text": tok.decode(&a.ids), "logprobs": logprobs,
+            "sum_logprob": sum,
+        });
+        println!("{out}");
+    } else {
+        for (id, logprob) in a.ids.iter().zip(&logprobs) {
+            println!("{id}\t{logprob:.6}\t{:?}", tok.decode(&[*id]));
+        }
+        println!("sum\t{sum:.6}");
+    }
+    Ok(())
+}
+
+pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
+    let params = sampling_params(&a)?;
+    let (model, tok, prompt, device) = load_prompted(&a.source)?;
+    let mut pool = pool_for(&model, &a.source, prompt.len() + a.max_new_tokens, &device)?;
     let mut rngs = [ChaCha8Rng::seed_from_u64(stepppo::seed::derive(
         a.seed,
         &[0],
