@@ -190,6 +190,11 @@ fn a_written_generated_world_plays_as_a_data_file() {
             .all(|e| e["metrics"]["searches"] == 2.0 && e["metrics"]["em"] == 1.0),
         "{stdout}"
     );
+    // The last turn's values beside them: the answer turn's EM.
+    assert!(
+        episodes.iter().all(|e| e["final_metrics"]["em"] == 1.0),
+        "{stdout}"
+    );
     let bad = [
         "env",
         "synth-hotpotqa",

@@ -170,17 +170,23 @@ fn play(args: PlayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One episode as JSON; `metrics` are the env's per-turn metrics summed over the episode, as a
-/// training rollout logs them (e.g. `searches` counts every search, not the last turn's).
+/// One episode as JSON. `metrics` are the env's per-turn metrics summed over the episode, as a
+/// training rollout logs them (right for per-turn amounts: `searches` counts every search);
+/// `final_metrics` are each metric's value at the last turn that reported it (right for running
+/// totals an env reports, such as a score or a turn counter).
 fn episode_json(episode: &Episode) -> Value {
     let mut sums: BTreeMap<&str, f64> = BTreeMap::new();
+    let mut last: BTreeMap<&str, f64> = BTreeMap::new();
     for (name, value) in episode.turns.iter().flat_map(|t| &t.outcome.metrics) {
         *sums.entry(name.as_str()).or_default() += f64::from(*value);
+        last.insert(name.as_str(), f64::from(*value));
     }
-    let metrics: Map<String, Value> = sums
-        .into_iter()
-        .map(|(name, value)| (name.to_string(), json!(value)))
-        .collect();
+    let as_map = |m: BTreeMap<&str, f64>| -> Map<String, Value> {
+        m.into_iter()
+            .map(|(name, value)| (name.to_string(), json!(value)))
+            .collect()
+    };
+    let (metrics, final_metrics) = (as_map(sums), as_map(last));
     json!({
         "env": episode.env,
         "seed": episode.seed,
@@ -190,6 +196,7 @@ fn episode_json(episode: &Episode) -> Value {
         "turns": episode.turns.len(),
         "invalid_turns": episode.turns.iter().filter(|t| !t.outcome.info.action_is_valid).count(),
         "metrics": metrics,
+        "final_metrics": final_metrics,
     })
 }
 

@@ -6,8 +6,9 @@
 //! bridge or second entity, then answer the gold answer); `searcher` (search envs only) plays
 //! the oracle's searches, then answers with a guess (yes/no, one of a choice question's two
 //! options, or a name it has read): a demonstration of the turn format and of searching that
-//! leaves the answer to be learned. A remote env has no oracle, and no random agent when it lists
-//! no actions: the agent then answers with the env's error.
+//! leaves the answer to be learned. A remote env's oracle plays the action its server offers,
+//! and its random agent draws among the listed or admissible actions; where the server offers
+//! none, the agent answers with the env's error.
 
 use std::str::FromStr;
 

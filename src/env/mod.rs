@@ -132,10 +132,10 @@ pub trait Env: Send {
     /// Env actions allowed per episode (`usize::MAX` when only the turn limit applies).
     fn max_steps(&self) -> usize;
     /// Best next action from the current state (what the oracle agent plays); an error when the
-    /// env has none (a remote env).
+    /// env has none (a remote env whose server offers no `oracle_action`).
     fn oracle_action(&self) -> Result<Action, EnvError>;
     /// A uniformly random action (what the random agent plays); an error when the env cannot
-    /// draw one (a remote env that lists no actions).
+    /// draw one (a remote env that lists no actions and offers no admissible ones).
     fn random_action(&self, rng: &mut rand_chacha::ChaCha8Rng) -> Result<Action, EnvError>;
     /// Numeric facts about the whole state, for a critic that may see more than the agent (an
     /// asymmetric critic, `critic.mode: state`): planning facts of the map that the render does

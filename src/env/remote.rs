@@ -8,8 +8,10 @@
 //! time, a dropped connection, an HTTP error, malformed JSON, a missing or mistyped field) into an
 //! [`EnvError::Remote`] naming the server and the request sent, never a made-up transition. What a
 //! rollout does with such an error (`on_error`) is the agent loop's business. The action space
-//! comes from `/spec`: named actions, or free text when the server lists none. The random agent
-//! draws among the named actions; there is no oracle agent (the protocol has no oracle endpoint).
+//! comes from `/spec`: named actions, or free text when the server lists none. The optional
+//! fields a server may add are read here too: `/spec`'s `seed_max` (larger seeds are sent modulo
+//! its range), `/reset`'s per-episode `instruction`, and the `oracle_action` and
+//! `admissible_actions` of each answer, which the oracle and the random agent play.
 
 use std::time::Duration;
 
@@ -98,6 +100,19 @@ struct Spec {
     actions: Option<Vec<String>>,
     #[serde(default)]
     max_steps: Option<u64>,
+    /// The largest seed the env takes; a larger one is sent as `seed mod (seed_max + 1)`.
+    #[serde(default)]
+    seed_max: Option<u64>,
+}
+
+/// What `/reset` and `/step` may add to an answer: the next action of the env's own oracle
+/// (a walkthrough, a solver) and, for a free-text env, the actions the state admits.
+#[derive(Deserialize, Default)]
+struct Offers {
+    #[serde(default)]
+    oracle_action: Option<String>,
+    #[serde(default)]
+    admissible_actions: Option<Vec<String>>,
 }
 
 /// `POST /reset`.
@@ -107,6 +122,11 @@ struct ResetAnswer {
     observation: String,
     #[serde(default)]
     info: Map<String, Value>,
+    /// This episode's instruction, in place of `/spec`'s (rules that vary with the seed).
+    #[serde(default)]
+    instruction: Option<String>,
+    #[serde(flatten)]
+    offers: Offers,
 }
 
 /// `POST /step`.
@@ -118,6 +138,8 @@ struct StepAnswer {
     truncated: bool,
     #[serde(default)]
     info: Map<String, Value>,
+    #[serde(flatten)]
+    offers: Offers,
 }
 
 /// One episode of an env server.
@@ -132,9 +154,15 @@ pub struct RemoteEnv {
     instruction: String,
     actions: Option<Vec<String>>,
     max_steps: usize,
+    /// `/spec`'s `seed_max`.
+    seed_max: Option<u64>,
     /// The server's id of the current episode (`None` before the first reset).
     env_id: Option<String>,
     observation: String,
+    /// The current episode's own instruction, when its `/reset` gave one.
+    episode_instruction: Option<String>,
+    /// What the latest answer offered.
+    offers: Offers,
 }
 
 impl RemoteEnv {
@@ -154,8 +182,11 @@ impl RemoteEnv {
             instruction: String::new(),
             actions: None,
             max_steps: usize::MAX,
+            seed_max: None,
             env_id: None,
             observation: String::new(),
+            episode_instruction: None,
+            offers: Offers::default(),
         };
         let spec: Spec = env.request("/spec", None, env.timeout)?;
         env.adopt(spec)?;
@@ -177,7 +208,30 @@ impl RemoteEnv {
         self.max_steps = spec
             .max_steps
             .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
+        self.seed_max = spec.seed_max;
         Ok(())
+    }
+
+    /// The seed sent for episode seed `seed`: itself within `/spec`'s `seed_max`, else
+    /// `seed mod (seed_max + 1)` (the members of a group still share one; distinct seeds may
+    /// meet when the range is small).
+    fn wire_seed(&self, seed: u64) -> u64 {
+        match self.seed_max {
+            Some(max) if seed > max => seed % (max + 1),
+            _ => seed,
+        }
+    }
+
+    /// Checks what an answer offered: the admissible actions, like `/spec`'s, must be usable
+    /// answers.
+    fn check_offers(offers: &Offers) -> Result<(), String> {
+        if let Some(actions) = &offers.admissible_actions {
+            check_action_names(actions).map_err(|r| format!("`admissible_actions`: {r}"))?;
+        }
+        match &offers.oracle_action {
+            Some(action) if action.trim().is_empty() => Err("`oracle_action` is empty".to_string()),
+            _ => Ok(()),
+        }
     }
 
     /// Sends one request, `GET path` without a body or `POST path` with one, failing after
@@ -268,12 +322,16 @@ impl Env for RemoteEnv {
 
     fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
         self.close(self.timeout)?;
-        let body = json!({ "seed": seed });
+        let body = json!({ "seed": self.wire_seed(seed) });
         let answer: ResetAnswer = self.request("/reset", Some(&body), self.timeout)?;
         let request = describe("/reset", Some(&body.to_string()));
-        env_info(&answer.info).map_err(|r| self.error(&request, r))?;
+        env_info(&answer.info)
+            .and_then(|_| Self::check_offers(&answer.offers))
+            .map_err(|r| self.error(&request, r))?;
         self.env_id = Some(answer.env_id);
         self.observation = answer.observation;
+        self.episode_instruction = answer.instruction;
+        self.offers = answer.offers;
         Ok(self.observation.clone())
     }
 
@@ -289,6 +347,7 @@ impl Env for RemoteEnv {
             self.error(&request, reason)
         };
         let info = env_info(&answer.info).map_err(fail)?;
+        Self::check_offers(&answer.offers).map_err(fail)?;
         let reward = answer.reward as f32;
         if !reward.is_finite() {
             return Err(fail(format!(
@@ -297,6 +356,7 @@ impl Env for RemoteEnv {
             )));
         }
         self.observation = answer.observation;
+        self.offers = answer.offers;
         Ok(Transition {
             observation: self.observation.clone(),
             reward,
@@ -307,7 +367,9 @@ impl Env for RemoteEnv {
     }
 
     fn instruction(&self) -> String {
-        self.instruction.clone()
+        self.episode_instruction
+            .clone()
+            .unwrap_or_else(|| self.instruction.clone())
     }
 
     fn state_text(&self) -> String {
@@ -326,24 +388,35 @@ impl Env for RemoteEnv {
     }
 
     fn oracle_action(&self) -> Result<Action, EnvError> {
-        Err(EnvError::NoAgent {
-            env: format!("remote {}", self.label),
-            agent: "oracle",
-            reason: "the bridge protocol has no oracle; play with the random agent (or \
-                     stdin) and warm-start with sft.agent: random"
-                .into(),
-        })
+        match &self.offers.oracle_action {
+            Some(action) => Ok(Action::Move(action.clone())),
+            None => Err(EnvError::NoAgent {
+                env: format!("remote {}", self.label),
+                agent: "oracle",
+                reason: "its last answer offered no `oracle_action` (a server without an \
+                         oracle: play with the random agent or stdin, warm-start with \
+                         sft.agent: random)"
+                    .into(),
+            }),
+        }
     }
 
     fn random_action(&self, rng: &mut ChaCha8Rng) -> Result<Action, EnvError> {
-        match &self.actions {
+        let names = self
+            .actions
+            .as_ref()
+            .or(self.offers.admissible_actions.as_ref())
+            .filter(|names| !names.is_empty());
+        match names {
             Some(names) => Ok(Action::Move(
                 names[rng.random_range(0..names.len())].clone(),
             )),
             None => Err(EnvError::NoAgent {
                 env: format!("remote {}", self.label),
                 agent: "random",
-                reason: "its /spec lists no actions (free-text answers)".into(),
+                reason: "its /spec lists no actions and its last answer offered no \
+                         `admissible_actions` (free-text answers)"
+                    .into(),
             }),
         }
     }
