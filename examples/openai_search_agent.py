@@ -4,9 +4,10 @@
 official `openai` client and nothing of stepppo's.
 
 The task and the functions are the environment's: `stepppo env serve hotpotqa --set tools=true`
-serves the episodes (plain HTTP: `POST /reset` gives the system prompt, the question and the
-function schemas; `POST /step` takes the model's reply message and gives back the tool results,
-or a user message after a reply that called nothing, and the turn's reward). The agent runs the
+serves the episodes (plain HTTP, stepppo's agent protocol: `POST /agent/reset` gives the system
+prompt, the question and the function schemas; `POST /agent/step` takes the model's reply message
+and gives back the tool results, or a user message after a reply that called nothing, and the
+turn's reward). The agent runs the
 usual tool loop: ask the model with `tools=...`, hand its reply to the env, append the tool
 results, ask again, until the env says the episode is over.
 
@@ -45,7 +46,7 @@ class Episode:
 
     def __init__(self, env_url, seed):
         self.env_url = env_url
-        start = post(f"{env_url}/reset", {"seed": seed})
+        start = post(f"{env_url}/agent/reset", {"seed": seed})
         self.env_id = start["env_id"]
         self.tools = start["tools"]
         self.messages = [{"role": "system", "content": start["system"]},
@@ -60,7 +61,7 @@ class Episode:
                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
                 for c in reply.tool_calls]
         self.messages.append(message)
-        out = post(f"{self.env_url}/step", {"env_id": self.env_id, "message": message})
+        out = post(f"{self.env_url}/agent/step", {"env_id": self.env_id, "message": message})
         for result in out["tool_results"]:
             self.messages.append({"role": "tool", "tool_call_id": result["tool_call_id"],
                                   "content": result["content"]})
@@ -69,7 +70,7 @@ class Episode:
         return out
 
     def close(self):
-        post(f"{self.env_url}/close", {"env_id": self.env_id})
+        post(f"{self.env_url}/agent/close", {"env_id": self.env_id})
 
 
 def play(client, args, seed, member):

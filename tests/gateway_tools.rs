@@ -544,18 +544,18 @@ const SEARCH_ENV: [&str; 5] = [
 fn the_env_server_plays_tool_mode_episodes_over_http_and_refuses_bad_requests() {
     let server = EnvServer::start(&SEARCH_ENV);
     let url = &server.url;
-    let (status, spec) = get(&format!("{url}/spec"));
+    let (status, spec) = get(&format!("{url}/agent/spec"));
     assert_eq!(status, 200, "{spec}");
     assert_eq!(spec["tools"][0]["function"]["name"], "search");
     assert_eq!(spec["tools"][1]["function"]["name"], "answer");
-    let (status, episode) = post(&format!("{url}/reset"), &json!({"seed": 3}), &[]);
+    let (status, episode) = post(&format!("{url}/agent/reset"), &json!({"seed": 3}), &[]);
     assert_eq!(status, 200, "{episode}");
     assert!(episode["user"].as_str().unwrap().contains("Question: "));
     assert_eq!(episode["tools"], spec["tools"]);
     let id = episode["env_id"].clone();
     let step = |message: Value| {
         post(
-            &format!("{url}/step"),
+            &format!("{url}/agent/step"),
             &json!({"env_id": id, "message": message}),
             &[],
         )
@@ -595,17 +595,25 @@ fn the_env_server_plays_tool_mode_episodes_over_http_and_refuses_bad_requests() 
     let (status, out) = step(call("answer", json!({"answer": "again"})));
     assert_eq!(status, 409, "{out}");
     let (status, out) = post(
-        &format!("{url}/step"),
+        &format!("{url}/agent/step"),
         &json!({"env_id": "ep-99", "message": {}}),
         &[],
     );
     assert_eq!(status, 404);
     assert!(out["error"].as_str().unwrap().contains("env_id"), "{out}");
-    let (status, out) = post(&format!("{url}/reset"), &json!({"seed": "x"}), &[]);
+    let (status, out) = post(&format!("{url}/agent/reset"), &json!({"seed": "x"}), &[]);
     assert_eq!(status, 400);
     assert!(out["error"].as_str().unwrap().contains("seed"), "{out}");
-    let (status, _) = post(&format!("{url}/close"), &json!({"env_id": id}), &[]);
+    let (status, _) = post(&format!("{url}/agent/close"), &json!({"env_id": id}), &[]);
     assert_eq!(status, 200);
+    // The env bridge's routes are another protocol's: a 404 that says which this server speaks.
+    let (status, out) = get(&format!("{url}/spec"));
+    assert_eq!(status, 404);
+    let error = out["error"].as_str().unwrap();
+    assert!(
+        error.contains("agent protocol") && error.contains("/agent/reset"),
+        "{out}"
+    );
 }
 
 /// `examples/openai_search_agent.py` (the official `openai` client) plays the env server's

@@ -4,16 +4,20 @@
 //! system prompt, the first user message, the functions offered (in tool mode, `tools: true`),
 //! the parsing of each reply and the next message. The agent asks its model through the gateway
 //! and hands each reply here; rewards come back per turn, for it to close its gateway session
-//! with. Routes (the bodies are in `docs/guides/env-server.md`):
+//! with. This is the *agent protocol*, under `/agent/` (the bodies are in
+//! `docs/guides/env-server.md`):
 //!
-//! - `GET /spec`: the env's name and, in tool mode, its functions;
-//! - `POST /reset {seed}`: a new episode: `env_id`, `system`, `user`, `tools`;
-//! - `POST /step {env_id, message}`: the assistant message as the model's API returned it
+//! - `GET /agent/spec`: the env's name and, in tool mode, its functions;
+//! - `POST /agent/reset {seed}`: a new episode: `env_id`, `system`, `user`, `tools`;
+//! - `POST /agent/step {env_id, message}`: the assistant message as the model's API returned it
 //!   (`content`, `tool_calls`): the reward, whether the episode ended, and what comes next (the
 //!   tool results, one per call that ran, with the call's id, or a user message);
-//! - `POST /close {env_id}`.
+//! - `POST /agent/close {env_id}`.
 //!
-//! Every refusal is a 4xx with `{"error": …}` naming the field; the newest 4096 episodes are kept.
+//! It is not the *env bridge protocol* (`/spec`, `/reset`, `/step`, `/close` with raw
+//! observations and actions, which stepppo's `remote` env speaks as a client): those routes
+//! answer 404 with an error saying which protocol this server speaks. Every refusal is a 4xx with
+//! `{"error": …}` naming the field; the newest 4096 episodes are kept.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -104,11 +108,29 @@ pub fn serve_env(
 
 fn router(shared: Shared) -> Router {
     Router::new()
-        .route("/spec", get(spec))
-        .route("/reset", post(reset))
-        .route("/step", post(step))
-        .route("/close", post(close))
+        .route("/agent/spec", get(spec))
+        .route("/agent/reset", post(reset))
+        .route("/agent/step", post(step))
+        .route("/agent/close", post(close))
+        .route("/spec", get(bridge_route))
+        .route("/reset", post(bridge_route))
+        .route("/step", post(bridge_route))
+        .route("/close", post(bridge_route))
         .with_state(shared)
+}
+
+/// The env bridge protocol's routes, which this server does not speak: a 404 saying so, which a
+/// `remote` env pointed here reports.
+async fn bridge_route() -> Response {
+    let error = "this is `stepppo env serve`, which speaks the agent protocol (GET /agent/spec, \
+                 POST /agent/reset, /agent/step, /agent/close: chat messages in and out), not \
+                 the env bridge protocol an `env_type: remote` client expects (docs/guides/env-server.md)";
+    (
+        StatusCode::NOT_FOUND,
+        [("content-type", "application/json")],
+        json!({ "error": error }).to_string(),
+    )
+        .into_response()
 }
 
 /// The request body's fields `names`, in order; a body that is not a JSON object, holds another
