@@ -13,14 +13,15 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use candle_core::{DType, Device, Tensor};
+use candle_core::Device;
 use clap::{Args, Subcommand, ValueEnum};
-use stepppo::algo::{self, AdvantageConfig, AdvantageInputs};
+use stepppo::algo::{self, AdvantageConfig};
 use stepppo::env::{self, AgentKind};
 use stepppo::interchange;
 use stepppo::model::Critic;
 use stepppo::store::{self, Dataset, Trajectory};
 use stepppo::tokenizer::Tokenizer;
+use stepppo::train::learner::scoring::score_records;
 use stepppo::view::Source;
 
 #[derive(Args, Debug)]
@@ -420,55 +421,6 @@ fn advantage_config(estimator: &str, a: &ScoringArgs) -> anyhow::Result<Advantag
     Ok(cfg)
 }
 
-/// Critic values read from one forward per context window (a whole trajectory in the
-/// concatenated layout): `steps[i]` at the last token before record i's response, `tokens[i]`
-/// before each of its response tokens. Aligned with the records of `trajectories` in order.
-#[derive(Default)]
-struct CriticValues {
-    steps: Vec<f32>,
-    tokens: Vec<Vec<f32>>,
-}
-
-fn critic_values(dir: &Path, trajectories: &[Trajectory<'_>]) -> anyhow::Result<CriticValues> {
-    let critic = Critic::load(dir, &Device::Cpu, 0)
-        .with_context(|| format!("--critic {}", dir.display()))?;
-    let mut out = CriticValues::default();
-    for traj in trajectories {
-        let starts: Vec<usize> = (0..traj.steps.len())
-            .filter(|&t| t == 0 || traj.steps[t].context_len == 0)
-            .collect();
-        let ends = starts.iter().skip(1).copied().chain([traj.steps.len()]);
-        for (start, end) in starts.iter().copied().zip(ends) {
-            let mut tokens = traj.context(end - 1);
-            tokens.extend(traj.steps[end - 1].response_ids.iter());
-            let values = critic_forward(&critic, &tokens)
-                .with_context(|| format!("critic on trajectory {}", traj.traj_id))?;
-            let mut offset = 0;
-            for step in &traj.steps[start..end] {
-                let response_start = offset + step.obs_ids.len();
-                anyhow::ensure!(
-                    response_start > 0,
-                    "trajectory {} step {}: no token before the response to read a value at",
-                    traj.traj_id,
-                    step.step_index
-                );
-                let before = response_start - 1;
-                out.steps.push(values[before]);
-                out.tokens
-                    .push(values[before..before + step.response_ids.len()].to_vec());
-                offset = response_start + step.response_ids.len();
-            }
-        }
-    }
-    Ok(out)
-}
-
-fn critic_forward(critic: &Critic, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
-    let ids = Tensor::new(tokens, &Device::Cpu)?.unsqueeze(0)?;
-    let mask = Tensor::ones((1, tokens.len()), DType::U32, &Device::Cpu)?;
-    Ok(critic.values(&ids, &mask)?.squeeze(0)?.to_vec1::<f32>()?)
-}
-
 /// Trajectories shown before the rest of those left out are only counted.
 const SHOWN_INCOMPLETE: usize = 5;
 
@@ -505,21 +457,22 @@ fn complete_trajectories(dataset: &Dataset) -> anyhow::Result<Vec<Trajectory<'_>
 fn score_steps(dataset: &Dataset, a: &ScoringArgs) -> anyhow::Result<Vec<algo::ReplayRow>> {
     let estimator = a.advantages.as_deref().unwrap_or_default();
     let cfg = advantage_config(estimator, a)?;
-    let trajectories = complete_trajectories(dataset)?;
     let mut records = Vec::new();
-    for traj in &trajectories {
+    for traj in &complete_trajectories(dataset)? {
         records.extend(store::decode_trajectory(traj)?);
     }
-    let values = match &a.critic {
-        Some(dir) => Some(critic_values(dir, &trajectories)?),
+    let critic = match &a.critic {
+        Some(dir) => Some(
+            Critic::load(dir, &Device::Cpu, 0)
+                .with_context(|| format!("--critic {}", dir.display()))?,
+        ),
         None => None,
     };
-    let inputs = AdvantageInputs {
-        values: values.as_ref().map(|v| v.steps.as_slice()),
-        token_values: values.as_ref().map(|v| v.tokens.as_slice()),
-        ..AdvantageInputs::default()
-    };
-    let export = algo::replay_rows(&records, &inputs, &cfg)?;
+    let export =
+        score_records(&records, &cfg, critic.as_ref()).with_context(|| match &a.critic {
+            Some(dir) => format!("--advantages {estimator} with --critic {}", dir.display()),
+            None => format!("--advantages {estimator}"),
+        })?;
     if export.zero_values {
         eprintln!(
             "note: `{estimator}` reads critic values and no --critic was given: every value is 0"

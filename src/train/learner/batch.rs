@@ -190,6 +190,22 @@ pub fn pad(seqs: &[Vec<u32>], len: usize, pad: u32) -> (Vec<u32>, Vec<u32>) {
     (ids, mask)
 }
 
+/// Training sequences: each trajectory's steps in order, a new sequence at every step with a
+/// fresh context (`context_len` 0), so a trajectory is one sequence in the concat layout and each
+/// step is one in the window layout (a gateway session may mix them).
+pub fn context_sequences(records: &[StepRecord]) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    for traj in trajectories(records) {
+        for i in traj {
+            match out.last_mut() {
+                Some(seq) if records[i].context_len > 0 => seq.push(i),
+                _ => out.push(vec![i]),
+            }
+        }
+    }
+    out
+}
+
 /// Groups records into concat-layout sequences: each trajectory's steps in order.
 pub fn trajectories(records: &[StepRecord]) -> Vec<Vec<usize>> {
     let mut by_traj: BTreeMap<u64, Vec<usize>> = BTreeMap::new();

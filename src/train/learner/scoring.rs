@@ -1,12 +1,13 @@
 //! Forward passes over a batch of step records without a gradient: the response log-probs of a
 //! model (the reference policy's side of a KL term) and a critic's values at rollout time. Each
 //! packs the records' sequences in chunks laid out as the update lays out its mini-batches,
-//! padded or as a prefix tree ([`BatchLayout`]).
+//! padded or as a prefix tree ([`BatchLayout`]). Also the re-scoring of stored records after the
+//! fact ([`score_records`]: an estimator's advantages, with a saved critic's values).
 
-use crate::algo::CriticTarget;
-use crate::model::{Model, TrainInput};
+use crate::algo::{replay_rows, AdvantageConfig, AdvantageInputs, CriticTarget, ReplayExport};
+use crate::model::{Critic as CriticTrunk, Model, TrainInput};
 use crate::store::StepRecord;
-use crate::train::learner::batch::{pack, PackedBatch};
+use crate::train::learner::batch::{context_sequences, pack, PackedBatch};
 use crate::train::learner::device_batch::{BatchLayout, DeviceBatch};
 use crate::train::learner::masks::ResponseMasks;
 use crate::train::TrainError;
@@ -132,4 +133,62 @@ pub fn critic_values(
         },
     )?;
     Ok(out)
+}
+
+/// Sequences per forward when re-scoring stored records.
+const RESCORE_CHUNK: usize = 16;
+
+/// Re-scores stored `records` (whole trajectories, each in step order) with the estimator of
+/// `cfg`: per step its return, advantage and, with `critic` (a saved separate critic), the
+/// critic's values at the step start and before each response token, read as a rollout reads
+/// them. Without a critic the values are 0 (the export says so).
+pub fn score_records(
+    records: &[StepRecord],
+    cfg: &AdvantageConfig,
+    critic: Option<&CriticTrunk>,
+) -> Result<ReplayExport, TrainError> {
+    let values = match critic {
+        Some(critic) => Some(record_values(critic, records)?),
+        None => None,
+    };
+    let inputs = AdvantageInputs {
+        values: values.as_ref().map(|(steps, _)| steps.as_slice()),
+        token_values: values.as_ref().map(|(_, tokens)| tokens.as_slice()),
+        ..AdvantageInputs::default()
+    };
+    Ok(replay_rows(records, &inputs, cfg)?)
+}
+
+/// `critic`'s value at each record's step start and before each of its response tokens.
+fn record_values(
+    critic: &CriticTrunk,
+    records: &[StepRecord],
+) -> Result<(Vec<f32>, Vec<Vec<f32>>), TrainError> {
+    if let Some(r) = records.iter().find(|r| r.response_ids.is_empty()) {
+        return Err(TrainError::Data(format!(
+            "trajectory {} step {}: an empty response has no position to read a value at",
+            r.traj_id, r.step_index
+        )));
+    }
+    let sequences = context_sequences(records);
+    let layout = BatchLayout {
+        pad_id: 0,
+        tree: false,
+    };
+    let read = |target| {
+        critic_values(
+            &|input| Ok(critic.values_of(input)?),
+            records,
+            &sequences,
+            target,
+            (RESCORE_CHUNK, layout),
+            &ResponseMasks::default(),
+            critic.device(),
+        )
+    };
+    let steps = read(CriticTarget::StepStart)?
+        .into_iter()
+        .map(|v| v[0])
+        .collect();
+    Ok((steps, read(CriticTarget::AllResponseTokens)?))
 }

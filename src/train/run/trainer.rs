@@ -41,7 +41,7 @@ use crate::rollout::grammar::ResponseGrammar;
 use crate::seed;
 use crate::store::{DatasetWriter, SegmentEntry, StepRecord, WriterOptions};
 use crate::tokenizer::Tokenizer;
-use crate::train::learner::batch::trajectories;
+use crate::train::learner::batch::context_sequences;
 use crate::train::learner::critic::{self, Critic, CriticOrigin, ValueReading};
 use crate::train::learner::device_batch::BatchLayout;
 use crate::train::learner::masks::{response_masks, ResponseMasks};
@@ -699,7 +699,7 @@ impl Trainer {
         let t_adv = Instant::now();
         let filter = uncertainty_filter(&records, &self.cfg.filter_config());
         scalars.extend(filter.metrics.clone());
-        let sequences = self.sequences(&records);
+        let sequences = context_sequences(&records);
         let target = self.cfg.adv_estimator.critic_target();
         let old_values = match target {
             Some(t) => self.critic_values(&records, &sequences, t)?,
@@ -858,22 +858,6 @@ impl Trainer {
             buffer.spans().len() as f64,
         );
         Ok(())
-    }
-
-    /// Training sequences: a new one starts at every step with a fresh context (`context_len`
-    /// 0), so a trajectory is one sequence in the concat layout and each step is one in the
-    /// window layout (a gateway session may mix them).
-    fn sequences(&self, records: &[StepRecord]) -> Vec<Vec<usize>> {
-        let mut out: Vec<Vec<usize>> = Vec::new();
-        for traj in trajectories(records) {
-            for i in traj {
-                match out.last_mut() {
-                    Some(seq) if records[i].context_len > 0 => seq.push(i),
-                    _ => out.push(vec![i]),
-                }
-            }
-        }
-        out
     }
 
     /// Rollout-time critic values of every record (each rank computes its share of the
