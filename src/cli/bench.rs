@@ -252,18 +252,11 @@ fn selected(names: &[String]) -> anyhow::Result<Vec<Workload>> {
         .collect()
 }
 
-#[cfg(feature = "cuda")]
 mod kernels {
-    //! Attention over the KV pool on the GPU. Decode: bytes of K and V the kernel must read per
-    //! call, divided by its time, next to the bandwidth of a plain device-to-device copy.
-    //! Prefill: our paged kernel and flash-attention on the same pool and queries, their times,
-    //! causal attention FLOP/s and largest difference.
+    //! `bench kernels`: the pool's attention kernels timed on the GPU ([`kernel_bench`]), printed
+    //! as one line or one JSON object.
 
-    use std::time::Instant;
-
-    use anyhow::Context;
-    use candle_core::{DType, Device, Tensor};
-    use stepppo::kv::{KvPool, PrefillAttention, SeqSlots};
+    use stepppo::kv::kernel_bench::{self, KernelShape};
     use stepppo::tokenizer::Tokenizer;
 
     use super::{model_config, KernelArgs};
@@ -281,215 +274,86 @@ mod kernels {
                 a.context
             );
         }
-        let mut cfg = model_config(&a.model, &Tokenizer::builtin())?;
-        cfg.num_hidden_layers = 1;
-        if let Some(hd) = a.head_dim {
-            cfg.head_dim = Some(hd);
-        }
-        let dtype = a.dtype.dtype();
-        let slots_total = a.batch * a.context;
-        let mut pool = KvPool::with_dtype(&cfg, slots_total, &device, dtype)?;
-        let all: Vec<u32> = pool.alloc(slots_total).context("pool allocation")?;
-        let bench = Bench {
-            heads: cfg.num_attention_heads,
+        let cfg = model_config(&a.model, &Tokenizer::builtin())?;
+        let shape = KernelShape {
+            batch: a.batch,
+            context: a.context,
+            q_heads: cfg.num_attention_heads,
             kv_heads: cfg.num_key_value_heads,
-            hd: cfg.head_dim(),
-            dtype,
-            device,
+            head_dim: a.head_dim.unwrap_or(cfg.head_dim()),
+            dtype: a.dtype.dtype(),
+            iters: a.iters,
         };
-        fill_pool(&mut pool, &all, &bench)?;
-        let report = match a.prefill {
-            None => decode(&pool, &all, &a, &bench)?,
-            Some(new) => prefill(&mut pool, &all, new, &a, &bench)?,
+        let mut report = serde_json::json!({
+            "batch": a.batch, "context": a.context, "q_heads": shape.q_heads,
+            "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "dtype": a.dtype.to_string(),
+        });
+        let line = match a.prefill {
+            None => {
+                let d = kernel_bench::decode(&shape, &device)?;
+                extend(&mut report, serde_json::to_value(&d)?);
+                format!(
+                    "decode {}: {}: {:.3} ms, {:.0} GB/s; device copy {:.0} GB/s; {:.0}% of copy",
+                    a.dtype,
+                    shape_text(&shape),
+                    d.decode_ms,
+                    d.decode_gb_s,
+                    d.copy_gb_s,
+                    100.0 * d.fraction_of_copy
+                )
+            }
+            Some(new) => {
+                let p = kernel_bench::prefill(&shape, new, &device)?;
+                let mut parts = Vec::new();
+                for k in &p.kernels {
+                    let name = k.kernel;
+                    report[format!("{name}_ms")] = k.ms.into();
+                    report[format!("{name}_tflop_s")] = k.tflop_s.into();
+                    if name != "paged" {
+                        let diff = format!("{name}_max_abs_diff_vs_paged");
+                        report[diff] = k.max_abs_diff_vs_paged.into();
+                    }
+                    parts.push(format!(
+                        "{name} {:.3} ms ({:.1} TFLOP/s, max |diff| {:.2e})",
+                        k.ms, k.tflop_s, k.max_abs_diff_vs_paged
+                    ));
+                }
+                report["new"] = new.into();
+                if let (Some(p), Some(f)) = (report.get("paged_ms"), report.get("flash_ms")) {
+                    let speedup = p.as_f64().unwrap_or(0.0) / f.as_f64().unwrap_or(f64::INFINITY);
+                    report["flash_speedup"] = speedup.into();
+                    parts.push(format!("flash {speedup:.2}× paged"));
+                } else {
+                    parts.push(
+                        "flash not run (needs the `flash-attn` feature and --dtype bf16)".into(),
+                    );
+                }
+                format!(
+                    "prefill {} of {new} new tokens: {}: {}",
+                    a.dtype,
+                    shape_text(&shape),
+                    parts.join("; ")
+                )
+            }
         };
         if a.json {
             println!("{report}");
         } else {
-            println!("{}", text(&report, &a));
+            println!("{line}");
         }
         Ok(())
     }
 
-    /// The shape and device of one measurement.
-    struct Bench {
-        heads: usize,
-        kv_heads: usize,
-        hd: usize,
-        dtype: DType,
-        device: Device,
-    }
-
-    /// Decode: every sequence brings one token; bytes of K/V read over time, against a copy.
-    fn decode(
-        pool: &KvPool,
-        all: &[u32],
-        a: &KernelArgs,
-        b: &Bench,
-    ) -> anyhow::Result<serde_json::Value> {
-        let seqs: Vec<SeqSlots> = all
-            .chunks(a.context)
-            .map(|slots| SeqSlots { slots, num_new: 1 })
-            .collect();
-        let scale = 1.0 / (b.hd as f32).sqrt();
-        let plan = pool.plan(&seqs, scale)?;
-        let q = Tensor::randn(0f32, 1.0, (a.batch, b.heads, b.hd), &b.device)?.to_dtype(b.dtype)?;
-        let decode_s = time(&b.device, a.iters, || {
-            Ok(pool.attend_rows(0, &q, &plan, b.heads, scale)?)
-        })?;
-        // What decode must read: every K and V row once.
-        let kv_bytes = 2.0 * (all.len() * b.kv_heads * b.hd * b.dtype.size_in_bytes()) as f64;
-        let copy_src = Tensor::zeros(all.len() * b.kv_heads * b.hd * 2, DType::BF16, &b.device)?;
-        let copy_s = time(&b.device, a.iters, || Ok(copy_src.copy()?))?;
-        let copy_bytes = 2.0 * (copy_src.elem_count() * 2) as f64;
-        let decode_gbs = kv_bytes / decode_s / 1e9;
-        let copy_gbs = copy_bytes / copy_s / 1e9;
-        Ok(serde_json::json!({
-            "batch": a.batch, "context": a.context, "q_heads": b.heads, "kv_heads": b.kv_heads,
-            "head_dim": b.hd, "dtype": a.dtype.to_string(),
-            "decode_ms": decode_s * 1e3, "decode_gb_s": decode_gbs, "copy_gb_s": copy_gbs,
-            "fraction_of_copy": decode_gbs / copy_gbs,
-        }))
-    }
-
-    /// Prefill: each sequence's last `new` tokens attend over its whole context, through our
-    /// kernel and (built with `flash-attn`, bf16) flash-attention, the same inputs for both.
-    fn prefill(
-        pool: &mut KvPool,
-        all: &[u32],
-        new: usize,
-        a: &KernelArgs,
-        b: &Bench,
-    ) -> anyhow::Result<serde_json::Value> {
-        let seqs: Vec<SeqSlots> = all
-            .chunks(a.context)
-            .map(|slots| SeqSlots {
-                slots,
-                num_new: new,
-            })
-            .collect();
-        let scale = 1.0 / (b.hd as f32).sqrt();
-        let q = Tensor::randn(0f32, 1.0, (a.batch * new, b.heads, b.hd), &b.device)?
-            .to_dtype(b.dtype)?;
-        // Score and weighted-sum FLOPs of the causal part each new token sees.
-        let keys_seen: usize = (0..new).map(|i| a.context - new + i + 1).sum();
-        let flops = 4.0 * (a.batch * keys_seen * b.heads * b.hd) as f64;
-        let mut report = serde_json::json!({
-            "batch": a.batch, "context": a.context, "new": new, "q_heads": b.heads,
-            "kv_heads": b.kv_heads, "head_dim": b.hd, "dtype": a.dtype.to_string(),
-        });
-        let mut paged_out = None;
-        for kernel in [PrefillAttention::Paged, PrefillAttention::Flash] {
-            if !kernel.compiled() || (kernel == PrefillAttention::Flash && b.dtype != DType::BF16) {
-                continue;
-            }
-            pool.set_prefill_attention(kernel)?;
-            let plan = pool.plan(&seqs, scale)?;
-            let out = pool.attend_rows(0, &q, &plan, b.heads, scale)?;
-            let s = time(&b.device, a.iters, || {
-                Ok(pool.attend_rows(0, &q, &plan, b.heads, scale)?)
-            })?;
-            let name = kernel.name();
-            report[format!("{name}_ms")] = (s * 1e3).into();
-            report[format!("{name}_tflop_s")] = (flops / s / 1e12).into();
-            match &paged_out {
-                None => paged_out = Some(out),
-                Some(paged) => {
-                    let diff = (out.to_dtype(DType::F32)? - paged.to_dtype(DType::F32)?)?
-                        .abs()?
-                        .max_all()?
-                        .to_scalar::<f32>()?;
-                    report[format!("{name}_max_abs_diff_vs_paged")] = diff.into();
-                }
-            }
-        }
-        if let (Some(p), Some(f)) = (report.get("paged_ms"), report.get("flash_ms")) {
-            let speedup = p.as_f64().unwrap_or(0.0) / f.as_f64().unwrap_or(f64::INFINITY);
-            report["flash_speedup"] = speedup.into();
-        }
-        Ok(report)
-    }
-
-    /// The report as one line of text.
-    fn text(r: &serde_json::Value, a: &KernelArgs) -> String {
-        let f = |k: &str| r.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
-        let shape = format!(
+    fn shape_text(s: &KernelShape) -> String {
+        format!(
             "batch {} × context {} ({} q / {} kv heads, head_dim {})",
-            a.batch, a.context, r["q_heads"], r["kv_heads"], r["head_dim"]
-        );
-        match a.prefill {
-            None => format!(
-                "decode {}: {shape}: {:.3} ms, {:.0} GB/s; device copy {:.0} GB/s; {:.0}% of copy",
-                a.dtype,
-                f("decode_ms"),
-                f("decode_gb_s"),
-                f("copy_gb_s"),
-                100.0 * f("fraction_of_copy")
-            ),
-            Some(new) => {
-                let flash = if r.get("flash_ms").is_some() {
-                    format!(
-                        "flash {:.3} ms ({:.1} TFLOP/s, max |diff| {:.2e}); flash {:.2}× paged",
-                        f("flash_ms"),
-                        f("flash_tflop_s"),
-                        f("flash_max_abs_diff_vs_paged"),
-                        f("flash_speedup")
-                    )
-                } else {
-                    "flash not run (needs the `flash-attn` feature and --dtype bf16)".into()
-                };
-                format!(
-                    "prefill {} of {new} new tokens: {shape}: paged {:.3} ms ({:.1} TFLOP/s); {flash}",
-                    a.dtype,
-                    f("paged_ms"),
-                    f("paged_tflop_s"),
-                )
-            }
-        }
+            s.batch, s.context, s.q_heads, s.kv_heads, s.head_dim
+        )
     }
 
-    /// Random K/V rows in every slot, written through the scatter kernel.
-    fn fill_pool(pool: &mut KvPool, slots: &[u32], b: &Bench) -> anyhow::Result<()> {
-        let (kv_heads, hd, dtype, dev) = (b.kv_heads, b.hd, b.dtype, &b.device);
-        for chunk in slots.chunks(1 << 16) {
-            let seq = [SeqSlots {
-                slots: chunk,
-                num_new: chunk.len(),
-            }];
-            let plan = pool.plan(&seq, 1.0)?;
-            let k = Tensor::randn(0f32, 1.0, (chunk.len(), kv_heads, hd), dev)?.to_dtype(dtype)?;
-            let v = Tensor::randn(0f32, 1.0, (chunk.len(), kv_heads, hd), dev)?.to_dtype(dtype)?;
-            pool.write_rows(0, &plan, &k, &v)?;
+    fn extend(report: &mut serde_json::Value, more: serde_json::Value) {
+        if let (Some(out), serde_json::Value::Object(more)) = (report.as_object_mut(), more) {
+            out.extend(more);
         }
-        Ok(())
-    }
-
-    /// Mean seconds per call after a warm-up call, with the device synchronised around the loop.
-    fn time(
-        dev: &Device,
-        iters: usize,
-        mut f: impl FnMut() -> anyhow::Result<Tensor>,
-    ) -> anyhow::Result<f64> {
-        f()?;
-        dev.synchronize()?;
-        let start = Instant::now();
-        for _ in 0..iters.max(1) {
-            f()?;
-        }
-        dev.synchronize()?;
-        Ok(start.elapsed().as_secs_f64() / iters.max(1) as f64)
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-mod kernels {
-    use super::KernelArgs;
-
-    pub fn run(a: KernelArgs) -> anyhow::Result<()> {
-        Err(stepppo::device::parse_device(&a.device)
-            .err()
-            .map(anyhow::Error::from)
-            .unwrap_or_else(|| {
-                anyhow::anyhow!("`bench kernels` measures CUDA kernels: pass --device cuda")
-            }))
     }
 }

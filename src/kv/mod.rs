@@ -1,8 +1,9 @@
 //! The KV cache: the slot pool that holds every layer's keys and values by token slot, and the
 //! CPU attention kernel that reads them by slot index ([`pool`]; the device side is `cuda`,
 //! built with the `cuda` feature, and `flash`, candle-flash-attn's prefill, built with
-//! `flash-attn`), and the radix-tree prefix cache over these slots ([`radix`]). It does not
-//! schedule sequences: the rollout engine and plain generation own the slot lists.
+//! `flash-attn`), and the radix-tree prefix cache over these slots ([`radix`]); the timing of its
+//! attention kernels on random K/V ([`kernel_bench`]). It does not schedule sequences: the rollout
+//! engine and plain generation own the slot lists.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -11,6 +12,7 @@ use serde::{Deserialize, Serialize};
 pub mod cuda;
 #[cfg(feature = "flash-attn")]
 pub mod flash;
+pub mod kernel_bench;
 pub mod pool;
 pub mod radix;
 
