@@ -1,17 +1,15 @@
 //! Generation and training-path throughput of the built-in `small` model on CPU: greedy decoding
-//! at batch 1 and 32 (tokens generated per second, prefill included), and forward+backward of the
-//! training path over a padded batch (tokens per second).
+//! through the rollout engine without its prefix cache at batch 1 and 32 (tokens generated per
+//! second, prefill included), and forward+backward of the training path over a padded batch
+//! (tokens per second).
 
 use std::hint::black_box;
 
 use candle_core::Device;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use stepppo::kv::KvPool;
 use stepppo::model::checkpoint::builtin_policy;
 use stepppo::model::PaddedBatch;
-use stepppo::rollout::generate;
+use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig, GenRequest};
 use stepppo::rollout::sampling::SamplingParams;
 use stepppo::tokenizer::ChatTemplate;
 
@@ -28,30 +26,19 @@ fn bench_generation(c: &mut Criterion) {
     let mut group = c.benchmark_group("generation");
     group.sample_size(10);
     for batch in [1usize, 32] {
-        let prompts = vec![prompt.clone(); batch];
-        let mut pool = KvPool::new(
-            model.config(),
-            batch * (prompt.len() + NEW_TOKENS),
-            &Device::Cpu,
-        )
-        .unwrap();
+        // Every prompt prefilled on its own (no cache), as the plain generation measured before.
+        let cfg = EngineConfig {
+            cache_mode: CacheMode::None,
+            num_slots: batch * (prompt.len() + NEW_TOKENS),
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::for_model(&model, cfg).unwrap();
+        let requests: Vec<GenRequest> = (0..batch as u64)
+            .map(|i| GenRequest::plain(prompt.clone(), SamplingParams::greedy(), i, NEW_TOKENS))
+            .collect();
         group.throughput(Throughput::Elements((batch * NEW_TOKENS) as u64));
         group.bench_function(format!("greedy_batch{batch}"), |b| {
-            b.iter(|| {
-                let mut rngs: Vec<ChaCha8Rng> =
-                    (0..batch as u64).map(ChaCha8Rng::seed_from_u64).collect();
-                let out = generate(
-                    &model,
-                    &mut pool,
-                    &prompts,
-                    NEW_TOKENS,
-                    &SamplingParams::greedy(),
-                    &mut rngs,
-                    None,
-                )
-                .unwrap();
-                black_box(out)
-            })
+            b.iter(|| black_box(engine.generate(&model, &tok, &requests).unwrap()))
         });
     }
     group.finish();

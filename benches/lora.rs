@@ -21,16 +21,13 @@ use std::process::Command;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use stepppo::algo::config::{LossConfig, OptimizerConfig};
 use stepppo::algo::{policy_loss, AdamW};
-use stepppo::kv::KvPool;
 use stepppo::model::{
     AdapterRollout, Adapters, LoraSpec, Model, ModelConfig, PaddedBatch, Precision,
 };
-use stepppo::rollout::generate;
+use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig, GenRequest};
 use stepppo::rollout::sampling::SamplingParams;
 use stepppo::tokenizer::Tokenizer;
 use stepppo::train::learner::memory_plan::{MemoryPlan, PlanDevice, PlanShape, TrainedModel};
@@ -154,14 +151,21 @@ fn decode_rate(model: &Model) -> f64 {
         })
         .collect();
     let run = |new: usize| {
-        let mut pool =
-            KvPool::new(model.config(), n * (prompt_len + new) + 64, &Device::Cpu).unwrap();
-        let mut rngs: Vec<ChaCha8Rng> = (0..n)
-            .map(|i| ChaCha8Rng::seed_from_u64(i as u64))
+        let cfg = EngineConfig {
+            cache_mode: CacheMode::None,
+            num_slots: n * (prompt_len + new) + 64,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::for_model(model, cfg).unwrap();
+        let requests: Vec<GenRequest> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| GenRequest::plain(p.clone(), SamplingParams::greedy(), i as u64, new))
             .collect();
         let start = Instant::now();
-        let params = SamplingParams::greedy();
-        generate(model, &mut pool, &prompts, new, &params, &mut rngs, None).unwrap();
+        engine
+            .generate(model, &Tokenizer::builtin(), &requests)
+            .unwrap();
         start.elapsed().as_secs_f64()
     };
     let prefill = run(1);

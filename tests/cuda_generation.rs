@@ -6,12 +6,11 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::Device;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
 use stepppo::model::{Model, ModelConfig, Precision};
+use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig, GenRequest};
+use stepppo::rollout::forced_logprobs;
 use stepppo::rollout::sampling::SamplingParams;
-use stepppo::rollout::{forced_logprobs, generate};
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
 
 #[test]
@@ -41,33 +40,31 @@ fn cuda_generation_matches_cpu() {
     .iter()
     .map(|t| ChatTemplate.user_turn(&tok, t).unwrap())
     .collect();
+    // The rollout engine, its prefix cache off: each prompt prefilled, then decoded.
     let run = |device: &Device, precision: Precision| {
         let mut model = Model::load(dir.path(), device).unwrap();
         model.set_rollout_precision(precision).unwrap();
-        let mut pool = KvPool::with_dtype(model.config(), 512, device, precision.dtype()).unwrap();
-        let mut rngs: Vec<ChaCha8Rng> = (0..prompts.len())
-            .map(|i| ChaCha8Rng::seed_from_u64(i as u64))
+        let cfg = EngineConfig {
+            cache_mode: CacheMode::None,
+            num_slots: 512,
+            ..EngineConfig::default()
+        };
+        let requests: Vec<GenRequest> = prompts
+            .iter()
+            .zip(0u64..)
+            .map(|(p, i)| GenRequest::plain(p.clone(), SamplingParams::greedy(), i, 8))
             .collect();
-        generate(
-            &model,
-            &mut pool,
-            &prompts,
-            8,
-            &SamplingParams::greedy(),
-            &mut rngs,
-            None,
-        )
-        .unwrap()
+        Engine::for_model(&model, cfg)
+            .unwrap()
+            .generate(&model, &tok, &requests)
+            .unwrap()
     };
     for (precision, bound) in [(Precision::F32, 1e-4), (Precision::Bf16, 2e-2)] {
         let cpu = run(&Device::Cpu, precision);
         let gpu = run(&dev, precision);
         let mut worst = 0f32;
         for (c, g) in cpu.iter().zip(&gpu) {
-            assert_eq!(
-                c.output_ids, g.output_ids,
-                "{precision}: greedy tokens differ"
-            );
+            assert_eq!(c.tokens, g.tokens, "{precision}: greedy tokens differ");
             for (a, b) in c.logprobs.iter().zip(&g.logprobs) {
                 worst = worst.max((a - b).abs());
             }

@@ -3,12 +3,11 @@
 //! training path's recomputed ones; every parameter receives a gradient.
 
 use candle_core::{Device, Tensor, D};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
 use stepppo::model::{Critic, LogitsWanted, Model, ModelConfig, PaddedBatch, SeqChunk, TrainInput};
-use stepppo::rollout::generate;
+use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig, GenRequest};
 use stepppo::rollout::sampling::SamplingParams;
+use stepppo::tokenizer::Tokenizer;
 
 fn tiny(tied: bool) -> Model {
     let cfg = ModelConfig {
@@ -142,24 +141,33 @@ fn last_logits_match_and_left_padding_matches_right_padding() {
 #[test]
 fn rollout_logprobs_equal_training_logprobs() {
     let model = tiny(false);
-    let prompts = vec![vec![1u32, 2, 3, 4, 5], vec![9u32, 8], vec![40u32; 7]];
+    let prompts = [vec![1u32, 2, 3, 4, 5], vec![9u32, 8], vec![40u32; 7]];
     let params = SamplingParams {
         temperature: 0.7,
         top_p: 0.95,
         top_k: 40,
         greedy: false,
     };
-    let mut rngs: Vec<ChaCha8Rng> = (0..3)
-        .map(|i| ChaCha8Rng::seed_from_u64(stepppo::seed::derive(11, &[i])))
+    let cfg = EngineConfig {
+        cache_mode: CacheMode::None,
+        num_slots: 128,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::for_model(&model, cfg).unwrap();
+    let requests: Vec<GenRequest> = prompts
+        .iter()
+        .zip(0u64..)
+        .map(|(p, i)| GenRequest::plain(p.clone(), params, stepppo::seed::derive(11, &[i]), 12))
         .collect();
-    let mut pool = KvPool::new(model.config(), 128, &Device::Cpu).unwrap();
-    let gens = generate(&model, &mut pool, &prompts, 12, &params, &mut rngs, None).unwrap();
-    assert_eq!(pool.num_free(), 128);
+    let gens = engine
+        .generate(&model, &Tokenizer::builtin(), &requests)
+        .unwrap();
+    assert_eq!(engine.pool_usage().free, 128, "every slot back in the pool");
 
     let full: Vec<Vec<u32>> = prompts
         .iter()
         .zip(&gens)
-        .map(|(p, g)| [p.clone(), g.output_ids.clone()].concat())
+        .map(|(p, g)| [p.clone(), g.tokens.clone()].concat())
         .collect();
     let inputs: Vec<Vec<u32>> = full.iter().map(|f| f[..f.len() - 1].to_vec()).collect();
     let targets: Vec<Vec<u32>> = full.iter().map(|f| f[1..].to_vec()).collect();

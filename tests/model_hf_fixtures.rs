@@ -10,13 +10,13 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
 use stepppo::model::lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
 use stepppo::model::{Adapters, Model, PaddedBatch, Precision};
+use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig, GenRequest};
+use stepppo::rollout::forced_logprobs;
 use stepppo::rollout::sampling::SamplingParams;
-use stepppo::rollout::{forced_logprobs, generate};
+use stepppo::tokenizer::Tokenizer;
 
 const MAX_LOGPROB_DIFF: f32 = 1e-4;
 
@@ -152,21 +152,19 @@ fn check_against_transformers(model_dir: &Path, expected_dir: &Path) {
 fn check_model_against(model: &Model, expected_dir: &Path) {
     let want = expected(expected_dir);
     let n = want.tokens.len();
-    let mut pool = KvPool::new(model.config(), want.prompt.len() + n, &Device::Cpu).unwrap();
-    let mut rngs = [ChaCha8Rng::seed_from_u64(0)];
-    let gens = generate(
-        model,
-        &mut pool,
-        std::slice::from_ref(&want.prompt),
-        n,
-        &SamplingParams::greedy(),
-        &mut rngs,
-        None,
-    )
-    .unwrap();
+    let cfg = EngineConfig {
+        cache_mode: CacheMode::None,
+        num_slots: want.prompt.len() + n,
+        ..EngineConfig::default()
+    };
+    let request = GenRequest::plain(want.prompt.clone(), SamplingParams::greedy(), 0, n);
+    let gens = Engine::for_model(model, cfg)
+        .unwrap()
+        .generate(model, &Tokenizer::builtin(), &[request])
+        .unwrap();
     let got = &gens[0];
     let matched = got
-        .output_ids
+        .tokens
         .iter()
         .zip(&want.tokens)
         .take_while(|(a, b)| a == b)

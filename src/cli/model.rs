@@ -5,15 +5,14 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use candle_core::Device;
 use clap::Args;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use stepppo::kv::KvPool;
 use stepppo::model::checkpoint::{
     chat_template_note, load_policy_with_adapter, merge_adapter as merge_adapter_into,
 };
 use stepppo::model::{Model, ModelConfig, Precision};
+use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig, GenRequest};
+use stepppo::rollout::forced_logprobs;
 use stepppo::rollout::sampling::SamplingParams;
-use stepppo::rollout::{forced_logprobs, generate as generate_tokens};
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
 
 /// A model and a prompt: what `generate` continues and `score` scores a continuation of.
@@ -205,26 +204,22 @@ pub fn score(a: ScoreArgs) -> anyhow::Result<()> {
 
 pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let params = sampling_params(&a)?;
-    let (model, tok, prompt, device) = load_prompted(&a.source)?;
-    let mut pool = pool_for(&model, &a.source, prompt.len() + a.max_new_tokens, &device)?;
-    let mut rngs = [ChaCha8Rng::seed_from_u64(stepppo::seed::derive(
-        a.seed,
-        &[0],
-    ))];
-    let gen = generate_tokens(
-        &model,
-        &mut pool,
-        std::slice::from_ref(&prompt),
-        a.max_new_tokens,
-        &params,
-        &mut rngs,
-        Some(tok.eos_id()),
-    )?
-    .remove(0);
-    let text = tok.decode(&gen.output_ids);
+    let (model, tok, prompt, _device) = load_prompted(&a.source)?;
+    let engine_cfg = EngineConfig {
+        cache_mode: CacheMode::None,
+        num_slots: prompt.len() + a.max_new_tokens,
+        prefill_attention: a.source.prefill_attention,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::for_model(&model, engine_cfg).context("--prefill-attention")?;
+    let seed = stepppo::seed::derive(a.seed, &[0]);
+    let mut request = GenRequest::plain(prompt.clone(), params, seed, a.max_new_tokens);
+    request.stop_token_ids = vec![tok.eos_id()];
+    let gen = engine.generate(&model, &tok, &[request])?.remove(0);
+    let text = tok.decode(&gen.tokens);
     if a.json {
         let out = serde_json::json!({
-            "prompt_ids": prompt, "output_ids": gen.output_ids, "output_text": text, "logprobs": gen.logprobs,
+            "prompt_ids": prompt, "output_ids": gen.tokens, "output_text": text, "logprobs": gen.logprobs,
         });
         println!("{out}");
     } else {

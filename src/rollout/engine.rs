@@ -176,6 +176,31 @@ pub struct GenRequest {
     pub grammar: Option<Arc<ResponseGrammar>>,
 }
 
+impl GenRequest {
+    /// A request standing alone: `tokens` continued by up to `max_new_tokens` tokens sampled
+    /// with `params` from `seed`, as turn 0 of trajectory and group 0, with no stop token, stop
+    /// text or grammar (set those fields for more).
+    pub fn plain(
+        tokens: Vec<u32>,
+        params: SamplingParams,
+        seed: u64,
+        max_new_tokens: usize,
+    ) -> Self {
+        Self {
+            tokens,
+            traj: 0,
+            group: 0,
+            turn: 0,
+            params,
+            seed,
+            max_new_tokens,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            grammar: None,
+        }
+    }
+}
+
 /// Why a generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
