@@ -58,6 +58,11 @@ pub const READY_CONFIGS: &[(&str, &str)] = &[
     ("sokoban_starpo_s.yaml", "StarPO-S on Sokoban"),
     ("bandit_grpo.yaml", "GRPO on the two-armed bandit"),
     (
+        "gem_guess_number.yaml",
+        "GEM's GuessTheNumber through the env bridge after an oracle warm start (does not learn \
+         yet: docs/experiments/env-hubs.md)",
+    ),
+    (
         "hotpotqa_steppo.yaml",
         "search QA from an oracle warm start",
     ),

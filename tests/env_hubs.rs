@@ -1,0 +1,150 @@
+//! The env-hub servers of `examples/` (GEM, TextArena, TextWorld) through the env bridge: each
+//! started on a free port, its episodes played by stepppo's `remote` env with the oracle agent
+//! the server offers (`oracle_action`) and the random agent (listed or admissible actions). A
+//! seed above a server's `seed_max` reaches it modulo its range, and one seed gives one episode
+//! whatever else the server runs. Needs the hubs in the examples venv
+//! (`STEPPPO_EXAMPLES_HUBS=1 bash scripts/examples_venv.sh`); skips, saying so, without them.
+
+mod examples_python;
+use examples_python::hub_python;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+use serde_json::json;
+use stepppo::env::{build_session, play_episode, Agent, AgentKind, AgentSession};
+
+/// A hub server on a free port; killed when dropped.
+struct HubServer {
+    child: Child,
+    url: String,
+}
+
+impl HubServer {
+    fn start(python: &Path, script: &str, args: &[&str]) -> Self {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("examples")
+            .join(script);
+        let mut child = Command::new(python)
+            .arg(&script)
+            .args(args)
+            .args(["--port", "0"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("the server starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let url = match line.trim().split_once(" at ") {
+            Some((_, url)) => url.to_string(),
+            None => panic!(
+                "{} did not say where it listens: {line:?}",
+                script.display()
+            ),
+        };
+        HubServer { child, url }
+    }
+
+    fn session(&self, max_turns: usize) -> AgentSession {
+        let config = json!({"url": self.url, "timeout": 60.0, "max_turns": max_turns});
+        build_session("remote", &config).unwrap()
+    }
+}
+
+impl Drop for HubServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Plays `seeds` with `kind`; the share of episodes won.
+fn success(session: &mut AgentSession, kind: AgentKind, seeds: &[u64]) -> f64 {
+    let mut agent = Agent::new(kind, 7);
+    let won = seeds
+        .iter()
+        .map(|&seed| {
+            let episode = play_episode(session, seed, &mut |s| agent.respond(s))
+                .unwrap_or_else(|e| panic!("{kind:?}, seed {seed}: {e}"));
+            usize::from(episode.success())
+        })
+        .sum::<usize>();
+    won as f64 / seeds.len() as f64
+}
+
+#[test]
+fn gem_guess_the_number_is_won_by_its_oracle_and_one_seed_is_one_game() {
+    let Some(python) = hub_python("gem_guess_the_number", "gem") else {
+        return;
+    };
+    let server = HubServer::start(
+        &python,
+        "gem_env_server.py",
+        &["--env-id", "game:GuessTheNumber-v0-easy"],
+    );
+    let mut session = server.session(4);
+    // Seeds beyond 2^32 − 1 (GEM's range) are sent modulo it, as the rollout's derived seeds are.
+    let seeds = [0, 1, 2, u64::MAX, 1 << 40];
+    assert_eq!(success(&mut session, AgentKind::Oracle, &seeds), 1.0);
+    let mut other = server.session(4);
+    let first = session.reset(1 << 40).unwrap();
+    other.reset(5).unwrap();
+    assert_eq!(first, server.session(4).reset(1 << 40).unwrap());
+    assert!(
+        first.contains("between 1 and 10"),
+        "the episode's own rules: {first}"
+    );
+}
+
+#[test]
+fn textarena_frozen_lake_is_won_by_its_oracle_and_played_by_the_random_agent() {
+    let Some(python) = hub_python("textarena_frozen_lake", "textarena") else {
+        return;
+    };
+    let server = HubServer::start(
+        &python,
+        "textarena_env_server.py",
+        &["--env-id", "FrozenLake-v0"],
+    );
+    let mut session = server.session(16);
+    assert_eq!(success(&mut session, AgentKind::Oracle, &[3, 4, 5]), 1.0);
+    let random = success(&mut session, AgentKind::Random, &[3, 4, 5, 6]);
+    assert!(
+        random < 1.0,
+        "a random walk does not cross every lake: {random}"
+    );
+}
+
+#[test]
+fn a_textworld_pool_game_is_won_by_its_walkthrough_and_played_among_its_admissible_commands() {
+    let Some(python) = hub_python("textworld_pool", "textworld") else {
+        return;
+    };
+    let pool = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let made = Command::new("bash")
+        .arg(root.join("scripts/make_textworld_pool.sh"))
+        .arg(pool.path())
+        .arg("2")
+        .env("TW_MAKE", python.with_file_name("tw-make"))
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let pool_dir = pool.path().to_str().unwrap();
+    let server = HubServer::start(&python, "textworld_env_server.py", &["--pool", pool_dir]);
+    let mut session = server.session(20);
+    // The pool's seed_max is 1: seed 7 is sent as 7 mod 2, game 1 (the server refuses 7 itself).
+    assert_eq!(success(&mut session, AgentKind::Oracle, &[0, 7]), 1.0);
+    let mut random = Agent::new(AgentKind::Random, 3);
+    let episode = play_episode(&mut session, 0, &mut |s| random.respond(s)).unwrap();
+    assert!(
+        episode.turns.iter().all(|t| t.outcome.info.action_is_valid),
+        "the random agent plays admissible commands only"
+    );
+}
