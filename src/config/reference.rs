@@ -58,6 +58,10 @@ pub const READY_CONFIGS: &[(&str, &str)] = &[
     ("sokoban_starpo_s.yaml", "StarPO-S on Sokoban"),
     ("bandit_grpo.yaml", "GRPO on the two-armed bandit"),
     (
+        "textarena_frozen_lake.yaml",
+        "TextArena's FrozenLake through the env bridge after an oracle warm start",
+    ),
+    (
         "gem_guess_number.yaml",
         "GEM's GuessTheNumber through the env bridge after an oracle warm start (does not learn \
          yet: docs/experiments/env-hubs.md)",
