@@ -326,6 +326,14 @@ def adapter_for(args):
     return GenericText(args.env_id, make_kwargs)
 
 
+class BurstHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, with a listen backlog for a whole batch of episodes opened at once
+    (64 and more; Python's default of 5 resets connections in such a burst)."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("env_id", nargs="?", default="FrozenLake-v1", help="a gymnasium env id")
@@ -350,8 +358,7 @@ def main():
     }
     probe.close()
     episodes = Episodes(adapter, args.max_episodes)
-    server = ThreadingHTTPServer((args.host, args.port), handler(spec, episodes, args.verbose))
-    server.daemon_threads = True
+    server = BurstHTTPServer((args.host, args.port), handler(spec, episodes, args.verbose))
     host, port = server.server_address[:2]
     print(f"serving {args.env_id} at http://{host}:{port}", flush=True)
     try:
