@@ -59,7 +59,8 @@ pub const READY_CONFIGS: &[(&str, &str)] = &[
     ("bandit_grpo.yaml", "GRPO on the two-armed bandit"),
     (
         "textarena_frozen_lake.yaml",
-        "TextArena's FrozenLake through the env bridge after an oracle warm start",
+        "TextArena's FrozenLake through the env bridge after an oracle warm start (does not \
+         learn yet: docs/experiments/env-hubs.md)",
     ),
     (
         "gem_guess_number.yaml",
