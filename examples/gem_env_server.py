@@ -32,7 +32,8 @@ import gem
 
 from hub_env_common import (
     Backend,
-    BadRequest,
+    DIRECTIONS,
+    HANOI_MOVES,
     Episode,
     GlobalRng,
     add_server_args,
@@ -41,12 +42,8 @@ from hub_env_common import (
     mastermind_next_guess,
     parser_for,
     serve,
-    with_rules,
 )
 
-# Games whose moves are a small fixed set: /spec lists them and the agent answers one.
-HANOI_MOVES = ["A B", "A C", "B A", "B C", "C A", "C B"]
-DIRECTIONS = ["up", "down", "left", "right"]
 LISTED_ACTIONS = {
     "TowerofHanoiEnv": HANOI_MOVES,
     "SokobanEnv": DIRECTIONS,
@@ -127,20 +124,14 @@ class GemBackend(Backend):
         episode = Episode(env, seed)
         instruction = self.instruction(rules)
         observation = board.strip() or "The game begins: make your first move."
-        answer = {
-            "observation": with_rules(instruction, observation, self.rules_in_observation),
-            "info": {},
-            "instruction": instruction,
-        }
-        self.add_oracle(episode, answer)
-        return episode, answer
+        return episode, self.first_answer(
+            episode, instruction, observation, self.rules_in_observation
+        )
 
     def boxed(self, action):
-        if self.actions is not None:
-            for name in self.actions:
-                if name.lower() == action.strip().lower():
-                    return "\\boxed{" + name + "}"
-            raise BadRequest(400, f"unknown action {action!r} (actions: {', '.join(self.actions)})")
+        name = self.listed_action(action)
+        if name is not None:
+            return "\\boxed{" + name + "}"
         text = action.strip()
         if "\\boxed{" in text:
             return text
@@ -179,13 +170,6 @@ class GemBackend(Backend):
             self.add_oracle(episode, answer)
         return answer
 
-    def add_oracle(self, episode, answer):
-        if not self.oracle:
-            return
-        action = self.oracle_action(episode)
-        if action is not None:
-            answer["oracle_action"] = action
-
     def oracle_action(self, episode):
         game = episode.env.unwrapped
         if self.kind == "GuessTheNumberEnv":
@@ -214,9 +198,6 @@ def main():
         "--env-id", default="game:GuessTheNumber-v0-easy", help="a gem.make id (game:...)"
     )
     parser.add_argument("--make", default="{}", help="gem.make keyword arguments, as JSON")
-    parser.add_argument(
-        "--no-oracle", action="store_true", help="send no oracle_action (saves its time per step)"
-    )
     add_server_args(parser)
     args = parser.parse_args()
     backend = GemBackend(

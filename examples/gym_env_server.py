@@ -14,7 +14,8 @@ the goal lies), which its small built-in model learns from; GenericText serves a
 Discrete action space (actions named "0".."n-1", observations from the "ansi" render or repr).
 To give another env a readable text, subclass TextAdapter and add it to ADAPTERS.
 
-Needs only the standard library and gymnasium (`bash scripts/examples_venv.sh`).
+Needs only the standard library and gymnasium (`bash scripts/examples_venv.sh`), and its
+threaded HTTP server with a listen backlog for a batch of episodes from hub_env_common.py beside it.
 """
 
 import argparse
@@ -24,10 +25,12 @@ import re
 import sys
 import threading
 from collections import OrderedDict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import gymnasium as gym
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+
+from hub_env_common import HubHTTPServer
 
 
 class BadRequest(Exception):
@@ -326,14 +329,6 @@ def adapter_for(args):
     return GenericText(args.env_id, make_kwargs)
 
 
-class BurstHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, with a listen backlog for a whole batch of episodes opened at once
-    (64 and more; Python's default of 5 resets connections in such a burst)."""
-
-    request_queue_size = 1024
-    daemon_threads = True
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("env_id", nargs="?", default="FrozenLake-v1", help="a gymnasium env id")
@@ -358,7 +353,7 @@ def main():
     }
     probe.close()
     episodes = Episodes(adapter, args.max_episodes)
-    server = BurstHTTPServer((args.host, args.port), handler(spec, episodes, args.verbose))
+    server = HubHTTPServer((args.host, args.port), handler(spec, episodes, args.verbose))
     host, port = server.server_address[:2]
     print(f"serving {args.env_id} at http://{host}:{port}", flush=True)
     try:

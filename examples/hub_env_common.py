@@ -1,5 +1,5 @@
 """What the hub env servers share (examples/gem_env_server.py, textarena_env_server.py,
-textworld_env_server.py): the HTTP side of stepppo's env bridge protocol, the live episodes with
+textworld_env_server.py; gym_env_server.py takes its HTTP server class): the HTTP side of stepppo's env bridge protocol, the live episodes with
 their eviction, seed checks and the per-episode state of the process-wide RNGs.
 
 The protocol is docs/guides/env-bridge.md; docs/guides/env-hubs.md describes the optional fields
@@ -28,6 +28,10 @@ except ImportError:  # pragma: no cover - every hub here brings numpy
     np = None
 
 SEED_LIMIT = 2**64 - 1  # the protocol's seeds are unsigned 64-bit integers
+
+# Moves of the games whose moves are a small fixed set: /spec lists them and the agent answers one.
+HANOI_MOVES = ["A B", "A C", "B A", "B C", "C A", "C B"]
+DIRECTIONS = ["up", "down", "left", "right"]
 
 
 class BadRequest(Exception):
@@ -183,11 +187,46 @@ class Backend:
 
     spec = {}
 
+    # The moves /spec lists (None: free text), and whether answers carry `oracle_action`.
+    actions = None
+    oracle = False
+
     def new_episode(self, seed):
         raise NotImplementedError
 
     def step(self, episode, action):
         raise NotImplementedError
+
+    def oracle_action(self, episode):
+        """The oracle's next action from `episode`'s state, or None where it has none."""
+        return None
+
+    def listed_action(self, action):
+        """`action` spelled as /spec lists it (matched case-insensitively); None for a free-text
+        game; BadRequest(400) for a name outside the list."""
+        if self.actions is None:
+            return None
+        for name in self.actions:
+            if name.lower() == action.strip().lower():
+                return name
+        raise BadRequest(400, f"unknown action {action!r} (actions: {', '.join(self.actions)})")
+
+    def add_oracle(self, episode, answer):
+        """Adds the oracle's next action to `answer`, where the server sends one."""
+        if self.oracle:
+            action = self.oracle_action(episode)
+            if action is not None:
+                answer["oracle_action"] = action
+
+    def first_answer(self, episode, instruction, observation, rules_in_observation):
+        """The /reset answer (without env_id) of a new episode."""
+        answer = {
+            "observation": with_rules(instruction, observation, rules_in_observation),
+            "info": {},
+            "instruction": instruction,
+        }
+        self.add_oracle(episode, answer)
+        return answer
 
 
 class Server:
@@ -304,6 +343,9 @@ def add_server_args(parser, max_episodes=4096):
         action="store_true",
         help="also start each episode's first observation with its instruction (for clients "
         "that do not read /reset's `instruction`)",
+    )
+    parser.add_argument(
+        "--no-oracle", action="store_true", help="send no oracle_action (saves its time per step)"
     )
     parser.add_argument("--verbose", action="store_true", help="log every request")
 

@@ -39,7 +39,8 @@ from textarena.envs.registration import ENV_REGISTRY
 from hub_env_common import (
     SEED_LIMIT,
     Backend,
-    BadRequest,
+    DIRECTIONS,
+    HANOI_MOVES,
     Episode,
     GlobalRng,
     add_server_args,
@@ -49,11 +50,8 @@ from hub_env_common import (
     mastermind_next_guess,
     parser_for,
     serve,
-    with_rules,
 )
 
-HANOI_MOVES = ["A B", "A C", "B A", "B C", "C A", "C B"]
-DIRECTIONS = ["up", "down", "left", "right"]
 LISTED_ACTIONS = {
     "TowerOfHanoiEnv": HANOI_MOVES,
     "FrozenLakeEnv": DIRECTIONS,
@@ -158,20 +156,14 @@ class TextArenaBackend(Backend):
         episode = Episode(env, seed)
         instruction = self.instruction(prompt)
         observation = self.text(messages) or "The game begins: make your first move."
-        answer = {
-            "observation": with_rules(instruction, observation, self.rules_in_observation),
-            "info": {},
-            "instruction": instruction,
-        }
-        self.add_oracle(episode, answer)
-        return episode, answer
+        return episode, self.first_answer(
+            episode, instruction, observation, self.rules_in_observation
+        )
 
     def bracketed(self, action):
-        if self.actions is not None:
-            for name in self.actions:
-                if name.lower() == action.strip().lower():
-                    return f"[{name}]"
-            raise BadRequest(400, f"unknown action {action!r} (actions: {', '.join(self.actions)})")
+        name = self.listed_action(action)
+        if name is not None:
+            return f"[{name}]"
         text = action.strip()
         return text if "[" in text else f"[{text}]"
 
@@ -206,13 +198,6 @@ class TextArenaBackend(Backend):
             self.add_oracle(episode, answer)
         return answer
 
-    def add_oracle(self, episode, answer):
-        if not self.oracle:
-            return
-        action = self.oracle_action(episode)
-        if action is not None:
-            answer["oracle_action"] = action
-
     def oracle_action(self, episode):
         env = episode.env
         game = env.state.game_state
@@ -245,9 +230,6 @@ def main():
     parser = parser_for(__doc__)
     parser.add_argument(
         "--env-id", default="GuessTheNumber-v0", help="a single-player TextArena id"
-    )
-    parser.add_argument(
-        "--no-oracle", action="store_true", help="send no oracle_action (saves its time per step)"
     )
     add_server_args(parser)
     args = parser.parse_args()

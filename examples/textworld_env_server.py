@@ -169,7 +169,6 @@ def main():
     parser.add_argument(
         "--max-steps", type=int, default=50, help="steps before an episode is truncated"
     )
-    parser.add_argument("--no-oracle", action="store_true", help="send no oracle_action")
     add_server_args(parser, max_episodes=1024)
     args = parser.parse_args()
     backend = TextWorldBackend(

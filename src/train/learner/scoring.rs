@@ -159,7 +159,8 @@ pub fn score_records(
     Ok(replay_rows(records, &inputs, cfg)?)
 }
 
-/// `critic`'s value at each record's step start and before each of its response tokens.
+/// `critic`'s value at each record's step start and before each of its response tokens, from one
+/// pass: the value before a response's first token is its step-start value.
 fn record_values(
     critic: &CriticTrunk,
     records: &[StepRecord],
@@ -170,25 +171,19 @@ fn record_values(
             r.traj_id, r.step_index
         )));
     }
-    let sequences = context_sequences(records);
     let layout = BatchLayout {
         pad_id: 0,
         tree: false,
     };
-    let read = |target| {
-        critic_values(
-            &|input| Ok(critic.values_of(input)?),
-            records,
-            &sequences,
-            target,
-            (RESCORE_CHUNK, layout),
-            &ResponseMasks::default(),
-            critic.device(),
-        )
-    };
-    let steps = read(CriticTarget::StepStart)?
-        .into_iter()
-        .map(|v| v[0])
-        .collect();
-    Ok((steps, read(CriticTarget::AllResponseTokens)?))
+    let tokens = critic_values(
+        &|input| Ok(critic.values_of(input)?),
+        records,
+        &context_sequences(records),
+        CriticTarget::AllResponseTokens,
+        (RESCORE_CHUNK, layout),
+        &ResponseMasks::default(),
+        critic.device(),
+    )?;
+    let steps = tokens.iter().map(|v| v[0]).collect();
+    Ok((steps, tokens))
 }
