@@ -30,28 +30,53 @@ pub const EMBEDDED_DEFAULT_NAME: &str = "<embedded configs/frozenlake_steppo.yam
 /// Errors while reading, overriding or validating a config; each names the file and the key.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The config file could not be read.
     #[error("{file}: cannot read: {source}")]
     Io {
+        /// Path of the config file.
         file: String,
+        /// The underlying read error.
         source: std::io::Error,
     },
+    /// The file is not valid YAML.
     #[error("{file}: invalid YAML: {msg}")]
-    Yaml { file: String, msg: String },
-    #[error("{file}: key `{key}`: {msg}")]
-    Key {
+    Yaml {
+        /// Path or name of the config file.
         file: String,
-        key: String,
+        /// The YAML parser's message.
         msg: String,
     },
+    /// A key has a wrong type, is unknown, or fails validation.
+    #[error("{file}: key `{key}`: {msg}")]
+    Key {
+        /// Path or name of the config file, followed by any `--set` overrides applied.
+        file: String,
+        /// Dotted path of the offending key (`<root>` for the top level).
+        key: String,
+        /// What is wrong with the key's value.
+        msg: String,
+    },
+    /// A `--set` override is malformed or cannot be applied.
     #[error("--set {}: {msg}", shorten(arg))]
-    Set { arg: String, msg: String },
+    Set {
+        /// The override as given (`key.path=value`).
+        arg: String,
+        /// Why it was rejected.
+        msg: String,
+    },
+    /// A resumed run's config changes keys outside [`RESUME_OVERRIDABLE`].
     #[error(
         "{file}: --resume continues the run's own config; these keys differ from it: {}. \
          Only {} may change on resume",
         keys.join(", "),
         RESUME_OVERRIDABLE.join(", ")
     )]
-    ResumeMismatch { file: String, keys: Vec<String> },
+    ResumeMismatch {
+        /// Path or name of the config given for the resume.
+        file: String,
+        /// Dotted paths of the keys that differ from the stored config.
+        keys: Vec<String>,
+    },
 }
 
 /// `arg` as shown in an error: at most 120 characters, the rest elided.

@@ -36,13 +36,18 @@ pub fn prepare_cpu_process() {
 /// Errors of device selection.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
+    /// A name that is none of `cpu`, `cuda`, `cuda:N` (the name as given).
     #[error("unknown device {0:?}: expected cpu, cuda or cuda:N")]
     Unknown(String),
+    /// A CUDA device asked of a build without the `cuda` feature (the name as given).
     #[error("device {0:?} needs a CUDA build: rebuild with `cargo build --release --features cuda` (see docs/guides/cuda.md)")]
     NotBuilt(String),
+    /// The CUDA device could not be opened.
     #[error("device {name:?}: {source}")]
     Unavailable {
+        /// The device name as given.
         name: String,
+        /// candle's error opening it.
         #[source]
         source: candle_core::Error,
     },

@@ -9,6 +9,8 @@
 //! [`view`] serves runs and datasets to a browser; [`interchange`] moves datasets to and from
 //! Parquet and OpenAI chat logs.
 
+#![warn(missing_docs)]
+
 pub mod algo;
 pub mod config;
 pub mod crash;
@@ -22,6 +24,8 @@ pub mod rollout;
 pub mod seed;
 pub mod serve;
 pub mod store;
+#[cfg(test)]
+mod test_support;
 pub mod tokenizer;
 pub mod train;
 pub mod view;

@@ -33,18 +33,44 @@ use tokenizers::AddedToken;
 /// Errors of the tokenizer module; each names the file involved.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
+    /// A tokenizer file could not be read or parsed.
     #[error("loading tokenizer {path}: {message}")]
-    Load { path: String, message: String },
+    Load {
+        /// The file.
+        path: String,
+        /// The underlying error.
+        message: String,
+    },
+    /// A tokenizer file could not be written.
     #[error("saving tokenizer {path}: {message}")]
-    Save { path: String, message: String },
+    Save {
+        /// The file.
+        path: String,
+        /// The underlying error.
+        message: String,
+    },
+    /// The vocabulary lacks the end-of-turn token.
     #[error("tokenizer {path} has no end-of-turn token `{token}`")]
-    MissingSpecial { path: String, token: String },
+    MissingSpecial {
+        /// The tokenizer file.
+        path: String,
+        /// The token looked for, e.g. `<|im_end|>`.
+        token: String,
+    },
+    /// The built-in tokenizer could not be assembled; holds the library's error.
     #[error("building the built-in tokenizer: {0}")]
     Build(String),
+    /// The chat template fails to parse or render, or cannot be extended turn by turn in tokens.
     #[error("chat template of {path}: {message}")]
-    Template { path: String, message: String },
+    Template {
+        /// Where the template came from.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
 }
 
+/// Result of the tokenizer module's fallible operations.
 pub type Result<T> = std::result::Result<T, TokenizerError>;
 
 /// End of text (also the padding id of the built-in model).

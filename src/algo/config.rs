@@ -186,6 +186,7 @@ impl Default for GigpoConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdvantageConfig {
+    /// The credit-assignment method (default `step_gae`).
     pub adv_estimator: Estimator,
     /// Discount across steps (step_gae), tokens (token_gae, reinforce++), or steps for `ret` of
     /// the score-based estimators. Default 1.0.
@@ -201,9 +202,12 @@ pub struct AdvantageConfig {
     /// Clamp rewards to ±c (after normalisation for the score-based estimators, the raw step
     /// rewards for the GAE/REINFORCE++ ones).
     pub reward_clip: Option<f32>,
+    /// How the score-based estimators normalise rewards within groups; a key the estimator
+    /// does not read is an error.
     pub reward_normalization: RewardNormalization,
     /// γ of the discounted step returns of `gigpo` and `step_reinforce` (default 0.95).
     pub step_reward_gamma: f32,
+    /// GiGPO's weights and step grouping, read when `adv_estimator` is `gigpo`.
     pub gigpo: GigpoConfig,
     /// Caps at 0 the final advantage of every step whose response did not parse
     /// (`action_is_valid` false). Such a step left the env where it was, so it earns no credit for
@@ -244,6 +248,7 @@ pub enum FilterType {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct FilterConfig {
+    /// Which groups are kept: the highest (`std`) or lowest (`std_rev`) in-group reward std.
     #[serde(rename = "type")]
     pub filter_type: FilterType,
     /// Fraction of groups kept, in (0, 1]; 1.0 (default) turns the filter off.
@@ -319,8 +324,11 @@ pub enum KlMode {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KlConfig {
+    /// Weight of the KL term; ≥ 0, and 0 (default) turns the KL off.
     pub coef: f32,
+    /// How the per-token KL is estimated (default k3).
     pub estimator: KlEstimator,
+    /// Whether the KL joins the loss or is charged to the token rewards.
     pub mode: KlMode,
 }
 
@@ -328,6 +336,7 @@ pub struct KlConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LossConfig {
+    /// One ratio per token (PPO) or one length-normalised ratio per sequence (GSPO).
     pub ratio_type: RatioType,
     /// Symmetric clip ε (default 0.2).
     pub pg_clip: f32,
@@ -335,13 +344,18 @@ pub struct LossConfig {
     pub pg_clip_low: Option<f32>,
     /// ε_high; `None` = `pg_clip` (StarPO-S / DAPO: 0.28).
     pub pg_clip_high: Option<f32>,
+    /// Dual-clip PPO: a negative-advantage token's loss is also bounded by
+    /// [`LossConfig::dual_clip_bound`] · |A|.
     pub dual_clip_loss: bool,
     /// Dual-clip bound c; `None` = ROLL's 1 + 2·pg_clip (verl uses 3.0).
     pub dual_clip_c: Option<f32>,
+    /// How token losses become one scalar, for the actor and the critic.
     pub loss_agg_mode: LossAggMode,
     /// Constant L of `seq-mean-token-sum-norm`; `None` = the mask width.
     pub loss_norm_len: Option<usize>,
+    /// KL penalty against the reference policy (off by default).
     pub kl: KlConfig,
+    /// Weight of the entropy bonus subtracted from the actor loss (0 = off).
     pub entropy_loss_coef: f32,
     /// Weight λ of the unlikelihood term on negative-advantage tokens (0 = off); see
     /// [`crate::algo::policy_loss`].
@@ -370,14 +384,17 @@ impl Default for LossConfig {
 }
 
 impl LossConfig {
+    /// ε_low in effect: `pg_clip_low`, else `pg_clip`.
     pub fn clip_low(&self) -> f32 {
         self.pg_clip_low.unwrap_or(self.pg_clip)
     }
 
+    /// ε_high in effect: `pg_clip_high`, else `pg_clip`.
     pub fn clip_high(&self) -> f32 {
         self.pg_clip_high.unwrap_or(self.pg_clip)
     }
 
+    /// Dual-clip bound c in effect: `dual_clip_c`, else 1 + 2·`pg_clip`.
     pub fn dual_clip_bound(&self) -> f32 {
         self.dual_clip_c.unwrap_or(1.0 + 2.0 * self.pg_clip)
     }
@@ -398,12 +415,19 @@ pub enum Schedule {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
+    /// The actor's learning rate; > 0.
     pub lr: f64,
+    /// The critic's learning rate; > 0.
     pub critic_lr: f64,
+    /// AdamW (β1, β2), each in [0, 1).
     pub betas: (f64, f64),
+    /// AdamW ε added to the denominator; > 0.
     pub eps: f64,
+    /// AdamW weight decay; ≥ 0.
     pub weight_decay: f64,
+    /// Updates of linear learning-rate warm-up (0 = none).
     pub warmup_steps: usize,
+    /// Learning-rate schedule after the warm-up.
     pub schedule: Schedule,
     /// Global gradient-norm bound; `None` = no clipping.
     pub max_grad_norm: Option<f64>,
@@ -513,6 +537,7 @@ impl AdvantageConfig {
 }
 
 impl FilterConfig {
+    /// Checks that `keep_ratio` lies in (0, 1]; the error names the key.
     pub fn validate(&self) -> Result<(), AlgoError> {
         check(
             self.keep_ratio > 0.0 && self.keep_ratio <= 1.0,
@@ -523,6 +548,8 @@ impl FilterConfig {
 }
 
 impl LossConfig {
+    /// Checks the clip ranges, the dual-clip bound, `loss_norm_len`, `kl.coef` and `value_clip`;
+    /// errors name the offending key.
     pub fn validate(&self) -> Result<(), AlgoError> {
         check(self.pg_clip > 0.0, "pg_clip", "must be positive")?;
         positive_opt(self.pg_clip_low, "pg_clip_low")?;
@@ -539,6 +566,8 @@ impl LossConfig {
 }
 
 impl OptimizerConfig {
+    /// Checks the learning rates, betas, eps, weight decay and `max_grad_norm`; errors name the
+    /// offending key.
     pub fn validate(&self) -> Result<(), AlgoError> {
         check(self.lr > 0.0, "optimizer.lr", "must be positive")?;
         check(

@@ -17,7 +17,9 @@ pub struct ProximalCorrection {
 /// Means of the weights before and after truncation and the truncated share.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct WeightStats {
+    /// Mean weight over all response tokens, after truncation.
     pub mean: f64,
+    /// Largest weight after truncation (at most the cap).
     pub max: f64,
     /// Share of tokens whose weight was above the cap.
     pub truncated: f64,

@@ -14,6 +14,7 @@ use crate::store::StepRecord;
 pub struct FilterOutcome {
     /// One flag per input record.
     pub keep: Vec<bool>,
+    /// Ids of the groups that survived the filter.
     pub kept_groups: BTreeSet<u64>,
     /// `filter/{groups,kept_groups}`, `filter/std_{mean,min,max}_{before,after}`.
     pub metrics: BTreeMap<String, f64>,
@@ -95,7 +96,9 @@ pub fn uncertainty_filter(records: &[StepRecord], cfg: &FilterConfig) -> FilterO
 /// Warning raised when every advantage of a batch is zero.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ZeroSignal {
+    /// Number of advantages in the batch (all zero).
     pub rows: usize,
+    /// The warning text, with the likely causes.
     pub message: String,
 }
 

@@ -22,11 +22,16 @@ const K3_BOUND: f64 = 10.0;
 /// Diagnostics of one actor loss evaluation (masked token means unless stated).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PolicyMetrics {
+    /// The clipped surrogate loss, aggregated by `loss_agg_mode`.
     pub pg_loss: f64,
+    /// The aggregated KL to the reference before its coefficient (0 when the KL loss is off).
     pub kl_loss: f64,
     /// The unlikelihood term before its coefficient (0 when off).
     pub unlikelihood_loss: f64,
+    /// Token entropy, aggregated by `loss_agg_mode`.
     pub entropy: f64,
+    /// The loss backpropagated: the surrogate plus the weighted KL and unlikelihood terms, minus
+    /// the weighted entropy bonus.
     pub total_loss: f64,
     /// verl `pg_clipfrac`: the clipped term is the active one.
     pub clipfrac: f64,
@@ -38,18 +43,24 @@ pub struct PolicyMetrics {
     pub clipfrac_lower: f64,
     /// verl `ppo_kl`: mean(log π_old − log π).
     pub approx_kl: f64,
+    /// Mean importance ratio over the response tokens.
     pub ratio_mean: f64,
+    /// Smallest importance ratio over the response tokens (0 when there are none).
     pub ratio_min: f64,
+    /// Largest importance ratio over the response tokens (0 when there are none).
     pub ratio_max: f64,
 }
 
 /// Diagnostics of one critic loss evaluation.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ValueMetrics {
+    /// ½ · the aggregated squared value error (the larger of clipped and unclipped per token).
     pub vf_loss: f64,
+    /// Fraction of masked positions where the clipped error is the larger (0 when unclipped).
     pub vf_clipfrac: f64,
     /// 1 − Var(R − V)/Var(R) over masked positions (0 when Var(R) is 0).
     pub vf_explained_var: f64,
+    /// Mean predicted value over masked positions.
     pub value_mean: f64,
 }
 
@@ -427,6 +438,7 @@ pub struct VarianceParts {
 }
 
 impl VarianceParts {
+    /// The unbiased variances of `returns` and of `returns − values` (paired by index).
     pub fn of(values: &[f64], returns: &[f64]) -> Self {
         let residual: Vec<f64> = returns.iter().zip(values).map(|(r, v)| r - v).collect();
         let var = |xs: &[f64]| super::normalize::mean_std(xs).1.powi(2);

@@ -42,53 +42,100 @@ pub use optim::{clip_grad_norm, AdamW, LrSchedule, StepReport};
 /// Errors of the algorithm module; each names the record, key or file involved.
 #[derive(Debug, thiserror::Error)]
 pub enum AlgoError {
+    /// A config value is out of range or inconsistent with another.
     #[error("invalid algorithm config `{key}`: {reason}")]
-    InvalidConfig { key: String, reason: String },
+    InvalidConfig {
+        /// The offending config key.
+        key: String,
+        /// Why the value was rejected.
+        reason: String,
+    },
+    /// An input slice does not have one entry per record (or per row).
     #[error("{what}: expected {expected} entries (one per step record), got {got}")]
     LengthMismatch {
+        /// Name of the input that has the wrong length.
         what: &'static str,
+        /// Entries required.
         expected: usize,
+        /// Entries given.
         got: usize,
     },
+    /// A per-token input row does not match its record's response length.
     #[error("record {index} (traj {traj_id} step {step_index}): {what} has {got} entries, the response has {expected} tokens")]
     TokenLengthMismatch {
+        /// Name of the per-token input.
         what: &'static str,
+        /// Position of the record in the batch.
         index: usize,
+        /// Trajectory of the record.
         traj_id: u64,
+        /// Step of the record within its trajectory.
         step_index: u32,
+        /// Response tokens of the record.
         expected: usize,
+        /// Entries in the input row.
         got: usize,
     },
+    /// The chosen estimator needs an input (e.g. critic values) that was not given.
     #[error("estimator `{estimator}` needs {what}")]
     MissingInput {
+        /// Name of the advantage estimator.
         estimator: String,
+        /// Description of the missing input.
         what: &'static str,
     },
+    /// Two records share the same trajectory and step index.
     #[error("trajectory {traj_id} has step {step_index} twice")]
-    DuplicateStep { traj_id: u64, step_index: u32 },
-    #[error("trajectory {traj_id} spans groups {first} and {second}")]
-    MixedGroups {
+    DuplicateStep {
+        /// Trajectory with the repeated step.
         traj_id: u64,
-        first: u64,
-        second: u64,
-    },
-    #[error("record {index} (traj {traj_id} step {step_index}): {what} is not finite")]
-    NonFinite {
-        what: &'static str,
-        index: usize,
-        traj_id: u64,
+        /// The repeated step index.
         step_index: u32,
     },
+    /// Records of one trajectory carry different group ids.
+    #[error("trajectory {traj_id} spans groups {first} and {second}")]
+    MixedGroups {
+        /// The trajectory.
+        traj_id: u64,
+        /// Group id of its first record seen.
+        first: u64,
+        /// The conflicting group id.
+        second: u64,
+    },
+    /// An input value is NaN or infinite.
+    #[error("record {index} (traj {traj_id} step {step_index}): {what} is not finite")]
+    NonFinite {
+        /// Name of the input holding the value.
+        what: &'static str,
+        /// Position of the record in the batch.
+        index: usize,
+        /// Trajectory of the record.
+        traj_id: u64,
+        /// Step of the record within its trajectory.
+        step_index: u32,
+    },
+    /// A tensor has an unexpected shape.
     #[error("tensor `{what}` has shape {got:?}, expected {expected:?}")]
     Shape {
+        /// Name of the tensor.
         what: &'static str,
+        /// Required dimensions.
         expected: Vec<usize>,
+        /// Actual dimensions.
         got: Vec<usize>,
     },
+    /// A KL coefficient is set but the reference policy's log-probs are absent.
     #[error("KL coefficient is set but no reference log-probs were given")]
     MissingReference,
+    /// Optimizer state could not be saved or loaded.
     #[error("optimizer state {path}: {reason}")]
-    Checkpoint { path: String, reason: String },
+    Checkpoint {
+        /// The checkpoint file.
+        path: String,
+        /// What went wrong (I/O error, missing key, shape mismatch).
+        reason: String,
+    },
+    /// An error from a candle tensor operation.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

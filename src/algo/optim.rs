@@ -27,6 +27,7 @@ pub struct StepReport {
     pub clip_scale: f64,
     /// True when a gradient was non-finite: parameters, moments and step count are unchanged.
     pub skipped: bool,
+    /// Learning rate the update was taken at.
     pub lr: f64,
 }
 
@@ -321,9 +322,13 @@ pub fn clip_grad_norm(
 /// updates (k = 0-based update index), then constant or cosine decay to 0 at `total_steps`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LrSchedule {
+    /// Learning rate reached at the end of warmup.
     pub base_lr: f64,
+    /// Number of updates of linear warmup (0 for none).
     pub warmup_steps: usize,
+    /// Total number of updates; cosine decay reaches 0 here.
     pub total_steps: usize,
+    /// Shape after warmup: constant or cosine decay.
     pub schedule: Schedule,
 }
 
@@ -346,6 +351,7 @@ impl LrSchedule {
         }
     }
 
+    /// Learning rate of the update with 0-based index `update`.
     pub fn lr_at(&self, update: usize) -> f64 {
         if update < self.warmup_steps {
             return self.base_lr * (update + 1) as f64 / self.warmup_steps as f64;

@@ -20,10 +20,18 @@ mod nccl;
 /// Errors of a collective or of joining the world; each names the operation.
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
+    /// Joining the world failed (MPI init, or a multi-rank launch without the `mpi` feature).
     #[error("{0}")]
     Launch(String),
+    /// A collective failed on the MPI or NCCL backend.
     #[error("{op}: {reason}")]
-    Collective { op: &'static str, reason: String },
+    Collective {
+        /// Name of the failed operation (an MPI or NCCL call).
+        op: &'static str,
+        /// What went wrong, as the backend reported it.
+        reason: String,
+    },
+    /// Moving a tensor to or from the host failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
@@ -108,11 +116,14 @@ pub struct Metered {
 /// What a [`Metered`] collective has carried so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Traffic {
+    /// Bytes this rank contributed to collectives.
     pub bytes: u64,
+    /// Wall-clock seconds spent inside collectives, waiting for other ranks included.
     pub seconds: f64,
 }
 
 impl Metered {
+    /// Wraps `inner`, with both counters at zero.
     pub fn new(inner: Arc<dyn Collective>) -> Self {
         Self {
             inner,

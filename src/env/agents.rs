@@ -23,8 +23,11 @@ use crate::tokenizer::tool_calls::{
 /// Which model-free policy to play.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AgentKind {
+    /// Plays a uniformly random action (`random`).
     Random,
+    /// Plays the env's best action (`oracle`).
     Oracle,
+    /// Search envs: the oracle's searches, then a guessed answer (`searcher`).
     Searcher,
 }
 
@@ -102,6 +105,7 @@ pub struct Agent {
 }
 
 impl Agent {
+    /// An agent of `kind` whose random choices come from a ChaCha8 RNG seeded with `seed`.
     pub fn new(kind: AgentKind, seed: u64) -> Self {
         Agent {
             kind,
@@ -151,17 +155,25 @@ pub fn response_text(action: &Action, enable_think: bool) -> String {
 /// One turn of a played episode.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TurnLog {
+    /// The user message the turn answered (the observation, or in tool mode the previous
+    /// turn's tool results).
     pub user_message: String,
+    /// The agent's response text.
     pub response: String,
+    /// What the env did with the response: reward, flags, next message.
     pub outcome: TurnOutcome,
 }
 
 /// A played episode.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Episode {
+    /// Tag of the env played (e.g. `frozen_lake`).
     pub env: String,
+    /// Seed the env was reset with.
     pub seed: u64,
+    /// The system prompt the session rendered.
     pub system_prompt: String,
+    /// Every turn, in play order.
     pub turns: Vec<TurnLog>,
 }
 

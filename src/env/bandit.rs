@@ -62,6 +62,7 @@ pub struct BanditEnv {
 }
 
 impl BanditEnv {
+    /// A bandit with the keys of `cfg`; errors when an arm name or `hi_arm_hiscore_prob` is invalid.
     pub fn new(cfg: BanditConfig) -> Result<Self, EnvError> {
         let (lo, hi) = (cfg.lo_arm_name.trim(), cfg.hi_arm_name.trim());
         if lo.is_empty() || lo.contains("||") {

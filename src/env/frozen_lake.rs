@@ -173,6 +173,8 @@ pub struct FrozenLakeEnv {
 }
 
 impl FrozenLakeEnv {
+    /// Checks `cfg` (size in 2..=64, p in (0, 1], success_rate in [0, 1], max_steps ≥ 1) and
+    /// resets to the map of seed 0; an out-of-range key is an [`EnvError::BadValue`].
     pub fn new(cfg: FrozenLakeConfig) -> Result<Self, EnvError> {
         let env = "frozen_lake";
         if !(2..=64).contains(&cfg.size) {

@@ -64,11 +64,13 @@ pub struct EnvInfo {
 pub struct Transition {
     /// Raw observation after the step (for QA: the `<information>` block or the verdict).
     pub observation: String,
+    /// Reward earned by this step.
     pub reward: f32,
     /// The episode reached a terminal state.
     pub terminated: bool,
     /// The episode was cut by the env's step limit.
     pub truncated: bool,
+    /// Per-step facts: success, validity, effect and env-specific metrics.
     pub info: EnvInfo,
 }
 
@@ -103,7 +105,9 @@ pub enum OnError {
 /// offline (`None` for a remote env: its server lists the actions) and its [`OnError`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct EnvCheck {
+    /// The action space; `None` for a remote env, whose server lists the actions.
     pub action_space: Option<ActionSpace>,
+    /// What a rollout does when this env fails.
     pub on_error: OnError,
     /// The protocol's tool mode (`tools: true`).
     pub tools: bool,
@@ -160,46 +164,81 @@ pub trait Env: Send {
 /// Errors of env construction and data loading.
 #[derive(Debug, thiserror::Error)]
 pub enum EnvError {
+    /// No registered env has this name.
     #[error("unknown environment `{0}` (known: {known})", known = registry().join(", "))]
     UnknownEnv(String),
+    /// The env's config is neither a JSON object nor null.
     #[error("env `{env}`: the config must be a JSON object, got `{got}`")]
-    NotAnObject { env: String, got: String },
+    NotAnObject {
+        /// The env's name.
+        env: String,
+        /// The config as given, as JSON text.
+        got: String,
+    },
+    /// A config key the env does not accept.
     #[error("env `{env}`: unknown config key `{key}` (known: {known})")]
     UnknownKey {
+        /// The env's name.
         env: String,
+        /// The offending key.
         key: String,
+        /// Every key the env accepts (its own and the protocol's), comma-separated.
         known: String,
     },
+    /// A config value of the wrong type or out of range.
     #[error("env `{env}`: bad value for key `{key}`: {reason}")]
     BadValue {
+        /// The env's name.
         env: String,
+        /// The offending key.
         key: String,
+        /// What is wrong with the value.
         reason: String,
     },
+    /// A HotpotQA data source that is neither a JSON list nor JSON Lines.
     #[error("hotpotqa data `{source_name}`: {reason}")]
-    BadData { source_name: String, reason: String },
+    BadData {
+        /// The file (or other source) the records came from.
+        source_name: String,
+        /// Why it could not be parsed (with the line, for JSON Lines).
+        reason: String,
+    },
+    /// A HotpotQA record that parsed as JSON but is not a valid record.
     #[error("hotpotqa data `{source_name}`, record {index}: {reason}")]
     MalformedRecord {
+        /// The file (or other source) the records came from.
         source_name: String,
+        /// 0-based position of the record in the source.
         index: usize,
+        /// What is wrong with the record.
         reason: String,
     },
+    /// A file could not be read.
     #[error("reading `{path}`: {source}")]
     Io {
+        /// The file.
         path: String,
+        /// The underlying I/O error.
         source: std::io::Error,
     },
     /// A remote env's request failed: `request` is the method, path and JSON body sent.
     #[error("remote env {url}: {request}: {reason}")]
     Remote {
+        /// The server's URL, followed by the env's name once the server has described itself.
         url: String,
+        /// The method, path and JSON body sent.
         request: String,
+        /// Why the request failed (transport error, status or unreadable answer).
         reason: String,
     },
+    /// The env cannot play the moves of the named scripted agent.
     #[error("env `{env}` has no {agent} agent: {reason}")]
     NoAgent {
+        /// The env's tag.
         env: String,
+        /// The agent asked for, e.g. `searcher`.
         agent: &'static str,
+        /// Why the env has none.
         reason: String,
     },
 }

@@ -148,7 +148,10 @@ impl ProtocolConfig {
 pub struct TurnOutcome {
     /// Sum of the executed actions' rewards, or the format penalty for an invalid turn.
     pub reward: f32,
+    /// The env reached a terminal state this turn.
     pub terminated: bool,
+    /// The episode was cut without a terminal state: by the env, `max_turns` or the env's action
+    /// budget (`max_steps`).
     pub truncated: bool,
     /// The next user message; `None` when the episode is over, and in tool mode when the turn
     /// executed calls (their results are the next message).
@@ -156,6 +159,7 @@ pub struct TurnOutcome {
     /// Tool mode: the result of each executed call, in order (the next turn's tool messages);
     /// empty when the episode is over or nothing was executed.
     pub tool_results: Vec<String>,
+    /// The step's flags and texts, as its record stores them.
     pub info: StepInfo,
     /// Env metrics of the last executed action (e.g. `em`, `f1` for QA); empty when none ran.
     pub metrics: Vec<(String, f32)>,
@@ -195,6 +199,7 @@ pub struct AgentSession {
 }
 
 impl AgentSession {
+    /// Wraps `env` in the text protocol `protocol`; the first episode starts at [`Self::reset`].
     pub fn new(env: Box<dyn Env>, protocol: ProtocolConfig) -> Self {
         AgentSession {
             env,
@@ -207,10 +212,12 @@ impl AgentSession {
         }
     }
 
+    /// The wrapped env.
     pub fn env(&self) -> &dyn Env {
         self.env.as_ref()
     }
 
+    /// The protocol settings.
     pub fn protocol(&self) -> &ProtocolConfig {
         &self.protocol
     }
@@ -230,6 +237,8 @@ impl AgentSession {
         self.actions_used
     }
 
+    /// The system message: the reply format to follow (answer tags, search or answer tags, or a
+    /// tool call).
     pub fn system_prompt(&self) -> String {
         if self.protocol.tools {
             return "You're a helpful assistant. Each turn, call one of the functions offered, \

@@ -38,9 +38,13 @@ use crate::store::{Completeness, StepRecord};
 /// What a step was scored with by an advantage estimator (`replay --advantages`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepScores {
+    /// Critic value V(s_t) used (0 for critic-free estimators); column `value`.
     pub value: f32,
+    /// The estimator's advantage before whitening and `advantage_clip`.
     pub advantage_raw: f32,
+    /// The advantage the loss uses.
     pub advantage: f32,
+    /// Return target R_t; column `return`.
     pub ret: f32,
 }
 

@@ -38,7 +38,9 @@ pub enum ParquetCompression {
     /// zstd level 3 (default): the smallest files; every reader named in the docs reads it.
     #[default]
     Zstd,
+    /// Snappy: faster, larger files.
     Snappy,
+    /// No compression.
     None,
 }
 
@@ -54,6 +56,7 @@ impl ParquetCompression {
 
 /// How to export.
 pub struct ExportOptions<'a> {
+    /// Codec of every page.
     pub compression: ParquetCompression,
     /// A row group is closed once its encoded size reaches this.
     pub row_group_bytes: usize,
@@ -78,8 +81,11 @@ impl Default for ExportOptions<'_> {
 /// What an export wrote.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportSummary {
+    /// Records written, one row each.
     pub rows: u64,
+    /// Row groups in the file.
     pub row_groups: usize,
+    /// Size of the written file in bytes.
     pub bytes: u64,
 }
 
@@ -182,7 +188,9 @@ pub struct ImportOptions {
 /// What an import wrote.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ImportSummary {
+    /// Records written to the new dataset, one per row.
     pub records: u64,
+    /// Distinct `traj_id`s among them.
     pub trajectories: u64,
     /// Inputs left out, each with why (chat import without `--strict`).
     pub skipped: Vec<String>,

@@ -151,12 +151,16 @@ impl InplaceOp3 for ScatterRows {
 /// The attention kernel of one incremental forward over a CUDA pool: decode (every sequence
 /// brings one token) always runs ours; prefill runs the pool's [`PrefillAttention`].
 pub enum DeviceAttention {
+    /// Our kernel over every sequence's slot list (decode, and prefill with `paged`).
     Paged(Box<PagedAttention>),
+    /// candle-flash-attn over the gathered context rows (prefill with `flash`).
     #[cfg(feature = "flash-attn")]
     Flash(super::flash::FlashPrefill),
 }
 
 impl DeviceAttention {
+    /// The kernel for `seqs`: ours whenever every sequence brings one token (decode) or the
+    /// prefill kernel is `paged`, flash-attention's prefill otherwise; slot tables uploaded once.
     #[cfg_attr(not(feature = "flash-attn"), allow(unused_variables))]
     pub fn new(
         seqs: &[SeqSlots],
@@ -211,6 +215,7 @@ struct DeviceTables {
 }
 
 impl PagedAttention {
+    /// Builds the per-call slot tables of `seqs` (uploaded on first use) for softmax scale `scale`.
     pub fn new(seqs: &[SeqSlots], scale: f32) -> Self {
         let mut slot_ptr = vec![0i32];
         let mut cu_q = vec![0i32];

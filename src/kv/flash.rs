@@ -24,6 +24,7 @@ pub struct FlashPrefill {
 }
 
 impl FlashPrefill {
+    /// Uploads the slot lists and cumulative lengths of `seqs` to `device` for softmax scale `scale`.
     pub fn new(seqs: &[SeqSlots], scale: f32, device: &Device) -> candle_core::Result<Self> {
         let mut slots = Vec::new();
         let (mut cu_new, mut cu_context) = (vec![0u32], vec![0u32]);

@@ -14,10 +14,15 @@ use super::{KvError, KvPool, KvShape, PrefillAttention, SeqSlots};
 /// The attention call measured: `batch` sequences of `context` tokens each.
 #[derive(Clone, Debug)]
 pub struct KernelShape {
+    /// Sequences per call.
     pub batch: usize,
+    /// Tokens of each sequence, all held in the pool.
     pub context: usize,
+    /// Query heads.
     pub q_heads: usize,
+    /// K/V heads.
     pub kv_heads: usize,
+    /// Dimension of one head.
     pub head_dim: usize,
     /// The pool's dtype (`bf16` or `f32`).
     pub dtype: DType,
@@ -28,11 +33,13 @@ pub struct KernelShape {
 /// A decode measurement: every sequence brings one token.
 #[derive(Clone, Debug, Serialize)]
 pub struct DecodeReport {
+    /// Mean milliseconds per decode call.
     pub decode_ms: f64,
     /// K and V bytes read per call over the call's time.
     pub decode_gb_s: f64,
     /// A device copy's bandwidth (bytes read and written) on as many bytes.
     pub copy_gb_s: f64,
+    /// `decode_gb_s` over `copy_gb_s`.
     pub fraction_of_copy: f64,
 }
 
@@ -41,7 +48,9 @@ pub struct DecodeReport {
 pub struct KernelTiming {
     /// `paged` or `flash`.
     pub kernel: &'static str,
+    /// Mean milliseconds per call.
     pub ms: f64,
+    /// Causal-attention TFLOP/s (score and weighted-sum FLOPs).
     pub tflop_s: f64,
     /// Largest |difference| from the paged kernel's output (0 for the paged kernel itself).
     pub max_abs_diff_vs_paged: f64,
@@ -51,7 +60,9 @@ pub struct KernelTiming {
 /// every kernel this build has (flash-attention needs the `flash-attn` feature and bf16).
 #[derive(Clone, Debug, Serialize)]
 pub struct PrefillReport {
+    /// New tokens per sequence.
     pub new: usize,
+    /// One timing per kernel this build can run, paged first.
     pub kernels: Vec<KernelTiming>,
 }
 

@@ -66,25 +66,57 @@ impl std::str::FromStr for PrefillAttention {
 /// Errors of the KV cache.
 #[derive(Debug, thiserror::Error)]
 pub enum KvError {
+    /// The pool cannot hold or run what was asked on this device (dtype, kernel or build).
     #[error("KV pool on {device}: {reason}")]
-    UnsupportedDevice { device: String, reason: String },
+    UnsupportedDevice {
+        /// The pool's device.
+        device: String,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// A call for the other storage kind (CPU rows or plan on a CUDA pool, or the reverse).
     #[error("KV pool: {op} does not match this pool's storage")]
-    WrongStorage { op: &'static str },
+    WrongStorage {
+        /// The refused operation.
+        op: &'static str,
+    },
+    /// A tensor operation failed.
     #[error("KV pool tensor op: {0}")]
     Tensor(#[from] candle_core::Error),
+    /// A slot index at or past the pool's capacity.
     #[error("slot {slot} is outside the pool of {capacity} slots")]
-    SlotOutOfRange { slot: u32, capacity: usize },
+    SlotOutOfRange {
+        /// The offending slot.
+        slot: u32,
+        /// Slots in the pool.
+        capacity: usize,
+    },
+    /// The pool's layers, K/V row shape or free slots do not match what the call needs.
     #[error("KV pool holds {pool}, the call needs {wanted}")]
-    ShapeMismatch { pool: String, wanted: String },
+    ShapeMismatch {
+        /// What the pool holds.
+        pool: String,
+        /// What the call needs.
+        wanted: String,
+    },
+    /// A sequence of the call is malformed (more new tokens than slots).
     #[error("sequence {seq}: {message}")]
-    BadSequence { seq: usize, message: String },
+    BadSequence {
+        /// Index of the sequence in the call.
+        seq: usize,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 /// The K/V shape a pool is built for: layers, K/V heads per layer and the head dimension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvShape {
+    /// Layers, each with its own K and V.
     pub num_layers: usize,
+    /// K/V heads per layer.
     pub kv_heads: usize,
+    /// Dimension of one head.
     pub head_dim: usize,
 }
 
@@ -92,7 +124,9 @@ pub struct KvShape {
 /// which hold the tokens whose queries are being computed.
 #[derive(Debug, Clone, Copy)]
 pub struct SeqSlots<'a> {
+    /// Slot of every position of the sequence, in order.
     pub slots: &'a [u32],
+    /// How many trailing positions are the new tokens.
     pub num_new: usize,
 }
 

@@ -14,12 +14,24 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 /// Errors of the radix tree.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RadixError {
+    /// `flush` was called while running sequences still hold locks.
     #[error("cannot flush the prefix cache: {locks} locks ({locked_tokens} cached tokens) are still held by running sequences")]
-    LockedAtFlush { locks: usize, locked_tokens: usize },
+    LockedAtFlush {
+        /// Locks still held.
+        locks: usize,
+        /// Cached tokens those locks protect.
+        locked_tokens: usize,
+    },
+    /// `insert` was given a different number of slots than tokens.
     #[error(
         "insert of {tokens} tokens came with {slots} slots; every token needs exactly one slot"
     )]
-    LengthMismatch { tokens: usize, slots: usize },
+    LengthMismatch {
+        /// Tokens given.
+        tokens: usize,
+        /// Slots given.
+        slots: usize,
+    },
 }
 
 /// Handle on a tree node: the end of a matched or inserted prefix. Valid while the node is
@@ -30,7 +42,9 @@ pub struct NodeRef(u32);
 /// Result of [`RadixTree::match_prefix`]: the slots of the longest cached prefix and its end node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PrefixMatch {
+    /// KV-pool slots of the matched tokens, one per token (empty on a miss).
     pub slots: Vec<u32>,
+    /// The node where the match ends (the namespace's root on a miss).
     pub node: NodeRef,
 }
 
@@ -70,6 +84,7 @@ pub struct RadixTree {
 }
 
 impl RadixTree {
+    /// An empty tree: no namespaces, nothing cached.
     pub fn new() -> Self {
         Self::default()
     }

@@ -18,8 +18,11 @@ pub use super::params::write_safetensors;
 use super::{params, Critic, Model, ModelConfig, ModelError, Result, ValueMlp};
 use crate::tokenizer::Tokenizer;
 
+/// File name of the model config in a checkpoint directory.
 pub const CONFIG_FILE: &str = "config.json";
+/// File name of unsharded weights.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// File name of the index that maps each tensor of sharded weights to its shard file.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 pub use crate::tokenizer::TOKENIZER_FILE;
 

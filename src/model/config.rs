@@ -57,12 +57,19 @@ const UNSUPPORTED_KEYS: [(&str, &str); 10] = [
 /// Model hyper-parameters with HF key names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
+    /// Number of token ids (rows of the embedding and the LM head).
     pub vocab_size: usize,
+    /// Width of the residual stream.
     pub hidden_size: usize,
+    /// Width of the MLP's hidden layer.
     pub intermediate_size: usize,
+    /// Number of decoder layers.
     pub num_hidden_layers: usize,
+    /// Query heads per attention layer.
     pub num_attention_heads: usize,
+    /// Key/value heads per attention layer (fewer than the query heads under GQA).
     pub num_key_value_heads: usize,
+    /// Longest context the model is configured for, in tokens.
     pub max_position_embeddings: usize,
     /// Width of one attention head; `hidden_size / num_attention_heads` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -71,15 +78,19 @@ pub struct ModelConfig {
     /// kept in `extra`); see [`ModelConfig::rope`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_theta: Option<f64>,
+    /// ε of the RMS norms (default 1e-6).
     #[serde(default = "default_rms_norm_eps")]
     pub rms_norm_eps: f64,
     /// transformers' default for all three families is false.
     #[serde(default)]
     pub tie_word_embeddings: bool,
+    /// Standard deviation of the normal init of fresh weights (default 0.02).
     #[serde(default = "default_initializer_range")]
     pub initializer_range: f64,
+    /// MLP activation; only `silu` (the default) is supported.
     #[serde(default = "default_hidden_act")]
     pub hidden_act: String,
+    /// Model family: `qwen2`, `qwen3` or `llama`.
     pub model_type: String,
     /// Llama's and Qwen3's switch for q/k/v/o biases; Qwen2 ignores it (q/k/v always have one).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -156,14 +156,17 @@ impl Critic {
         specs
     }
 
+    /// The hyper-parameters of the critic's trunk.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
+    /// The device the critic's weights live on.
     pub fn device(&self) -> &Device {
         &self.device
     }
 
+    /// The critic's own weights, trunk (`model.*`) and head (`score.*`); not the adapters.
     pub fn varmap(&self) -> &VarMap {
         &self.varmap
     }
@@ -292,6 +295,7 @@ impl ValueMlp {
         })
     }
 
+    /// The MLP's trainable parameters (not the feature scaling).
     pub fn varmap(&self) -> &VarMap {
         &self.varmap
     }

@@ -201,6 +201,7 @@ impl Adapters {
         })
     }
 
+    /// The spec (rank, alpha, dropout, target modules) the adapters were built with.
     pub fn spec(&self) -> &LoraSpec {
         &self.spec
     }

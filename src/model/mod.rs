@@ -40,40 +40,75 @@ pub use tree::{Segment, TreeBatch};
 /// Errors of the model module; file errors name the file and tensor.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// The KV pool refused an operation.
     #[error(transparent)]
     Kv(#[from] KvError),
+    /// The tokenizer failed.
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    /// Reading or writing a file or directory failed.
     #[error("{path}: {source}")]
     Io {
+        /// The file or directory.
         path: String,
+        /// The underlying I/O error.
         source: std::io::Error,
     },
+    /// A model or adapter config is unreadable or invalid.
     #[error("{path}: {message}")]
-    Config { path: String, message: String },
+    Config {
+        /// The config file (`<config>` for one given in memory).
+        path: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A safetensors file could not be read or written.
     #[error("{path}: {message}")]
-    Safetensors { path: String, message: String },
+    Safetensors {
+        /// The safetensors file.
+        path: String,
+        /// The safetensors library's message.
+        message: String,
+    },
+    /// A tensor the model needs is in none of the weight files.
     #[error("tensor `{name}` is missing (looked in {files})")]
-    MissingTensor { name: String, files: String },
+    MissingTensor {
+        /// Name of the missing tensor.
+        name: String,
+        /// The files searched, comma-separated.
+        files: String,
+    },
+    /// A weight file holds a tensor the configured model does not have.
     #[error("tensor `{name}` in {file} is not part of a `{model_type}` model as its config.json describes it")]
     UnexpectedTensor {
+        /// Name of the unexpected tensor.
         name: String,
+        /// The file that holds it.
         file: String,
+        /// `model_type` of the config.
         model_type: String,
     },
+    /// A tensor's shape differs from what the config implies.
     #[error("tensor `{name}` in {file} has shape {found:?}, expected {expected:?}")]
     WrongShape {
+        /// Name of the tensor.
         name: String,
+        /// The file that holds it.
         file: String,
+        /// Shape the config implies.
         expected: Vec<usize>,
+        /// Shape found in the file.
         found: Vec<usize>,
     },
+    /// Arguments a model call cannot take (token ids, batch layout, missing head, ...).
     #[error("invalid input: {0}")]
     Input(String),
 }
 
+/// Result of the model module's operations.
 pub type Result<T> = std::result::Result<T, ModelError>;
 
 /// New tokens of one sequence for [`Model::forward_incremental`]: `slots` has the slot of every
@@ -81,7 +116,9 @@ pub type Result<T> = std::result::Result<T, ModelError>;
 /// receive the new K/V, and new token i sits at position `context_len + i`.
 #[derive(Debug, Clone, Copy)]
 pub struct SeqChunk<'a> {
+    /// Ids of the new tokens; the K/V of the earlier positions are already in the pool.
     pub new_tokens: &'a [u32],
+    /// KV slot of every position, old and new.
     pub slots: &'a [u32],
 }
 
@@ -126,7 +163,9 @@ impl PaddedBatch {
 /// The tokens of a training forward: right-padded sequences, or a packed [`TreeBatch`] whose
 /// sequences share their prefixes (each shared prefix forwarded once).
 pub enum TrainInput {
+    /// Right-padded sequences, one row each.
     Padded(PaddedBatch),
+    /// Sequences packed with their shared prefixes forwarded once.
     Tree(TreeBatch),
 }
 
@@ -324,6 +363,7 @@ impl Model {
         specs
     }
 
+    /// The model's architecture config.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
@@ -362,6 +402,7 @@ impl Model {
         self.frozen_trunk.ops = ops;
     }
 
+    /// The device the parameters live on.
     pub fn device(&self) -> &Device {
         &self.device
     }

@@ -24,7 +24,9 @@ use super::{ModelError, Result};
 /// A run of packed tokens: `len` tokens from `start`, continuing segment `root` if any.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Segment {
+    /// Index of the segment's first token in the packed batch.
     pub start: usize,
+    /// Tokens in the segment (at least 1).
     pub len: usize,
     /// The root segment this one continues (a shared prefix); `None` for a root.
     pub root: Option<usize>,
@@ -71,6 +73,7 @@ impl TreeBatch {
         &self.ids
     }
 
+    /// The segments, in packing order.
     pub fn segments(&self) -> &[Segment] {
         &self.segments
     }
@@ -80,6 +83,7 @@ impl TreeBatch {
         self.segments.iter().map(|s| s.len).sum()
     }
 
+    /// Whether the batch holds no segment (and so no token).
     pub fn is_empty(&self) -> bool {
         self.segments.is_empty()
     }

@@ -33,24 +33,39 @@ use crate::tokenizer::{ChatTemplate, Followup, Tokenizer, ToolConversation};
 /// Errors of a rollout.
 #[derive(Debug, thiserror::Error)]
 pub enum RolloutError {
+    /// Generation failed in the engine.
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// An env failed to build, reset or step (and its `on_error` did not skip it).
     #[error("env `{env}`: {source}")]
-    Env { env: String, source: EnvError },
+    Env {
+        /// The env's name (`env_name`).
+        env: String,
+        /// The env's error.
+        source: EnvError,
+    },
+    /// The sink refused a record.
     #[error("writing step {step} of trajectory {traj_id}: {message}")]
     Sink {
+        /// Trajectory of the record.
         traj_id: u64,
+        /// Step index of the record in its trajectory.
         step: u32,
+        /// The sink's message.
         message: String,
     },
+    /// The rollout config is invalid or does not suit the env.
     #[error("rollout config: {0}")]
     Config(String),
+    /// The env's answer grammar could not be built for constrained decoding.
     #[error(transparent)]
     Grammar(#[from] GrammarError),
+    /// Tokenizing or rendering a context failed.
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
 }
 
+/// Result of a rollout operation.
 pub type Result<T> = std::result::Result<T, RolloutError>;
 
 /// How a step's context is built.
@@ -62,17 +77,24 @@ pub enum ContextLayout {
     Concat,
     /// A fresh prompt per step holding the last `k` rounds (StepPO's HotpotQA flow); `k` 0 holds
     /// the current state only.
-    Window { k: usize },
+    Window {
+        /// Number of past rounds shown in each prompt.
+        k: usize,
+    },
 }
 
 /// What one rollout runs.
 #[derive(Clone, Debug)]
 pub struct RolloutConfig {
+    /// Name of the env to run (as `env::build_session` takes it).
     pub env_name: String,
     /// Env + protocol overrides over the env's defaults (see `env::build_session`).
     pub env_config: serde_json::Value,
+    /// Number of groups (distinct env seeds) in the rollout; at least 1.
     pub num_groups: usize,
+    /// Trajectories per group, all from the same env seed; at least 1.
     pub group_size: usize,
+    /// Seed from which every env seed and sampling seed is derived.
     pub base_seed: u64,
     /// Id of the first group; group g gets `first_group_id + g`, its member m the trajectory id
     /// `group_id * group_size + m`. Advance it between rollouts to keep ids unique.
@@ -81,13 +103,16 @@ pub struct RolloutConfig {
     /// rollouts cycle through a finite set of `n` levels (Procgen's `num_levels`). Sampling
     /// stays seeded by the group id, so a level's visits differ.
     pub num_levels: Option<u64>,
+    /// Sampling parameters of every response.
     pub sampling: SamplingParams,
+    /// Most tokens per response; at least 1.
     pub max_new_tokens: usize,
     /// Hard cap on rounds per trajectory on top of the protocol's own `max_turns` (the round
     /// reaching it is marked truncated).
     pub max_turns: usize,
     /// A trajectory whose next context would exceed this is truncated.
     pub max_context_tokens: usize,
+    /// How each step's context is built.
     pub layout: ContextLayout,
     /// Constrained decoding: responses follow the env's answer grammar ([`ResponseGrammar`]).
     pub constrained_decoding: bool,
@@ -121,18 +146,29 @@ impl Default for RolloutConfig {
 /// Per-rollout statistics for the trainer's metrics.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RolloutStats {
+    /// Name of the env that ran (the config's `env_name`).
     pub env_tag: String,
+    /// Trajectories kept (those of dropped groups excluded).
     pub trajectories: usize,
+    /// Step records kept.
     pub steps: usize,
+    /// Share of kept trajectories whose last step succeeded, in [0, 1].
     pub success_rate: f64,
+    /// Mean over kept trajectories of the sum of their step rewards.
     pub mean_return: f64,
+    /// Mean number of steps per kept trajectory.
     pub mean_turns: f64,
+    /// Mean response length per step, in tokens.
     pub mean_response_tokens: f64,
+    /// Longest response, in tokens.
     pub max_response_tokens: usize,
     /// Responses cut at `max_new_tokens`.
     pub length_cut_responses: usize,
+    /// The engine's cache counters over this rollout.
     pub cache: CacheCounters,
+    /// Wall-clock seconds of the whole rollout.
     pub wall_s: f64,
+    /// Seconds spent in the engine's generate calls.
     pub generate_s: f64,
     /// Seconds building, resetting and stepping sessions and building the next contexts.
     pub env_s: f64,
@@ -146,7 +182,9 @@ pub struct RolloutStats {
 
 /// The records of one rollout (trajectory by trajectory, steps in order) and its statistics.
 pub struct Rollout {
+    /// Every kept step record, trajectory by trajectory, steps in order.
     pub records: Vec<StepRecord>,
+    /// Statistics of the kept trajectories.
     pub stats: RolloutStats,
 }
 

@@ -31,28 +31,50 @@ use crate::tokenizer::Tokenizer;
 /// Errors of the engine; request errors name the request index.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// A model forward call failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The KV pool refused an operation.
     #[error(transparent)]
     Kv(#[from] KvError),
+    /// The radix prefix cache refused an operation.
     #[error(transparent)]
     Radix(#[from] RadixError),
+    /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// A request is malformed (empty context, or `max_new_tokens` 0).
     #[error("request {index}: {message}")]
-    BadRequest { index: usize, message: String },
+    BadRequest {
+        /// The request's number in the order requests were added.
+        index: usize,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A request needs more slots than the whole pool has.
     #[error("request {index} needs {needed} KV slots (context + max_new_tokens) but the pool has {capacity}; raise num_slots")]
     PoolTooSmall {
+        /// The request's number in the order requests were added.
         index: usize,
+        /// Slots it needs: context plus `max_new_tokens`.
         needed: usize,
+        /// Slots in the pool.
         capacity: usize,
     },
+    /// The pool ran out of slots even after evicting every unlocked cached prefix.
     #[error("the KV pool ran out: {needed} slots wanted, {free} free after eviction")]
-    PoolExhausted { needed: usize, free: usize },
+    PoolExhausted {
+        /// Slots wanted.
+        needed: usize,
+        /// Slots free after eviction.
+        free: usize,
+    },
+    /// A cache mode name not in [`CacheMode::ALL`].
     #[error("unknown cache mode `{0}` (expected none, per_traj, group_prompt or radix)")]
     UnknownCacheMode(String),
 }
 
+/// Result of the engine's operations.
 pub type Result<T> = std::result::Result<T, EngineError>;
 
 /// How much KV the engine reuses; the four arms of the prefix-reuse benchmark.
@@ -72,6 +94,7 @@ pub enum CacheMode {
 }
 
 impl CacheMode {
+    /// Every cache mode, in benchmark-arm order.
     pub const ALL: [CacheMode; 4] = [
         CacheMode::None,
         CacheMode::PerTraj,
@@ -79,6 +102,7 @@ impl CacheMode {
         CacheMode::Radix,
     ];
 
+    /// The mode's name in configs and flags (`none`, `per_traj`, `group_prompt`, `radix`).
     pub fn name(self) -> &'static str {
         match self {
             CacheMode::None => "none",
@@ -126,6 +150,7 @@ impl std::str::FromStr for CacheMode {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineConfig {
+    /// How much KV is reused across requests.
     pub cache_mode: CacheMode,
     /// KV slots in the pool (shared by the cache and running sequences).
     pub num_slots: usize,
@@ -164,9 +189,11 @@ pub struct GenRequest {
     pub group: u64,
     /// Turn index within the trajectory; 0 is the initial prompt.
     pub turn: u32,
+    /// Temperature, top-p, top-k or greedy sampling.
     pub params: SamplingParams,
     /// Seed of this request's sampling RNG.
     pub seed: u64,
+    /// Most tokens to generate; reaching it ends the response with [`FinishReason::Length`].
     pub max_new_tokens: usize,
     /// Tokens that end the response (included in it), e.g. `<|im_end|>`.
     pub stop_token_ids: Vec<u32>,
@@ -205,17 +232,22 @@ impl GenRequest {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
+    /// A stop token was sampled (it ends the response).
     StopToken,
+    /// A stop string was generated.
     StopString,
+    /// `max_new_tokens` tokens were generated.
     Length,
 }
 
 /// The response to one request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Generation {
+    /// The sampled tokens, a final stop token included.
     pub tokens: Vec<u32>,
     /// Log-probability of each sampled token under the sampling distribution.
     pub logprobs: Vec<f32>,
+    /// Why the response ended.
     pub finish: FinishReason,
     /// Context tokens computed for this request.
     pub prefilled: usize,
@@ -257,13 +289,17 @@ impl GenerationFeed for Batch<'_> {
 /// Prefix-reuse counters, accumulated over calls until [`Engine::take_counters`].
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct CacheCounters {
+    /// Requests started.
     pub requests: u64,
     /// Context tokens requested: what a stateless engine would prefill.
     pub prompt_tokens: u64,
+    /// Context tokens computed (the uncached part of each request).
     pub tokens_prefilled: u64,
+    /// Context tokens served from the cache or a group fork.
     pub tokens_from_cache: u64,
     /// Tokens sampled.
     pub decode_tokens: u64,
+    /// Model forward calls.
     pub forward_calls: u64,
     /// Tokens fed through the model (prefill and decode).
     pub tokens_computed: u64,
@@ -271,8 +307,11 @@ pub struct CacheCounters {
     pub attended_pairs: u64,
     /// Logits rows produced (one per sequence per forward call).
     pub logit_rows: u64,
+    /// Most pool slots in use at once (a gauge: [`CacheCounters::add`] leaves it).
     pub peak_slots_used: u64,
+    /// Times cached prefixes were evicted to free slots.
     pub evictions: u64,
+    /// Slots freed by those evictions.
     pub evicted_tokens: u64,
     /// Seconds spent in model forward calls.
     pub forward_s: f64,
@@ -303,9 +342,13 @@ impl CacheCounters {
 /// Pool occupancy: used slots split into cached-evictable, cached-locked and private.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolUsage {
+    /// Slots in the pool.
     pub capacity: usize,
+    /// Slots free now.
     pub free: usize,
+    /// Slots of cached prefixes no running request holds (evicted first when short).
     pub evictable: usize,
+    /// Slots of cached prefixes locked by running requests.
     pub locked: usize,
 }
 
@@ -399,10 +442,12 @@ impl Engine {
         })
     }
 
+    /// The engine's settings.
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
     }
 
+    /// The cache mode in force.
     pub fn cache_mode(&self) -> CacheMode {
         self.cfg.cache_mode
     }
@@ -422,6 +467,7 @@ impl Engine {
         Ok(())
     }
 
+    /// The policy version that salts the cache namespace.
     pub fn policy_version(&self) -> u64 {
         self.policy_version
     }
@@ -433,6 +479,7 @@ impl Engine {
         Ok(())
     }
 
+    /// The counters accumulated since the last [`Engine::take_counters`].
     pub fn counters(&self) -> &CacheCounters {
         &self.counters
     }
@@ -442,6 +489,7 @@ impl Engine {
         std::mem::take(&mut self.counters)
     }
 
+    /// The pool's occupancy now.
     pub fn pool_usage(&self) -> PoolUsage {
         PoolUsage {
             capacity: self.pool.capacity(),

@@ -22,10 +22,20 @@ use crate::tokenizer::Tokenizer;
 /// Why a grammar cannot be built for an env.
 #[derive(Debug, thiserror::Error)]
 pub enum GrammarError {
+    /// The env has no named action space (its answers are free text).
     #[error("env `{env}` answers free text (search or answer), which constrained decoding cannot enumerate; set constrained_decoding: false")]
-    FreeTextAnswers { env: String },
+    FreeTextAnswers {
+        /// Tag of the env.
+        env: String,
+    },
+    /// A tag, separator, action name or tool-call opening tokenizes to nothing.
     #[error("env `{env}`: `{text}` encodes to no tokens")]
-    EmptyPiece { env: String, text: String },
+    EmptyPiece {
+        /// Tag of the env (`tool_choice` for a forced tool call).
+        env: String,
+        /// The text that encoded to no tokens.
+        text: String,
+    },
 }
 
 /// The tokens that may come next.
@@ -38,6 +48,7 @@ pub enum Allowed {
 }
 
 impl Allowed {
+    /// Whether `token` may come next.
     pub fn contains(&self, token: u32) -> bool {
         match self {
             Allowed::Only(ids) => ids.binary_search(&token).is_ok(),

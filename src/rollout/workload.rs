@@ -21,9 +21,13 @@ use crate::tokenizer::Tokenizer;
 /// Shape of a workload.
 #[derive(Clone, Debug, Serialize)]
 pub struct Workload {
+    /// Name in reports (e.g. `frozen_lake_g8_t8`).
     pub name: String,
+    /// Groups, each with its own random prompt.
     pub groups: usize,
+    /// Trajectories per group (G).
     pub group_size: usize,
+    /// Turns per trajectory (T).
     pub turns: usize,
     /// Prompt tokens shared by a group (the first observation included).
     pub prompt_len: usize,
@@ -44,6 +48,8 @@ impl Workload {
         ]
     }
 
+    /// A workload `name` of `groups` groups of `g` trajectories, `t` turns, `p` prompt,
+    /// `o` observation and `r` response tokens.
     pub fn new(
         name: &str,
         groups: usize,
@@ -96,7 +102,9 @@ impl Workload {
 
 /// Result of running a workload once.
 pub struct WorkloadRun {
+    /// The engine's cache counters over the run.
     pub counters: CacheCounters,
+    /// Wall-clock seconds of generation (cache flush excluded).
     pub wall_s: f64,
     /// Generations per turn, in (group, member) order.
     pub turns: Vec<Vec<Generation>>,
@@ -181,24 +189,41 @@ pub fn forward_flops(cfg: &ModelConfig, c: &CacheCounters) -> f64 {
 /// One arm of one workload: the columns of the prefix-reuse table.
 #[derive(Clone, Debug, Serialize)]
 pub struct ArmReport {
+    /// Name of the workload.
     pub workload: String,
+    /// Cache mode of the arm (`none`, `per_traj`, `group_prompt`, `radix`).
     pub arm: &'static str,
+    /// Groups in the workload.
     pub groups: usize,
+    /// Trajectories per group (G).
     pub group_size: usize,
+    /// Turns per trajectory (T).
     pub turns: usize,
+    /// Shared prompt tokens per group (P).
     pub prompt_len: usize,
+    /// Observation tokens appended after each response (O).
     pub obs_len: usize,
+    /// Tokens generated per turn (R).
     pub response_len: usize,
     /// Context tokens requested (the stateless equivalent).
     pub prompt_tokens: u64,
+    /// Context tokens the engine had to prefill.
     pub tokens_prefilled: u64,
+    /// Context tokens served from the prefix cache.
     pub tokens_from_cache: u64,
+    /// `tokens_from_cache / prompt_tokens` (0 when nothing was requested).
     pub hit_ratio: f64,
+    /// Tokens sampled.
     pub decode_tokens: u64,
+    /// Fewest tokens any engine must prefill ([`Workload::theoretical_min`]).
     pub theoretical_min: u64,
+    /// What a stateless engine prefills ([`Workload::stateless_total`]).
     pub stateless_total: u64,
+    /// Most KV-pool slots (one per cached token) in use at once.
     pub peak_slots_used: u64,
+    /// Times cached prefixes were evicted to free slots.
     pub evictions: u64,
+    /// Wall-clock seconds of the run.
     pub wall_s: f64,
     /// Wall time of the `none` arm over this arm's.
     pub speedup_vs_none: f64,

@@ -17,13 +17,19 @@ use axum::http::StatusCode;
 /// `code`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
+    /// HTTP status of the response.
     pub status: StatusCode,
+    /// Human-readable description (`error.message`).
     pub message: String,
+    /// The request field at fault, e.g. `messages[2].role` (`error.param`); `None` when no one
+    /// field is.
     pub param: Option<String>,
+    /// Machine-readable code (`error.code`), e.g. `invalid_request`.
     pub code: &'static str,
 }
 
 impl ApiError {
+    /// A 400 `invalid_request` error about `param`.
     pub fn invalid(param: Option<&str>, message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,
@@ -33,16 +39,19 @@ impl ApiError {
         }
     }
 
+    /// The same error with another HTTP status and code.
     pub fn with_code(mut self, status: StatusCode, code: &'static str) -> Self {
         self.status = status;
         self.code = code;
         self
     }
 
+    /// A 404 `not_found` error.
     pub fn not_found(message: impl Into<String>) -> Self {
         Self::invalid(None, message).with_code(StatusCode::NOT_FOUND, "not_found")
     }
 
+    /// A 500 `internal` error: the server failed, not the request.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::invalid(None, message).with_code(StatusCode::INTERNAL_SERVER_ERROR, "internal")
     }
@@ -63,15 +72,22 @@ impl ApiError {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WireMessage {
+    /// `system`, `developer`, `user`, `assistant` or `tool` (others are refused).
     pub role: String,
+    /// The text, or a list of text parts; may be absent on an assistant message with tool calls.
     pub content: Option<Content>,
+    /// Optional participant name, passed on to the chat template.
     pub name: Option<String>,
+    /// An assistant message's calls (refused on other roles).
     pub tool_calls: Option<Vec<WireToolCall>>,
+    /// The id of the earlier call a `tool` message answers (refused on other roles).
     pub tool_call_id: Option<String>,
     /// Fields of a response message that clients echo back when they append it as it came:
     /// accepted when null (there is nothing to render), refused otherwise.
     pub refusal: Option<Value>,
+    /// Legacy function call of a response message: accepted when null, refused otherwise.
     pub function_call: Option<Value>,
+    /// Audio of a response message: accepted when null, refused otherwise.
     pub audio: Option<Value>,
     /// Output metadata of a response message (e.g. URL citations); not rendered.
     #[serde(rename = "annotations")]
@@ -188,11 +204,15 @@ pub struct ChatRequest {
 /// A checked chat message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatMessage {
+    /// `system`, `user`, `assistant` or `tool` (`developer` arrives as `system`).
     pub role: String,
     /// `None`: sent as null (an assistant turn that only calls tools).
     pub content: Option<String>,
+    /// An assistant message's calls (empty for other roles).
     pub tool_calls: Vec<ToolCall>,
+    /// The call a `tool` message answers; `None` for other roles.
     pub tool_call_id: Option<String>,
+    /// The participant name the client sent, if any.
     pub name: Option<String>,
 }
 
@@ -245,6 +265,7 @@ pub struct ToolSet {
     pub schemas: Vec<String>,
     /// The function names, in order.
     pub names: Vec<String>,
+    /// Whether and which function the reply must call.
     pub choice: ToolChoice,
     /// `false`: a reply with more than one call is a malformed call.
     pub parallel: bool,
@@ -260,22 +281,36 @@ impl ToolSet {
 /// A checked request: what the worker needs to render, generate and record it.
 #[derive(Debug, Clone)]
 pub struct Completion {
+    /// The checked conversation, in order.
     pub messages: Vec<ChatMessage>,
     /// `None`: as many as the context leaves (capped by the server's default).
     pub max_tokens: Option<usize>,
+    /// Sampling temperature in [0, 2] (default 1).
     pub temperature: f32,
+    /// Nucleus-sampling mass in (0, 1] (default 1).
     pub top_p: f32,
+    /// Up to four non-empty stop strings.
     pub stop: Vec<String>,
+    /// Sampling seed; `None`: the worker derives one from its own seed.
     pub seed: Option<u64>,
+    /// Choices to sample, in 1..=16 (1 when the request continues a session).
     pub n: usize,
+    /// Answer with server-sent stream chunks.
     pub stream: bool,
+    /// With `stream`, end with a chunk of token usage (`stream_options.include_usage`).
     pub include_usage: bool,
+    /// Return the log-probability of each sampled token.
     pub logprobs: bool,
     /// The session it continues (the client's id), `None` for a one-off completion.
     pub session: Option<String>,
+    /// The task (group of sessions) it belongs to: the `x-task-id` header, else
+    /// `metadata.task`.
     pub task: Option<String>,
+    /// The env tag its records carry (`metadata.env`); `None`: the gateway's default tag.
     pub env_tag: Option<String>,
+    /// The env seed its records carry (`metadata.seed`); `None`: 0.
     pub env_seed: Option<u64>,
+    /// The functions offered and how the reply may call them.
     pub tools: ToolSet,
 }
 

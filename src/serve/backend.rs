@@ -93,9 +93,13 @@ impl Recorder {
 
 /// A fixed policy, and optionally a recorder.
 pub struct PolicyBackend {
+    /// The policy that samples every reply.
     pub model: Model,
+    /// The policy's tokenizer.
     pub tokenizer: Tokenizer,
+    /// The generation engine (KV pool and prefix cache) requests run on.
     pub engine: Engine,
+    /// Writes closed sessions into a dataset; `None`: they are not recorded.
     pub recorder: Option<Recorder>,
 }
 

@@ -46,6 +46,7 @@ pub const DEFAULT_TOOL_CALL_PENALTY: f32 = -0.1;
 /// Where and how the gateway serves.
 #[derive(Clone, Debug)]
 pub struct GatewayOptions {
+    /// Address to bind (`127.0.0.1` by default; others need `api_key`).
     pub host: String,
     /// 0 picks a free port.
     pub port: u16,
@@ -57,6 +58,7 @@ pub struct GatewayOptions {
     /// recorded). Required to bind an address other than loopback: the close route posts the
     /// rewards a training run learns from.
     pub api_key: Option<ApiKey>,
+    /// Options of the generation loop: reply lengths, context limit, session TTL, seed.
     pub worker: WorkerOptions,
 }
 
@@ -147,6 +149,7 @@ pub fn start(opts: &GatewayOptions) -> std::io::Result<Gateway> {
 }
 
 impl Gateway {
+    /// The address actually bound (with the chosen port when `port` was 0).
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }

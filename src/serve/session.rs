@@ -95,8 +95,12 @@ pub struct Sampled<'a> {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CloseRequest {
+    /// The trajectory's reward, given to its last step (the others get 0); exclusive with
+    /// `rewards`.
     pub reward: Option<f32>,
+    /// One reward per step, in step order; exclusive with `reward`.
     pub rewards: Option<Vec<f32>>,
+    /// The episode was solved (the last step's `success`).
     #[serde(default)]
     pub success: bool,
     /// The episode was cut (a limit), not finished: its last step is truncated, not terminated.
@@ -107,8 +111,11 @@ pub struct CloseRequest {
 /// A closed session's steps (ids 0: the caller assigns `traj_id` and `group_id`).
 #[derive(Debug)]
 pub struct ClosedTrajectory {
+    /// The session id.
     pub session: String,
+    /// The task the session belongs to, when the client named one.
     pub task: Option<String>,
+    /// One record per completion, in step order.
     pub records: Vec<StepRecord>,
 }
 

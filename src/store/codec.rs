@@ -96,13 +96,21 @@ pub struct CodecError(pub String);
 /// bincode, before `info` had `tool_call_error` and `context_rebuilt`: see `MetaV1`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepMeta {
+    /// Environment tag (e.g. `frozen_lake`).
     pub env_tag: String,
+    /// Seed the episode's environment was reset with.
     pub seed: u64,
+    /// Version of the policy weights that generated the response.
     pub policy_version: u64,
+    /// Reward of the round, format penalty included.
     pub reward: f32,
+    /// The episode ended in a terminal state at this step.
     pub terminated: bool,
+    /// The episode was cut (turn/step/length limit) at this step.
     pub truncated: bool,
+    /// Hash of the raw environment observation at the start of the step.
     pub state_hash: u64,
+    /// Flags and texts of the step.
     pub info: StepInfo,
 }
 
@@ -110,19 +118,33 @@ pub struct StepMeta {
 /// references resolved to the earlier frame's bytes), nothing allocated.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepMetaView<'a> {
+    /// Environment tag (e.g. `frozen_lake`).
     pub env_tag: &'a str,
+    /// Seed the episode's environment was reset with.
     pub seed: u64,
+    /// Version of the policy weights that generated the response.
     pub policy_version: u64,
+    /// Reward of the round, format penalty included.
     pub reward: f32,
+    /// The episode ended in a terminal state at this step.
     pub terminated: bool,
+    /// The episode was cut (turn/step/length limit) at this step.
     pub truncated: bool,
+    /// Hash of the raw environment observation at the start of the step.
     pub state_hash: u64,
+    /// `info.success`: the episode is solved at or before the end of this step.
     pub success: bool,
+    /// `info.action_is_valid`: every parsed action was valid.
     pub action_is_valid: bool,
+    /// `info.action_is_effective`: at least one action changed the environment state.
     pub action_is_effective: bool,
+    /// `info.format_penalty`: the penalty included in `reward` (0 when well formed).
     pub format_penalty: f32,
+    /// `info.num_actions`: env actions executed in this round.
     pub num_actions: u32,
+    /// `info.observation_text`: the observation shown at the start of the step.
     pub observation_text: &'a str,
+    /// `info.action_text`: the decoded response text.
     pub action_text: &'a str,
     /// `critic_state` as stored: little-endian `f32`s (empty before format version 4).
     pub critic_state: &'a [u8],
@@ -699,15 +721,24 @@ pub fn inline_texts<'a>(
 /// [`StepView::to_record`].
 #[derive(Clone, Debug)]
 pub struct StepView<'a> {
+    /// Unique id of the trajectory within a dataset.
     pub traj_id: u64,
+    /// Id of the GRPO group of same-config, same-seed trajectories.
     pub group_id: u64,
+    /// 0-based index of this step in its trajectory.
     pub step_index: u32,
+    /// Number of context tokens before this step's `obs_ids` (0 in the window layout).
     pub context_len: u32,
+    /// Tokens new at this step (template fragment, observation, generation prompt).
     pub obs_ids: TokenIds<'a>,
+    /// The tokens the policy sampled in this step.
     pub response_ids: TokenIds<'a>,
+    /// Behaviour-policy log-probabilities of `response_ids` (borrowed unless misaligned or on
+    /// a big-endian host).
     pub response_logprobs: Cow<'a, [f32]>,
     /// Segment file and frame offset the record was read from (empty path, 0 for a bare payload).
     pub path: &'a Path,
+    /// Byte offset of the record's frame in `path` (0 for a bare payload).
     pub offset: u64,
     meta_bytes: &'a [u8],
     format_version: u32,

@@ -27,13 +27,17 @@ use crate::tokenizer::{ChatTemplate, Followup, Tokenizer, ToolConversation};
 /// What to collect.
 #[derive(Clone, Debug)]
 pub struct CollectConfig {
+    /// Name of the env to play.
     pub env: String,
     /// Env and protocol overrides (`--set key=value`), as for `build_session`.
     pub env_config: Value,
+    /// The model-free agent that plays every episode.
     pub agent: AgentKind,
     /// Trajectories in total; the last group is smaller when `group_size` does not divide it.
     pub episodes: u64,
+    /// Same-seed trajectories per group (0 is taken as 1).
     pub group_size: u64,
+    /// Base seed of every env and agent seed.
     pub seed: u64,
 }
 
@@ -72,8 +76,11 @@ impl CollectConfig {
 /// Totals of a collection run.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CollectSummary {
+    /// Episodes written.
     pub trajectories: u64,
+    /// Step records written.
     pub steps: u64,
+    /// Episodes with a successful step.
     pub successes: u64,
 }
 
@@ -120,10 +127,13 @@ pub fn collect(
 
 /// Ids and tag given to the records of one episode.
 pub struct EpisodeIds {
+    /// Trajectory id of the episode.
     pub traj_id: u64,
+    /// Group the episode belongs to.
     pub group_id: u64,
     /// Seed the env is reset with.
     pub env_seed: u64,
+    /// The env's tag, stored in every record.
     pub env_tag: String,
 }
 

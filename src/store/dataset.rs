@@ -42,7 +42,9 @@ pub const DEFAULT_ROLL_BYTES: u64 = 64 << 20;
 /// segments first, then each shard's, each by number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct SegmentId {
+    /// The shard that writes the file (`None`: the lead writer).
     pub shard: Option<u32>,
+    /// The segment's number within its shard.
     pub number: u64,
 }
 
@@ -123,6 +125,7 @@ impl Part {
 /// kept twice when the run resumes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DatasetPosition {
+    /// Every segment's manifest entry at that moment.
     pub segments: Vec<SegmentEntry>,
 }
 
@@ -258,8 +261,11 @@ impl Default for WriterOptions {
 /// `seg-NNNNNN.stp`, or `seg-rSSSS-NNNNNN.stp` in shard SSSS) and frame offset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RecordLocation {
+    /// The writer's shard (`None`: the lead).
     pub shard: Option<u32>,
+    /// Number of the segment the record went into.
     pub segment: u64,
+    /// Byte offset of the record's frame in the segment file.
     pub offset: u64,
 }
 
@@ -383,6 +389,7 @@ impl DatasetWriter {
         self.manifest.metadata.insert(key.to_string(), value);
     }
 
+    /// The dataset directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -582,8 +589,11 @@ impl Drop for DatasetWriter {
 /// The steps of one trajectory, ordered by `step_index`.
 #[derive(Clone, Debug)]
 pub struct Trajectory<'a> {
+    /// The trajectory's id.
     pub traj_id: u64,
+    /// Its group's id.
     pub group_id: u64,
+    /// Its stored steps, ordered by `step_index`.
     pub steps: Vec<StepView<'a>>,
 }
 
@@ -645,7 +655,9 @@ pub fn first_missing_step(sorted: impl IntoIterator<Item = u32>) -> Option<u32> 
 /// The trajectories of one group, ordered by `traj_id`.
 #[derive(Clone, Debug)]
 pub struct Group<'a> {
+    /// The group's id.
     pub group_id: u64,
+    /// Its trajectories, ordered by `traj_id`.
     pub trajectories: Vec<Trajectory<'a>>,
 }
 
@@ -714,10 +726,12 @@ impl Dataset {
         skipped
     }
 
+    /// The dataset directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
 
+    /// The manifest as checked at open (rebuilt from the segment files when missing or damaged).
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
     }
@@ -737,6 +751,7 @@ impl Dataset {
         self.segments().map(|s| s.frames().count()).sum()
     }
 
+    /// Whether the dataset holds no valid record.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

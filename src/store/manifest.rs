@@ -40,12 +40,15 @@ const KNOWN_KEYS: [&str; 4] = ["format_version", "created_by", "segments", "meta
 /// State of one segment as recorded in the manifest.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SegmentEntry {
+    /// File name of the segment within the dataset directory.
     pub file: String,
+    /// The segment has a footer and takes no more records.
     pub sealed: bool,
     /// Record count and file size: of a sealed segment, at its seal; of an unsealed segment of
     /// a data-parallel rank's shard (`seg-rSSSS-NNNNNN.stp`), as the lead writer last recorded
     /// them; 0 for the lead's unsealed segment (its writer's position tells them).
     pub records: u64,
+    /// File size in bytes (see `records`).
     pub bytes: u64,
     /// Format version of the segment's frames: the checksummed copy of its header's version
     /// field, trusted when the header is damaged (see `segment`). Absent in manifests written
@@ -87,8 +90,11 @@ impl SegmentEntry {
 /// `manifest.json`: small, human-readable description of a dataset.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
+    /// Segment format version of the build that created the dataset.
     pub format_version: u32,
+    /// Creator string (e.g. `stepppo 0.1.0`).
     pub created_by: String,
+    /// The segments of every shard (the lead's and each data-parallel rank's).
     pub segments: Vec<SegmentEntry>,
     /// Free-form run information (env config, tokenizer, agent, seed, ...).
     #[serde(default)]
@@ -98,6 +104,7 @@ pub struct Manifest {
 /// Why a manifest is not trusted.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ManifestDamage {
+    /// There is no `manifest.json` in the dataset directory.
     Missing,
     /// It does not parse, fails its checksum, or is not UTF-8.
     Invalid(String),
@@ -116,7 +123,9 @@ impl fmt::Display for ManifestDamage {
 /// with no segments listed.
 #[derive(Clone, Debug)]
 pub struct LoadedManifest {
+    /// The manifest read, or what was salvaged of it (no segments) when `damage` is set.
     pub manifest: Manifest,
+    /// Why the file was not trusted; `None` when it read and checked cleanly.
     pub damage: Option<ManifestDamage>,
 }
 

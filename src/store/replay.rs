@@ -46,6 +46,7 @@ pub struct Completeness {
 }
 
 impl Completeness {
+    /// The marks of `traj`; errors when its last step's metadata does not decode.
     pub fn of(traj: &Trajectory<'_>) -> Result<Self, StoreError> {
         Ok(Self {
             open: traj.is_open()?,
@@ -201,9 +202,13 @@ pub fn jsonl_line(record: &StepRecord, marks: Completeness) -> Result<String, se
 /// Mean, standard deviation (population), minimum and maximum of a sample.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Summary {
+    /// Arithmetic mean (0 for an empty sample, as are the other fields).
     pub mean: f64,
+    /// Population standard deviation.
     pub std: f64,
+    /// Smallest value.
     pub min: f64,
+    /// Largest value.
     pub max: f64,
 }
 
@@ -227,7 +232,9 @@ impl Summary {
 /// Statistics over a set of trajectories.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Stats {
+    /// Trajectories counted.
     pub trajectories: usize,
+    /// Steps of those trajectories.
     pub steps: usize,
     /// Fraction of trajectories with a successful step.
     pub success_rate: f64,
@@ -235,6 +242,7 @@ pub struct Stats {
     pub return_stats: Summary,
     /// Per-step reward.
     pub reward: Summary,
+    /// Trajectory length in steps.
     pub steps_per_trajectory: Summary,
     /// Fraction of steps whose actions were all valid.
     pub valid_action_rate: f64,
@@ -245,13 +253,16 @@ pub struct Stats {
 /// (damage found at open, and records repeating an earlier record's key).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct DatasetStats {
+    /// Statistics over every finished, complete trajectory (flattened into the JSON).
     #[serde(flatten)]
     pub overall: Stats,
+    /// The same statistics per env tag (the tag of a trajectory's first step).
     pub per_env: BTreeMap<String, Stats>,
     /// Trajectories with no terminal step yet, left out of every figure above.
     pub open_trajectories: usize,
     /// Trajectories missing a step (lost to damage), left out of every figure above.
     pub incomplete_trajectories: usize,
+    /// Damage found when opening the dataset plus records repeating an earlier record's key.
     pub problems: usize,
 }
 

@@ -167,8 +167,12 @@ impl Footer {
 /// Everything a scan of one segment's bytes found.
 #[derive(Clone, Debug, Default)]
 pub struct SegmentScan {
+    /// The format version the frames were read under: the header's, or the one recovered when
+    /// the header is damaged.
     pub format_version: u32,
+    /// The valid frames, in file order.
     pub frames: Vec<Frame>,
+    /// The footer's index; `None` when the segment is not sealed or its footer is damaged.
     pub footer: Option<Footer>,
     /// `(offset, problem)` in file order.
     pub problems: Vec<(u64, ProblemKind)>,

@@ -97,10 +97,12 @@ impl<'a> TokenIds<'a> {
             .then_some(Self { bytes, width })
     }
 
+    /// Number of ids.
     pub fn len(&self) -> usize {
         self.bytes.len() / self.width
     }
 
+    /// Whether there are no ids.
     pub fn is_empty(&self) -> bool {
         self.bytes.is_empty()
     }
@@ -122,18 +124,22 @@ impl<'a> TokenIds<'a> {
         })
     }
 
+    /// The first id; `None` when empty.
     pub fn first(&self) -> Option<u32> {
         self.get(0)
     }
 
+    /// The last id; `None` when empty.
     pub fn last(&self) -> Option<u32> {
         self.len().checked_sub(1).and_then(|i| self.get(i))
     }
 
+    /// The ids in order, decoded one by one.
     pub fn iter(&self) -> TokenIter<'a> {
         TokenIter { ids: *self }
     }
 
+    /// The ids copied into a vector.
     pub fn to_vec(&self) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.len());
         out.extend(self.iter());

@@ -19,12 +19,16 @@ use super::segment::{self, MappedSegment, SegmentWriter, FORMAT_VERSION};
 /// What `verify` found.
 #[derive(Clone, Debug)]
 pub struct VerifyReport {
+    /// Segment files scanned, across every shard.
     pub segments: usize,
+    /// Records that decode.
     pub records: usize,
+    /// Every problem found, sorted by file and offset.
     pub problems: Vec<Problem>,
 }
 
 impl VerifyReport {
+    /// True when no problem was found.
     pub fn is_sound(&self) -> bool {
         self.problems.is_empty()
     }

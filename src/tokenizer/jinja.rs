@@ -21,6 +21,7 @@ use super::{Result, TokenizerError};
 /// One chat message as templates see it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Message<'a> {
+    /// `system`, `user`, `assistant` or `tool`.
     pub role: &'a str,
     /// `None`: the client sent `content: null` (an assistant turn that only calls tools).
     pub content: Option<&'a str>,

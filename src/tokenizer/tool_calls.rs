@@ -19,12 +19,16 @@ use serde_json::Value;
 /// One call of an assistant turn: its id, the function's name and its arguments as JSON text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToolCall {
+    /// Id that the tool's result message refers back to.
     pub id: String,
+    /// Name of the function called.
     pub name: String,
+    /// The arguments object as JSON text.
     pub arguments: String,
 }
 
 impl ToolCall {
+    /// A call with the given id, function name and JSON arguments text.
     pub fn new(id: &str, name: &str, arguments: &str) -> Self {
         Self {
             id: id.into(),
@@ -46,6 +50,7 @@ pub enum ToolCallFormat {
 /// A call found in a reply (no id yet: the gateway gives each one).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParsedCall {
+    /// Name of the function called.
     pub name: String,
     /// The arguments object as compact JSON text, keys in the order written.
     pub arguments: String,
@@ -58,11 +63,16 @@ pub enum ParsedReply {
     Content,
     /// Calls, and the text before them as written (what a stream sent; `None` when blank).
     Calls {
+        /// Text before the first call; `None` when blank.
         content: Option<String>,
+        /// The calls in the order written (at least one).
         calls: Vec<ParsedCall>,
     },
     /// A call was attempted and did not parse: the text is returned as content.
-    Malformed { reason: String },
+    Malformed {
+        /// Why the call did not parse.
+        reason: String,
+    },
 }
 
 const HERMES_OPEN: &str = "<tool_call>";

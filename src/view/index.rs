@@ -20,18 +20,23 @@ use super::source::{Fingerprint, Source};
 /// What one trajectory looks like from its step metadata.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TrajSummary {
+    /// The trajectory's id.
     pub traj_id: u64,
+    /// Its group's id.
     pub group_id: u64,
     /// Lowest policy version among its steps (the rollouts of training step N have N − 1).
     pub policy_version: u64,
+    /// Env seed (of the first of its records read).
     pub seed: u64,
     /// Sum of the step rewards.
     pub ret: f32,
+    /// Steps stored.
     pub steps: u32,
     /// Highest step index seen.
     pub last_step: u32,
     /// Index into [`TrajIndex::envs`].
     pub env: u16,
+    /// Some step reports success.
     pub success: bool,
     /// The step with the highest index is neither terminated nor truncated.
     pub open: bool,
@@ -68,26 +73,41 @@ impl TrajSummary {
 /// How to sort the list.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SortKey {
+    /// By trajectory id.
     #[default]
     Id,
+    /// By return (sum of step rewards).
     Return,
+    /// By number of steps.
     Length,
+    /// By lowest policy version.
     Version,
+    /// By group id.
     Group,
+    /// By env name.
     Env,
 }
 
 /// Which trajectories the list shows; `None` lets everything through.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Filter {
+    /// Only trajectories of this env tag.
     pub env: Option<String>,
+    /// Only trajectories whose lowest policy version is this.
     pub version: Option<u64>,
+    /// Only this group's trajectories.
     pub group: Option<u64>,
+    /// Only trajectories that succeeded (`true`) or did not (`false`).
     pub success: Option<bool>,
+    /// Only open (`true`) or ended (`false`) trajectories.
     pub open: Option<bool>,
+    /// Only returns of at least this.
     pub min_return: Option<f32>,
+    /// Only returns of at most this.
     pub max_return: Option<f32>,
+    /// Only trajectories of at least this many steps.
     pub min_len: Option<u32>,
+    /// Only trajectories of at most this many steps.
     pub max_len: Option<u32>,
 }
 
@@ -105,8 +125,11 @@ pub struct EnvFigures {
 /// Summaries of every trajectory, ordered by id.
 #[derive(Debug, Default)]
 pub struct TrajIndex {
+    /// One summary per trajectory, ordered by `traj_id`.
     pub trajs: Vec<TrajSummary>,
+    /// Env tags in first-seen order ([`TrajSummary::env`] indexes it).
     pub envs: Vec<String>,
+    /// Records read, unreadable ones included.
     pub records: usize,
     /// Records whose metadata did not decode (left out of the summaries).
     pub unreadable: usize,
@@ -148,6 +171,7 @@ impl TrajIndex {
         }
     }
 
+    /// The env tag of `t`.
     pub fn env_name(&self, t: &TrajSummary) -> &str {
         self.envs.get(t.env as usize).map_or("", String::as_str)
     }
@@ -254,8 +278,11 @@ type Selection = (Filter, SortKey, bool, Arc<Vec<u32>>);
 /// A dataset as opened at one moment, with its index and the fingerprint it was opened at.
 #[derive(Debug)]
 pub struct Snapshot {
+    /// The opened dataset.
     pub dataset: Dataset,
+    /// Its trajectory index.
     pub index: TrajIndex,
+    /// The dataset's segment files and sizes at open.
     pub fingerprint: Fingerprint,
     /// What the trainer used for each step, by (trajectory, step) (empty for a bare dataset).
     pub credit: HashMap<(u64, u32), StepCredit>,

@@ -54,13 +54,16 @@ pub struct StepAdvantage {
 /// (as long as its `response_ids`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct TokenAdvantages {
+    /// Advantage of each response token, per record.
     pub advantages: Vec<Vec<f32>>,
+    /// Return target of each response token, per record.
     pub returns: Vec<Vec<f32>>,
 }
 
 /// Advantages for a batch, aligned with the input records.
 #[derive(Clone, Debug, Default)]
 pub struct AdvantageOutput {
+    /// One result per input record, in input order.
     pub per_step: Vec<StepAdvantage>,
     /// Present for `token_gae` and `reinforce_plus_plus`.
     pub per_token: Option<TokenAdvantages>,

@@ -14,15 +14,21 @@ use crate::store::StepRecord;
 /// One exported step.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReplayRow {
+    /// Trajectory the step belongs to.
     pub traj_id: u64,
+    /// GRPO group of the trajectory (same config, same seed).
     pub group_id: u64,
+    /// Position of the step in its trajectory.
     pub step_index: u32,
+    /// The step's reward (after any KL-in-reward penalty).
     pub reward: f32,
+    /// Critic value used for the step (0 when none or zero values were substituted).
     pub value: f32,
     /// Before whitening and `advantage_clip`.
     pub advantage_raw: f32,
     /// What the loss uses.
     pub advantage: f32,
+    /// Return target R_t, serialised as `return`.
     #[serde(rename = "return")]
     pub ret: f32,
 }
@@ -34,6 +40,7 @@ pub struct ReplayExport {
     pub rows: Vec<ReplayRow>,
     /// True when the estimator needed a critic and zero values were used instead.
     pub zero_values: bool,
+    /// The estimator's diagnostics (see [`super::AdvantageOutput::metrics`]).
     pub metrics: BTreeMap<String, f64>,
 }
 

@@ -24,6 +24,7 @@ pub fn tokenize(text: &str) -> Vec<String> {
 }
 
 impl Bm25 {
+    /// Indexes `docs`; a document's index in the slice is its id in search results.
     pub fn new<S: AsRef<str>>(docs: &[S]) -> Self {
         let mut postings: HashMap<String, Vec<(usize, u32)>> = HashMap::new();
         let mut doc_len = Vec::with_capacity(docs.len());

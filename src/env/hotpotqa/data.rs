@@ -16,9 +16,12 @@ pub const EMBEDDED_NAME: &str = "data/hotpotqa/synthetic_dev.json (embedded)";
 /// One question with its context paragraphs, in the official schema's field order.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct HotpotRecord {
+    /// Record id (`_id` in the official schema, `id` in the Hugging Face layout).
     #[serde(rename = "_id")]
     pub id: String,
+    /// The question text.
     pub question: String,
+    /// The gold answer (`yes`/`no` for yes/no comparison questions).
     pub answer: String,
     /// (paragraph title, 0-based sentence index).
     pub supporting_facts: Vec<(String, usize)>,

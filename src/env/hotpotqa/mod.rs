@@ -466,6 +466,8 @@ pub struct HotpotQaEnv {
 }
 
 impl HotpotQaEnv {
+    /// Builds the env from `cfg` (loading or generating its records) and resets it with seed 0;
+    /// fails on an invalid config value.
     pub fn new(cfg: HotpotQaConfig) -> Result<Self, EnvError> {
         if cfg.topk == 0 {
             return Err(bad_value("hotpotqa", "topk", "must be at least 1"));

@@ -16,6 +16,7 @@ use crate::seed::{derive, splitmix64};
 
 /// Records in the shipped fixture and the seed it was generated with.
 pub const FIXTURE_RECORDS: usize = 80;
+/// Seed the shipped fixture was generated with.
 pub const FIXTURE_SEED: u64 = 2024;
 /// Distractor paragraphs per record (the official distractor setting uses 8).
 const DISTRACTORS: usize = 4;

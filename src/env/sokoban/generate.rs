@@ -33,8 +33,11 @@ const TRIES: usize = 4;
 /// Generation settings.
 #[derive(Clone, Copy, Debug)]
 pub struct GenParams {
+    /// Room columns, border walls included.
     pub width: usize,
+    /// Room rows, border walls included.
     pub height: usize,
+    /// Boxes (and targets) to place.
     pub num_boxes: usize,
     /// Depth (TTL) of the reverse search.
     pub search_depth: usize,

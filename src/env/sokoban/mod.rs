@@ -112,6 +112,9 @@ pub struct SokobanEnv {
 }
 
 impl SokobanEnv {
+    /// Checks `cfg` (a room of 3×3 up to `MAX_CELLS` cells, each count at or above its minimum)
+    /// and generates the fallback room of seed 0; a bad key, or settings no room can be generated
+    /// under, is an [`EnvError::BadValue`].
     pub fn new(cfg: SokobanConfig) -> Result<Self, EnvError> {
         let [rows, cols] = cfg.dim_room;
         if rows < 3 || cols < 3 || rows * cols > MAX_CELLS {

@@ -19,14 +19,21 @@ pub struct PushEffect {
 /// A room and its dynamic state. Cells are numbered row-major.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Room {
+    /// Columns of the grid.
     pub width: usize,
+    /// Rows of the grid.
     pub height: usize,
+    /// One bit per wall cell.
     pub walls: u128,
+    /// One bit per target cell.
     pub targets: u128,
+    /// One bit per cell holding a box.
     pub boxes: u128,
+    /// The player's cell.
     pub player: usize,
 }
 
+/// The mask with only `cell`'s bit set.
 pub fn bit(cell: usize) -> u128 {
     1u128 << cell
 }
@@ -44,14 +51,17 @@ impl Room {
         }
     }
 
+    /// Whether `cell` is a wall.
     pub fn is_wall(&self, cell: usize) -> bool {
         self.walls & bit(cell) != 0
     }
 
+    /// Whether a box stands on `cell`.
     pub fn has_box(&self, cell: usize) -> bool {
         self.boxes & bit(cell) != 0
     }
 
+    /// Whether `cell` is a target.
     pub fn is_target(&self, cell: usize) -> bool {
         self.targets & bit(cell) != 0
     }

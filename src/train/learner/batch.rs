@@ -17,10 +17,15 @@ use std::collections::BTreeMap;
 /// Errors of packing; each names the trajectory and step.
 #[derive(Debug, thiserror::Error)]
 pub enum BatchError {
+    /// A record that does not fit its trajectory or itself (context length, log-prob count, empty
+    /// context).
     #[error("trajectory {traj_id} step {step_index}: {msg}")]
     Inconsistent {
+        /// The record's trajectory.
         traj_id: u64,
+        /// The record's step within the trajectory.
         step_index: u32,
+        /// What does not add up.
         msg: String,
     },
 }

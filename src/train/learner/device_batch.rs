@@ -21,7 +21,9 @@ use candle_core::{Device, Tensor, D};
 /// rest packed without padding. Both give the same outputs, to float rounding.
 #[derive(Clone, Copy, Debug)]
 pub struct BatchLayout {
+    /// Token id padding fills with in the padded layout.
     pub pad_id: u32,
+    /// Lay the sequences out as a prefix tree instead of padding them.
     pub tree: bool,
 }
 

@@ -50,6 +50,7 @@ pub enum PlanDevice {
 /// One model the run trains: the policy, or a separate critic of its shape.
 #[derive(Clone, Debug)]
 pub struct TrainedModel {
+    /// The model's architecture.
     pub config: ModelConfig,
     /// LoRA adapters trained instead of the weights.
     pub lora: Option<LoraSpec>,
@@ -63,10 +64,12 @@ pub struct TrainedModel {
 /// What a plan is made for.
 #[derive(Clone, Debug)]
 pub struct PlanShape {
+    /// The policy.
     pub policy: TrainedModel,
     /// A separate critic (`critic.mode: separate`): its weights and optimizer stay alive beside
     /// the policy's; its update runs after the actor's, so the larger of the two passes counts.
     pub critic: Option<TrainedModel>,
+    /// Where the run computes (sets the KV pool's dtype).
     pub device: PlanDevice,
     /// Positions of one update's forward (a mini-batch's tokens, padding included).
     pub batch_tokens: usize,
@@ -92,24 +95,31 @@ pub struct PlanShape {
 /// Bytes of each part of a run's memory, and the peak of one update.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryPlan {
+    /// The f32 weights of the policy and any critic, plus the extra policy copies.
     pub weights: u64,
     /// The bf16 copies of the weights a forward's products read under bf16 precision.
     pub working_weights: u64,
     /// The rollout's own copy: in bf16 (`rollout_dtype`, the CUDA default), or in f32 the adapted
     /// projections with LoRA merged in.
     pub rollout_weights: u64,
+    /// Gradients of the trained parameters, for the larger of the actor's and critic's passes.
     pub gradients: u64,
     /// AdamW's two f32 moments per trained parameter.
     pub optimizer: u64,
+    /// Activations the backward keeps, for the larger of the two passes.
     pub activations: u64,
     /// The trained positions' logits and their gradient.
     pub logits: u64,
+    /// The rollout's KV pool.
     pub kv_cache: u64,
+    /// Number of parameters trained (the adapters under LoRA), policy and critic.
     pub trained_params: u64,
+    /// Number of parameters of the policy and critic (a count, not bytes).
     pub total_params: u64,
 }
 
 impl MemoryPlan {
+    /// The plan of a run of `shape`.
     pub fn of(shape: &PlanShape) -> Self {
         let policy = ModelPlan::of(&shape.policy, shape);
         let critic = shape.critic.as_ref().map(|c| ModelPlan::of(c, shape));

@@ -33,6 +33,7 @@ impl Default for Means {
 }
 
 impl Means {
+    /// Adds `v` to the running mean `name` at the current weight; non-finite values are skipped.
     pub fn add(&mut self, name: &str, v: f64) {
         if v.is_finite() {
             *self.sums.entry(name.into()).or_default() += v * self.weight;

@@ -49,6 +49,7 @@ pub struct ReplayBuffer {
 }
 
 impl ReplayBuffer {
+    /// An empty buffer of at most `capacity` entries, each one training sequence of `layout`.
     pub fn new(capacity: usize, layout: ContextLayout) -> Self {
         Self {
             capacity,
@@ -244,8 +245,11 @@ pub struct Replay<'a> {
     pub records: &'a [StepRecord],
     /// Each entry's records ([`ReplayBuffer::spans`]).
     pub spans: &'a [Range<usize>],
+    /// Weight of the replay's mean negative log-likelihood in the actor loss.
     pub coef: f64,
+    /// Buffer entries drawn (with replacement) per mini-batch, across all ranks.
     pub batch_size: usize,
+    /// Seed of the draws; with the draw index it picks the entries.
     pub seed: u64,
 }
 
@@ -327,7 +331,7 @@ mod tests {
     use super::*;
     use crate::dist::Single;
     use crate::model::ModelConfig;
-    use crate::train::close::{assert_same_step, gradients};
+    use crate::test_support::{assert_same_step, gradients};
     use candle_core::Device;
 
     fn step(group_id: u64, state_hash: u64, action: u32) -> StepRecord {

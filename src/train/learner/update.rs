@@ -38,6 +38,7 @@ use rand_chacha::ChaCha8Rng;
 
 /// Everything the update reads, aligned with `records`.
 pub struct UpdateInputs<'a> {
+    /// The rollout's step records being trained on.
     pub records: &'a [StepRecord],
     /// Sequences (lists of record indices in step order).
     pub sequences: Vec<Vec<usize>>,
@@ -80,17 +81,23 @@ impl UpdateInputs<'_> {
 
 /// Optimizer-side settings of the update.
 pub struct UpdateSettings<'a> {
+    /// Policy and value loss settings.
     pub loss: &'a LossConfig,
     /// Passes of the actor over the batch.
     pub epochs: usize,
     /// Passes of the critic over the batch (a shared head's beyond the actor's train it alone).
     pub critic_epochs: usize,
+    /// Sequences per mini-batch (across all ranks); 0 is taken as 1.
     pub mini_batch: usize,
+    /// Learning rate of this update's actor step (the schedule's value).
     pub actor_lr: f64,
+    /// Learning rate of this update's critic steps.
     pub critic_lr: f64,
+    /// Global gradient-norm clipping threshold.
     pub max_grad_norm: f64,
     /// Temperature the rollout log-probs were computed under.
     pub temperature: f32,
+    /// Token id padding fills with.
     pub pad_id: u32,
     /// Seed of the mini-batch shuffles.
     pub shuffle_seed: u64,
@@ -132,15 +139,19 @@ impl UpdateSettings<'_> {
 
 /// The critic side of the update: the critic and the optimizer that steps it.
 pub struct CriticLearner<'a> {
+    /// The critic being trained (any kind: separate model, shared head, MLP fit).
     pub critic: &'a mut dyn Critic,
+    /// AdamW over the critic's parameters.
     pub opt: &'a mut AdamW,
 }
 
 /// The models and optimizers the update steps.
 pub struct Learners<'a> {
+    /// The policy being trained.
     pub policy: &'a Model,
     /// Steps the policy's parameters (a shared value head's excepted).
     pub actor_opt: &'a mut AdamW,
+    /// The critic and its optimizer; `None` without a trained critic.
     pub critic: Option<CriticLearner<'a>>,
 }
 
@@ -148,7 +159,9 @@ pub struct Learners<'a> {
 /// and each record's importance ratios.
 #[derive(Clone, Debug)]
 pub struct UpdateReport {
+    /// Metrics of the update, by name.
     pub scalars: Scalars,
+    /// Each record's importance ratios on its first and last pass.
     pub ratios: StepRatios,
 }
 
@@ -797,7 +810,7 @@ mod tests {
     use crate::model::ModelConfig;
     use crate::model::TrainInput;
     use crate::model::{Critic as CriticTrunk, ValueMlp};
-    use crate::train::close::{assert_close, assert_rows_close};
+    use crate::test_support::{assert_close, assert_rows_close};
     use crate::train::learner::batch::{pad, trajectories};
     use crate::train::learner::critic::fit;
     use crate::train::learner::critic::{FeatureCritic, SeparateCritic, SharedHead};

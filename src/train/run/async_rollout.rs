@@ -45,6 +45,7 @@ pub struct RolloutBatch {
     pub step: u64,
     /// The policy version that generated it.
     pub version: u64,
+    /// The records, cache counters, env errors and env metrics of the batch.
     pub rollout: ManagerRollout,
     /// Seconds the rollout thread spent generating it.
     pub generate_s: f64,
@@ -86,7 +87,9 @@ struct BusyTime {
 
 /// A batch handed to the trainer, with how long the trainer waited for it.
 pub struct Received {
+    /// The batch of the requested step.
     pub batch: RolloutBatch,
+    /// Seconds the trainer waited for it (0 when it was ready).
     pub trainer_wait_s: f64,
 }
 

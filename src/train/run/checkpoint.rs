@@ -19,18 +19,36 @@ pub const LATEST: &str = "ckpt-latest";
 /// Errors of checkpoint writing and reading; each names the path.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
+    /// A file operation failed.
     #[error("{path}: {source}")]
     Io {
+        /// The file or directory.
         path: PathBuf,
+        /// The underlying I/O error.
         source: std::io::Error,
     },
+    /// A tensor to save holds NaN or Inf, so nothing was written.
     #[error("{path}: tensor `{name}` is not finite; checkpoint not written")]
-    NonFinite { path: PathBuf, name: String },
+    NonFinite {
+        /// The checkpoint's temporary directory.
+        path: PathBuf,
+        /// Name of the non-finite tensor.
+        name: String,
+    },
+    /// A JSON file does not (de)serialize, or the path holds no checkpoint.
     #[error("{path}: {msg}")]
-    Format { path: PathBuf, msg: String },
+    Format {
+        /// The file or directory.
+        path: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
+    /// A tensor operation failed (checking tensors for finiteness).
     #[error("{path}: {source}")]
     Candle {
+        /// The checkpoint directory being written.
         path: PathBuf,
+        /// candle's error.
         source: candle_core::Error,
     },
 }

@@ -5,10 +5,13 @@
 
 use crate::train::Scalars;
 
-/// Metric names the detector reads.
+/// Metric names the detector reads. This one: the mean over groups of the in-group reward std.
 pub const IN_GROUP_STD: &str = "rollout/in_group_reward_std";
+/// Metric the detector reads: the actor's mean token entropy.
 pub const ENTROPY: &str = "actor/entropy";
+/// Metric the detector reads: the actor's global gradient norm before clipping.
 pub const GRAD_NORM: &str = "actor/grad_norm";
+/// Metric the detector reads: the fraction of step rows with zero advantage.
 pub const ZERO_ADV_FRAC: &str = "advantage/zero_fraction";
 
 /// Smoothing of the exponential moving averages (weight of the newest value).
@@ -26,10 +29,33 @@ const SPIKE_FLOOR_OF_PEAK: f64 = 0.1;
 /// A warning raised at one step.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Warning {
-    RewardStdCollapse { peak: f64, now: f64 },
-    EntropyCollapse { peak: f64, now: f64 },
-    GradNormSpike { norm: f64, average: f64 },
-    ZeroAdvantages { frac: f64 },
+    /// The smoothed in-group reward std fell below a tenth of its peak.
+    RewardStdCollapse {
+        /// Highest smoothed std seen.
+        peak: f64,
+        /// Smoothed std now.
+        now: f64,
+    },
+    /// The smoothed token entropy fell below a tenth of its peak.
+    EntropyCollapse {
+        /// Highest smoothed entropy seen.
+        peak: f64,
+        /// Smoothed entropy now.
+        now: f64,
+    },
+    /// The gradient norm exceeded five times its running average (or a tenth of the peak
+    /// average, if larger).
+    GradNormSpike {
+        /// This step's gradient norm.
+        norm: f64,
+        /// Exponential moving average of earlier steps' norms.
+        average: f64,
+    },
+    /// Practically every step row (≥ 99.9%) has zero advantage.
+    ZeroAdvantages {
+        /// Fraction of step rows with zero advantage.
+        frac: f64,
+    },
 }
 
 impl std::fmt::Display for Warning {
@@ -93,6 +119,7 @@ pub struct CollapseDetector {
 }
 
 impl CollapseDetector {
+    /// A detector that has seen no step.
     pub fn new() -> Self {
         Self::default()
     }

@@ -21,7 +21,9 @@ pub const CREDIT_FILE: &str = "credit.jsonl";
 /// What the update used for one step record.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepCredit {
+    /// The step record's trajectory.
     pub traj_id: u64,
+    /// The step's 0-based index in its trajectory.
     pub step_index: u32,
     /// The policy version the update trained: the learner's.
     pub learner_version: u64,

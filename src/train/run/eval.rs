@@ -32,7 +32,9 @@ const DEFAULT_TURN_CAP: usize = 64;
 /// Aggregate figures of one env tag's episodes.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct TagSummary {
+    /// The env tag (its `custom_envs` key).
     pub tag: String,
+    /// Episodes run under the tag.
     pub episodes: usize,
     /// Fraction of episodes whose last step succeeded.
     pub success: f64,
@@ -303,6 +305,7 @@ fn name_tag(err: RolloutError, tag: &str) -> RolloutError {
 pub struct Validation {
     /// `val/<tag>/*` and `val/env_errors`.
     pub scalars: Scalars,
+    /// One summary per env tag.
     pub summaries: Vec<TagSummary>,
     /// The env errors that dropped an episode (`on_error: skip`).
     pub env_errors: Vec<String>,

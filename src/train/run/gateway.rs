@@ -41,6 +41,8 @@ pub struct GatewayTrainer<'a> {
 }
 
 impl<'a> GatewayTrainer<'a> {
+    /// Trains `trainer` on closed sessions until it has done `until` steps, handing each event to
+    /// `on_event`.
     pub fn new(trainer: &'a mut Trainer, until: u64, on_event: &'a mut dyn FnMut(Event)) -> Self {
         let grammars = trainer.answer_grammars();
         Self {

@@ -21,21 +21,33 @@ pub fn is_measurement(name: &str) -> bool {
 /// Errors of the metric sinks and readers; each names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
+    /// A metric file could not be read or written.
     #[error("{path}: {source}")]
     Io {
+        /// The file.
         path: PathBuf,
+        /// The underlying I/O error.
         source: std::io::Error,
     },
+    /// A JSON Lines row that does not parse.
     #[error("{path}:{line}: {msg}")]
     Parse {
+        /// The file.
         path: PathBuf,
+        /// 1-based line number.
         line: usize,
+        /// The parse error.
         msg: String,
     },
+    /// A record that cannot be encoded or read back, or a file shorter than a checkpoint
+    /// recorded.
     #[error("{path}: byte {offset}: {msg}")]
     Record {
+        /// The file.
         path: PathBuf,
+        /// Byte offset of the problem (0 for a row that failed to encode).
         offset: u64,
+        /// What is wrong.
         msg: String,
     },
 }
@@ -229,9 +241,13 @@ fn put_bytes(out: &mut Vec<u8>, field: u32, bytes: &[u8]) {
 /// One decoded TensorBoard event (only the fields stepppo writes).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct DecodedEvent {
+    /// Seconds since the Unix epoch when the event was written.
     pub wall_time: f64,
+    /// Training step of the scalars (0 on the file-version event).
     pub step: u64,
+    /// `brain.Event:2` on the file's first event; `None` on the others.
     pub file_version: Option<String>,
+    /// `(tag, value)` of each scalar of the event, in file order.
     pub scalars: Vec<(String, f32)>,
 }
 
@@ -357,6 +373,7 @@ pub struct MetricsSink {
 /// every TensorBoard event file. A checkpoint keeps one; [`rewind`] brings the files back to it.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MetricsPosition {
+    /// Length of `metrics.jsonl` in bytes.
     pub jsonl_bytes: u64,
     /// Event file name (under `<run>/tb`) → bytes.
     pub event_files: BTreeMap<String, u64>,

@@ -11,12 +11,23 @@ use std::path::{Path, PathBuf};
 /// Errors while plotting; each names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum PlotError {
+    /// Reading the metrics failed.
     #[error(transparent)]
     Metrics(#[from] MetricsError),
+    /// The metric file holds no rows.
     #[error("{path}: no metrics to plot")]
-    Empty { path: PathBuf },
+    Empty {
+        /// The metric file (`metrics.jsonl`).
+        path: PathBuf,
+    },
+    /// Drawing the SVG failed.
     #[error("{path}: drawing failed: {msg}")]
-    Draw { path: PathBuf, msg: String },
+    Draw {
+        /// The SVG being drawn.
+        path: PathBuf,
+        /// The plotting library's error.
+        msg: String,
+    },
 }
 
 /// One panel: a title and which metric names it shows.

@@ -25,7 +25,9 @@ pub const REFERENCE_DIR: &str = "reference";
 /// Where the run's append-only files stood when a checkpoint was taken.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunPosition {
+    /// Where the step dataset's segments stood.
     pub dataset: DatasetPosition,
+    /// Lengths of `metrics.jsonl` and the TensorBoard event files.
     pub metrics: MetricsPosition,
     /// Length of the credit log (`None` in checkpoints written before runs kept one).
     #[serde(default)]
@@ -51,7 +53,9 @@ impl RunPosition {
 /// What a rewind removed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Rewound {
+    /// Step records removed from the dataset.
     pub records: u64,
+    /// Rows removed from `metrics.jsonl`.
     pub metric_rows: usize,
 }
 

@@ -99,16 +99,21 @@ pub enum Event<'a> {
     WarmStart(&'a SftReport),
     /// A training step finished with these metrics.
     Step {
+        /// Steps completed (the new policy version).
         step: u64,
+        /// The step's logged metrics.
         scalars: &'a Scalars,
     },
     /// A validation finished.
     Validation {
+        /// Steps completed when it ran.
         step: u64,
+        /// Aggregate figures per validation env tag.
         summaries: &'a [TagSummary],
     },
     /// A collapse or zero-signal warning, or a skipped update.
     Warning(String),
+    /// A checkpoint was written to this directory (`ckpt-<step>`).
     Checkpoint(&'a Path),
 }
 
@@ -419,18 +424,22 @@ impl Trainer {
         }
     }
 
+    /// The run's config.
     pub fn config(&self) -> &Config {
         &self.cfg
     }
 
+    /// The counters (step, next group id, skipped updates) the run stands at.
     pub fn state(&self) -> &TrainState {
         &self.state
     }
 
+    /// The current policy model.
     pub fn policy(&self) -> &Model {
         &self.policy
     }
 
+    /// The directory the run writes its dataset, metrics and checkpoints to.
     pub fn run_dir(&self) -> &Path {
         &self.run_dir
     }

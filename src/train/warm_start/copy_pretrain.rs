@@ -83,9 +83,11 @@ fn recurring_spans_sequence(
 /// What a copy pre-training did.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CopyReport {
+    /// Training steps run in all (`steps` plus any run toward `until_probability`).
     pub steps: usize,
     /// Mean cross-entropy over the repeated half, in the first and the last few steps.
     pub first_loss: f64,
+    /// Mean cross-entropy over the repeated half in the last few steps.
     pub final_loss: f64,
     /// Mean probability the model gives the right token over the repeats of held-out sequences
     /// (1/vocabulary before any training, 1 for a perfect copier).
@@ -96,6 +98,7 @@ pub struct CopyReport {
     pub checks: Vec<(usize, f64)>,
     /// `until_probability`, when set.
     pub target: Option<f64>,
+    /// Wall-clock seconds the copy pre-training took.
     pub seconds: f64,
 }
 

@@ -36,13 +36,17 @@ use std::collections::{BTreeMap, HashSet};
 /// What a warm start did.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SftReport {
+    /// AdamW updates run (skipped ones included).
     pub steps: usize,
+    /// Sequences cloned: whole trajectories, or single steps of window-layout records.
     pub trajectories: usize,
     /// Mean token cross-entropy of the first and the last few steps.
     pub first_loss: f64,
+    /// Mean token cross-entropy of the last few steps.
     pub final_loss: f64,
     /// First and final value loss of a critic warm-up.
     pub value_loss: Option<(f64, f64)>,
+    /// Optimizer steps skipped for a non-finite loss or gradient (a separate critic's included).
     pub skipped: usize,
     /// Wall-clock seconds of the warm start.
     pub seconds: f64,
@@ -146,6 +150,7 @@ pub struct CloneSettings {
     pub steps: usize,
     /// Sequences per update.
     pub batch_size: usize,
+    /// AdamW learning rate (no weight decay).
     pub lr: f64,
     /// Weight of the cross-entropy on observation tokens next to the response tokens' (0 = off).
     pub observation_loss_coef: f64,
@@ -443,7 +448,7 @@ pub fn clone_into(
 mod tests {
     use super::*;
     use crate::model::{ModelConfig, TrainInput};
-    use crate::train::close::{assert_same_step, gradients};
+    use crate::test_support::{assert_same_step, gradients};
     use candle_core::Device;
 
     const PADDED: BatchLayout = BatchLayout {

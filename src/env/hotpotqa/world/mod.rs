@@ -33,6 +33,7 @@ use crate::seed::derive;
 
 /// Smallest and largest `world_size` (entities per world).
 pub const MIN_WORLD_SIZE: usize = 40;
+/// Largest `world_size` (entities per world).
 pub const MAX_WORLD_SIZE: usize = 5000;
 
 /// Invented name words: people, cities and countries are two of them, companies and films one
@@ -70,7 +71,9 @@ const MAX_NAME_DRAWS: usize = 100_000;
 /// The side of the name partition a world draws from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Split {
+    /// The training side: the names training worlds draw from.
     Train,
+    /// The validation side: names no training world of the same seed uses.
     Val,
 }
 

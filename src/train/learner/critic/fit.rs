@@ -23,23 +23,32 @@ use rand_chacha::ChaCha8Rng;
 /// The batch a value MLP is fitted on, aligned with `records`: which records train the critic,
 /// and per record the return targets and rollout-time values at its critic target positions.
 pub struct FitBatch<'a> {
+    /// The batch's step records.
     pub records: &'a [StepRecord],
     /// Sequences (lists of record indices in step order).
     pub sequences: &'a [Vec<usize>],
+    /// Per record: whether it trains the critic (false: its rows are left out).
     pub keep: &'a [bool],
+    /// Per record, the return target at each position (one for step-start values, one per
+    /// response token otherwise).
     pub returns: &'a [Vec<f32>],
+    /// Per record, the rollout-time values at the same positions (the value-clip reference).
     pub old_values: &'a [Vec<f32>],
+    /// The positions the critic is fitted at.
     pub target: CriticTarget,
 }
 
 /// How a value MLP is fitted.
 pub struct FitSettings<'a> {
+    /// Loss settings; the value loss reads its `value_clip`.
     pub loss: &'a LossConfig,
     /// Passes' worth of mini-batches over the newest batch's rows.
     pub epochs: usize,
     /// Rows per mini-batch.
     pub mini_batch: usize,
+    /// Learning rate of the critic's AdamW steps.
     pub lr: f64,
+    /// Gradient-norm clip of each critic step.
     pub max_grad_norm: f64,
     /// Seed of the mini-batch shuffles.
     pub shuffle_seed: u64,
@@ -51,7 +60,9 @@ pub struct FitSettings<'a> {
 pub struct FeatureRows {
     /// `[n, F]`.
     pub features: Tensor,
+    /// Return target of each row.
     pub returns: Vec<f32>,
+    /// Rollout-time value of each row (the value-clip reference).
     pub old_values: Vec<f32>,
 }
 

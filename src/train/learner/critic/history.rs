@@ -19,8 +19,11 @@ pub const CHECKPOINT_FILE: &str = "critic_history.safetensors";
 /// return target and rollout-time value.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StateRows {
+    /// Critic states of all rows, row-major (`len() × width` numbers).
     pub states: Vec<f32>,
+    /// Return target of each row.
     pub returns: Vec<f32>,
+    /// The critic's value of each row at rollout time (the value-clipping anchor).
     pub old_values: Vec<f32>,
 }
 
@@ -30,6 +33,7 @@ impl StateRows {
         self.returns.len()
     }
 
+    /// Whether no row is held.
     pub fn is_empty(&self) -> bool {
         self.returns.is_empty()
     }

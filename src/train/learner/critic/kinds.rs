@@ -21,6 +21,7 @@ use std::path::Path;
 pub struct SeparateCritic(Box<CriticTrunk>);
 
 impl SeparateCritic {
+    /// Wraps a critic model (trunk and value head).
     pub fn new(trunk: CriticTrunk) -> Self {
         Self(Box::new(trunk))
     }
@@ -103,6 +104,7 @@ impl Critic for SharedHead {
 pub struct FeatureCritic(ValueMlp);
 
 impl FeatureCritic {
+    /// Wraps a value MLP over the policy's features.
     pub fn new(mlp: ValueMlp) -> Self {
         Self(mlp)
     }

@@ -46,22 +46,31 @@ pub enum CriticOrigin<'a> {
 
 /// What reading the rollout-time values of a batch takes besides the critic.
 pub struct ValueReading<'a> {
+    /// The policy (a shared head's trunk, a feature critic's features).
     pub policy: &'a Model,
+    /// The batch's step records.
     pub records: &'a [StepRecord],
     /// Sequences (lists of record indices in step order).
     pub sequences: &'a [Vec<usize>],
+    /// Which positions' values are read: step starts or every response token.
     pub target: CriticTarget,
     /// Sequences per forward pass, and their layout.
     pub chunks: (usize, BatchLayout),
+    /// Constrained-decoding masks of the forward passes.
     pub masks: &'a ResponseMasks,
+    /// The ranks that share the work.
     pub dist: &'a dyn Collective,
 }
 
 /// What fitting a value MLP after the actor's epochs takes besides the critic.
 pub struct FitContext<'a> {
+    /// The updated policy, whose features a feature critic reads.
     pub policy: &'a Model,
+    /// How the fitting passes lay out their sequences.
     pub layout: BatchLayout,
+    /// Constrained-decoding masks of the forward passes.
     pub masks: &'a ResponseMasks,
+    /// Epochs, mini-batch size, learning rate and the other fitting settings.
     pub settings: FitSettings<'a>,
 }
 

@@ -1,5 +1,6 @@
-//! Test helpers for the layout-equivalence tests of the training passes: whether two tensors agree
-//! to 1e-5 of the larger's scale, and the gradient of every named parameter of a loss.
+//! Helpers shared by the unit tests of several modules (built with `cfg(test)` only): whether two
+//! tensors agree to 1e-5 of the larger's scale, and the gradient of every named parameter of a
+//! loss, for the layout-equivalence tests of the training passes (learner and warm start).
 
 use candle_core::{Tensor, Var};
 
