@@ -234,7 +234,7 @@ struct FieldsV2<'a> {
 /// A stored text: inline (UTF-8 not yet checked), or a reference to an earlier frame (format 2:
 /// its byte offset; formats 3 to 5: how many frame numbers back).
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum StoredText<'a> {
+pub(super) enum StoredText<'a> {
     Inline(&'a [u8]),
     Earlier(u64),
 }
@@ -397,7 +397,11 @@ fn flag_bytes(version: u32) -> usize {
 }
 
 /// The entry of `field` in a metadata block of `version` (texts of earlier fields skipped).
-fn text_entry(version: u32, meta: &[u8], field: TextField) -> Result<StoredText<'_>, CodecError> {
+pub(super) fn text_entry(
+    version: u32,
+    meta: &[u8],
+    field: TextField,
+) -> Result<StoredText<'_>, CodecError> {
     let start = flag_bytes(version);
     let mut cursor = Cursor {
         rest: meta.get(start..).unwrap_or_default(),

@@ -47,6 +47,8 @@ mod blast_radius;
 mod codec;
 mod collect;
 mod dataset;
+#[cfg(test)]
+mod derive_probe;
 mod error;
 mod io_thread;
 mod manifest;
