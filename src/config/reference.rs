@@ -36,6 +36,11 @@ pub const READY_CONFIGS: &[(&str, &str)] = &[
          critic",
     ),
     (
+        "frozenlake_long.yaml",
+        "long-horizon FrozenLake (10×10 maps needing 15–40 moves, shaped reward at every move) \
+         for the step-credit comparison",
+    ),
+    (
         "frozenlake_ppo.yaml",
         "token-level PPO (token GAE) on FrozenLake",
     ),

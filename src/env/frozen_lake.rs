@@ -30,7 +30,8 @@
 //!   it false. Slippery moves go the intended way with `success_rate` (default 1/3) and each
 //!   perpendicular way with (1 − success_rate)/2 (gymnasium).
 //! - A map is accepted only when its shortest start→goal path fits in `max_steps` moves, so every
-//!   episode is solvable within the action cap (neither reference checks this).
+//!   episode is solvable within the action cap (neither reference checks this), and needs at
+//!   least `min_path` moves (default 1, any map: long-horizon maps for a larger value).
 //! - Action names are `Left, Down, Right, Up` without numeric ids; invalid text never reaches the
 //!   env (see the protocol). The RNG is owned and seeded from the reset seed only.
 
@@ -119,6 +120,9 @@ pub struct FrozenLakeConfig {
     /// Env actions per episode (at least 1); a map is accepted only when its shortest
     /// start→goal path fits in this many moves, so every episode is solvable.
     pub max_steps: usize,
+    /// Fewest moves a map's shortest start→goal path may need (1 to `max_steps`, and at most
+    /// 2 × (size − 1)); longer ones make long-horizon maps. 1, any map, by default.
+    pub min_path: usize,
     /// How a state is written for the agent.
     #[serde(default)]
     pub render: FrozenLakeRender,
@@ -147,6 +151,7 @@ impl Default for FrozenLakeConfig {
             is_slippery: true,
             success_rate: 1.0 / 3.0,
             max_steps: 10,
+            min_path: 1,
             render: FrozenLakeRender::Grid,
             distance_reward: 0.0,
             distance: ShapingDistance::Manhattan,
@@ -173,8 +178,8 @@ pub struct FrozenLakeEnv {
 }
 
 impl FrozenLakeEnv {
-    /// Checks `cfg` (size in 2..=64, p in (0, 1], success_rate in [0, 1], max_steps ≥ 1) and
-    /// resets to the map of seed 0; an out-of-range key is an [`EnvError::BadValue`].
+    /// Checks `cfg` (size in 2..=64, p in (0, 1], success_rate in [0, 1], max_steps ≥ 1, min_path
+    /// in 1..=min(max_steps, 2 × (size − 1))) and resets to the map of seed 0; an out-of-range key is an [`EnvError::BadValue`].
     pub fn new(cfg: FrozenLakeConfig) -> Result<Self, EnvError> {
         let env = "frozen_lake";
         if !(2..=64).contains(&cfg.size) {
@@ -188,6 +193,13 @@ impl FrozenLakeEnv {
         }
         if cfg.max_steps == 0 {
             return Err(bad_value(env, "max_steps", "must be at least 1"));
+        }
+        if !(1..=cfg.max_steps.min(2 * (cfg.size - 1))).contains(&cfg.min_path) {
+            return Err(bad_value(
+                env,
+                "min_path",
+                "must be in 1..=min(max_steps, 2 × (size − 1))",
+            ));
         }
         let mut lake = FrozenLakeEnv {
             cells: vec![Cell::Frozen; cfg.size * cfg.size],
@@ -343,7 +355,7 @@ impl FrozenLakeEnv {
             cells[start] = Cell::Frozen;
             cells[goal] = Cell::Goal;
             let fits = moves_to_goal(&cells, self.cfg.size)[start]
-                .is_some_and(|moves| moves <= self.cfg.max_steps);
+                .is_some_and(|moves| (self.cfg.min_path..=self.cfg.max_steps).contains(&moves));
             if fits {
                 self.cells = cells;
                 self.player = start;
@@ -684,6 +696,31 @@ mod tests {
             env.reset(seed).unwrap();
             let moves = env.moves_left().expect("path exists");
             assert!((1..=10).contains(&moves));
+        }
+    }
+
+    #[test]
+    fn min_path_makes_every_map_need_that_many_moves_and_is_checked() {
+        let mut env = lake(FrozenLakeConfig {
+            size: 10,
+            max_steps: 40,
+            min_path: 15,
+            ..FrozenLakeConfig::default()
+        });
+        for seed in 0..50 {
+            env.reset(seed).unwrap();
+            let moves = env.moves_left().expect("path exists");
+            assert!((15..=40).contains(&moves), "seed {seed}: {moves} moves");
+        }
+        for (size, max_steps, min_path) in [(4, 10, 7), (10, 12, 13), (4, 10, 0)] {
+            let cfg = FrozenLakeConfig {
+                size,
+                max_steps,
+                min_path,
+                ..FrozenLakeConfig::default()
+            };
+            let err = FrozenLakeEnv::new(cfg).err().expect("refused").to_string();
+            assert!(err.contains("min_path"), "{err}");
         }
     }
 
