@@ -552,6 +552,11 @@ pub struct CacheConfig {
     /// and bf16 generation (`rollout_dtype` unset or `bf16`). `scripts/gpu_check.sh` measures
     /// the two side by side.
     pub prefill_attention: PrefillAttention,
+    /// Cascade attention on the CPU: context slots that several running sequences share (a
+    /// group's prompt, an earlier turn held once in the radix cache) are read once per forward
+    /// for all of them and merged per token by log-sum-exp; `false`: each token reads its whole
+    /// context alone. Agrees with the per-token kernel to f32 rounding.
+    pub cascade_attention: bool,
 }
 
 impl Default for CacheConfig {
@@ -560,6 +565,7 @@ impl Default for CacheConfig {
             prefix_cache: true,
             kv_slots: 65536,
             prefill_attention: PrefillAttention::Paged,
+            cascade_attention: true,
         }
     }
 }

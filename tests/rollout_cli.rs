@@ -27,7 +27,16 @@ fn bench_prefix_json_reports_every_arm() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let arms: Vec<&str> = rows.iter().map(|r| r["arm"].as_str().unwrap()).collect();
-    assert_eq!(arms, ["none", "per_traj", "group_prompt", "radix"]);
+    assert_eq!(
+        arms,
+        [
+            "none",
+            "per_traj",
+            "group_prompt",
+            "radix",
+            "radix_no_cascade"
+        ]
+    );
     for key in [
         "workload",
         "groups",

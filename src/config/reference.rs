@@ -1030,7 +1030,15 @@ mod tests {
     #[test]
     fn field_names_follow_the_source() {
         let names = field_names::<CacheConfig>();
-        assert_eq!(names, ["prefix_cache", "kv_slots", "prefill_attention"]);
+        assert_eq!(
+            names,
+            [
+                "prefix_cache",
+                "kv_slots",
+                "prefill_attention",
+                "cascade_attention"
+            ]
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+pub mod cascade;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "flash-attn")]

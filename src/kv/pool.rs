@@ -4,10 +4,13 @@
 //! nothing about sequences or prefixes: callers (a per-sequence buffer for `generate`, the radix
 //! tree for rollouts) own slot lists and pass them in.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use candle_core::{DType, Device, Tensor};
 use multiversion::multiversion;
 use rayon::prelude::*;
 
+use super::cascade::{self, CascadePlan, LayerRows};
 use super::{KvError, KvShape, PrefillAttention, SeqSlots};
 
 /// Where the K/V rows live. CPU rows are plain `f32` vectors so the attention loop reads them in
@@ -32,6 +35,9 @@ struct CudaLayerKv {
 pub struct AttentionPlan<'a> {
     seqs: &'a [SeqSlots<'a>],
     new_slots: Vec<u32>,
+    /// The sharing tree a CPU pool runs cascade attention over (none without shared slots or
+    /// with cascade off).
+    cascade: Option<CascadePlan>,
     #[cfg(feature = "cuda")]
     cuda: Option<(super::cuda::DeviceAttention, Tensor)>,
 }
@@ -53,6 +59,11 @@ pub struct KvPool {
     free: Vec<u32>,
     in_use: Vec<bool>,
     prefill_attention: PrefillAttention,
+    /// Whether a CPU pool reads context slots shared by several sequences once per call.
+    cascade: bool,
+    /// Since last taken: calls planned with cascade attention, and the context positions they
+    /// did not read again (per span: its length × its readers beyond the first).
+    cascade_counts: [AtomicU64; 2],
 }
 
 impl KvPool {
@@ -110,7 +121,31 @@ impl KvPool {
             free: (0..num_slots as u32).rev().collect(),
             in_use: vec![false; num_slots],
             prefill_attention: PrefillAttention::Paged,
+            cascade: true,
+            cascade_counts: Default::default(),
         })
+    }
+
+    /// Turns cascade attention on or off (on by default): with it, a CPU pool reads the context
+    /// slots that several sequences of a call share once for all their new tokens
+    /// ([`super::cascade`]); without it, once per token and head. CUDA pools ignore it.
+    pub fn set_cascade(&mut self, on: bool) {
+        self.cascade = on;
+    }
+
+    /// Whether cascade attention is on.
+    pub fn cascade(&self) -> bool {
+        self.cascade
+    }
+
+    /// Calls planned with cascade attention and the context positions they read once instead
+    /// of once per sequence (summed over shared spans), since the last call; resets both.
+    pub fn take_cascade_counts(&self) -> (u64, u64) {
+        let [calls, saved] = &self.cascade_counts;
+        (
+            calls.swap(0, Ordering::Relaxed),
+            saved.swap(0, Ordering::Relaxed),
+        )
     }
 
     /// Chooses the kernel of this pool's prefill calls. [`PrefillAttention::Flash`] needs a
@@ -339,15 +374,8 @@ impl KvPool {
         scale: f32,
     ) -> Result<Vec<f32>, KvError> {
         self.check(seqs)?;
+        self.check_heads(layer, seqs, num_heads, q.len())?;
         let (hd, row) = (self.head_dim, self.row());
-        let new_tokens: usize = seqs.iter().map(|s| s.num_new).sum();
-        if !num_heads.is_multiple_of(self.kv_heads) {
-            return Err(KvError::ShapeMismatch {
-                pool: format!("{} kv heads", self.kv_heads),
-                wanted: format!("{num_heads} query heads"),
-            });
-        }
-        self.check_rows(layer, new_tokens * num_heads / self.kv_heads, &[q.len()])?;
         let rep = num_heads / self.kv_heads;
         let kv = match &self.storage {
             KvStorage::Cpu(layers) => &layers[layer],
@@ -381,6 +409,25 @@ impl KvPool {
         Ok(out)
     }
 
+    /// Checks that `num_heads` query heads group over the pool's KV heads and that `q_len`
+    /// floats are the queries of every new token of `seqs` in `layer`.
+    fn check_heads(
+        &self,
+        layer: usize,
+        seqs: &[SeqSlots],
+        num_heads: usize,
+        q_len: usize,
+    ) -> Result<(), KvError> {
+        if !num_heads.is_multiple_of(self.kv_heads) {
+            return Err(KvError::ShapeMismatch {
+                pool: format!("{} kv heads", self.kv_heads),
+                wanted: format!("{num_heads} query heads"),
+            });
+        }
+        let new_tokens: usize = seqs.iter().map(|s| s.num_new).sum();
+        self.check_rows(layer, new_tokens * num_heads / self.kv_heads, &[q_len])
+    }
+
     /// Prepares an incremental forward over `seqs` (on CUDA: uploads the slot tables once).
     pub fn plan<'a>(
         &self,
@@ -405,9 +452,19 @@ impl KvPool {
         };
         #[cfg(not(feature = "cuda"))]
         let _ = scale;
+        let cpu = matches!(self.storage, KvStorage::Cpu(_));
+        let cascade = (cpu && self.cascade)
+            .then(|| CascadePlan::new(seqs))
+            .flatten();
+        if let Some(plan) = &cascade {
+            let [calls, saved] = &self.cascade_counts;
+            calls.fetch_add(1, Ordering::Relaxed);
+            saved.fetch_add(plan.positions_saved(seqs), Ordering::Relaxed);
+        }
         Ok(AttentionPlan {
             seqs,
             new_slots,
+            cascade,
             #[cfg(feature = "cuda")]
             cuda,
         })
@@ -455,6 +512,20 @@ impl KvPool {
         scale: f32,
     ) -> Result<Tensor, KvError> {
         match &self.storage {
+            KvStorage::Cpu(layers) if plan.cascade.is_some() => {
+                let q_rows = flat_f32(q)?;
+                self.check_heads(layer, plan.seqs, num_heads, q_rows.len())?;
+                let kv = LayerRows {
+                    k: &layers[layer].k,
+                    v: &layers[layer].v,
+                    row: self.row(),
+                    head_dim: self.head_dim,
+                };
+                let rep = num_heads / self.kv_heads;
+                let cascade = plan.cascade.as_ref().expect("matched");
+                let out = cascade::attend(cascade, plan.seqs, &q_rows, kv, (num_heads, rep), scale);
+                Ok(Tensor::from_vec(out, q.shape(), q.device())?.to_dtype(q.dtype())?)
+            }
             KvStorage::Cpu(_) => {
                 let out = self.attend(layer, &flat_f32(q)?, plan.seqs, num_heads, scale)?;
                 Ok(Tensor::from_vec(out, q.shape(), q.device())?.to_dtype(q.dtype())?)
@@ -540,7 +611,7 @@ fn attention_row(q: &[f32], (k, v): (&[f32], &[f32]), rows: RowsOf, scale: f32, 
 
 /// `a · b` over eight running sums, so that the compiler vectorises it.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     const LANES: usize = 8;
     let mut sums = [0.0f32; LANES];
     let (a_blocks, b_blocks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
@@ -596,6 +667,44 @@ mod tests {
         p.free(&[99]);
         assert_eq!(p.num_free(), 8);
         assert_eq!(p.capacity(), 8);
+    }
+
+    #[test]
+    fn cascade_attention_matches_the_per_row_kernel_on_nested_sharing() {
+        // tiny: kv_heads 2, head_dim 8, heads 4. Four sequences share a 600-slot prompt (three
+        // key blocks); the first two also share a 40-slot turn; the last brings 3 new tokens.
+        let mut p = pool(1200);
+        let row = 16;
+        let fill = |n: usize, f: f32| (0..n * row).map(|i| (i as f32 * f).sin()).collect();
+        let all: Vec<u32> = (0..1200).collect();
+        let (k, v): (Vec<f32>, Vec<f32>) = (fill(1200, 0.37), fill(1200, 0.53));
+        p.write(0, &all, &k, &v).unwrap();
+        let prompt: Vec<u32> = (0..600).collect();
+        let turn: Vec<u32> = (600..640).collect();
+        let own = |from: u32, n: u32| (from..from + n).collect::<Vec<u32>>();
+        let lists = [
+            [&prompt[..], &turn, &own(700, 9)].concat(),
+            [&prompt[..], &turn, &own(800, 20)].concat(),
+            [&prompt[..], &own(900, 30)].concat(),
+            [&prompt[..], &own(1000, 3)].concat(),
+        ];
+        let news = [1, 1, 1, 3];
+        let seqs: Vec<SeqSlots> = (lists.iter().zip(news))
+            .map(|(slots, num_new)| SeqSlots { slots, num_new })
+            .collect();
+        let q = Tensor::from_vec(fill(12, 0.29), (6, 4, 8), &Device::Cpu).unwrap();
+        let run = |p: &KvPool| {
+            let plan = p.plan(&seqs, 0.3).unwrap();
+            let out = p.attend_rows(0, &q, &plan, 4, 0.3).unwrap();
+            (plan.cascade.is_some(), flat_f32(&out).unwrap())
+        };
+        let (planned, cascade) = run(&p);
+        p.set_cascade(false);
+        let (unplanned, per_row) = run(&p);
+        assert!(planned && !unplanned);
+        let diff = (cascade.iter().zip(&per_row)).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let scale = per_row.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(diff <= 1e-6 * scale.max(1.0), "max |Δ| {diff}");
     }
 
     #[test]

@@ -163,6 +163,9 @@ pub struct EngineConfig {
     pub defer_min_shared: usize,
     /// The kernel of the pool's prefill attention on CUDA.
     pub prefill_attention: PrefillAttention,
+    /// Cascade attention on the CPU: the context slots that running sequences share (a group's
+    /// prompt, an earlier turn) are read once per forward for all of them.
+    pub cascade_attention: bool,
 }
 
 impl Default for EngineConfig {
@@ -174,6 +177,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 2048,
             defer_min_shared: 16,
             prefill_attention: PrefillAttention::Paged,
+            cascade_attention: true,
         }
     }
 }
@@ -315,6 +319,12 @@ pub struct CacheCounters {
     pub evicted_tokens: u64,
     /// Seconds spent in model forward calls.
     pub forward_s: f64,
+    /// Forward calls whose attention read shared context once for all its sequences (cascade
+    /// attention on the CPU).
+    pub cascade_forwards: u64,
+    /// Context positions those calls read once instead of once per sequence (per call, summed
+    /// over shared runs; each saves that many K/V rows per KV head and layer).
+    pub shared_positions_saved: u64,
 }
 
 impl CacheCounters {
@@ -327,6 +337,8 @@ impl CacheCounters {
         self.decode_tokens += other.decode_tokens;
         self.forward_calls += other.forward_calls;
         self.tokens_computed += other.tokens_computed;
+        self.cascade_forwards += other.cascade_forwards;
+        self.shared_positions_saved += other.shared_positions_saved;
     }
 
     /// Share of requested context tokens served from the cache.
@@ -433,6 +445,7 @@ impl Engine {
 
     fn with_pool(mut pool: KvPool, cfg: EngineConfig) -> Result<Self> {
         pool.set_prefill_attention(cfg.prefill_attention)?;
+        pool.set_cascade(cfg.cascade_attention);
         Ok(Self {
             cfg,
             pool,
@@ -740,6 +753,9 @@ impl Engine {
         let rows = logits.to_vec2::<f32>()?;
         self.counters.forward_s += t0.elapsed().as_secs_f64();
         self.counters.forward_calls += 1;
+        let (cascade_forwards, saved) = self.pool.take_cascade_counts();
+        self.counters.cascade_forwards += cascade_forwards;
+        self.counters.shared_positions_saved += saved;
         self.counters.logit_rows += plan.len() as u64;
         for (&(i, _), row) in plan.iter().zip(&rows) {
             if seqs[i].slots.len() < seqs[i].tokens.len() {

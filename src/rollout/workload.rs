@@ -231,6 +231,8 @@ pub struct ArmReport {
     pub flop_ratio_vs_none: f64,
     /// The kernel that ran prefill attention (CUDA; a CPU pool has one kernel).
     pub prefill_attention: crate::kv::PrefillAttention,
+    /// Whether cascade attention read shared context once per forward (CPU pools).
+    pub cascade_attention: bool,
 }
 
 impl ArmReport {
@@ -288,9 +290,19 @@ pub fn compare_arms(
 ) -> Result<Vec<ArmReport>> {
     let mut reports = Vec::new();
     let mut none: Option<(f64, f64)> = None;
-    for mode in CacheMode::ALL {
+    // Every cache mode under the given settings; with cascade attention on, radix once more
+    // without it, so the two kernels sit side by side on the same inputs.
+    let flat =
+        engine_cfg
+            .cascade_attention
+            .then_some(("radix_no_cascade", CacheMode::Radix, false));
+    let arms = (CacheMode::ALL.into_iter())
+        .map(|mode| (mode.name(), mode, engine_cfg.cascade_attention))
+        .chain(flat);
+    for (arm, mode, cascade_attention) in arms {
         let cfg = EngineConfig {
             cache_mode: mode,
+            cascade_attention,
             ..engine_cfg.clone()
         };
         let mut engine = Engine::for_model(model, cfg)?;
@@ -300,7 +312,7 @@ pub fn compare_arms(
         let c = &run.counters;
         let report = ArmReport {
             workload: w.name.clone(),
-            arm: mode.name(),
+            arm,
             groups: w.groups,
             group_size: w.group_size,
             turns: w.turns,
@@ -310,6 +322,7 @@ pub fn compare_arms(
             prompt_tokens: c.prompt_tokens,
             tokens_prefilled: c.tokens_prefilled,
             prefill_attention: engine_cfg.prefill_attention,
+            cascade_attention,
             tokens_from_cache: c.tokens_from_cache,
             hit_ratio: c.hit_ratio(),
             decode_tokens: c.decode_tokens,

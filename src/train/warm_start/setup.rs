@@ -49,6 +49,7 @@ pub(crate) fn engine_for(cfg: &Config, policy: &Model) -> Result<Engine, TrainEr
         },
         num_slots: cfg.cache.kv_slots,
         prefill_attention: cfg.cache.prefill_attention,
+        cascade_attention: cfg.cache.cascade_attention,
         ..EngineConfig::default()
     };
     Ok(Engine::for_model(policy, engine_cfg)?)
