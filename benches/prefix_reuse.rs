@@ -1,5 +1,5 @@
 //! Prefix reuse over multi-turn group workloads: four arms (none / per_traj / group_prompt /
-//! radix), tokens prefilled and hit ratio next to the theoretical minimum X = P + G·(T−1)·O and
+//! radix) and radix without cascade attention (radix_no_cascade), tokens prefilled and hit ratio next to the theoretical minimum X = P + G·(T−1)·O and
 //! the stateless total S, rollout wall time, speedup vs no cache and the FLOP-ratio limit.
 //! `cargo bench --bench prefix_reuse`. The table covers every standard workload; criterion then
 //! times each arm of `frozen_lake` and `long_prompt`.

@@ -1,8 +1,9 @@
-//! `stepppo bench prefix`: the prefix-reuse workloads over the four cache arms, with the
-//! built-in tokenizer and a freshly initialised model (built-in size or an HF config.json),
-//! printed as a table or JSON lines. `stepppo bench kernels`: the CUDA decode kernel's achieved
-//! bandwidth next to a device-to-device copy, or the prefill kernels' throughput side by side
-//! (feature `cuda`; flash-attention's with `flash-attn`). `stepppo bench attention`: the
+//! `stepppo bench prefix`: the prefix-reuse workloads over the four cache arms and radix
+//! without cascade attention, with the built-in tokenizer and a freshly initialised model
+//! (built-in size or an HF config.json), printed as a table or JSON lines. `stepppo bench
+//! kernels`: the CUDA decode kernel's achieved bandwidth next to a device-to-device copy, or the
+//! prefill kernels' throughput side by side (feature `cuda`; flash-attention's with
+//! `flash-attn`). `stepppo bench attention`: the
 //! training forward's attention, fused CPU op against the matmul path, forward + backward.
 
 use anyhow::Context;
@@ -15,7 +16,8 @@ use stepppo::tokenizer::Tokenizer;
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
-    /// Prefix-reuse workloads over the four cache arms (none, per_traj, group_prompt, radix).
+    /// Prefix-reuse workloads over the four cache arms (none, per_traj, group_prompt, radix),
+    /// and radix without cascade attention (radix_no_cascade).
     Prefix(PrefixArgs),
     /// CUDA decode-attention bandwidth against a device copy, or (`--prefill N`) prefill
     /// attention, ours next to flash-attention (needs `--features cuda` and a GPU).

@@ -239,7 +239,7 @@ impl ArmReport {
     /// Header of the human-readable table (`stepppo bench prefix`, `cargo bench --bench prefix_reuse`).
     pub fn table_header() -> String {
         format!(
-            "{:<18} {:<12} {:>3} {:>2} {:>9} {:>9} {:>9} {:>6} {:>9} {:>9} {:>8} {:>7} {:>7}",
+            "{:<18} {:<16} {:>3} {:>2} {:>9} {:>9} {:>9} {:>6} {:>9} {:>9} {:>8} {:>7} {:>7}",
             "workload",
             "arm",
             "G",
@@ -259,7 +259,7 @@ impl ArmReport {
     /// This arm as a row under [`ArmReport::table_header`].
     pub fn table_row(&self) -> String {
         format!(
-        "{:<18} {:<12} {:>3} {:>2} {:>9} {:>9} {:>9} {:>5.1}% {:>9} {:>9} {:>8.3} {:>6.2}× {:>6.2}×",
+        "{:<18} {:<16} {:>3} {:>2} {:>9} {:>9} {:>9} {:>5.1}% {:>9} {:>9} {:>8.3} {:>6.2}× {:>6.2}×",
         self.workload,
         self.arm,
         self.group_size,
