@@ -10,8 +10,11 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 
 use stepppo::model::{Model, ModelConfig};
+use stepppo::rollout::engine::Engine;
 use stepppo::rollout::engine::EngineConfig;
-use stepppo::rollout::workload::{compare_arms, ArmReport, Workload};
+use stepppo::rollout::workload::{
+    compare_arms, read_bandwidth, run_workload, ArmReport, DecodeReport, Workload,
+};
 use stepppo::tokenizer::Tokenizer;
 
 #[derive(Subcommand, Debug)]
@@ -19,6 +22,9 @@ pub enum BenchCommand {
     /// Prefix-reuse workloads over the four cache arms (none, per_traj, group_prompt, radix),
     /// and radix without cascade attention (radix_no_cascade).
     Prefix(PrefixArgs),
+    /// Decode of a group sharing one long prompt, with and without cascade attention, each
+    /// beside its memory-traffic limit.
+    Decode(DecodeArgs),
     /// CUDA decode-attention bandwidth against a device copy, or (`--prefill N`) prefill
     /// attention, ours next to flash-attention (needs `--features cuda` and a GPU).
     Kernels(KernelArgs),
@@ -79,6 +85,31 @@ pub struct KernelArgs {
 }
 
 #[derive(Args, Debug)]
+pub struct DecodeArgs {
+    /// Model shape: built-in `tiny` or `small`, or an HF config.json (random weights).
+    #[arg(long, default_value = "small")]
+    model: String,
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Sequences sharing the prompt (G).
+    #[arg(long, default_value_t = 16)]
+    group: usize,
+    /// Prompt tokens (P).
+    #[arg(long, default_value_t = 4096)]
+    prompt: usize,
+    /// Tokens each sequence generates.
+    #[arg(long, default_value_t = 64)]
+    new: usize,
+    /// Seed of the model weights, the prompt and sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// One JSON object per line per arm.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
 pub struct PrefixArgs {
     /// One JSON object per line per workload and arm.
     #[arg(long)]
@@ -107,6 +138,7 @@ pub struct PrefixArgs {
 pub fn run(c: BenchCommand) -> anyhow::Result<()> {
     match c {
         BenchCommand::Prefix(a) => prefix(a),
+        BenchCommand::Decode(a) => decode(a),
         BenchCommand::Kernels(a) => kernels::run(a),
         BenchCommand::Attention(a) => attention(a),
     }
@@ -165,6 +197,46 @@ fn prefix(a: PrefixArgs) -> anyhow::Result<()> {
             &mut print,
         )
         .with_context(|| format!("workload `{}`", w.name))?;
+    }
+    Ok(())
+}
+
+fn decode(a: DecodeArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.group > 0 && a.prompt > 0 && a.new > 1,
+        "--group and --prompt must be positive, --new at least 2"
+    );
+    let tok = Tokenizer::builtin();
+    let cfg = model_config(&a.model, &tok)?;
+    let device = stepppo::device::parse_device(&a.device)?;
+    let model = Model::new(&cfg, a.seed, &device)?;
+    let name = format!("g{}_p{}", a.group, a.prompt);
+    let w = Workload::new(&name, 1, a.group, 1, a.prompt, 1, a.new);
+    let bandwidth = read_bandwidth();
+    for cascade_attention in [true, false] {
+        let engine_cfg = EngineConfig {
+            cascade_attention,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::for_model(&model, engine_cfg)?;
+        let run = run_workload(&mut engine, &model, &tok, &w, a.seed)?;
+        let r = DecodeReport::new(&w, &model, &run, cascade_attention, bandwidth);
+        if a.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            println!(
+                "{name} {} cascade: decode {:.0} tokens/s over {:.2} s; limit {:.0} tokens/s \
+                 ({:.2}×) from {:.1} MB weights + {:.1} MB K/V read at {:.1} GB/s",
+                if cascade_attention { "with" } else { "without" },
+                r.tokens_per_s,
+                r.decode_s,
+                r.traffic_limit_tokens_per_s,
+                r.tokens_per_s / r.traffic_limit_tokens_per_s,
+                r.weight_bytes / 1e6,
+                r.kv_bytes / 1e6,
+                r.bandwidth / 1e9,
+            );
+        }
     }
     Ok(())
 }

@@ -14,7 +14,7 @@ use std::ops::Range;
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use super::SeqSlots;
+use super::{dot, SeqSlots};
 
 /// Keys per block of a shared span's work: the block's K and V rows stay in cache while every
 /// query of the sharing set reads them.
@@ -282,12 +282,6 @@ fn block_partial(
         }
     }
     Partial { max, sum, acc }
-}
-
-/// `a · b` over eight running sums, so that the compiler vectorises it.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    super::pool::dot(a, b)
 }
 
 #[cfg(test)]

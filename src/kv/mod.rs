@@ -1,7 +1,8 @@
 //! The KV cache: the slot pool that holds every layer's keys and values by token slot, and the
 //! CPU attention kernel that reads them by slot index ([`pool`]; the device side is `cuda`,
 //! built with the `cuda` feature, and `flash`, candle-flash-attn's prefill, built with
-//! `flash-attn`), and the radix-tree prefix cache over these slots ([`radix`]); the timing of its
+//! `flash-attn`), cascade attention over the context slots a call's sequences share
+//! ([`cascade`]), and the radix-tree prefix cache over these slots ([`radix`]); the timing of its
 //! attention kernels on random K/V ([`kernel_bench`]). It does not schedule sequences: the rollout
 //! engine and plain generation own the slot lists.
 
@@ -136,4 +137,24 @@ impl SeqSlots<'_> {
     pub fn context_len(&self) -> usize {
         self.slots.len() - self.num_new
     }
+}
+
+/// `a · b` over eight running sums, so that the compiler vectorises it.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let mut sums = [0.0f32; LANES];
+    let (a_blocks, b_blocks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = a_blocks
+        .remainder()
+        .iter()
+        .zip(b_blocks.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a_blocks.zip(b_blocks) {
+        for lane in 0..LANES {
+            sums[lane] += x[lane] * y[lane];
+        }
+    }
+    sums.iter().sum::<f32>() + tail
 }

@@ -11,7 +11,7 @@ use multiversion::multiversion;
 use rayon::prelude::*;
 
 use super::cascade::{self, CascadePlan, LayerRows};
-use super::{KvError, KvShape, PrefillAttention, SeqSlots};
+use super::{dot, KvError, KvShape, PrefillAttention, SeqSlots};
 
 /// Where the K/V rows live. CPU rows are plain `f32` vectors so the attention loop reads them in
 /// place (they hold bf16 values exactly); CUDA rows are bf16 or f32 device tensors read by our
@@ -607,26 +607,6 @@ fn attention_row(q: &[f32], (k, v): (&[f32], &[f32]), rows: RowsOf, scale: f32, 
     if denom > 0.0 {
         out.iter_mut().for_each(|o| *o /= denom);
     }
-}
-
-/// `a · b` over eight running sums, so that the compiler vectorises it.
-#[inline(always)]
-pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const LANES: usize = 8;
-    let mut sums = [0.0f32; LANES];
-    let (a_blocks, b_blocks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = a_blocks
-        .remainder()
-        .iter()
-        .zip(b_blocks.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in a_blocks.zip(b_blocks) {
-        for lane in 0..LANES {
-            sums[lane] += x[lane] * y[lane];
-        }
-    }
-    sums.iter().sum::<f32>() + tail
 }
 
 #[cfg(test)]

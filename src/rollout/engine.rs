@@ -325,6 +325,17 @@ pub struct CacheCounters {
     /// Context positions those calls read once instead of once per sequence (per call, summed
     /// over shared runs; each saves that many K/V rows per KV head and layer).
     pub shared_positions_saved: u64,
+    /// Decode calls: forward calls in which every sequence brings one sampled token.
+    pub decode_calls: u64,
+    /// Tokens those calls computed (one per sequence per call).
+    pub decode_call_tokens: u64,
+    /// Seconds spent in decode calls.
+    pub decode_s: f64,
+    /// Context positions the tokens of decode calls attend to (their own included).
+    pub decode_positions: u64,
+    /// Of those, the positions cascade attention did not read again: read once for several
+    /// sequences, they count once.
+    pub decode_positions_saved: u64,
 }
 
 impl CacheCounters {
@@ -339,6 +350,10 @@ impl CacheCounters {
         self.tokens_computed += other.tokens_computed;
         self.cascade_forwards += other.cascade_forwards;
         self.shared_positions_saved += other.shared_positions_saved;
+        self.decode_calls += other.decode_calls;
+        self.decode_call_tokens += other.decode_call_tokens;
+        self.decode_positions += other.decode_positions;
+        self.decode_positions_saved += other.decode_positions_saved;
     }
 
     /// Share of requested context tokens served from the cache.
@@ -748,14 +763,26 @@ impl Engine {
                 slots: &seqs[i].slots,
             })
             .collect();
+        let decode = plan
+            .iter()
+            .all(|&(i, start)| seqs[i].slots.len() == start + 1 && !seqs[i].generated().is_empty());
         let t0 = Instant::now();
         let logits = model.forward_incremental(&chunks, &mut self.pool, LogitsWanted::Last)?;
         let rows = logits.to_vec2::<f32>()?;
-        self.counters.forward_s += t0.elapsed().as_secs_f64();
+        let seconds = t0.elapsed().as_secs_f64();
+        self.counters.forward_s += seconds;
         self.counters.forward_calls += 1;
         let (cascade_forwards, saved) = self.pool.take_cascade_counts();
         self.counters.cascade_forwards += cascade_forwards;
         self.counters.shared_positions_saved += saved;
+        if decode {
+            let c = &mut self.counters;
+            c.decode_calls += 1;
+            c.decode_call_tokens += chunks.len() as u64;
+            c.decode_s += seconds;
+            c.decode_positions += chunks.iter().map(|s| s.slots.len() as u64).sum::<u64>();
+            c.decode_positions_saved += saved;
+        }
         self.counters.logit_rows += plan.len() as u64;
         for (&(i, _), row) in plan.iter().zip(&rows) {
             if seqs[i].slots.len() < seqs[i].tokens.len() {

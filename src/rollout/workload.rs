@@ -339,3 +339,87 @@ pub fn compare_arms(
     }
     Ok(reports)
 }
+
+/// The decode phase of one workload run against its memory-traffic limit: every decode call
+/// reads the rollout weights once and the K/V of every position its tokens attend to (shared
+/// positions once under cascade attention); at `bandwidth` bytes/s that traffic bounds the
+/// decode rate.
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodeReport {
+    /// Name of the workload.
+    pub workload: String,
+    /// Whether cascade attention ran.
+    pub cascade_attention: bool,
+    /// Tokens the decode calls computed (one per sequence per call).
+    pub decode_tokens: u64,
+    /// Seconds in decode calls.
+    pub decode_s: f64,
+    /// `decode_tokens / decode_s`.
+    pub tokens_per_s: f64,
+    /// Bytes of weights the decode calls read (the rollout copy, once per call).
+    pub weight_bytes: f64,
+    /// Bytes of K/V the decode calls read.
+    pub kv_bytes: f64,
+    /// The memory bandwidth the limit assumes, bytes/s.
+    pub bandwidth: f64,
+    /// Decode tokens/s if the calls moved their bytes at `bandwidth` and did nothing else.
+    pub traffic_limit_tokens_per_s: f64,
+}
+
+impl DecodeReport {
+    /// The decode figures of `run` on `model` under `bandwidth` bytes/s.
+    pub fn new(
+        w: &Workload,
+        model: &Model,
+        run: &WorkloadRun,
+        cascade_attention: bool,
+        bandwidth: f64,
+    ) -> Self {
+        let cfg = model.config();
+        let c = &run.counters;
+        let value_bytes = match model.device() {
+            candle_core::Device::Cpu => 4.0, // the CPU pool keeps f32 rows
+            _ => model.rollout_precision().dtype().size_in_bytes() as f64,
+        };
+        let weight_count: usize = (Model::param_shapes(cfg).iter())
+            .map(|(_, shape)| shape.iter().product::<usize>())
+            .sum();
+        let weight_bytes = c.decode_calls as f64
+            * weight_count as f64
+            * model.rollout_precision().dtype().size_in_bytes() as f64;
+        let row = (cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim()) as f64;
+        let positions = (c.decode_positions - c.decode_positions_saved) as f64;
+        let kv_bytes = positions * row * 2.0 * value_bytes;
+        let decode_tokens = c.decode_call_tokens;
+        Self {
+            workload: w.name.clone(),
+            cascade_attention,
+            decode_tokens,
+            decode_s: c.decode_s,
+            tokens_per_s: decode_tokens as f64 / c.decode_s,
+            weight_bytes,
+            kv_bytes,
+            bandwidth,
+            traffic_limit_tokens_per_s: decode_tokens as f64 * bandwidth
+                / (weight_bytes + kv_bytes),
+        }
+    }
+}
+
+/// This machine's memory read bandwidth in bytes/s: the best of five parallel sums over a
+/// 256 MiB buffer (larger than any cache), on the rayon pool the CPU kernels use.
+pub fn read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let buffer = vec![1.0f32; 64 << 20];
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            let sum: f32 = buffer
+                .par_chunks(1 << 16)
+                .map(|c| c.iter().sum::<f32>())
+                .sum();
+            std::hint::black_box(sum);
+            (buffer.len() * 4) as f64 / t.elapsed().as_secs_f64()
+        })
+        .fold(0.0, f64::max)
+}
