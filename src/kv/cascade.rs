@@ -42,9 +42,10 @@ pub struct CascadePlan {
 }
 
 impl CascadePlan {
-    /// The sharing tree of `seqs`, or `None` when no two sequences share a context slot (the
-    /// per-row kernel then runs the call as it is).
-    pub fn new(seqs: &[SeqSlots]) -> Option<CascadePlan> {
+    /// The sharing tree of `seqs` over shared runs of at least `min_span` positions, or `None`
+    /// when there is none (the per-row kernel then runs the call as it is). A shorter common
+    /// run, and all that its sequences hold after it, stays in each sequence's own part.
+    pub fn new(seqs: &[SeqSlots], min_span: usize) -> Option<CascadePlan> {
         let mut first_token = Vec::with_capacity(seqs.len());
         let mut n = 0;
         for s in seqs {
@@ -57,7 +58,7 @@ impl CascadePlan {
             parts: vec![Vec::new(); n],
         };
         let members: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].num_new > 0).collect();
-        plan.split(seqs, &first_token, members, 0);
+        plan.split(seqs, &first_token, members, 0, min_span.max(1));
         (!plan.spans.is_empty()).then_some(plan)
     }
 
@@ -80,7 +81,14 @@ impl CascadePlan {
 
     /// Plans `members`, which agree on every slot before `depth`: their common run from
     /// `depth` becomes a span, then each subset that agrees on the next slot is planned alone.
-    fn split(&mut self, seqs: &[SeqSlots], first: &[usize], members: Vec<usize>, depth: usize) {
+    fn split(
+        &mut self,
+        seqs: &[SeqSlots],
+        first: &[usize],
+        members: Vec<usize>,
+        depth: usize,
+        min_span: usize,
+    ) {
         let own = |plan: &mut Self, seq: usize, start: usize| {
             (first[seq]..first[seq] + seqs[seq].num_new).for_each(|t| plan.own_start[t] = start);
         };
@@ -97,6 +105,10 @@ impl CascadePlan {
         let common = (depth..limit)
             .take_while(|&p| members.iter().all(|&m| seqs[m].slots[p] == lead[p]))
             .count();
+        if (1..min_span).contains(&common) {
+            members.iter().for_each(|&m| own(self, m, depth));
+            return;
+        }
         if common > 0 {
             let tokens: Vec<usize> = (members.iter())
                 .flat_map(|&m| first[m]..first[m] + seqs[m].num_new)
@@ -124,7 +136,7 @@ impl CascadePlan {
             }
         }
         for (_, subset) in subsets {
-            self.split(seqs, first, subset, depth);
+            self.split(seqs, first, subset, depth, min_span);
         }
     }
 }
@@ -295,8 +307,8 @@ mod tests {
     #[test]
     fn no_shared_slot_plans_nothing() {
         let (a, b) = ([0, 1, 2], [3, 4, 5]);
-        assert_eq!(CascadePlan::new(&[seq(&a, 1), seq(&b, 1)]), None);
-        assert_eq!(CascadePlan::new(&[seq(&a, 1)]), None);
+        assert_eq!(CascadePlan::new(&[seq(&a, 1), seq(&b, 1)], 1), None);
+        assert_eq!(CascadePlan::new(&[seq(&a, 1)], 1), None);
     }
 
     #[test]
@@ -307,7 +319,7 @@ mod tests {
         let m2 = [0, 1, 2, 3, 6, 13];
         let m3 = [0, 1, 2, 3, 14];
         let seqs = [seq(&m0, 1), seq(&m1, 2), seq(&m2, 1), seq(&m3, 1)];
-        let plan = CascadePlan::new(&seqs).unwrap();
+        let plan = CascadePlan::new(&seqs, 1).unwrap();
         assert_eq!(plan.spans.len(), 2);
         assert_eq!(plan.spans[0].slots, [0, 1, 2, 3]);
         assert_eq!(plan.spans[0].tokens, [0, 1, 2, 3, 4]);
@@ -319,11 +331,24 @@ mod tests {
     }
 
     #[test]
+    fn runs_shorter_than_the_minimum_stay_in_each_sequence_s_own_part() {
+        let m0 = [0, 1, 2, 3, 4, 5, 10];
+        let m1 = [0, 1, 2, 3, 4, 5, 11];
+        let m2 = [0, 1, 6, 7, 8, 9, 12];
+        let seqs = [seq(&m0, 1), seq(&m1, 1), seq(&m2, 1)];
+        // All three share 2 slots (too short), members 0 and 1 share 6 (long enough): the short
+        // run ends sharing for everyone, the longer one below it included.
+        assert_eq!(CascadePlan::new(&seqs, 3), None);
+        let plan = CascadePlan::new(&seqs[..2], 3).unwrap();
+        assert_eq!(plan.spans[0].slots, [0, 1, 2, 3, 4, 5]);
+    }
+
+    #[test]
     fn a_span_stops_where_a_member_s_context_ends() {
         // Member 1 is prefilling its own tokens at positions 2..4: they are not shared context.
         let m0 = [0, 1, 2, 3, 9];
         let m1 = [0, 1, 7, 8];
-        let plan = CascadePlan::new(&[seq(&m0, 1), seq(&m1, 2)]).unwrap();
+        let plan = CascadePlan::new(&[seq(&m0, 1), seq(&m1, 2)], 1).unwrap();
         assert_eq!(plan.spans[0].slots, [0, 1]);
         assert_eq!(plan.own_start, [2, 2, 2]);
     }
