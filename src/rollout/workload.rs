@@ -225,6 +225,15 @@ pub struct ArmReport {
     pub evictions: u64,
     /// Wall-clock seconds of the run.
     pub wall_s: f64,
+    /// Of the wall time, seconds in model forward calls (the rest: sampling, the tree, the
+    /// engine's bookkeeping).
+    pub forward_s: f64,
+    /// Of the forward time, seconds in decode calls (every sequence brings one token).
+    pub decode_s: f64,
+    /// Forward calls.
+    pub forward_calls: u64,
+    /// Decode calls.
+    pub decode_calls: u64,
     /// Wall time of the `none` arm over this arm's.
     pub speedup_vs_none: f64,
     /// Forward FLOPs of the `none` arm over this arm's: the speedup limit of compute-bound runs.
@@ -331,6 +340,10 @@ pub fn compare_arms(
             peak_slots_used: c.peak_slots_used,
             evictions: c.evictions,
             wall_s: run.wall_s,
+            forward_s: c.forward_s,
+            decode_s: c.decode_s,
+            forward_calls: c.forward_calls,
+            decode_calls: c.decode_calls,
             speedup_vs_none: none_wall / run.wall_s,
             flop_ratio_vs_none: none_flops / flops,
         };
