@@ -7,7 +7,9 @@
 # Usage: scripts/cascade_step_timing.sh OUT_DIR STEPS [CONFIG] [--set key=value ...]
 #   scripts/cascade_step_timing.sh runs/cascade-default 10
 #   scripts/cascade_step_timing.sh runs/cascade-qa 5 configs/hotpotqa_steppo.yaml
-# Environment: STEPPPO_BIN=PATH (a fixed binary; default: target/release/stepppo, built first).
+# Environment: STEPPPO_BIN=PATH (a fixed binary; default: target/release/stepppo, built first);
+#   WARM_START=DIR (a run's warm_start directory both runs start from, skipping their own warm
+#   start: e.g. OUT/cascade-true/warm_start of an earlier call, for configs whose warm start is long).
 set -euo pipefail
 out=${1:?usage: scripts/cascade_step_timing.sh OUT_DIR STEPS [CONFIG] [--set key=value ...]}
 steps=${2:?name the number of steps}
@@ -21,11 +23,16 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${STEPPPO_BIN:-$root/target/release/stepppo}
 [ -n "${STEPPPO_BIN:-}" ] || (cd "$root" && cargo build --release --quiet)
 mkdir -p "$out"
+warm=()
+if [ -n "${WARM_START:-}" ]; then
+  warm=(--set "pretrain=$WARM_START" --set sft.steps=0 --set sft.copy.steps=0)
+fi
 for cascade in true false; do
   dir="$out/cascade-$cascade"
   rm -rf "$dir"
   "$bin" train "${config[@]}" --out "$dir" --set max_steps="$steps" --set save_steps=0 \
-    --set eval_steps="$steps" --set cache.cascade_attention="$cascade" "$@" > "$dir.log" 2>&1 \
+    --set eval_steps="$steps" --set cache.cascade_attention="$cascade" "${warm[@]}" "$@" \
+    > "$dir.log" 2>&1 \
     || { echo "run with cascade_attention=$cascade failed: $dir.log" >&2; exit 1; }
 done
 python3 - "$out" <<'PY'
