@@ -201,10 +201,7 @@ pub(super) fn attend(
         span_task.push(at);
         at += kv_heads * span.slots.len().div_ceil(KEY_BLOCK);
     }
-    let visible: Vec<&[u32]> = seqs
-        .iter()
-        .flat_map(|seq| (0..seq.num_new).map(|i| &seq.slots[..seq.context_len() + i + 1]))
-        .collect();
+    let visible = SeqSlots::visible(seqs);
     let mut out = vec![0.0f32; q.len()];
     out.par_chunks_mut(hd)
         .enumerate()

@@ -132,10 +132,17 @@ pub struct SeqSlots<'a> {
     pub num_new: usize,
 }
 
-impl SeqSlots<'_> {
+impl<'a> SeqSlots<'a> {
     /// Tokens before the new ones.
     pub fn context_len(&self) -> usize {
         self.slots.len() - self.num_new
+    }
+
+    /// The slots each new token of `seqs` sees (its sequence's up to itself), in token order.
+    pub fn visible(seqs: &[SeqSlots<'a>]) -> Vec<&'a [u32]> {
+        seqs.iter()
+            .flat_map(|seq| (0..seq.num_new).map(|i| &seq.slots[..seq.context_len() + i + 1]))
+            .collect()
     }
 }
 

@@ -392,11 +392,7 @@ impl KvPool {
                 })
             }
         };
-        // The slots each new token sees (its sequence's up to itself), in token order.
-        let visible: Vec<&[u32]> = seqs
-            .iter()
-            .flat_map(|seq| (0..seq.num_new).map(|i| &seq.slots[..seq.context_len() + i + 1]))
-            .collect();
+        let visible = SeqSlots::visible(seqs);
         let mut out = vec![0.0f32; q.len()];
         // One (token, head) row per task: the rows are independent, so the result does not
         // depend on the thread count.

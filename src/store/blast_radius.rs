@@ -3,7 +3,8 @@
 //! test that prints segment size against JSONL and records lost per flip for several block sizes
 //! over datasets of `collect`ed random-agent episodes; see `docs/experiments/store.md`); and an
 //! ignored test that counts the records lost per flipped bit of a segment header's version and
-//! flags fields, with the manifest listing the segment's version and without a manifest.
+//! flags fields, with the manifest listing the segment's version and without a manifest. Its
+//! datasets (`collected`) and sealed segments (`encode`) also serve `derive_probe`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -19,7 +20,7 @@ use crate::env::AgentKind;
 use crate::tokenizer::Tokenizer;
 
 /// One sealed segment of `records`, written with reference blocks of `block` frames.
-fn encode(records: &[StepRecord], block: u64) -> Vec<u8> {
+pub(super) fn encode(records: &[StepRecord], block: u64) -> Vec<u8> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("seg-000000.stp");
     let mut writer = SegmentWriter::create(&path, false)
@@ -107,7 +108,7 @@ fn unsynced() -> WriterOptions {
 }
 
 /// The records of `episodes` random-agent episodes of `env` (seed 0), as `stepppo collect` writes them.
-fn collected(env: &str, episodes: u64) -> Vec<StepRecord> {
+pub(super) fn collected(env: &str, episodes: u64) -> Vec<StepRecord> {
     let dir = tempfile::tempdir().unwrap();
     let cfg = CollectConfig {
         env: env.into(),

@@ -10,13 +10,10 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use super::blast_radius::{collected, encode};
 use super::codec::{self, CodecError, TextField};
-use super::collect::{collect, CollectConfig};
-use super::dataset::{Dataset, DatasetWriter, WriterOptions};
 use super::record::StepRecord;
-use super::segment::{scan, SegmentScan, SegmentWriter};
-use crate::env::AgentKind;
-use crate::tokenizer::Tokenizer;
+use super::segment::{scan, SegmentScan};
 
 /// A text as the derived layout stores it: inline, or how many frames back it is inline.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -132,39 +129,6 @@ fn frames_of(bytes: &[u8], scan: &SegmentScan) -> Vec<(Vec<u8>, codec::TextRefs)
         .collect()
 }
 
-fn collected(env: &str, episodes: u64) -> Vec<StepRecord> {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = CollectConfig {
-        env: env.into(),
-        env_config: serde_json::Value::Object(Default::default()),
-        agent: AgentKind::Random,
-        episodes,
-        group_size: 1,
-        seed: 0,
-    };
-    let opts = WriterOptions {
-        durable: false,
-        ..WriterOptions::default()
-    };
-    let mut writer = DatasetWriter::create(dir.path(), opts).unwrap();
-    collect(&cfg, &Tokenizer::builtin(), &mut writer).unwrap();
-    writer.seal().unwrap();
-    let dataset = Dataset::open(dir.path()).unwrap();
-    let records = dataset.records().map(|v| v.to_record().unwrap());
-    records.collect()
-}
-
-fn segment_of(records: &[StepRecord]) -> Vec<u8> {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("seg-000000.stp");
-    let mut writer = SegmentWriter::create(&path, false).unwrap();
-    for record in records {
-        writer.append(record, u64::MAX).unwrap();
-    }
-    writer.seal().unwrap();
-    std::fs::read(&path).unwrap()
-}
-
 /// Best of `reps` timings of `f`, in nanoseconds per item of `items`.
 fn best_ns(reps: usize, items: usize, mut f: impl FnMut() -> usize) -> f64 {
     (0..reps)
@@ -179,7 +143,7 @@ fn best_ns(reps: usize, items: usize, mut f: impl FnMut() -> usize) -> f64 {
 #[test]
 fn the_derived_layout_round_trips_every_field_and_reference() {
     let records = collected("frozen_lake", 40);
-    let bytes = segment_of(&records);
+    let bytes = encode(&records, codec::REFERENCE_BLOCK);
     let scanned = scan(&bytes);
     let frames = frames_of(&bytes, &scanned);
     assert!(frames
@@ -213,7 +177,7 @@ fn the_derived_layout_round_trips_every_field_and_reference() {
 fn metadata_bytes_and_decode_time_hand_written_and_derived() {
     for (env, episodes) in [("frozen_lake", 512), ("sokoban", 512)] {
         let records = collected(env, episodes);
-        let bytes = segment_of(&records);
+        let bytes = encode(&records, codec::REFERENCE_BLOCK);
         let scanned = scan(&bytes);
         let frames = frames_of(&bytes, &scanned);
         let derived: Vec<Vec<u8>> = (records.iter().zip(&frames))
