@@ -19,11 +19,14 @@
 #                                           during a long comparison does not change its later runs)
 # Arms: step_gae (the config as shipped), token_gae (same critic), grpo and gigpo (no critic),
 #   step_gae_boot (the Turn-PPO recipe: lambda 0.9, so GAE bootstraps from V between steps, and
-#   5 critic warm-up steps); for search QA, privileged_critic and privileged_boot (a state
+#   5 critic warm-up steps); step_gae_lambda1 (lambda 1: step GAE as a per-step baseline); for search QA, privileged_critic and privileged_boot (a state
 #   critic on the env's privileged facts: the gold paragraphs and answer found so far; lambda 1
 #   and 0.9); for FrozenLake's state critic: facts_no_nearer and facts_map (critic_facts; see
 #   the env's keys) and no_critic (step_reinforce, the same returns without a critic baseline).
 # Search QA, 10 seeds:  scripts/paired_runs.sh runs/paired 42 43 44 45 46 47 48 49 50 51
+# Long horizons:        CONFIG=configs/frozenlake_long.yaml EVAL_EVERY=40 EPISODES=128 \
+#   ARMS="step_gae step_gae_lambda1 token_gae grpo gigpo" scripts/paired_runs.sh runs/long 42 43 …
+#   (then scripts/credit_table.py runs/long for the critic's EV by turn and the advantages' variance)
 # FrozenLake critic:    CONFIG=configs/frozenlake_steppo.yaml MAX_STEPS=60 \
 #   ARMS="step_gae facts_no_nearer facts_map no_critic" scripts/paired_runs.sh runs/fl-critic 42 43 44
 set -euo pipefail
@@ -62,6 +65,7 @@ arm_sets() { # arm -> the overrides that make it
     grpo) echo "adv_estimator=grpo critic.mode=none" ;;
     gigpo) echo "adv_estimator=gigpo critic.mode=none" ;;
     step_gae_boot) echo "lambd=0.9 critic.warmup_steps=5" ;;
+    step_gae_lambda1) echo "lambd=1.0" ;;
     privileged_critic) echo "$state_critic" ;;
     privileged_boot) echo "$state_critic lambd=0.9 critic.warmup_steps=5" ;;
     facts_no_nearer) echo "custom_envs.$env_tag.env_config.critic_facts=no_nearer" ;;

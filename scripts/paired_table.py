@@ -16,6 +16,10 @@ difference, the smallest true difference the paired t test would find beyond noi
 time with these seeds and this spread of differences, (t_0.975 + t_0.80) · sd / √n over n − 1
 degrees of freedom: a "no" only rules out leads larger than that.
 
+Then the same at equal wall time: per seed, the budget is the shortest total training time of
+any arm (the sum of `time/step` in its metrics.jsonl), and each arm is scored at its last
+evaluated step within that budget; with the paired differences of the first arm.
+
 Then, for arms whose runs fit a critic, the critic's explained variance pooled over the last 20
 steps of each run (1 − Σ rows · residual variance / Σ rows · return variance, from the run
 directories' metrics.jsonl), mean over seeds.
@@ -151,6 +155,75 @@ def critic_table(out, arms, excluded):
             print(f"| `{arm}` | {sum(evs.values()) / len(evs):.3f} | {per_seed} |")
 
 
+def cumulative_seconds(metrics):
+    """{step: training seconds through that step} from a run's `time/step` rows (a resumed run's
+    repeated row of a step replaces the earlier one)."""
+    per_step = {}
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if "time/step" in row and "step" in row:
+            per_step[int(row["step"])] = float(row["time/step"])
+    total, out = 0.0, {0: 0.0}
+    for step in sorted(per_step):
+        total += per_step[step]
+        out[step] = total
+    return out
+
+
+def equal_wall_time(out, scores, arms, first):
+    """Each arm's score at its last evaluated step within the seed's budget: the shortest total
+    training time over the arms of that seed."""
+    clocks = {}
+    for arm in arms:
+        for seed in {sd for step in scores[arm].values() for sd in step}:
+            path = out / f"{arm}-{seed}" / "metrics.jsonl"
+            if path.exists():
+                clocks[(arm, seed)] = cumulative_seconds(path)
+    seeds = sorted({seed for (_, seed) in clocks})
+    at_budget = defaultdict(dict)
+    budgets = {}
+    for seed in seeds:
+        finished = [clocks[(a, seed)] for a in arms if (a, seed) in clocks]
+        if len(finished) < len(arms):
+            continue
+        budgets[seed] = min(max(c.values()) for c in finished)
+        for arm in arms:
+            clock = clocks[(arm, seed)]
+            within = [st for st in scores[arm] if seed in scores[arm][st]
+                      and clock.get(st, math.inf) <= budgets[seed] + 1e-9]
+            if within:
+                at_budget[arm][seed] = (max(within), scores[arm][max(within)][seed])
+    if not budgets:
+        return
+    print("\nAt equal wall time (per seed: the shortest arm's training time; each arm scored at its "
+          "last evaluation within it):\n")
+    print("| arm | score | step reached (mean) | seeds |")
+    print("|---|--:|--:|---|")
+    for arm in arms:
+        got = at_budget[arm]
+        if got:
+            xs = [v for (_, v) in got.values()]
+            step = sum(st for (st, _) in got.values()) / len(got)
+            print(f"| `{arm}` | {fmt(*mean_ci(xs))} | {step:.0f} | {', '.join(map(str, sorted(got)))} |")
+    budget_list = ", ".join(f"{sd}: {b:.0f} s" for sd, b in sorted(budgets.items()))
+    print(f"\nBudgets: {budget_list}.")
+    if first in at_budget:
+        print(f"\nPaired differences `{first}` − arm at equal wall time:\n")
+        print("| arm | n | mean diff | 95 % t CI | 95 % bootstrap CI | beyond noise |")
+        print("|---|--:|--:|---|---|---|")
+        for arm in arms[1:]:
+            common = sorted(set(at_budget[first]) & set(at_budget[arm]))
+            diffs = [at_budget[first][sd][1] - at_budget[arm][sd][1] for sd in common]
+            if len(diffs) < 2:
+                continue
+            m, h = mean_ci(diffs)
+            lo, hi = bootstrap_ci(diffs)
+            beyond = ("too few seeds" if len(diffs) < MIN_SEEDS
+                      else "yes" if (m - h > 0 or m + h < 0) and (lo > 0 or hi < 0) else "no")
+            print(f"| `{arm}` | {len(diffs)} | {m:+.3f} | [{m - h:+.3f}, {m + h:+.3f}] "
+                  f"| [{lo:+.3f}, {hi:+.3f}] | {beyond} |")
+
+
 def fmt(m, h):
     return f"{m:.3f} ± {h:.3f}" if not math.isnan(h) else f"{m:.3f}"
 
@@ -184,6 +257,7 @@ def main():
         print(f"| `{arm}` | " + " | ".join(cells) + f" | {', '.join(map(str, seeds))} |")
     if args.first in scores:
         paired_differences(scores, arms, steps, args.first)
+    equal_wall_time(args.out, scores, arms, args.first)
     critic_table(args.out, arms, excluded)
 
 

@@ -67,7 +67,7 @@ pub struct AdvantageOutput {
     pub per_step: Vec<StepAdvantage>,
     /// Present for `token_gae` and `reinforce_plus_plus`.
     pub per_token: Option<TokenAdvantages>,
-    /// Diagnostics (`advantage/zero_fraction`, `advantage/clip_frac`,
+    /// Diagnostics (`advantage/zero_fraction`, `advantage/raw_var`, `advantage/clip_frac`,
     /// `{reward,advantage,return,value}/{mean,min,max}`, `gigpo/*`, ...).
     pub metrics: BTreeMap<String, f64>,
 }
@@ -320,4 +320,12 @@ fn summarize(per_step: &[StepAdvantage], metrics: &mut BTreeMap<String, f64>) {
         "advantage/zero_fraction".into(),
         zeros as f64 / per_step.len().max(1) as f64,
     );
+    // The estimator's own spread, before whitening makes every batch's variance 1: what the
+    // credit comparison reads as the advantages' variance at equal steps.
+    if per_step.len() > 1 {
+        let raw: Vec<f64> = per_step.iter().map(|s| s.advantage_raw as f64).collect();
+        let mean = raw.iter().sum::<f64>() / raw.len() as f64;
+        let var = raw.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (raw.len() - 1) as f64;
+        metrics.insert("advantage/raw_var".into(), var);
+    }
 }
