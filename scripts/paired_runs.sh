@@ -19,9 +19,10 @@
 #                                           during a long comparison does not change its later runs)
 # Arms: step_gae (the config as shipped), token_gae (same critic), grpo and gigpo (no critic),
 #   step_gae_boot (the Turn-PPO recipe: lambda 0.9, so GAE bootstraps from V between steps, and
-#   5 critic warm-up steps); step_gae_lambda1 (lambda 1: step GAE as a per-step baseline); for search QA, privileged_critic and privileged_boot (a state
-#   critic on the env's privileged facts: the gold paragraphs and answer found so far; lambda 1
-#   and 0.9); for FrozenLake's state critic: facts_no_nearer and facts_map (critic_facts; see
+#   5 critic warm-up steps); step_gae_lambda1 (lambda 1: step GAE as a per-step baseline); for
+#   search QA, privileged_critic and privileged_boot (a state critic on the env's privileged
+#   facts: the gold paragraphs and answer found so far; lambda 1 and 0.9); for FrozenLake's state
+#   critic: facts_no_nearer and facts_map (critic_facts; see
 #   the env's keys) and no_critic (step_reinforce, the same returns without a critic baseline).
 # Search QA, 10 seeds:  scripts/paired_runs.sh runs/paired 42 43 44 45 46 47 48 49 50 51
 # Long horizons:        CONFIG=configs/frozenlake_long.yaml EVAL_EVERY=40 EPISODES=128 \
