@@ -22,8 +22,8 @@
 #   5 critic warm-up steps); step_gae_lambda1 (lambda 1: step GAE as a per-step baseline); for
 #   search QA, privileged_critic and privileged_boot (a state critic on the env's privileged
 #   facts: the gold paragraphs and answer found so far; lambda 1 and 0.9); for FrozenLake's state
-#   critic: facts_no_nearer and facts_map (critic_facts; see
-#   the env's keys) and no_critic (step_reinforce, the same returns without a critic baseline).
+#   critic: facts_no_nearer and facts_map (critic_facts; see the env's keys) and no_critic
+#   (step_reinforce, the same returns without a critic baseline).
 # Search QA, 10 seeds:  scripts/paired_runs.sh runs/paired 42 43 44 45 46 47 48 49 50 51
 # Long horizons:        CONFIG=configs/frozenlake_long.yaml EVAL_EVERY=40 EPISODES=128 \
 #   ARMS="step_gae step_gae_lambda1 token_gae grpo gigpo" scripts/paired_runs.sh runs/long 42 43 …
