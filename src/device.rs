@@ -4,6 +4,8 @@
 //! fallback. Also how much memory a run may grow into ([`memory_available`]) and the most it
 //! held since a point ([`memory_peak`], [`reset_memory_peak`]).
 
+use std::sync::OnceLock;
+
 use candle_core::Device;
 
 /// How long an idle worker of candle's barrier pool spins before it parks, in spin-loop hints
@@ -19,7 +21,12 @@ const BARRIER_POOL_SPIN_LIMIT: &str = "200";
 ///   a fresh `mmap` that the kernel zeroes page by page on first touch and unmaps on free; the
 ///   heap stays at the run's peak size, which the run reaches anyway;
 /// - candle's barrier-pool workers spin briefly before they park
-///   ([`BARRIER_POOL_SPIN_LIMIT`]), unless `CANDLE_BARRIER_POOL_SPIN_LIMIT` is set.
+///   ([`BARRIER_POOL_SPIN_LIMIT`]), unless `CANDLE_BARRIER_POOL_SPIN_LIMIT` is set;
+/// - the compute thread count is fixed once: `RAYON_NUM_THREADS`, unless the user set it, becomes
+///   the count candle would choose (the physical cores). Unset, candle works that count out
+///   again for every matrix product, reading `/proc/cpuinfo` each time: 2.4 ms of each 8-token
+///   decode call of the `small` model went there, more when the machine is busy. `cpu_threads`
+///   ([`set_cpu_threads`]) may still change it; the user's variable is never changed.
 pub fn prepare_cpu_process() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: `mallopt` only changes allocator tunables; it is called before any other thread
@@ -30,6 +37,28 @@ pub fn prepare_cpu_process() {
     }
     if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
         std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", BARRIER_POOL_SPIN_LIMIT);
+    }
+    if !user_set_threads() {
+        let threads = candle_core::utils::get_num_threads();
+        std::env::set_var(THREADS_VAR, threads.to_string());
+    }
+}
+
+/// The variable candle's and rayon's thread counts read.
+const THREADS_VAR: &str = "RAYON_NUM_THREADS";
+
+/// Whether the user's environment named the thread count when it was first asked (before
+/// [`prepare_cpu_process`] sets a default).
+fn user_set_threads() -> bool {
+    static USER_SET: OnceLock<bool> = OnceLock::new();
+    *USER_SET.get_or_init(|| std::env::var_os(THREADS_VAR).is_some())
+}
+
+/// Applies a config's `cpu_threads` (0: keep the default) unless the user's environment named
+/// the thread count (`RAYON_NUM_THREADS`, read by candle and rayon).
+pub fn set_cpu_threads(n: usize) {
+    if n > 0 && !user_set_threads() {
+        std::env::set_var(THREADS_VAR, n.to_string());
     }
 }
 

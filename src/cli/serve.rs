@@ -92,7 +92,7 @@ fn model_spec(model: &str) -> anyhow::Result<String> {
 }
 
 pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
-    super::train::set_cpu_threads(a.threads);
+    stepppo::device::set_cpu_threads(a.threads);
     let device = stepppo::device::parse_device(&a.device)?;
     let spec = model_spec(&a.model)?;
     let (mut model, tokenizer) = load_policy_with_adapter(&spec, a.adapter.as_deref(), &device)

@@ -96,15 +96,8 @@ fn load_config(path: Option<&Path>, sets: &[String]) -> anyhow::Result<Config> {
             sets,
         )?,
     };
-    set_cpu_threads(cfg.cpu_threads);
+    stepppo::device::set_cpu_threads(cfg.cpu_threads);
     Ok(cfg)
-}
-
-/// Applies `cpu_threads` (candle and rayon read `RAYON_NUM_THREADS`) unless the user set it.
-pub(crate) fn set_cpu_threads(n: usize) {
-    if n > 0 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    }
 }
 
 pub fn train(a: TrainArgs) -> anyhow::Result<()> {
@@ -375,7 +368,7 @@ fn resume_config(a: &TrainArgs) -> anyhow::Result<(Config, PathBuf)> {
         stepppo::config::check_resume(&stored, &given, &file)?;
     }
     let cfg = run_dir::checkpoint_config(&ckpt, &a.sets)?;
-    set_cpu_threads(cfg.cpu_threads);
+    stepppo::device::set_cpu_threads(cfg.cpu_threads);
     Ok((cfg, run_dir))
 }
 
@@ -419,7 +412,7 @@ fn is_model_dir(dir: &Path) -> bool {
 /// The config a checkpoint was trained with, with `--set` overrides applied.
 fn stored_config(ckpt: &Path, sets: &[String]) -> anyhow::Result<Config> {
     let cfg = run_dir::checkpoint_config(ckpt, sets)?;
-    set_cpu_threads(cfg.cpu_threads);
+    stepppo::device::set_cpu_threads(cfg.cpu_threads);
     Ok(cfg)
 }
 
