@@ -1434,6 +1434,14 @@ fn rollout_metrics(
         "rollout/generated_tokens".into(),
         counters.decode_tokens as f64,
     );
+    out.insert(
+        "rollout/cascade_forwards".into(),
+        counters.cascade_forwards as f64,
+    );
+    out.insert(
+        "rollout/shared_positions_saved".into(),
+        counters.shared_positions_saved as f64,
+    );
     let lens: Vec<usize> = records.iter().map(|r| r.response_ids.len()).collect();
     if !lens.is_empty() {
         let n = lens.len() as f64;
