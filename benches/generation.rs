@@ -16,6 +16,8 @@ use stepppo::tokenizer::ChatTemplate;
 const NEW_TOKENS: usize = 32;
 
 fn bench_generation(c: &mut Criterion) {
+    // The `stepppo` binary's process settings (the thread count fixed once, the allocator).
+    stepppo::device::prepare_cpu_process();
     let (model, tok) = builtin_policy(&Device::Cpu).unwrap();
     let prompt = ChatTemplate
         .user_turn(

@@ -31,6 +31,8 @@ fn table(model: &Model, tok: &Tokenizer) {
 }
 
 fn bench(c: &mut Criterion) {
+    // The `stepppo` binary's process settings (the thread count fixed once, the allocator).
+    stepppo::device::prepare_cpu_process();
     let tok = Tokenizer::builtin();
     let cfg = ModelConfig::small(tok.vocab_size());
     let model = Model::new(&cfg, SEED, &Device::Cpu).expect("built-in model");
