@@ -37,7 +37,7 @@ pub const READY_CONFIGS: &[(&str, &str)] = &[
     ),
     (
         "frozenlake_long.yaml",
-        "long-horizon FrozenLake (10×10 maps needing 15–40 moves, shaped reward at every move) \
+        "long-horizon FrozenLake (8×8 maps needing 12–30 moves, shaped reward at every move) \
          for the step-credit comparison",
     ),
     (
