@@ -11,6 +11,9 @@ docs/guides/env-hubs.md lists those that run offline. The agent sends the move i
 set list it in /spec's `actions` (TowerofHanoi: "A B".."C B"; Sokoban, Game2048, FifteenPuzzle:
 "up", "down", "left", "right"); the others take free text.
 
+`--reward win` pays 1 for the winning move and 0 for every other (GEM's own rewards include
+partial scores at a game's turn limit, which an agent can learn to collect without winning).
+
 Besides the protocol's fields, answers carry the additions of docs/guides/env-hubs.md: /spec
 `seed_max` (2**32 - 1: GEM seeds numpy's global RNG) and `env_max_steps` (the game's own turn
 limit); /reset `instruction` (the episode's rules: GEM writes them per seed) and, for
@@ -71,8 +74,9 @@ SEED_MAX = 2**32 - 1  # gem.utils.seeding.set_seed -> np.random.seed: seeds must
 
 
 class GemBackend(Backend):
-    def __init__(self, env_id, make_kwargs, oracle, rules_in_observation):
+    def __init__(self, env_id, make_kwargs, oracle, rules_in_observation, reward="game"):
         self.env_id = env_id
+        self.reward_mode = reward
         self.make_kwargs = make_kwargs
         self.oracle = oracle
         self.rules_in_observation = rules_in_observation
@@ -146,6 +150,10 @@ class GemBackend(Backend):
         format_error = terminated and reward == FORMAT_ERROR_REWARD
         valid = not format_error and not INVALID_FEEDBACK.search(feedback)
         success = feedback.startswith("Congratulations")
+        if self.reward_mode == "win":
+            # Only a won game pays: GEM's partial scores (GuessTheNumber pays 1 - distance/range
+            # at its turn limit) reward getting close without winning.
+            reward = 1.0 if success else 0.0
         # GEM ends a game at its own turn limit with terminated = truncated = True and pays its
         # final score (GuessTheNumber 1 - distance/range, Sokoban boxes on targets, ...). That
         # limit is a rule of the game, stated in its rules: the bridge reports it as terminated.
@@ -198,10 +206,21 @@ def main():
         "--env-id", default="game:GuessTheNumber-v0-easy", help="a gem.make id (game:...)"
     )
     parser.add_argument("--make", default="{}", help="gem.make keyword arguments, as JSON")
+    parser.add_argument(
+        "--reward",
+        choices=["game", "win"],
+        default="game",
+        help="game: GEM's rewards as they are (partial scores, format penalties); "
+        "win: 1 when the move wins the game, else 0",
+    )
     add_server_args(parser)
     args = parser.parse_args()
     backend = GemBackend(
-        args.env_id, json.loads(args.make), not args.no_oracle, args.rules_in_observation
+        args.env_id,
+        json.loads(args.make),
+        not args.no_oracle,
+        args.rules_in_observation,
+        args.reward,
     )
     serve(args.env_id, backend, args)
 

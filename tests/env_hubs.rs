@@ -13,7 +13,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
 use serde_json::json;
-use stepppo::env::{build_session, play_episode, Agent, AgentKind, AgentSession};
+use stepppo::env::{
+    build_session, play_episode, response_text, Action, Agent, AgentKind, AgentSession,
+};
 
 /// A hub server on a free port; killed when dropped.
 struct HubServer {
@@ -95,6 +97,40 @@ fn gem_guess_the_number_is_won_by_its_oracle_and_one_seed_is_one_game() {
     assert!(
         first.contains("between 1 and 10"),
         "the episode's own rules: {first}"
+    );
+}
+
+#[test]
+fn gem_with_win_only_reward_pays_exactly_the_won_games() {
+    let Some(python) = hub_python("gem_win_only_reward", "gem") else {
+        return;
+    };
+    let server = HubServer::start(
+        &python,
+        "gem_env_server.py",
+        &["--env-id", "game:GuessTheNumber-v0-easy", "--reward", "win"],
+    );
+    let mut session = server.session(8);
+    // Guesses 1, 2, 3, ... in turn: wins the games whose number comes before the turn limit,
+    // loses the others at it (where GEM's own reward pays a partial score).
+    let (mut won, mut paid) = (0, 0.0f32);
+    for seed in 0..12 {
+        let mut guess = 0;
+        let episode = play_episode(&mut session, seed, &mut |s| {
+            guess += 1;
+            let think = s.protocol().enable_think;
+            Ok(response_text(&Action::Move(guess.to_string()), think))
+        })
+        .unwrap();
+        won += usize::from(episode.success());
+        let rewards: Vec<f32> = episode.turns.iter().map(|t| t.outcome.reward).collect();
+        assert!(rewards.iter().all(|&r| r == 0.0 || r == 1.0), "{rewards:?}");
+        paid += rewards.iter().sum::<f32>();
+    }
+    assert_eq!(paid, won as f32);
+    assert!(
+        0 < won && won < 12,
+        "an ascending guesser wins some games: {won}"
     );
 }
 
