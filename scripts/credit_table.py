@@ -35,6 +35,7 @@ def read_rows(path):
 
 
 def explained_variance(rows):
+    rows = [r for r in rows if r["value"] is not None and r["return"] is not None]
     if len(rows) < 2:
         return None
     returns = [r["return"] for r in rows]
@@ -72,7 +73,7 @@ def main():
     ev_rows, var_rows, windows = [], [], set()
     for arm, seeds in sorted(runs.items()):
         pooled, by_turn, by_window = [], defaultdict(list), defaultdict(list)
-        has_critic = any(r["value"] != 0.0 for rows in seeds.values() for r in rows)
+        has_critic = any(r["value"] not in (None, 0.0) for rows in seeds.values() for r in rows)
         for rows in seeds.values():
             last = max((r["learner_version"] for r in rows), default=0)
             recent = [r for r in rows if r["learner_version"] > last - a.last]
