@@ -36,7 +36,7 @@ for cascade in true false; do
     || { echo "run with cascade_attention=$cascade failed: $dir.log" >&2; exit 1; }
 done
 python3 - "$out" <<'PY'
-import json, math, sys
+import json, sys
 out = sys.argv[1]
 runs = {c: [json.loads(l) for l in open(f"{out}/cascade-{c}/metrics.jsonl")] for c in ("true", "false")}
 def mean_rollout(rows):

@@ -22,9 +22,9 @@ const KEY_BLOCK: usize = 256;
 
 /// A run of context positions that several sequences hold in the same slots.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SharedSpan {
-    /// The run's slots (equal in every sharing sequence).
-    pub slots: Vec<u32>,
+pub struct SharedSpan<'a> {
+    /// The run's slots (equal in every sharing sequence), borrowed from the first one's list.
+    pub slots: &'a [u32],
     /// The new tokens (indices into the call's new tokens, in batch order) that read it.
     pub tokens: Vec<usize>,
 }
@@ -32,20 +32,20 @@ pub struct SharedSpan {
 /// Where each new token of a call reads its keys: the shared spans it belongs to, then its own
 /// positions from `own_start` through itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CascadePlan {
+pub struct CascadePlan<'a> {
     /// The shared runs, outermost first.
-    pub spans: Vec<SharedSpan>,
+    pub spans: Vec<SharedSpan<'a>>,
     /// Per new token: its position in its sequence's slot list where its own keys start.
     pub own_start: Vec<usize>,
     /// Per new token: the (span, row in the span's `tokens`) pairs it reads, outermost first.
     pub parts: Vec<Vec<(usize, usize)>>,
 }
 
-impl CascadePlan {
+impl<'a> CascadePlan<'a> {
     /// The sharing tree of `seqs` over shared runs of at least `min_span` positions, or `None`
     /// when there is none (the per-row kernel then runs the call as it is). A shorter common
     /// run, and all that its sequences hold after it, stays in each sequence's own part.
-    pub fn new(seqs: &[SeqSlots], min_span: usize) -> Option<CascadePlan> {
+    pub fn new(seqs: &[SeqSlots<'a>], min_span: usize) -> Option<CascadePlan<'a>> {
         let mut first_token = Vec::with_capacity(seqs.len());
         let mut n = 0;
         for s in seqs {
@@ -83,7 +83,7 @@ impl CascadePlan {
     /// `depth` becomes a span, then each subset that agrees on the next slot is planned alone.
     fn split(
         &mut self,
-        seqs: &[SeqSlots],
+        seqs: &[SeqSlots<'a>],
         first: &[usize],
         members: Vec<usize>,
         depth: usize,
@@ -118,7 +118,7 @@ impl CascadePlan {
                 self.parts[t].push((span, row));
             }
             self.spans.push(SharedSpan {
-                slots: lead[depth..depth + common].to_vec(),
+                slots: &lead[depth..depth + common],
                 tokens,
             });
         }

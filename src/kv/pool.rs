@@ -17,7 +17,7 @@ use super::{dot, KvError, KvShape, PrefillAttention, SeqSlots};
 /// sequences: a shorter run's K/V stays in cache across the per-row tasks anyway, and the extra
 /// partial states cost more than they save (the default's 185-token FrozenLake prompts, shared
 /// by groups of 4: rollout 0.525 s a step with them, 0.468 s without).
-pub const CASCADE_MIN_SPAN: usize = 256;
+const CASCADE_MIN_SPAN: usize = 256;
 
 /// Where the K/V rows live. CPU rows are plain `f32` vectors so the attention loop reads them in
 /// place (they hold bf16 values exactly); CUDA rows are bf16 or f32 device tensors read by our
@@ -43,7 +43,7 @@ pub struct AttentionPlan<'a> {
     new_slots: Vec<u32>,
     /// The sharing tree a CPU pool runs cascade attention over (none without shared slots or
     /// with cascade off).
-    cascade: Option<CascadePlan>,
+    cascade: Option<CascadePlan<'a>>,
     #[cfg(feature = "cuda")]
     cuda: Option<(super::cuda::DeviceAttention, Tensor)>,
 }
@@ -137,11 +137,6 @@ impl KvPool {
     /// ([`super::cascade`]); without it, once per token and head. CUDA pools ignore it.
     pub fn set_cascade(&mut self, on: bool) {
         self.cascade = on;
-    }
-
-    /// Whether cascade attention is on.
-    pub fn cascade(&self) -> bool {
-        self.cascade
     }
 
     /// Calls planned with cascade attention and the context positions they read once instead
