@@ -88,7 +88,7 @@ fn shorten(arg: &str) -> String {
 }
 
 /// Keys a resumed run may change: when it stops and how often it validates and saves, how many
-/// threads compute, whether blocks are recomputed in the backward (memory for time) and the
+/// threads compute, what the ranks partition, whether blocks are recomputed in the backward (memory for time) and the
 /// dtype of the training products (the master weights are f32 either way) and of generation, where
 /// the run directory is and where its gateway listens. Everything else is the run's own config,
 /// kept in its checkpoints.
@@ -97,6 +97,7 @@ pub const RESUME_OVERRIDABLE: &[&str] = &[
     "eval_steps",
     "save_steps",
     "cpu_threads",
+    "sharding",
     "activation_checkpointing",
     "precision",
     "rollout_dtype",
@@ -700,6 +701,13 @@ pub struct Config {
     /// change on `--resume`.
     #[serde(default)]
     pub cpu_threads: usize,
+    /// What the data-parallel ranks partition instead of replicating (ZeRO-1/2/3): the AdamW
+    /// moments, also the summed gradients, also the weights. Checkpoints hold whole states
+    /// whatever the mode and rank count, so it may change on `--resume`. A mode that partitions
+    /// nothing at one rank is refused there. `docs/guides/data-parallel.md` says which to pick
+    /// from `stepppo plan --ranks N --sharding MODE`.
+    #[serde(default)]
+    pub sharding: crate::dist::shard::Sharding,
     /// The value model.
     #[serde(default)]
     pub critic: CriticConfig,

@@ -4,7 +4,7 @@
 //! gradients' sum of squares read straight from their buffers. Other devices and dtypes keep
 //! the tensor ops. It does not choose learning rates or clip norms (the optimizer's).
 
-use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Storage, Tensor, Var};
+use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::AlgoError;
@@ -24,15 +24,17 @@ pub(super) struct Coefs {
     pub(super) clip_scale: f32,
 }
 
-/// Whether the parameter and its gradient take the in-place update: f32 on the CPU.
-pub(super) fn applies(var: &Var, grad: &Tensor) -> bool {
+/// Whether the parameter (or a flat block of parameters) and its gradient take the in-place
+/// update: f32 on the CPU.
+pub(super) fn applies(param: &Tensor, grad: &Tensor) -> bool {
     let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle_core::DType::F32;
-    f32_cpu(var.as_tensor()) && f32_cpu(grad) && var.is_contiguous()
+    f32_cpu(param) && f32_cpu(grad) && param.is_contiguous()
 }
 
-/// One parameter's AdamW step from its gradient, updating `moments` (`m`, `v`) and `var` in place.
+/// One parameter's AdamW step from its gradient, updating `moments` (`m`, `v`) and the
+/// parameter's values in place (a contiguous view updates the storage it views).
 pub(super) fn step(
-    var: &Var,
+    param: &Tensor,
     grad: &Tensor,
     (m, v): (&Tensor, &Tensor),
     k: &Coefs,
@@ -56,7 +58,7 @@ pub(super) fn step(
             square: true,
         },
     )?;
-    var.as_tensor().inplace_op3(m, v, &Update(k))?;
+    param.inplace_op3(m, v, &Update(k))?;
     Ok(())
 }
 

@@ -3,8 +3,9 @@
 //! summing the flat gradient of a model. One process is [`Single`] (every collective is the
 //! identity); a job launched by `mpirun` or Slurm's `srun` is an MPI world (feature `mpi`), whose
 //! gradients are summed by MPI on the host or, for a model on a CUDA device, by NCCL (feature
-//! `nccl`, its unique id broadcast over MPI). It does not decide what is reduced: that is the
-//! trainer's.
+//! `nccl`, its unique id broadcast over MPI). Sharded training adds reduce-scatter and
+//! all-gather of equal parts, and [`shard`] says which part of a flat vector is a rank's. It does
+//! not decide what is reduced: that is the trainer's.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use candle_core::Tensor;
 mod mpi_world;
 #[cfg(feature = "nccl")]
 mod nccl;
+pub mod shard;
 
 /// Errors of a collective or of joining the world; each names the operation.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +56,11 @@ pub trait Collective: Send + Sync {
     fn all_reduce_f64(&self, values: &mut [f64]) -> Result<(), DistError>;
     /// Element-wise sum over ranks, in place.
     fn all_reduce_f32(&self, values: &mut [f32]) -> Result<(), DistError>;
+    /// This rank's block of the element-wise sum over ranks of `values`, whose length is
+    /// `size()` blocks of equal length (MPI's reduce-scatter-block).
+    fn reduce_scatter_f32(&self, values: &[f32]) -> Result<Vec<f32>, DistError>;
+    /// Every rank's `mine`, each of the same length, concatenated in rank order.
+    fn all_gather_f32(&self, mine: &[f32]) -> Result<Vec<f32>, DistError>;
     /// Every rank's bytes, in rank order.
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, DistError>;
     /// Rank 0's bytes on every rank (`bytes` is replaced on the others).
@@ -66,6 +73,29 @@ pub trait Collective: Send + Sync {
         let mut host = flat.to_vec1::<f32>()?;
         self.all_reduce_f32(&mut host)?;
         Ok(Tensor::from_vec(host, flat.dims(), flat.device())?)
+    }
+    /// [`Collective::reduce_scatter_f32`] of a flat `f32` tensor on the model's device; the
+    /// default goes through the host.
+    fn reduce_scatter_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
+        let block = self.reduce_scatter_f32(&flat.to_vec1::<f32>()?)?;
+        let n = block.len();
+        Ok(Tensor::from_vec(block, n, flat.device())?)
+    }
+    /// [`Collective::all_gather_f32`] of a flat `f32` tensor on the model's device; the default
+    /// goes through the host.
+    fn all_gather_tensor(&self, mine: &Tensor) -> Result<Tensor, DistError> {
+        let all = self.all_gather_f32(&mine.to_vec1::<f32>()?)?;
+        let n = all.len();
+        Ok(Tensor::from_vec(all, n, mine.device())?)
+    }
+}
+
+/// The error of a reduce-scatter whose buffer does not split into `ranks` equal blocks.
+#[cfg(feature = "mpi")]
+pub(crate) fn uneven_blocks(len: usize, ranks: usize) -> DistError {
+    DistError::Collective {
+        op: "reduce_scatter",
+        reason: format!("{len} values do not split into {ranks} equal blocks"),
     }
 }
 
@@ -91,11 +121,23 @@ impl Collective for Single {
     fn all_reduce_f32(&self, _: &mut [f32]) -> Result<(), DistError> {
         Ok(())
     }
+    fn reduce_scatter_f32(&self, values: &[f32]) -> Result<Vec<f32>, DistError> {
+        Ok(values.to_vec())
+    }
+    fn all_gather_f32(&self, mine: &[f32]) -> Result<Vec<f32>, DistError> {
+        Ok(mine.to_vec())
+    }
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
         Ok(vec![mine.to_vec()])
     }
     fn all_reduce_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
         Ok(flat.clone())
+    }
+    fn reduce_scatter_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
+        Ok(flat.clone())
+    }
+    fn all_gather_tensor(&self, mine: &Tensor) -> Result<Tensor, DistError> {
+        Ok(mine.clone())
     }
     fn broadcast_bytes(&self, _: &mut Vec<u8>) -> Result<(), DistError> {
         Ok(())
@@ -169,6 +211,12 @@ impl Collective for Metered {
     fn all_reduce_f32(&self, values: &mut [f32]) -> Result<(), DistError> {
         self.count(values.len() * 4, || self.inner.all_reduce_f32(values))
     }
+    fn reduce_scatter_f32(&self, values: &[f32]) -> Result<Vec<f32>, DistError> {
+        self.count(values.len() * 4, || self.inner.reduce_scatter_f32(values))
+    }
+    fn all_gather_f32(&self, mine: &[f32]) -> Result<Vec<f32>, DistError> {
+        self.count(mine.len() * 4, || self.inner.all_gather_f32(mine))
+    }
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
         self.count(mine.len(), || self.inner.all_gather_bytes(mine))
     }
@@ -182,6 +230,14 @@ impl Collective for Metered {
     fn all_reduce_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
         let n = flat.elem_count() * flat.dtype().size_in_bytes();
         self.count(n, || self.inner.all_reduce_tensor(flat))
+    }
+    fn reduce_scatter_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
+        let n = flat.elem_count() * flat.dtype().size_in_bytes();
+        self.count(n, || self.inner.reduce_scatter_tensor(flat))
+    }
+    fn all_gather_tensor(&self, mine: &Tensor) -> Result<Tensor, DistError> {
+        let n = mine.elem_count() * mine.dtype().size_in_bytes();
+        self.count(n, || self.inner.all_gather_tensor(mine))
     }
 }
 

@@ -131,6 +131,30 @@ impl Collective for MpiWorld {
         self.sum_in_place("all_reduce_f32", values)
     }
 
+    fn reduce_scatter_f32(&self, values: &[f32]) -> Result<Vec<f32>, DistError> {
+        if !values.len().is_multiple_of(self.size) {
+            return Err(super::uneven_blocks(values.len(), self.size));
+        }
+        let block = values.len() / self.size;
+        count("reduce_scatter_f32", block)?;
+        let mut out = vec![0f32; block];
+        if block > 0 {
+            self.with_world(|w| {
+                w.reduce_scatter_block_into(values, &mut out[..], SystemOperation::sum())
+            });
+        }
+        Ok(out)
+    }
+
+    fn all_gather_f32(&self, mine: &[f32]) -> Result<Vec<f32>, DistError> {
+        count("all_gather_f32", mine.len())?;
+        let mut all = vec![0f32; mine.len() * self.size];
+        if !mine.is_empty() {
+            self.with_world(|w| w.all_gather_into(mine, &mut all[..]));
+        }
+        Ok(all)
+    }
+
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
         let len = mpi::Count::try_from(mine.len()).unwrap_or(TOO_LONG);
         let mut counts = vec![0 as mpi::Count; self.size];

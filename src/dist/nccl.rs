@@ -1,6 +1,7 @@
 //! The MPI world with gradients summed by NCCL on the CUDA device (feature `nccl`): the host
 //! collectives go over MPI, and [`Collective::all_reduce_tensor`] sums a flat `f32` gradient
-//! that lives on the device with `ncclAllReduce`, without a copy through the host. Rank 0 makes
+//! that lives on the device with `ncclAllReduce` (and reduce-scatters and all-gathers a sharded
+//! optimizer's flat gradients and parameter shards with `ncclReduceScatter`/`ncclAllGather`), without a copy through the host. Rank 0 makes
 //! NCCL's unique id and broadcasts its 128 bytes over MPI; every rank then joins the NCCL
 //! communicator on the stream candle issues its work on for that device (the context's per-thread
 //! default stream), so the sum is ordered after the backward pass that wrote the gradient when
@@ -70,7 +71,7 @@ impl NcclWorld {
 
     /// The device of `flat` when NCCL can sum it: an `f32` tensor on this rank's CUDA device.
     fn device_of(&self, flat: &Tensor) -> Result<Option<CudaDevice>, DistError> {
-        const OP: &str = "all_reduce_tensor (NCCL)";
+        const OP: &str = "a tensor collective over NCCL";
         let Device::Cuda(dev) = flat.device() else {
             return Ok(None);
         };
@@ -92,32 +93,56 @@ impl NcclWorld {
         }
     }
 
-    /// The sum over ranks of the contiguous `flat`, on `dev`, in a new buffer.
-    fn nccl_sum(&self, flat: &Tensor, dev: CudaDevice) -> Result<Tensor, DistError> {
+    /// `op` of NCCL over the contiguous `flat` on `dev`, into a new buffer of `out_len` values.
+    fn nccl_call(
+        &self,
+        flat: &Tensor,
+        dev: CudaDevice,
+        out_len: usize,
+        op: NcclOp,
+    ) -> Result<Tensor, DistError> {
         let n = flat.elem_count();
-        let mut out = dev.alloc_zeros::<f32>(n)?;
+        let mut out = dev.alloc_zeros::<f32>(out_len)?;
         {
             let (storage, layout) = flat.storage_and_layout();
             let Storage::Cuda(cuda) = &*storage else {
-                return Err(failed(
-                    "all_reduce_tensor (NCCL)",
-                    "the storage is not CUDA",
-                ));
+                return Err(failed(op.name(), "the storage is not CUDA"));
             };
             let start = layout.start_offset();
             let src = cuda.as_cuda_slice::<f32>()?.slice(start..start + n);
             let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
-            comm.0
-                .all_reduce(&src, &mut out, &ReduceOp::Sum)
-                .map_err(|e| nccl_failed("ncclAllReduce", e))?;
+            match op {
+                NcclOp::AllReduce => comm.0.all_reduce(&src, &mut out, &ReduceOp::Sum),
+                NcclOp::ReduceScatter => comm.0.reduce_scatter(&src, &mut out, &ReduceOp::Sum),
+                NcclOp::AllGather => comm.0.all_gather(&src, &mut out),
+            }
+            .map_err(|e| nccl_failed(op.name(), e))?;
         }
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev));
         Ok(Tensor::from_storage(
             storage,
-            flat.dims(),
+            out_len,
             BackpropOp::none(),
             false,
         ))
+    }
+}
+
+/// The NCCL collectives a flat gradient or parameter shard goes through.
+#[derive(Clone, Copy)]
+enum NcclOp {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
+impl NcclOp {
+    fn name(self) -> &'static str {
+        match self {
+            NcclOp::AllReduce => "ncclAllReduce",
+            NcclOp::ReduceScatter => "ncclReduceScatter",
+            NcclOp::AllGather => "ncclAllGather",
+        }
     }
 }
 
@@ -170,6 +195,14 @@ impl Collective for NcclWorld {
         self.mpi.all_reduce_f32(values)
     }
 
+    fn reduce_scatter_f32(&self, values: &[f32]) -> Result<Vec<f32>, DistError> {
+        self.mpi.reduce_scatter_f32(values)
+    }
+
+    fn all_gather_f32(&self, mine: &[f32]) -> Result<Vec<f32>, DistError> {
+        self.mpi.all_gather_f32(mine)
+    }
+
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
         self.mpi.all_gather_bytes(mine)
     }
@@ -186,8 +219,35 @@ impl Collective for NcclWorld {
     /// exercised); a host tensor goes through MPI.
     fn all_reduce_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
         match self.device_of(flat)? {
-            Some(dev) => self.nccl_sum(&flat.contiguous()?, dev),
+            Some(dev) => {
+                let sum = self.nccl_call(
+                    &flat.contiguous()?,
+                    dev,
+                    flat.elem_count(),
+                    NcclOp::AllReduce,
+                )?;
+                Ok(sum.reshape(flat.dims())?)
+            }
             None => self.mpi.all_reduce_tensor(flat),
+        }
+    }
+
+    fn reduce_scatter_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
+        let (n, size) = (flat.elem_count(), self.size());
+        if !n.is_multiple_of(size) {
+            return Err(super::uneven_blocks(n, size));
+        }
+        match self.device_of(flat)? {
+            Some(dev) => self.nccl_call(&flat.contiguous()?, dev, n / size, NcclOp::ReduceScatter),
+            None => self.mpi.reduce_scatter_tensor(flat),
+        }
+    }
+
+    fn all_gather_tensor(&self, mine: &Tensor) -> Result<Tensor, DistError> {
+        let n = mine.elem_count() * self.size();
+        match self.device_of(mine)? {
+            Some(dev) => self.nccl_call(&mine.contiguous()?, dev, n, NcclOp::AllGather),
+            None => self.mpi.all_gather_tensor(mine),
         }
     }
 }

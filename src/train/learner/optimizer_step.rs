@@ -1,14 +1,18 @@
-//! One optimizer step: the backward of a loss, its gradients summed over the data-parallel ranks,
-//! skipped when the loss or a gradient is not finite; and the running means of the metrics an
-//! update logs ([`Means`]), merged over ranks. Shared by the PPO update and the value-MLP
-//! critics' fit.
+//! One optimizer step: the backward of a loss, its gradients summed over the data-parallel ranks
+//! as the optimizer's sharding says (all-reduced; or, for a sharded optimizer, all-reduced or
+//! reduce-scattered, the rank's block updated and the blocks all-gathered into every rank's
+//! weights), skipped when the loss or a gradient is not finite; and the running means of the
+//! metrics an update logs ([`Means`]), merged over ranks. Shared by the PPO update and the
+//! value-MLP critics' fit.
 
-use crate::algo::AdamW;
+use crate::algo::{AdamW, StepReport};
+use crate::dist::shard::{FlatShard, Sharding};
 use crate::dist::Collective;
 use crate::train::learner::ranks;
 use crate::train::Scalars;
 use crate::train::TrainError;
-use candle_core::Tensor;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor};
 
 /// Running means of the update's metrics.
 ///
@@ -95,10 +99,141 @@ pub(in crate::train) fn step_critic(
     means: &mut Means,
 ) -> Result<bool, TrainError> {
     let (finite, local) = backward(loss)?;
-    let Some(grads) = ranks::summed_gradients(opt, local.as_ref(), finite, dist)? else {
+    let Some(report) = step_over_ranks(opt, local.as_ref(), finite, (lr, max_grad_norm), dist)?
+    else {
         return Ok(true);
     };
-    let report = opt.step(&grads, lr, Some(max_grad_norm))?;
     means.add("critic/grad_norm", report.grad_norm);
     Ok(report.skipped)
+}
+
+/// Steps `opt` at learning rate `lr` (gradients clipped to `max_grad_norm`) on this rank's
+/// gradients `local` (`None`: nothing back-propagated here; `finite`: whether its loss was
+/// finite), summed over the ranks. `None` when a rank's loss was not finite: every rank skips.
+pub(in crate::train) fn step_over_ranks(
+    opt: &mut AdamW,
+    local: Option<&GradStore>,
+    finite: bool,
+    (lr, max_grad_norm): (f64, f64),
+    dist: &dyn Collective,
+) -> Result<Option<StepReport>, TrainError> {
+    let Some((sharding, shard)) = opt.shard().map(|(mode, shard)| (mode, *shard)) else {
+        let Some(grads) = ranks::summed_gradients(opt, local, finite, dist)? else {
+            return Ok(None);
+        };
+        return Ok(Some(opt.step(&grads, lr, Some(max_grad_norm))?));
+    };
+    let flat = ranks::flat_gradients(opt, local, finite, shard.padded_len(), dist)?;
+    let Some((flat, reached)) = flat else {
+        return Ok(None);
+    };
+    let (grad, grad_norm) = block_gradient(opt, &flat, sharding, &shard, dist)?;
+    let values = block_values(opt, &shard)?;
+    let (report, values) = opt.step_block(
+        values,
+        &grad,
+        &reached,
+        grad_norm,
+        (lr, Some(max_grad_norm)),
+    )?;
+    if !report.skipped {
+        gather_weights(opt, values, &shard, dist)?;
+    }
+    Ok(Some(report))
+}
+
+/// The summed gradient of this rank's block and the global gradient norm: all-reduced whole
+/// (ZeRO-1, the norm summed as an unsharded step sums it) or reduce-scattered (ZeRO-2, the
+/// norm's squares summed over the ranks' blocks).
+fn block_gradient(
+    opt: &AdamW,
+    flat: &Tensor,
+    sharding: Sharding,
+    shard: &FlatShard,
+    dist: &dyn Collective,
+) -> Result<(Tensor, f64), TrainError> {
+    let range = shard.range();
+    let squares = |t: &Tensor, pieces: &[std::ops::Range<usize>]| -> Result<f64, TrainError> {
+        let mut sum = 0.0;
+        for r in pieces {
+            sum += crate::algo::sum_of_squares(&t.narrow(0, r.start, r.len())?)?;
+        }
+        Ok(sum)
+    };
+    let lens = opt.param_lens();
+    if sharding == Sharding::Optimizer {
+        let summed = dist.all_reduce_tensor(flat)?;
+        let whole = FlatShard::new(0, 1, shard.len).pieces(&lens);
+        let norm = squares(
+            &summed,
+            &whole.iter().map(|p| p.in_block.clone()).collect::<Vec<_>>(),
+        )?;
+        let block = summed.narrow(0, range.start, range.len())?.contiguous()?;
+        return Ok((block, norm.sqrt()));
+    }
+    let scattered = dist.reduce_scatter_tensor(flat)?;
+    let block = scattered.narrow(0, 0, range.len())?.contiguous()?;
+    let mine: Vec<_> = shard
+        .pieces(&lens)
+        .into_iter()
+        .map(|p| p.in_block)
+        .collect();
+    let mut sum = [squares(&block, &mine)?];
+    dist.all_reduce_f64(&mut sum)?;
+    Ok((block, sum[0].sqrt()))
+}
+
+/// This rank's block of `opt`'s parameters laid end to end, as a new f32 tensor.
+fn block_values(opt: &AdamW, shard: &FlatShard) -> Result<Tensor, TrainError> {
+    let params = opt.params();
+    let mut parts = Vec::new();
+    for piece in shard.pieces(&opt.param_lens()) {
+        let flat = params[piece.param].1.as_tensor().flatten_all()?;
+        let r = piece.in_param;
+        parts.push(flat.narrow(0, r.start, r.len())?.to_dtype(DType::F32)?);
+    }
+    Ok(match parts.as_slice() {
+        [] => Tensor::zeros(0, DType::F32, &opt_device(opt))?,
+        [one] => one.copy()?,
+        _ => Tensor::cat(&parts, 0)?,
+    })
+}
+
+/// Every rank's updated block all-gathered, and written into `opt`'s parameters.
+fn gather_weights(
+    opt: &AdamW,
+    block: Tensor,
+    shard: &FlatShard,
+    dist: &dyn Collective,
+) -> Result<(), TrainError> {
+    let all = dist.all_gather_tensor(&padded_block(block, shard)?)?;
+    let mut offset = 0;
+    for (_, var) in opt.params() {
+        let n = var.elem_count();
+        let values = all.narrow(0, offset, n)?.reshape(var.shape())?;
+        var.set(&values.to_dtype(var.dtype())?)?;
+        offset += n;
+    }
+    Ok(())
+}
+
+/// A rank's block (its [`FlatShard::range`]) with zeros after it up to a whole block, as the
+/// collectives move it.
+pub(in crate::train) fn padded_block(
+    block: Tensor,
+    shard: &FlatShard,
+) -> Result<Tensor, TrainError> {
+    Ok(match shard.block() - block.elem_count() {
+        0 => block,
+        n => {
+            let zeros = Tensor::zeros(n, block.dtype(), block.device())?;
+            Tensor::cat(&[block, zeros], 0)?
+        }
+    })
+}
+
+fn opt_device(opt: &AdamW) -> candle_core::Device {
+    opt.params()
+        .first()
+        .map_or(candle_core::Device::Cpu, |(_, v)| v.device().clone())
 }

@@ -202,10 +202,38 @@ pub fn summed_gradients<'a>(
     if dist.is_single_process() {
         return Ok(local.filter(|_| finite).map(Gradients::Local));
     }
+    let lens = opt.param_lens();
+    let Some((flat, reached)) = flat_gradients(opt, local, finite, lens.iter().sum(), dist)? else {
+        return Ok(None);
+    };
+    let summed = dist.all_reduce_tensor(&flat)?;
+    let mut out = GradStore::default();
+    let mut offset = 0;
+    for ((_, var), (&n, reached)) in opt.params().iter().zip(lens.iter().zip(reached)) {
+        if reached {
+            let g = summed.narrow(0, offset, n)?.reshape(var.shape())?;
+            out.insert(var.as_tensor(), g.to_dtype(var.dtype())?);
+        }
+        offset += n;
+    }
+    Ok(Some(Gradients::Summed(out)))
+}
+
+/// This rank's gradients of `opt`'s parameters laid end to end in f32 (zeros where it has none,
+/// then zeros up to `len`, the padding of a sharded vector), and for each parameter whether any
+/// rank reached it. `None` when a rank's loss was not finite: every rank then skips.
+pub fn flat_gradients(
+    opt: &AdamW,
+    local: Option<&GradStore>,
+    finite: bool,
+    len: usize,
+    dist: &dyn Collective,
+) -> Result<Option<(Tensor, Vec<bool>)>, TrainError> {
     let params = opt.params();
     let mut flags = vec![0f64; params.len() + 1];
     flags[params.len()] = f64::from(u8::from(!finite));
-    let mut parts = Vec::with_capacity(params.len());
+    let mut parts = Vec::with_capacity(params.len() + 1);
+    let mut filled = 0;
     for (i, (_, var)) in params.iter().enumerate() {
         let grad = local.filter(|_| finite).and_then(|g| g.get(var));
         parts.push(match grad {
@@ -215,23 +243,20 @@ pub fn summed_gradients<'a>(
             }
             None => Tensor::zeros(var.elem_count(), DType::F32, var.device())?,
         });
+        filled += var.elem_count();
+    }
+    if len > filled {
+        let device = params
+            .first()
+            .map_or(candle_core::Device::Cpu, |(_, v)| v.device().clone());
+        parts.push(Tensor::zeros(len - filled, DType::F32, &device)?);
     }
     dist.all_reduce_f64(&mut flags)?;
     if flags[params.len()] > 0.0 {
         return Ok(None);
     }
-    let summed = dist.all_reduce_tensor(&Tensor::cat(&parts, 0)?)?;
-    let mut out = GradStore::default();
-    let mut offset = 0;
-    for (i, (_, var)) in params.iter().enumerate() {
-        let n = var.elem_count();
-        if flags[i] > 0.0 {
-            let g = summed.narrow(0, offset, n)?.reshape(var.shape())?;
-            out.insert(var.as_tensor(), g.to_dtype(var.dtype())?);
-        }
-        offset += n;
-    }
-    Ok(Some(Gradients::Summed(out)))
+    let reached = flags[..params.len()].iter().map(|&f| f > 0.0).collect();
+    Ok(Some((Tensor::cat(&parts, 0)?, reached)))
 }
 
 /// Running sums and counts of the update's metrics, merged over ranks.

@@ -26,7 +26,7 @@ use crate::train::learner::critic::{Critic, FitContext};
 use crate::train::learner::device_batch::{BatchLayout, DeviceBatch};
 use crate::train::learner::masks::ResponseMasks;
 use crate::train::learner::memory_plan::MemoryBudget;
-use crate::train::learner::optimizer_step::{backward, step_critic, Means};
+use crate::train::learner::optimizer_step::{backward, step_critic, step_over_ranks, Means};
 use crate::train::learner::ranks;
 use crate::train::learner::self_imitation::Replay;
 use crate::train::Scalars;
@@ -529,15 +529,17 @@ fn actor_step(
         }
     }
     let (finite, local_grads) = backward(loss.as_ref())?;
-    let Some(grads) =
-        ranks::summed_gradients(learners.actor_opt, local_grads.as_ref(), finite, dist)?
-    else {
+    let actor_rates = (settings.actor_lr, settings.max_grad_norm);
+    let stepped = step_over_ranks(
+        learners.actor_opt,
+        local_grads.as_ref(),
+        finite,
+        actor_rates,
+        dist,
+    )?;
+    let Some(report) = stepped else {
         return Ok((true, false));
     };
-    let report =
-        learners
-            .actor_opt
-            .step(&grads, settings.actor_lr, Some(settings.max_grad_norm))?;
     means.add("actor/grad_norm", report.grad_norm);
     means.add("actor/lr", report.lr);
     if let Some(CriticLearner { opt: head_opt, .. }) = learners
@@ -546,13 +548,9 @@ fn actor_step(
         .filter(|c| c.critic.trains_in_actor_backward())
     {
         // The head's parameters are the head optimizer's: summed over ranks on their own.
-        let head_grads = ranks::summed_gradients(head_opt, local_grads.as_ref(), finite, dist)?
+        let rates = (settings.critic_lr, settings.max_grad_norm);
+        let head = step_over_ranks(head_opt, local_grads.as_ref(), finite, rates, dist)?
             .ok_or_else(|| TrainError::Data("a shared head lost its gradient".into()))?;
-        let head = head_opt.step(
-            &head_grads,
-            settings.critic_lr,
-            Some(settings.max_grad_norm),
-        )?;
         means.add("critic/grad_norm", head.grad_norm);
         means.add("critic/lr", head.lr);
     }

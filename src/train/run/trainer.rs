@@ -32,6 +32,7 @@ use crate::algo::{
 };
 use crate::config::{config_name, Config, CriticMode, PretrainSource, ProximalPolicy};
 use crate::crash;
+use crate::dist::shard::Sharding;
 use crate::dist::{Collective, Metered, Single};
 use crate::env::AgentKind;
 use crate::model::checkpoint::chat_template_note;
@@ -46,6 +47,7 @@ use crate::train::learner::critic::{self, Critic, CriticOrigin, ValueReading};
 use crate::train::learner::device_batch::BatchLayout;
 use crate::train::learner::masks::{response_masks, ResponseMasks};
 use crate::train::learner::memory_plan::{MemoryBudget, GIB};
+use crate::train::learner::optimizer_step::padded_block;
 use crate::train::learner::ranks;
 use crate::train::learner::scoring::response_logprobs;
 use crate::train::learner::self_imitation::{self, Replay, ReplayBuffer};
@@ -69,7 +71,7 @@ use crate::train::Scalars;
 use crate::train::TrainError;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -227,7 +229,7 @@ impl Trainer {
         } else {
             None
         };
-        let (actor_opt, critic_opt) = optimizers(&cfg, &policy, critic.as_deref())?;
+        let (actor_opt, critic_opt) = optimizers(&cfg, &policy, critic.as_deref(), dist.as_ref())?;
         if lead {
             let text = serde_json::to_string_pretty(&cfg).expect("a config serialises");
             let path = run_dir.join(run_dir::CONFIG_FILE);
@@ -285,7 +287,8 @@ impl Trainer {
         )?;
         let critic = critic::open(&cfg, &mut policy, CriticOrigin::Checkpoint(&ckpt))?;
         check_memory(&cfg, &policy, policy.adapters().map(|a| a.spec().clone()))?;
-        let (mut actor_opt, mut critic_opt) = optimizers(&cfg, &policy, critic.as_deref())?;
+        let (mut actor_opt, mut critic_opt) =
+            optimizers(&cfg, &policy, critic.as_deref(), dist.as_ref())?;
         actor_opt.load(&ckpt.join("optim_actor.safetensors"))?;
         if let Some(opt) = critic_opt.as_mut() {
             opt.load(&ckpt.join("optim_critic.safetensors"))?;
@@ -537,9 +540,13 @@ impl Trainer {
             self.validate_and_log(on_event)?;
         }
         let save = last || (self.cfg.save_steps > 0 && step.is_multiple_of(self.cfg.save_steps));
-        if save && self.sink.is_some() {
-            let dir = self.save_checkpoint()?;
-            on_event(Event::Checkpoint(&dir));
+        if save {
+            // Every rank takes part in gathering sharded optimizer states; rank 0 writes.
+            let optimizer_states = self.optimizer_states()?;
+            if self.sink.is_some() {
+                let dir = self.save_checkpoint(optimizer_states)?;
+                on_event(Event::Checkpoint(&dir));
+            }
         }
         Ok(())
     }
@@ -1126,9 +1133,26 @@ impl Trainer {
         }
     }
 
+    /// The whole states of the actor's and the critic's optimizers, gathered from every rank's
+    /// block when they are sharded (a collective: every rank calls it).
+    fn optimizer_states(&self) -> Result<OptimizerStates, TrainError> {
+        let dist = self.dist.as_ref();
+        let actor = whole_optimizer_state(&self.actor_opt, dist)?;
+        let critic = self
+            .critic_opt
+            .as_ref()
+            .map(|opt| whole_optimizer_state(opt, dist))
+            .transpose()?;
+        Ok((actor, critic))
+    }
+
     /// Writes `ckpt-<step>` atomically (never from non-finite weights) and points `ckpt-latest` at
-    /// it. Rank 0's work: the other ranks hold the same state and write nothing.
-    pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
+    /// it, with the optimizers' whole states ([`Trainer::optimizer_states`]). Rank 0's work: the
+    /// other ranks hold the same weights and write nothing.
+    fn save_checkpoint(
+        &mut self,
+        (actor_state, critic_state): OptimizerStates,
+    ) -> Result<PathBuf, TrainError> {
         let (Some(sink), Some(credit_log)) = (self.sink.as_mut(), self.credit_log.as_mut()) else {
             return Err(TrainError::Data("only rank 0 writes checkpoints".into()));
         };
@@ -1139,14 +1163,14 @@ impl Trainer {
         let tmp = writer.tmp_dir().to_path_buf();
         self.policy.save(&tmp.join("policy"), Some(&self.tok))?;
         crash::point("checkpoint.partial");
-        self.actor_opt.save(&tmp.join("optim_actor.safetensors"))?;
+        AdamW::write_state(&actor_state, &tmp.join("optim_actor.safetensors"))?;
         if let Some(critic) = &self.critic {
             let vars = critic.weights();
             writer.ensure_finite(vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
             critic.save(&tmp)?;
         }
-        if let Some(opt) = &self.critic_opt {
-            opt.save(&tmp.join("optim_critic.safetensors"))?;
+        if let Some(state) = &critic_state {
+            AdamW::write_state(state, &tmp.join("optim_critic.safetensors"))?;
         }
         if let Some(buffer) = &self.replay_buffer {
             buffer.save(&tmp.join(self_imitation::CHECKPOINT_DIR))?;
@@ -1252,12 +1276,49 @@ fn check_world(cfg: &Config, ranks: usize) -> Result<(), TrainError> {
             cfg.async_rollout.staleness
         )));
     }
+    check_sharding(cfg.sharding, ranks)?;
     let sum_norm = cfg.loss_agg_mode == LossAggMode::SeqMeanTokenSumNorm;
     if ranks > 1 && sum_norm {
         return Err(TrainError::Data(format!(
             "loss_agg_mode: seq-mean-token-sum-norm divides by the mask width, which differs \
              between the {ranks} ranks' parts of a mini-batch: choose another mode to train on \
              several ranks"
+        )));
+    }
+    Ok(())
+}
+
+/// The actor's and (with a critic) the critic's whole optimizer states, by tensor name.
+type OptimizerStates = (HashMap<String, Tensor>, Option<HashMap<String, Tensor>>);
+
+/// `opt`'s whole state: its own, or every rank's block moments all-gathered.
+fn whole_optimizer_state(
+    opt: &AdamW,
+    dist: &dyn Collective,
+) -> Result<HashMap<String, Tensor>, TrainError> {
+    let (Some((_, shard)), Some((m, v))) = (opt.shard(), opt.block_moments()) else {
+        return Ok(opt.state()?);
+    };
+    let gather = |block: &Tensor| -> Result<Tensor, TrainError> {
+        Ok(dist.all_gather_tensor(&padded_block(block.clone(), shard)?)?)
+    };
+    Ok(opt.whole_state(&gather(m)?, &gather(v)?)?)
+}
+
+/// Refuses a `sharding` mode that cannot apply to a world of `ranks` ranks.
+fn check_sharding(sharding: Sharding, ranks: usize) -> Result<(), TrainError> {
+    let mode = sharding.name();
+    if sharding == Sharding::Parameters {
+        return Err(TrainError::Data(
+            "sharding: `parameters` (ZeRO-3, weights partitioned and gathered layer by layer) is \
+             not available yet; `gradients` (ZeRO-2) partitions the moments and the gradients"
+                .into(),
+        ));
+    }
+    if sharding != Sharding::None && ranks == 1 {
+        return Err(TrainError::Data(format!(
+            "sharding: `{mode}` partitions state across ranks, and this run has one rank: set \
+             sharding=none, or launch several ranks (mpirun -np N stepppo train …)"
         )));
     }
     Ok(())
@@ -1315,20 +1376,26 @@ fn check_memory(cfg: &Config, policy: &Model, lora: Option<LoraSpec>) -> Result<
 
 /// The optimizers of a run: the actor's over the policy's parameters less a shared value head
 /// (`optimizer_config`), and the critic's over the separate critic or the shared head, at the
-/// critic's own learning rate and weight decay (`critic_optimizer_config`).
+/// critic's own learning rate and weight decay (`critic_optimizer_config`); both sharded over
+/// `dist`'s ranks as `sharding` says.
 fn optimizers(
     cfg: &Config,
     policy: &Model,
     critic: Option<&dyn Critic>,
+    dist: &dyn Collective,
 ) -> Result<(AdamW, Option<AdamW>), TrainError> {
     let trunk: Vec<_> = policy
         .trainable_vars()
         .into_iter()
         .filter(|(name, _)| !name.starts_with(crate::model::critic::VALUE_HEAD_PREFIX))
         .collect();
-    let actor_opt = AdamW::new(trunk, &cfg.optimizer_config())?;
+    let world = (dist.rank(), dist.size());
+    let actor_opt = AdamW::sharded(trunk, &cfg.optimizer_config(), cfg.sharding, world)?;
     let critic_opt = critic
-        .map(|c| AdamW::new(c.trainable_vars(policy), &cfg.critic_optimizer_config()))
+        .map(|c| {
+            let params = c.trainable_vars(policy);
+            AdamW::sharded(params, &cfg.critic_optimizer_config(), cfg.sharding, world)
+        })
         .transpose()?;
     Ok((actor_opt, critic_opt))
 }
