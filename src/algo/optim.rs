@@ -843,11 +843,14 @@ mod tests {
             .collect()
     }
 
-    /// Three steps of an unsharded AdamW and of three sharded ones (ranks of one world, each
+    /// Tensors by name, as flat f32 values.
+    type NamedValues = Vec<(String, Vec<f32>)>;
+
+    /// Three steps of an unsharded AdamW (`ranks` 0) or of `ranks` sharded ones (one world, each
     /// updating its block of the same gradients, the blocks then written back as an all-gather
     /// would); `b` never gets a gradient. Returns the weights and the whole optimizer state. In
     /// f32 the in-place kernels update; in f64 the tensor ops.
-    fn three_steps_sharded(ranks: usize, dtype: DType) -> (Vec<Vec<f32>>, Vec<(String, Vec<f32>)>) {
+    fn three_steps_sharded(ranks: usize, dtype: DType) -> (Vec<Vec<f32>>, NamedValues) {
         let device = &Device::Cpu;
         let f32s = |t: &Tensor| {
             t.to_dtype(DType::F32)
