@@ -200,6 +200,8 @@ fn planned_peak_mb(
         rollout_precision: Precision::F32,
         kv_slots: 0,
         extra_policy_copies: 0,
+        ranks: 1,
+        sharding: Default::default(),
     };
     MemoryPlan::of(&shape).peak() as f64 / (1u64 << 20) as f64
 }

@@ -496,3 +496,29 @@ fn ranks_launched_without_the_mpi_feature_are_refused_by_name() {
     );
     assert!(!run.exists());
 }
+
+/// A sharding mode that cannot apply is refused naming the key, before a run directory exists.
+#[test]
+fn a_sharding_mode_that_cannot_apply_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    for (mode, says) in [
+        ("gradients", "this run has one rank"),
+        ("optimizer", "this run has one rank"),
+        ("parameters", "not available yet"),
+    ] {
+        let run = dir.path().join(mode);
+        let setting = format!("sharding={mode}");
+        let sets = [&tiny()[..], &[setting.as_str()]].concat();
+        let out = stepppo(&with_sets(
+            vec!["train", "--out", run.to_str().unwrap()],
+            &sets,
+        ));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{mode}: {stderr}");
+        assert!(
+            stderr.contains("sharding") && stderr.contains(says),
+            "{mode}: {stderr}"
+        );
+        assert!(!run.exists(), "{mode}: a refused run leaves no directory");
+    }
+}

@@ -246,8 +246,9 @@ fn sharded_ranks_train_as_one_rank_and_resume_at_any_rank_count_and_mode() {
 }
 
 /// Largest |Δ| between two runs' values of each metric logged at the same step, and the metric
-/// that reached it. Timings, memory, traffic and the prefix cache's counters (each rank's cache
-/// sees its own groups) are not compared.
+/// that reached it. Timings, memory, traffic, the prefix cache's counters (each rank's cache
+/// sees its own groups) and the critic's explained variance per mini-batch (on several ranks,
+/// the mean of each rank's part's) are not compared.
 fn metric_difference(one: &Path, other: &Path) -> (f64, String) {
     let read = |run: &Path| -> Vec<serde_json::Map<String, serde_json::Value>> {
         std::fs::read_to_string(run.join("metrics.jsonl"))
@@ -262,6 +263,7 @@ fn metric_difference(one: &Path, other: &Path) -> (f64, String) {
         "rollout/prefix_hit_ratio",
         "rollout/cascade_forwards",
         "rollout/shared_positions_saved",
+        "critic/vf_explained_var_minibatch",
     ];
     let timing = |k: &str| {
         ["time/", "throughput/", "memory/", "dist/"]
@@ -300,9 +302,10 @@ fn sharding_exactness_table() {
         ),
     ];
     println!(
-        "| config | sharding | ranks | max |Δ| weights | max |Δ| AdamW state | max |Δ| metric |"
+        "| config | sharding | ranks | max |Δ| weights | max |Δ| AdamW state | max |Δ| metric \
+         | max |Δ| weights vs `none` at as many ranks |"
     );
-    println!("|---|---|--:|--:|--:|--:|");
+    println!("|---|---|--:|--:|--:|--:|--:|");
     for (ci, (name, extra)) in configs.iter().enumerate() {
         let one = root.path().join(format!("one-{ci}"));
         train(None, 1, &with_max_steps(args(&one, false, extra), 4));
@@ -320,7 +323,12 @@ fn sharding_exactness_table() {
                 let w = max_difference(&one, &run, 4, "policy");
                 let o = max_difference(&one, &run, 4, "optim_actor.safetensors");
                 let (m, key) = metric_difference(&one, &run);
-                println!("| {name} | {mode} | {ranks} | {w:.1e} | {o:.1e} | {m:.1e} (`{key}`) |");
+                let unsharded = root.path().join(format!("{ci}-none-{ranks}"));
+                let same_ranks = max_difference(&unsharded, &run, 4, "policy");
+                println!(
+                    "| {name} | {mode} | {ranks} | {w:.1e} | {o:.1e} | {m:.1e} (`{key}`) \
+                     | {same_ranks:.1e} |"
+                );
             }
         }
     }

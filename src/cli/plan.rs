@@ -1,10 +1,11 @@
-//! `stepppo plan`: the memory a training update of a model needs, part by part, and the largest
-//! forward that fits in a given memory ([`stepppo::train::learner::memory_plan`]).
+//! `stepppo plan`: the memory a training update of a model needs, part by part (per rank of a
+//! data-parallel world, sharded or not), and the largest forward that fits in a given memory ([`stepppo::train::learner::memory_plan`]).
 
 use std::path::Path;
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
+use stepppo::dist::shard::Sharding;
 use stepppo::model::checkpoint::CONFIG_FILE;
 use stepppo::model::{LoraSpec, ModelConfig, Precision};
 use stepppo::tokenizer::Tokenizer;
@@ -50,10 +51,34 @@ pub struct PlanArgs {
     /// given, sharing the policy's base).
     #[arg(long)]
     separate_critic: bool,
+    /// Data-parallel ranks: the plan is each rank's.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// What the ranks partition (`sharding`: none, optimizer, gradients; parameters is not
+    /// available yet).
+    #[arg(long, default_value = "none")]
+    sharding: ShardingArg,
     /// Memory to hold the plan against, in GiB; default what the device has available (on CUDA
     /// the free memory of the first GPU, in a build with the `cuda` feature).
     #[arg(long)]
     memory_gib: Option<f64>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum ShardingArg {
+    None,
+    Optimizer,
+    Gradients,
+}
+
+impl From<ShardingArg> for Sharding {
+    fn from(a: ShardingArg) -> Self {
+        match a {
+            ShardingArg::None => Sharding::None,
+            ShardingArg::Optimizer => Sharding::Optimizer,
+            ShardingArg::Gradients => Sharding::Gradients,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -73,6 +98,12 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
     if let Some(spec) = &lora {
         spec.validate_for_training()
             .map_err(|e| anyhow::anyhow!("--lora-rank: {e}"))?;
+    }
+    if a.ranks == 0 {
+        bail!("--ranks: at least 1");
+    }
+    if a.ranks == 1 && !matches!(a.sharding, ShardingArg::None) {
+        bail!("--sharding: partitioning needs --ranks above 1");
     }
     let batch_tokens = a.batch_tokens;
     let shape = PlanShape {
@@ -106,6 +137,8 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
         }),
         kv_slots: a.kv_slots,
         extra_policy_copies: 0,
+        ranks: a.ranks,
+        sharding: a.sharding.into(),
     };
     let available = match a.memory_gib {
         Some(gib) if gib.is_finite() && gib > 0.0 => Some((gib * (1u64 << 30) as f64) as u64),

@@ -147,11 +147,13 @@ impl Collective for Single {
     }
 }
 
-/// A collective that counts what passes through it: the bytes this rank contributed and the
-/// seconds it spent in collectives (waiting for the slowest rank included).
+/// A collective that counts what passes through it: the bytes this rank contributed, the bytes a
+/// ring algorithm would send from this rank for the same calls, and the seconds it spent in
+/// collectives (waiting for the slowest rank included).
 pub struct Metered {
     inner: Arc<dyn Collective>,
     bytes: AtomicU64,
+    ring_bytes: AtomicU64,
     nanos: AtomicU64,
 }
 
@@ -160,6 +162,10 @@ pub struct Metered {
 pub struct Traffic {
     /// Bytes this rank contributed to collectives.
     pub bytes: u64,
+    /// Bytes a ring algorithm sends from this rank for the same collectives (of `n` bytes over
+    /// `N` ranks: all-reduce 2(N−1)/N·n, reduce-scatter (N−1)/N·n, all-gather of a rank's n
+    /// bytes (N−1)·n, broadcast n): the volume ZeRO's accounting uses.
+    pub ring_bytes: u64,
     /// Wall-clock seconds spent inside collectives, waiting for other ranks included.
     pub seconds: f64,
 }
@@ -170,6 +176,7 @@ impl Metered {
         Self {
             inner,
             bytes: AtomicU64::new(0),
+            ring_bytes: AtomicU64::new(0),
             nanos: AtomicU64::new(0),
         }
     }
@@ -178,18 +185,38 @@ impl Metered {
     pub fn traffic(&self) -> Traffic {
         Traffic {
             bytes: self.bytes.load(Ordering::Relaxed),
+            ring_bytes: self.ring_bytes.load(Ordering::Relaxed),
             seconds: self.nanos.load(Ordering::Relaxed) as f64 * 1e-9,
         }
     }
 
-    fn count<T>(&self, bytes: usize, op: impl FnOnce() -> T) -> T {
+    fn count<T>(&self, bytes: usize, ring: Ring, op: impl FnOnce() -> T) -> T {
         let start = Instant::now();
         let out = op();
         let nanos = start.elapsed().as_nanos() as u64;
         self.nanos.fetch_add(nanos, Ordering::Relaxed);
         self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        let n = self.inner.size() as f64;
+        let ring_bytes = bytes as f64
+            * match ring {
+                Ring::AllReduce => 2.0 * (n - 1.0) / n,
+                Ring::ReduceScatter => (n - 1.0) / n,
+                Ring::AllGather => n - 1.0,
+                Ring::Broadcast => 1.0,
+            };
+        self.ring_bytes
+            .fetch_add(ring_bytes.round() as u64, Ordering::Relaxed);
         out
     }
+}
+
+/// The shape of a collective, for its ring volume.
+#[derive(Clone, Copy)]
+enum Ring {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
 }
 
 impl Collective for Metered {
@@ -206,38 +233,50 @@ impl Collective for Metered {
         self.inner.is_single_process()
     }
     fn all_reduce_f64(&self, values: &mut [f64]) -> Result<(), DistError> {
-        self.count(values.len() * 8, || self.inner.all_reduce_f64(values))
+        self.count(values.len() * 8, Ring::AllReduce, || {
+            self.inner.all_reduce_f64(values)
+        })
     }
     fn all_reduce_f32(&self, values: &mut [f32]) -> Result<(), DistError> {
-        self.count(values.len() * 4, || self.inner.all_reduce_f32(values))
+        self.count(values.len() * 4, Ring::AllReduce, || {
+            self.inner.all_reduce_f32(values)
+        })
     }
     fn reduce_scatter_f32(&self, values: &[f32]) -> Result<Vec<f32>, DistError> {
-        self.count(values.len() * 4, || self.inner.reduce_scatter_f32(values))
+        self.count(values.len() * 4, Ring::ReduceScatter, || {
+            self.inner.reduce_scatter_f32(values)
+        })
     }
     fn all_gather_f32(&self, mine: &[f32]) -> Result<Vec<f32>, DistError> {
-        self.count(mine.len() * 4, || self.inner.all_gather_f32(mine))
+        self.count(mine.len() * 4, Ring::AllGather, || {
+            self.inner.all_gather_f32(mine)
+        })
     }
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
-        self.count(mine.len(), || self.inner.all_gather_bytes(mine))
+        self.count(mine.len(), Ring::AllGather, || {
+            self.inner.all_gather_bytes(mine)
+        })
     }
     fn broadcast_bytes(&self, bytes: &mut Vec<u8>) -> Result<(), DistError> {
         let n = bytes.len();
-        self.count(n, || self.inner.broadcast_bytes(bytes))
+        self.count(n, Ring::Broadcast, || self.inner.broadcast_bytes(bytes))
     }
     fn barrier(&self) -> Result<(), DistError> {
-        self.count(0, || self.inner.barrier())
+        self.count(0, Ring::Broadcast, || self.inner.barrier())
     }
     fn all_reduce_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
         let n = flat.elem_count() * flat.dtype().size_in_bytes();
-        self.count(n, || self.inner.all_reduce_tensor(flat))
+        self.count(n, Ring::AllReduce, || self.inner.all_reduce_tensor(flat))
     }
     fn reduce_scatter_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
         let n = flat.elem_count() * flat.dtype().size_in_bytes();
-        self.count(n, || self.inner.reduce_scatter_tensor(flat))
+        self.count(n, Ring::ReduceScatter, || {
+            self.inner.reduce_scatter_tensor(flat)
+        })
     }
     fn all_gather_tensor(&self, mine: &Tensor) -> Result<Tensor, DistError> {
         let n = mine.elem_count() * mine.dtype().size_in_bytes();
-        self.count(n, || self.inner.all_gather_tensor(mine))
+        self.count(n, Ring::AllGather, || self.inner.all_gather_tensor(mine))
     }
 }
 

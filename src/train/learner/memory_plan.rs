@@ -5,6 +5,11 @@
 //! machine's memory before the first step and before each update ([`MemoryPlan::check`]), so a
 //! run that cannot fit stops with the table instead of dying of an out-of-memory later.
 //!
+//! Per rank of a data-parallel world: sharding the optimizer (ZeRO-1/2) keeps each rank's block
+//! of AdamW's moments only, and the optimizer step holds flat buffers the collectives move (the
+//! rank's gradients laid end to end, the summed gradient or its block, the updated block and the
+//! gathered weights) while the backward's gradients are still alive and its activations gone.
+//!
 //! The activation count follows the CPU training forward (f32, fused ops): per layer and token
 //! the backward keeps `11·hidden + 4·kv + 3·intermediate` floats (the block's input, normed
 //! input, q before and after RoPE, k likewise, v and its head-major copy, the attention output
@@ -29,6 +34,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::{Config, CriticMode};
+use crate::dist::shard::Sharding;
 use crate::model::lora::adapter_param_shapes;
 use crate::model::{LoraSpec, Model, ModelConfig, Precision};
 
@@ -90,6 +96,10 @@ pub struct PlanShape {
     /// run's reference is its base: no copy) and the snapshots an asynchronous rollout
     /// generates with (one per version in flight).
     pub extra_policy_copies: usize,
+    /// Data-parallel ranks the plan is for (1: a process on its own).
+    pub ranks: usize,
+    /// What the ranks partition (`sharding`).
+    pub sharding: Sharding,
 }
 
 /// Bytes of each part of a run's memory, and the peak of one update.
@@ -104,8 +114,11 @@ pub struct MemoryPlan {
     pub rollout_weights: u64,
     /// Gradients of the trained parameters, for the larger of the actor's and critic's passes.
     pub gradients: u64,
-    /// AdamW's two f32 moments per trained parameter.
+    /// AdamW's two f32 moments per trained parameter (this rank's block of them when sharded).
     pub optimizer: u64,
+    /// The flat buffers of an optimizer step across ranks, beside the gradients after the
+    /// backward's activations are gone (none in a process on its own).
+    pub step_buffers: u64,
     /// Activations the backward keeps, for the larger of the two passes.
     pub activations: u64,
     /// The trained positions' logits and their gradient.
@@ -137,12 +150,15 @@ impl MemoryPlan {
             _ => F32,
         };
         let copies = shape.extra_policy_copies as u64 * policy.total_params * F32;
+        let trained = |m: &ModelPlan| m.trained_params;
+        let largest_step = trained(&policy).max(critic.as_ref().map_or(0, trained));
         Self {
             weights: both(|m| m.weights) + copies,
             working_weights: both(|m| m.working_weights),
             rollout_weights: policy.rollout_weights,
             gradients,
             optimizer: both(|m| m.optimizer),
+            step_buffers: step_buffers(largest_step, shape.ranks, shape.sharding),
             activations,
             logits,
             kv_cache: shape.kv_slots as u64 * kv.num_hidden_layers as u64 * 2 * kv_row * kv_bytes,
@@ -151,15 +167,15 @@ impl MemoryPlan {
         }
     }
 
-    /// The peak of one update: everything alive at the end of its backward.
+    /// The peak of one update: everything alive at the end of its backward, or during its
+    /// optimizer step when the step's buffers outgrow the activations and logits.
     pub fn peak(&self) -> u64 {
         self.weights
             + self.working_weights
             + self.rollout_weights
             + self.gradients
             + self.optimizer
-            + self.activations
-            + self.logits
+            + (self.activations + self.logits).max(self.step_buffers)
             + self.kv_cache
     }
 
@@ -178,7 +194,8 @@ impl MemoryPlan {
              | working copy of the weights ({} products) | {} |\n\
              | rollout copy of the weights | {} |\n\
              | gradients ({} trained parameters) | {} |\n\
-             | optimizer (AdamW moments) | {} |\n\
+             | optimizer (AdamW moments{}) | {} |\n\
+             | optimizer step's buffers across ranks | {} |\n\
              | activations ({} tokens a forward) | {} |\n\
              | logits ({} trained positions) | {} |\n\
              | KV cache ({} slots) | {} |\n\
@@ -190,7 +207,13 @@ impl MemoryPlan {
             gib(self.rollout_weights),
             self.trained_params,
             gib(self.gradients),
+            match (shape.ranks, shape.sharding.shards_optimizer()) {
+                (1, _) => String::new(),
+                (n, true) => format!(", this rank's 1/{n}, sharding {}", shape.sharding.name()),
+                (n, false) => format!(", whole on each of {n} ranks"),
+            },
             gib(self.optimizer),
+            gib(self.step_buffers),
             shape.batch_tokens,
             gib(self.activations),
             shape.logit_rows,
@@ -226,6 +249,24 @@ impl MemoryPlan {
     }
 }
 
+/// The most bytes of flat f32 buffers one optimizer step over `trained` parameters holds at a
+/// time across `ranks` ranks (the device path; through the host, MPI holds a copy of each buffer
+/// it sums).
+fn step_buffers(trained: u64, ranks: usize, sharding: Sharding) -> u64 {
+    let whole = trained * F32;
+    let block = trained.div_ceil(ranks as u64) * F32;
+    match (ranks, sharding) {
+        (1, _) => 0,
+        // This rank's gradients and their sum.
+        (_, Sharding::None) => 2 * whole,
+        // This rank's gradients, their sum and its block of the sum, copied out before both go.
+        (_, Sharding::Optimizer) => 2 * whole + block,
+        // Then the block's gradient and values, and every rank's updated block gathered; while
+        // reduce-scattering, this rank's gradients and the block of their sum.
+        _ => whole + 2 * block,
+    }
+}
+
 /// A run's plan held against the memory it may use: checked before the first step with the
 /// least a mini-batch can hold ([`MemoryBudget::check_start`]) and before each forward of an
 /// update with the forward's own size ([`MemoryBudget::check_forward`]), whose largest planned
@@ -239,12 +280,13 @@ pub struct MemoryBudget {
 
 impl MemoryBudget {
     /// The budget of a run of `cfg` training a policy of shape `model` (with LoRA adapters of
-    /// `lora`) on `device`; `None` where the device's memory is not known.
+    /// `lora`) on `device`, as one of `ranks` ranks; `None` where the device's memory is not
+    /// known.
     pub fn for_run(
         cfg: &Config,
         model: &ModelConfig,
         lora: Option<LoraSpec>,
-        device: &candle_core::Device,
+        (device, ranks): (&candle_core::Device, usize),
     ) -> Option<Self> {
         let available = crate::device::memory_available(device)?;
         let separate = cfg.critic.mode == CriticMode::Separate;
@@ -289,6 +331,8 @@ impl MemoryBudget {
                     0 => 0,
                     staleness => staleness + 1,
                 },
+            ranks,
+            sharding: cfg.sharding,
         };
         Some(Self::new(shape, available))
     }
@@ -447,12 +491,21 @@ impl ModelPlan {
             working_weights,
             rollout_weights: if m.is_critic { 0 } else { rollout_weights },
             gradients: trained_params * F32 + tied_sum,
-            optimizer: 2 * trained_params * F32,
+            optimizer: 2 * optimizer_params(trained_params, shape) * F32,
             activations,
             logits,
             trained_params,
             total_params,
         }
+    }
+}
+
+/// The trained parameters whose moments this rank keeps: its block of them when the optimizer
+/// is sharded.
+fn optimizer_params(trained: u64, shape: &PlanShape) -> u64 {
+    match shape.sharding.shards_optimizer() {
+        true => trained.div_ceil(shape.ranks as u64),
+        false => trained,
     }
 }
 
@@ -538,6 +591,51 @@ mod tests {
             rollout_precision: Precision::F32,
             kv_slots: 0,
             extra_policy_copies: 0,
+            ranks: 1,
+            sharding: Default::default(),
+        }
+    }
+
+    #[test]
+    fn sharding_divides_the_moments_and_sizes_the_step_buffers_per_rank() {
+        let cfg = ModelConfig::small(1000);
+        let whole = MemoryPlan::of(&shape(cfg.clone(), None, 64));
+        let p = whole.trained_params;
+        assert_eq!((whole.optimizer, whole.step_buffers), (8 * p, 0));
+        let at = |ranks: usize, sharding: Sharding| {
+            MemoryPlan::of(&PlanShape {
+                ranks,
+                sharding,
+                ..shape(cfg.clone(), None, 64)
+            })
+        };
+        let block = p.div_ceil(3) * F32;
+        let replicated = at(3, Sharding::None);
+        assert_eq!(
+            (replicated.optimizer, replicated.step_buffers),
+            (8 * p, 8 * p)
+        );
+        let zero1 = at(3, Sharding::Optimizer);
+        assert_eq!(
+            (zero1.optimizer, zero1.step_buffers),
+            (2 * block, 8 * p + block)
+        );
+        let zero2 = at(3, Sharding::Gradients);
+        assert_eq!(
+            (zero2.optimizer, zero2.step_buffers),
+            (2 * block, 4 * p + 2 * block)
+        );
+        assert!(zero2.peak() < zero1.peak() && zero1.peak() < replicated.peak());
+        assert!(zero2
+            .table(&zero2_shape(&cfg), None)
+            .contains("this rank's 1/3"));
+    }
+
+    fn zero2_shape(cfg: &ModelConfig) -> PlanShape {
+        PlanShape {
+            ranks: 3,
+            sharding: Sharding::Gradients,
+            ..shape(cfg.clone(), None, 64)
         }
     }
 

@@ -123,11 +123,19 @@ pub(in crate::train) fn step_over_ranks(
         };
         return Ok(Some(opt.step(&grads, lr, Some(max_grad_norm))?));
     };
+    if shard.ranks != dist.size() {
+        return Err(TrainError::Data(format!(
+            "an optimizer sharded over {} ranks steps in a world of {}",
+            shard.ranks,
+            dist.size()
+        )));
+    }
     let flat = ranks::flat_gradients(opt, local, finite, shard.padded_len(), dist)?;
     let Some((flat, reached)) = flat else {
         return Ok(None);
     };
     let (grad, grad_norm) = block_gradient(opt, &flat, sharding, &shard, dist)?;
+    drop(flat);
     let values = block_values(opt, &shard)?;
     let (report, values) = opt.step_block(
         values,
@@ -168,7 +176,8 @@ fn block_gradient(
             &summed,
             &whole.iter().map(|p| p.in_block.clone()).collect::<Vec<_>>(),
         )?;
-        let block = summed.narrow(0, range.start, range.len())?.contiguous()?;
+        // A copy, so that the whole sum is freed here.
+        let block = summed.narrow(0, range.start, range.len())?.copy()?;
         return Ok((block, norm.sqrt()));
     }
     let scattered = dist.reduce_scatter_tensor(flat)?;

@@ -194,7 +194,7 @@ impl Trainer {
         };
         let mut critic = critic::open(&cfg, &mut policy, CriticOrigin::Fresh)?;
         set_numerics(&cfg, &mut policy, critic.as_mut())?;
-        check_memory(&cfg, &policy, run_lora_spec(&cfg)?)?;
+        check_memory(&cfg, &policy, run_lora_spec(&cfg)?, dist.size())?;
         // Only now that the device and every model directory were found good does the run
         // directory come into being: a config that fails leaves nothing behind.
         if lead {
@@ -286,7 +286,8 @@ impl Trainer {
             &device,
         )?;
         let critic = critic::open(&cfg, &mut policy, CriticOrigin::Checkpoint(&ckpt))?;
-        check_memory(&cfg, &policy, policy.adapters().map(|a| a.spec().clone()))?;
+        let lora = policy.adapters().map(|a| a.spec().clone());
+        check_memory(&cfg, &policy, lora, dist.size())?;
         let (mut actor_opt, mut critic_opt) =
             optimizers(&cfg, &policy, critic.as_deref(), dist.as_ref())?;
         actor_opt.load(&ckpt.join("optim_actor.safetensors"))?;
@@ -353,7 +354,7 @@ impl Trainer {
             &cfg,
             policy.config(),
             policy.adapters().map(|a| a.spec().clone()),
-            policy.device(),
+            (policy.device(), dist.size()),
         );
         policy.refresh_rollout_weights()?;
         let mut engine = engine_for(&cfg, &policy)?;
@@ -810,6 +811,8 @@ impl Trainer {
             let now = self.dist.traffic();
             scalars.insert("dist/ranks".into(), self.dist.size() as f64);
             scalars.insert("dist/bytes".into(), (now.bytes - traffic.bytes) as f64);
+            let ring = now.ring_bytes - traffic.ring_bytes;
+            scalars.insert("dist/ring_bytes".into(), ring as f64);
             scalars.insert("dist/seconds".into(), now.seconds - traffic.seconds);
         }
         scalars.insert(
@@ -1366,9 +1369,15 @@ fn set_numerics(
 }
 
 /// Stops a run whose memory plan (weights, optimizer, KV pool, the smallest mini-batch) does
-/// not fit in the machine's memory, with the plan's table, before anything large is allocated.
-fn check_memory(cfg: &Config, policy: &Model, lora: Option<LoraSpec>) -> Result<(), TrainError> {
-    match MemoryBudget::for_run(cfg, policy.config(), lora, policy.device()) {
+/// not fit in the machine's memory, with the plan's table, before anything large is allocated;
+/// planned for one of `ranks` ranks.
+fn check_memory(
+    cfg: &Config,
+    policy: &Model,
+    lora: Option<LoraSpec>,
+    ranks: usize,
+) -> Result<(), TrainError> {
+    match MemoryBudget::for_run(cfg, policy.config(), lora, (policy.device(), ranks)) {
         Some(budget) => budget.check_start().map_err(TrainError::Memory),
         None => Ok(()),
     }
@@ -1376,8 +1385,8 @@ fn check_memory(cfg: &Config, policy: &Model, lora: Option<LoraSpec>) -> Result<
 
 /// The optimizers of a run: the actor's over the policy's parameters less a shared value head
 /// (`optimizer_config`), and the critic's over the separate critic or the shared head, at the
-/// critic's own learning rate and weight decay (`critic_optimizer_config`); both sharded over
-/// `dist`'s ranks as `sharding` says.
+/// critic's own learning rate and weight decay (`critic_optimizer_config`); sharded over
+/// `dist`'s ranks as `sharding` says (a value-MLP critic's excepted).
 fn optimizers(
     cfg: &Config,
     policy: &Model,
@@ -1393,8 +1402,14 @@ fn optimizers(
     let actor_opt = AdamW::sharded(trunk, &cfg.optimizer_config(), cfg.sharding, world)?;
     let critic_opt = critic
         .map(|c| {
+            // A value MLP is fitted alike on every rank, on the same rows, without collectives:
+            // its optimizer stays whole.
+            let sharding = match c.trains_on_mini_batches() {
+                true => cfg.sharding,
+                false => Sharding::None,
+            };
             let params = c.trainable_vars(policy);
-            AdamW::sharded(params, &cfg.critic_optimizer_config(), cfg.sharding, world)
+            AdamW::sharded(params, &cfg.critic_optimizer_config(), sharding, world)
         })
         .transpose()?;
     Ok((actor_opt, critic_opt))
