@@ -220,6 +220,7 @@ fn shipped_model_shapes_have_their_published_sizes() {
         ("qwen2.5-0.5b.json", 494_032_768u64),
         ("qwen2.5-3b.json", 3_085_938_688),
         ("qwen2.5-7b.json", 7_615_616_512),
+        ("qwen2.5-32b.json", 32_763_876_352),
     ];
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models");
     let mut shipped: Vec<String> = std::fs::read_dir(&dir)

@@ -158,7 +158,7 @@ impl MemoryPlan {
             rollout_weights: policy.rollout_weights,
             gradients,
             optimizer: both(|m| m.optimizer),
-            step_buffers: step_buffers(largest_step, shape.ranks, shape.sharding),
+            step_buffers: step_buffers(largest_step, shape.ranks, shape.sharding, shape.device),
             activations,
             logits,
             kv_cache: shape.kv_slots as u64 * kv.num_hidden_layers as u64 * 2 * kv_row * kv_bytes,
@@ -250,19 +250,25 @@ impl MemoryPlan {
 }
 
 /// The most bytes of flat f32 buffers one optimizer step over `trained` parameters holds at a
-/// time across `ranks` ranks (the device path; through the host, MPI holds a copy of each buffer
-/// it sums).
-fn step_buffers(trained: u64, ranks: usize, sharding: Sharding) -> u64 {
+/// time across `ranks` ranks. On CUDA (NCCL) a collective reads and writes device buffers; on
+/// the CPU it goes through the host, where MPI sums from a copy of what it is given.
+fn step_buffers(trained: u64, ranks: usize, sharding: Sharding, device: PlanDevice) -> u64 {
     let whole = trained * F32;
     let block = trained.div_ceil(ranks as u64) * F32;
+    let host = device == PlanDevice::Cpu;
+    // A whole buffer summed: on the host, its copy and MPI's send buffer besides.
+    let summed_whole = if host { 3 * whole } else { 2 * whole };
     match (ranks, sharding) {
         (1, _) => 0,
         // This rank's gradients and their sum.
-        (_, Sharding::None) => 2 * whole,
-        // This rank's gradients, their sum and its block of the sum, copied out before both go.
-        (_, Sharding::Optimizer) => 2 * whole + block,
-        // Then the block's gradient and values, and every rank's updated block gathered; while
-        // reduce-scattering, this rank's gradients and the block of their sum.
+        (_, Sharding::None) => summed_whole,
+        // Then this rank's block of the sum, copied out before the whole sum goes.
+        (_, Sharding::Optimizer) => summed_whole + block,
+        // Reduce-scattering: this rank's gradients, their host copy, Open MPI's scratch buffer
+        // of the whole sum (its reduce-scatter-block reduces the whole vector before it
+        // scatters) and this rank's block of the sum; then the block's gradient and values, and
+        // every rank's updated block gathered.
+        _ if host => (3 * whole + block).max(whole + 3 * block),
         _ => whole + 2 * block,
     }
 }
@@ -610,22 +616,15 @@ mod tests {
             })
         };
         let block = p.div_ceil(3) * F32;
+        // On the CPU every sum goes through the host: a copy, and MPI's send buffer.
         let replicated = at(3, Sharding::None);
-        assert_eq!(
-            (replicated.optimizer, replicated.step_buffers),
-            (8 * p, 8 * p)
-        );
+        let buffers = |plan: &MemoryPlan| (plan.optimizer, plan.step_buffers);
+        assert_eq!(buffers(&replicated), (8 * p, 12 * p));
         let zero1 = at(3, Sharding::Optimizer);
-        assert_eq!(
-            (zero1.optimizer, zero1.step_buffers),
-            (2 * block, 8 * p + block)
-        );
+        assert_eq!(buffers(&zero1), (2 * block, 12 * p + block));
         let zero2 = at(3, Sharding::Gradients);
-        assert_eq!(
-            (zero2.optimizer, zero2.step_buffers),
-            (2 * block, 4 * p + 2 * block)
-        );
-        assert!(zero2.peak() < zero1.peak() && zero1.peak() < replicated.peak());
+        assert_eq!(buffers(&zero2), (2 * block, 12 * p + block));
+        assert!(zero2.peak() <= zero1.peak() && zero1.peak() < replicated.peak());
         assert!(zero2
             .table(&zero2_shape(&cfg), None)
             .contains("this rank's 1/3"));
