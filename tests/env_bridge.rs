@@ -507,10 +507,12 @@ fn every_fault_is_an_error_naming_the_server_and_the_request() {
     );
 }
 
-/// A rollout of 3 groups of 2 over the walk env at `url` with a tiny model.
+/// A rollout of 3 groups of 2 over the walk env at `url` with a tiny model, with `on_error`
+/// and the remote keys of `extra`.
 fn walk_rollout(
     url: &str,
     on_error: &str,
+    extra: Value,
 ) -> (
     stepppo::rollout::agent_loop::Result<stepppo::rollout::agent_loop::Rollout>,
     usize,
@@ -519,9 +521,13 @@ fn walk_rollout(
     let cfg = ModelConfig::tiny(tok.vocab_size());
     let model = Model::new(&cfg, 3, &Device::Cpu).unwrap();
     let mut engine = Engine::new(&cfg, EngineConfig::default(), &Device::Cpu).unwrap();
+    let mut keys = json!({"on_error": on_error, "max_turns": 2});
+    keys.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
     let rollout = RolloutConfig {
         env_name: "remote".into(),
-        env_config: remote(url, json!({"on_error": on_error, "max_turns": 2})),
+        env_config: remote(url, keys),
         num_groups: 3,
         group_size: 2,
         max_new_tokens: 6,
@@ -545,9 +551,36 @@ fn walk_rollout(
 }
 
 #[test]
+fn episodes_stepped_at_once_give_the_records_of_one_after_another() {
+    let server = FaultServer::start(None);
+    let records = |concurrency: usize| {
+        let (out, _) = walk_rollout(&server.url, "fail", json!({"concurrency": concurrency}));
+        out.unwrap().records
+    };
+    let one_by_one = records(1);
+    assert_eq!(one_by_one.len(), 12, "3 groups of 2, 2 turns");
+    for concurrency in [2, 4, 16] {
+        let at_once = records(concurrency);
+        assert_eq!(at_once.len(), one_by_one.len(), "concurrency {concurrency}");
+        for (a, b) in one_by_one.iter().zip(&at_once) {
+            let at = (a.traj_id, a.step_index, concurrency);
+            assert_eq!((b.traj_id, b.step_index), (a.traj_id, a.step_index));
+            assert_eq!(a.obs_ids, b.obs_ids, "{at:?}");
+            assert_eq!(a.response_ids, b.response_ids, "{at:?}");
+            assert_eq!((a.reward, a.terminated), (b.reward, b.terminated), "{at:?}");
+        }
+    }
+    let (err, _) = walk_rollout(&server.url, "fail", json!({"concurrency": 0}));
+    assert_names(
+        &err.err().unwrap().to_string(),
+        &["concurrency", "at least 1"],
+    );
+}
+
+#[test]
 fn a_rollout_drops_the_failed_group_under_skip_and_stops_under_fail() {
     let server = FaultServer::failing("/step", Fault::Status500, 3, 3);
-    let (out, sunk) = walk_rollout(&server.url, "skip");
+    let (out, sunk) = walk_rollout(&server.url, "skip", json!({}));
     let out = out.unwrap();
     let mut members: HashMap<u64, std::collections::BTreeSet<u64>> = HashMap::new();
     for r in &out.records {
@@ -569,7 +602,7 @@ fn a_rollout_drops_the_failed_group_under_skip_and_stops_under_fail() {
     }
 
     let server = FaultServer::failing("/step", Fault::Status500, 3, 3);
-    let err = walk_rollout(&server.url, "fail")
+    let err = walk_rollout(&server.url, "fail", json!({}))
         .0
         .err()
         .unwrap()
@@ -577,7 +610,7 @@ fn a_rollout_drops_the_failed_group_under_skip_and_stops_under_fail() {
     assert_names(&err, &["POST /step", "HTTP 500", &server.url]);
 
     let server = FaultServer::failing("/reset", Fault::Status500, 1, usize::MAX);
-    let err = walk_rollout(&server.url, "skip")
+    let err = walk_rollout(&server.url, "skip", json!({}))
         .0
         .err()
         .unwrap()

@@ -111,6 +111,9 @@ pub struct EnvCheck {
     pub on_error: OnError,
     /// The protocol's tool mode (`tools: true`).
     pub tools: bool,
+    /// Episodes a rollout steps at once (a remote env's `concurrency`; 1 for the built-in envs,
+    /// whose steps take microseconds).
+    pub concurrency: usize,
 }
 
 /// A text environment. See the module doc for the determinism and failure contracts.
@@ -404,6 +407,7 @@ pub fn check_config(env_name: &str, config: &Value) -> Result<EnvCheck, EnvError
             action_space: Some(env.action_space()),
             on_error: OnError::Fail,
             tools: protocol.tools,
+            concurrency: 1,
         });
     }
     let (protocol_overrides, env_overrides) = split_config(env_name, config)?;
@@ -413,6 +417,7 @@ pub fn check_config(env_name: &str, config: &Value) -> Result<EnvCheck, EnvError
         action_space: None,
         on_error: remote.on_error,
         tools: protocol.tools,
+        concurrency: remote.concurrency,
     })
 }
 
@@ -600,6 +605,7 @@ mod tests {
                 action_space: None,
                 on_error: OnError::Skip,
                 tools: false,
+                concurrency: 16,
             }
         );
         let err = |config: Value| check_config("remote", &config).unwrap_err().to_string();

@@ -49,6 +49,10 @@ pub struct RemoteConfig {
     pub timeout: f64,
     /// What a rollout does when a request fails.
     pub on_error: OnError,
+    /// Episodes a rollout steps (and resets) at once, each over its own connection: a batch's
+    /// requests overlap instead of waiting for one another; ≥ 1 (1: one after another). The
+    /// records do not depend on it.
+    pub concurrency: usize,
 }
 
 impl Default for RemoteConfig {
@@ -57,6 +61,7 @@ impl Default for RemoteConfig {
             url: String::new(),
             timeout: 30.0,
             on_error: OnError::Fail,
+            concurrency: 16,
         }
     }
 }
@@ -85,6 +90,13 @@ impl RemoteConfig {
                 "remote",
                 "timeout",
                 format!("must be a number of seconds > 0, got {}", self.timeout),
+            ));
+        }
+        if self.concurrency == 0 {
+            return Err(bad_value(
+                "remote",
+                "concurrency",
+                "must be at least 1 (episodes stepped at once)",
             ));
         }
         Ok(())

@@ -13,6 +13,10 @@
 //! group (group-relative estimators only ever see whole groups), counts it in
 //! [`RolloutStats::env_errors`] and goes on; when every group fails the first error is returned.
 //! Records reach the sink once the rollout is over, so a dropped group's never do.
+//!
+//! A remote env's episodes are reset and stepped `concurrency` at a time, on scoped threads over
+//! contiguous runs of the batch, their results taken in the batch's order: the records and the
+//! errors reported are those of one episode after another.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -22,7 +26,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::env::{build_session, check_config, AgentSession, EnvError, OnError};
 use crate::model::Model;
-use crate::rollout::engine::{CacheCounters, Engine, EngineError, FinishReason, GenRequest};
+use crate::rollout::engine::{
+    CacheCounters, Engine, EngineError, FinishReason, GenRequest, Generation,
+};
 use crate::rollout::grammar::{GrammarError, ResponseGrammar};
 use crate::rollout::sampling::SamplingParams;
 use crate::seed;
@@ -226,12 +232,12 @@ pub fn run_rollout(
     validate(cfg)?;
     let start = Instant::now();
     engine.take_counters();
-    let on_error = check_config(&cfg.env_name, &cfg.env_config)
-        .map_err(|source| env_error(cfg, source))?
-        .on_error;
-    let mut dropped = DroppedGroups::new(on_error);
+    let check =
+        check_config(&cfg.env_name, &cfg.env_config).map_err(|source| env_error(cfg, source))?;
+    let mut dropped = DroppedGroups::new(check.on_error);
+    let threads = check.concurrency;
     let t_start = Instant::now();
-    let mut trajs = start_trajectories(tok, cfg, &mut dropped)?;
+    let mut trajs = start_trajectories(tok, cfg, &mut dropped, threads)?;
     let mut env_s = t_start.elapsed().as_secs_f64();
     if trajs.first().is_some_and(|t| t.session.protocol().tools) {
         check_tool_mode(cfg)?;
@@ -259,26 +265,29 @@ pub fn run_rollout(
         let gens = engine.generate(model, tok, &requests)?;
         generate_s += t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        for (&i, g) in active.iter().zip(gens) {
-            if dropped.contains(trajs[i].group_id) {
+        let last_turn = turn + 1 == cfg.max_turns;
+        let version = engine.policy_version();
+        let mut gens = gens.into_iter();
+        let work: Vec<(&mut Trajectory, Generation)> = trajs
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| active.binary_search(i).is_ok())
+            .filter_map(|(_, t)| gens.next().map(|g| (t, g)))
+            .collect();
+        let advanced = map_concurrently(work, threads, |(t, g)| {
+            let cut = g.finish == FinishReason::Length;
+            let step = (turn as u32, last_turn, version);
+            let record = advance(t, step, (g.tokens, g.logprobs), (tok, template, cfg));
+            (t.group_id, cut, record)
+        });
+        for ((group_id, cut, record), &i) in advanced.into_iter().zip(&active) {
+            if dropped.contains(group_id) {
                 continue; // another member failed this turn
             }
-            length_cut += usize::from(g.finish == FinishReason::Length);
-            let last_turn = turn + 1 == cfg.max_turns;
-            let advanced = advance(
-                &mut trajs[i],
-                turn as u32,
-                g.tokens,
-                g.logprobs,
-                last_turn,
-                engine.policy_version(),
-                tok,
-                template,
-                cfg,
-            );
-            match advanced {
+            length_cut += usize::from(cut);
+            match record {
                 Ok(record) => trajs[i].records.push(record),
-                Err(e) => dropped.absorb(trajs[i].group_id, e)?,
+                Err(e) => dropped.absorb(group_id, e)?,
             }
         }
         env_s += t1.elapsed().as_secs_f64();
@@ -402,16 +411,51 @@ fn start_trajectories(
     tok: &Tokenizer,
     cfg: &RolloutConfig,
     dropped: &mut DroppedGroups,
+    threads: usize,
 ) -> Result<Vec<Trajectory>> {
     let mut trajs = Vec::with_capacity(cfg.num_groups * cfg.group_size);
-    for g in 0..cfg.num_groups as u64 {
-        let group_id = cfg.first_group_id + g;
-        match start_group(tok, cfg, group_id) {
+    let groups: Vec<u64> = (0..cfg.num_groups as u64)
+        .map(|g| cfg.first_group_id + g)
+        .collect();
+    let started = map_concurrently(groups.clone(), threads, |group_id| {
+        start_group(tok, cfg, group_id)
+    });
+    for (group_id, members) in groups.into_iter().zip(started) {
+        match members {
             Ok(members) => trajs.extend(members),
             Err(e) => dropped.absorb(group_id, e)?,
         }
     }
     Ok(trajs)
+}
+
+/// `f` of every item, in the items' order: on up to `threads` scoped threads, each taking a
+/// contiguous run of the items, or on this thread alone when `threads` is 1.
+fn map_concurrently<T: Send, R: Send>(
+    items: Vec<T>,
+    threads: usize,
+    f: impl Fn(T) -> R + Sync,
+) -> Vec<R> {
+    if threads <= 1 || items.len() <= 1 {
+        return items.into_iter().map(f).collect();
+    }
+    let run = items.len().div_ceil(threads);
+    let mut runs: Vec<Vec<T>> = Vec::new();
+    let mut items = items.into_iter().peekable();
+    while items.peek().is_some() {
+        runs.push(items.by_ref().take(run).collect());
+    }
+    let f = &f;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = runs
+            .into_iter()
+            .map(|run| scope.spawn(move || run.into_iter().map(f).collect::<Vec<R>>()))
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
 }
 
 /// Builds and resets the sessions of one group (one env seed, hence one first prompt).
@@ -473,16 +517,13 @@ fn request(
 /// Applies one response to its trajectory: steps the session, builds the round's record and the
 /// next context.
 #[allow(clippy::too_many_arguments)]
+/// Plays `response` (with its log-probs) in `t`'s env at `(turn, last turn, policy version)`
+/// and returns the round's record.
 fn advance(
     t: &mut Trajectory,
-    turn: u32,
-    response: Vec<u32>,
-    logprobs: Vec<f32>,
-    last_turn: bool,
-    policy_version: u64,
-    tok: &Tokenizer,
-    template: &ChatTemplate,
-    cfg: &RolloutConfig,
+    (turn, last_turn, policy_version): (u32, bool, u64),
+    (response, logprobs): (Vec<u32>, Vec<f32>),
+    (tok, template, cfg): (&Tokenizer, &ChatTemplate, &RolloutConfig),
 ) -> Result<StepRecord> {
     let state_hash = t.session.state_hash();
     let critic_state = if cfg.critic_state {
