@@ -208,17 +208,16 @@ const SEPARATE_CRITIC: &[&str] = &[
 
 /// ZeRO-2 on two ranks, resumed as ZeRO-1 on three (an uneven split of the flat parameters),
 /// then unsharded on one: the weights and the optimizer states of each checkpoint are one rank's.
+/// With activation checkpointing, and the tree forward (the default).
 #[test]
 fn sharded_ranks_train_as_one_rank_and_resume_at_any_rank_count_and_mode() {
     let Some(_) = mpirun() else { return };
     let root = tempfile::tempdir().unwrap();
     let (one, sharded) = (root.path().join("one"), root.path().join("sharded"));
-    train(
-        None,
-        1,
-        &with_max_steps(args(&one, false, SEPARATE_CRITIC), 4),
-    );
-    let mut first = SEPARATE_CRITIC.to_vec();
+    let mut config = SEPARATE_CRITIC.to_vec();
+    config.push("activation_checkpointing=true");
+    train(None, 1, &with_max_steps(args(&one, false, &config), 4));
+    let mut first = config.clone();
     first.push("sharding=gradients");
     train(
         mpirun(),
