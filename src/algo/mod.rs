@@ -24,7 +24,6 @@ pub mod filter;
 pub mod loss;
 pub mod normalize;
 pub mod optim;
-mod optim_kernels;
 pub mod value_fit;
 
 pub use advantage::{

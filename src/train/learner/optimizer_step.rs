@@ -228,10 +228,7 @@ fn gather_weights(
 
 /// A rank's block (its [`FlatShard::range`]) with zeros after it up to a whole block, as the
 /// collectives move it.
-pub(in crate::train) fn padded_block(
-    block: Tensor,
-    shard: &FlatShard,
-) -> Result<Tensor, TrainError> {
+fn padded_block(block: Tensor, shard: &FlatShard) -> Result<Tensor, TrainError> {
     Ok(match shard.block() - block.elem_count() {
         0 => block,
         n => {

@@ -91,9 +91,15 @@ pub struct CheckpointWriter {
 }
 
 impl CheckpointWriter {
+    /// The directory a checkpoint of `step` is written in before [`commit`](Self::commit):
+    /// where the other ranks of a sharded run write their optimizer blocks.
+    pub fn tmp_path(run_dir: &Path, step: u64) -> PathBuf {
+        run_dir.join(format!("{}.tmp", dir_name(step)))
+    }
+
     /// Starts `<run>/ckpt-<step>.tmp/`, replacing a stale one left by a crash.
     pub fn begin(run_dir: &Path, step: u64) -> Result<Self, CheckpointError> {
-        let tmp = run_dir.join(format!("{}.tmp", dir_name(step)));
+        let tmp = Self::tmp_path(run_dir, step);
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
         }

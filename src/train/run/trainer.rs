@@ -47,7 +47,6 @@ use crate::train::learner::critic::{self, Critic, CriticOrigin, ValueReading};
 use crate::train::learner::device_batch::BatchLayout;
 use crate::train::learner::masks::{response_masks, ResponseMasks};
 use crate::train::learner::memory_plan::{MemoryBudget, GIB};
-use crate::train::learner::optimizer_step::padded_block;
 use crate::train::learner::ranks;
 use crate::train::learner::scoring::response_logprobs;
 use crate::train::learner::self_imitation::{self, Replay, ReplayBuffer};
@@ -71,7 +70,7 @@ use crate::train::Scalars;
 use crate::train::TrainError;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -290,9 +289,9 @@ impl Trainer {
         check_memory(&cfg, &policy, lora, dist.size())?;
         let (mut actor_opt, mut critic_opt) =
             optimizers(&cfg, &policy, critic.as_deref(), dist.as_ref())?;
-        actor_opt.load(&ckpt.join("optim_actor.safetensors"))?;
+        actor_opt.load(&optimizer_state(&ckpt, ACTOR_OPTIMIZER))?;
         if let Some(opt) = critic_opt.as_mut() {
-            opt.load(&ckpt.join("optim_critic.safetensors"))?;
+            opt.load(&optimizer_state(&ckpt, CRITIC_OPTIMIZER))?;
         }
         let reference = if cfg.keeps_reference() && policy.adapters().is_some() {
             Some(policy.without_adapters()?)
@@ -542,10 +541,7 @@ impl Trainer {
         }
         let save = last || (self.cfg.save_steps > 0 && step.is_multiple_of(self.cfg.save_steps));
         if save {
-            // Every rank takes part in gathering sharded optimizer states; rank 0 writes.
-            let optimizer_states = self.optimizer_states()?;
-            if self.sink.is_some() {
-                let dir = self.save_checkpoint(optimizer_states)?;
+            if let Some(dir) = self.checkpoint()? {
                 on_event(Event::Checkpoint(&dir));
             }
         }
@@ -1136,44 +1132,64 @@ impl Trainer {
         }
     }
 
-    /// The whole states of the actor's and the critic's optimizers, gathered from every rank's
-    /// block when they are sharded (a collective: every rank calls it).
-    fn optimizer_states(&self) -> Result<OptimizerStates, TrainError> {
-        let dist = self.dist.as_ref();
-        let actor = whole_optimizer_state(&self.actor_opt, dist)?;
-        let critic = self
-            .critic_opt
-            .as_ref()
-            .map(|opt| whole_optimizer_state(opt, dist))
-            .transpose()?;
-        Ok((actor, critic))
+    /// Writes `ckpt-<step>` and returns it on rank 0: rank 0 starts it; with sharded optimizers
+    /// every rank then writes its blocks of their states into it (a collective); rank 0 writes
+    /// the rest and commits it ([`Trainer::save_checkpoint`]).
+    fn checkpoint(&mut self) -> Result<Option<PathBuf>, TrainError> {
+        let step = self.state.step;
+        let writer = self
+            .sink
+            .is_some()
+            .then(|| CheckpointWriter::begin(&self.run_dir, step).map_err(TrainError::from));
+        let optimizers = [
+            (Some(&self.actor_opt), ACTOR_OPTIMIZER),
+            (self.critic_opt.as_ref(), CRITIC_OPTIMIZER),
+        ];
+        let sharded: Vec<(&AdamW, &str)> = optimizers
+            .into_iter()
+            .filter_map(|(opt, name)| opt.filter(|o| o.shard().is_some()).map(|o| (o, name)))
+            .collect();
+        if !sharded.is_empty() {
+            let dist = self.dist.as_ref();
+            let begun = writer.as_ref().map_or(Ok(()), |w| match w {
+                Ok(_) => Ok(()),
+                Err(e) => Err(TrainError::Data(e.to_string())),
+            });
+            agree(dist, begun, "starting the checkpoint")?;
+            let tmp = CheckpointWriter::tmp_path(&self.run_dir, step);
+            let written = sharded
+                .iter()
+                .try_for_each(|(opt, name)| Ok(opt.save_block(&tmp.join(name))?));
+            agree(dist, written, "writing the optimizers' blocks")?;
+        }
+        match writer {
+            Some(writer) => Ok(Some(self.save_checkpoint(writer?)?)),
+            None => Ok(None),
+        }
     }
 
-    /// Writes `ckpt-<step>` atomically (never from non-finite weights) and points `ckpt-latest` at
-    /// it, with the optimizers' whole states ([`Trainer::optimizer_states`]). Rank 0's work: the
-    /// other ranks hold the same weights and write nothing.
-    fn save_checkpoint(
-        &mut self,
-        (actor_state, critic_state): OptimizerStates,
-    ) -> Result<PathBuf, TrainError> {
+    /// Writes the checkpoint `writer` began (never from non-finite weights) and points
+    /// `ckpt-latest` at it; an unsharded optimizer's whole state goes in with it (a sharded one's
+    /// blocks are in it already). Rank 0's work: the other ranks hold the same weights and write
+    /// nothing.
+    fn save_checkpoint(&mut self, writer: CheckpointWriter) -> Result<PathBuf, TrainError> {
         let (Some(sink), Some(credit_log)) = (self.sink.as_mut(), self.credit_log.as_mut()) else {
             return Err(TrainError::Data("only rank 0 writes checkpoints".into()));
         };
         let position = RunPosition::capture(&self.run_dir, &mut self.dataset, sink, credit_log)?;
-        let writer = CheckpointWriter::begin(&self.run_dir, self.state.step)?;
         let policy_vars = self.policy.named_vars();
         writer.ensure_finite(policy_vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
         let tmp = writer.tmp_dir().to_path_buf();
         self.policy.save(&tmp.join("policy"), Some(&self.tok))?;
         crash::point("checkpoint.partial");
-        AdamW::write_state(&actor_state, &tmp.join("optim_actor.safetensors"))?;
+        save_whole_optimizer(&self.actor_opt, &tmp, ACTOR_OPTIMIZER)?;
         if let Some(critic) = &self.critic {
             let vars = critic.weights();
             writer.ensure_finite(vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())))?;
             critic.save(&tmp)?;
         }
-        if let Some(state) = &critic_state {
-            AdamW::write_state(state, &tmp.join("optim_critic.safetensors"))?;
+        if let Some(opt) = &self.critic_opt {
+            save_whole_optimizer(opt, &tmp, CRITIC_OPTIMIZER)?;
         }
         if let Some(buffer) = &self.replay_buffer {
             buffer.save(&tmp.join(self_imitation::CHECKPOINT_DIR))?;
@@ -1291,21 +1307,44 @@ fn check_world(cfg: &Config, ranks: usize) -> Result<(), TrainError> {
     Ok(())
 }
 
-/// The actor's and (with a critic) the critic's whole optimizer states, by tensor name.
-type OptimizerStates = (HashMap<String, Tensor>, Option<HashMap<String, Tensor>>);
+/// The checkpoint names of the actor's and the critic's optimizer states: `<name>.safetensors`
+/// (a whole state) or `<name>/` (the ranks' blocks of a sharded one).
+const ACTOR_OPTIMIZER: &str = "optim_actor";
+const CRITIC_OPTIMIZER: &str = "optim_critic";
 
-/// `opt`'s whole state: its own, or every rank's block moments all-gathered.
-fn whole_optimizer_state(
-    opt: &AdamW,
+/// Writes an unsharded optimizer's whole state into checkpoint directory `tmp` as `name`.
+fn save_whole_optimizer(opt: &AdamW, tmp: &Path, name: &str) -> Result<(), TrainError> {
+    if opt.shard().is_none() {
+        opt.save(&tmp.join(format!("{name}.safetensors")))?;
+    }
+    Ok(())
+}
+
+/// Where checkpoint `ckpt` keeps optimizer `name`'s state: the ranks' blocks of a sharded run,
+/// else the whole-state file.
+fn optimizer_state(ckpt: &Path, name: &str) -> PathBuf {
+    let blocks = ckpt.join(name);
+    match blocks.is_dir() {
+        true => blocks,
+        false => ckpt.join(format!("{name}.safetensors")),
+    }
+}
+
+/// `mine` once every rank has said how its part of a collective save went: this rank's error,
+/// or an error naming `what` when another rank failed.
+fn agree<T>(
     dist: &dyn Collective,
-) -> Result<HashMap<String, Tensor>, TrainError> {
-    let (Some((_, shard)), Some((m, v))) = (opt.shard(), opt.block_moments()) else {
-        return Ok(opt.state()?);
-    };
-    let gather = |block: &Tensor| -> Result<Tensor, TrainError> {
-        Ok(dist.all_gather_tensor(&padded_block(block.clone(), shard)?)?)
-    };
-    Ok(opt.whole_state(&gather(m)?, &gather(v)?)?)
+    mine: Result<T, TrainError>,
+    what: &str,
+) -> Result<T, TrainError> {
+    let mut failed = [f64::from(u8::from(mine.is_err()))];
+    dist.all_reduce_f64(&mut failed)?;
+    match mine {
+        Ok(_) if failed[0] > 0.0 => Err(TrainError::Data(format!(
+            "{what} failed on another rank (its error is in its output)"
+        ))),
+        other => other,
+    }
 }
 
 /// Refuses a `sharding` mode that cannot apply to a world of `ranks` ranks.

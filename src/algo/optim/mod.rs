@@ -2,9 +2,9 @@
 //! gradient-norm clipping, and the warmup + constant/cosine learning-rate schedule. Actor and
 //! critic each get their own `AdamW` with their own learning rate. Under sharded data
 //! parallelism an `AdamW` keeps the moments of its rank's block of the flat parameter vector
-//! only ([`AdamW::sharded`]) and updates that block ([`AdamW::step_block`]); its saved state is
-//! the whole one either way, so a checkpoint does not depend on the rank count. It does not
-//! decide when to step, what moves between ranks, or where checkpoints live.
+//! only ([`AdamW::sharded`]), updates that block ([`AdamW::step_block`]) and saves it as one of
+//! the ranks' block files ([`blocks`]), which any rank count reads back. It does not decide when
+//! to step, what moves between ranks, or where checkpoints live.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -12,9 +12,12 @@ use std::path::Path;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
-use super::config::{OptimizerConfig, Schedule};
-use super::optim_kernels as in_place;
-use super::AlgoError;
+use crate::algo::config::{OptimizerConfig, Schedule};
+use crate::algo::AlgoError;
+use kernels as in_place;
+
+mod blocks;
+mod kernels;
 use crate::dist::shard::{FlatShard, Piece, Sharding};
 
 /// Name of the step counter in a saved optimizer state.
@@ -287,22 +290,9 @@ impl AdamW {
         Ok((coefs.report(grad_norm, lr), cat(&parts.0, &values)?))
     }
 
-    /// The block's moments (`exp_avg`, `exp_avg_sq`) of a sharded optimizer, to be gathered
-    /// into the whole state ([`AdamW::whole_state`]).
-    pub fn block_moments(&self) -> Option<(&Tensor, &Tensor)> {
-        match &self.moments {
-            Moments::PerParam { .. } => None,
-            Moments::Block {
-                exp_avg,
-                exp_avg_sq,
-                ..
-            } => Some((exp_avg, exp_avg_sq)),
-        }
-    }
-
     /// The state as named tensors: `<param>.exp_avg`, `<param>.exp_avg_sq` and the step counter.
-    /// A sharded optimizer holds only its block: its whole state is [`AdamW::whole_state`] of
-    /// every rank's block.
+    /// A sharded optimizer holds only its block: its ranks save their blocks
+    /// ([`AdamW::save_block`]).
     pub fn state(&self) -> Result<HashMap<String, Tensor>, AlgoError> {
         let Moments::PerParam {
             exp_avg,
@@ -311,39 +301,10 @@ impl AdamW {
         else {
             return Err(sharded_misuse("state"));
         };
-        self.named_state(exp_avg.iter().cloned(), exp_avg_sq.iter().cloned())
-    }
-
-    /// The whole state of a sharded optimizer from every rank's block moments laid end to end
-    /// (`exp_avg` and `exp_avg_sq`, padding after the last value allowed): the same names and
-    /// shapes as an unsharded optimizer's [`AdamW::state`].
-    pub fn whole_state(
-        &self,
-        exp_avg: &Tensor,
-        exp_avg_sq: &Tensor,
-    ) -> Result<HashMap<String, Tensor>, AlgoError> {
-        let split = |flat: &Tensor| -> Result<Vec<Tensor>, AlgoError> {
-            let mut offset = 0;
-            let mut out = Vec::with_capacity(self.params.len());
-            for (_, var) in &self.params {
-                let n = var.elem_count();
-                out.push(flat.narrow(0, offset, n)?.reshape(var.shape())?);
-                offset += n;
-            }
-            Ok(out)
-        };
-        self.named_state(split(exp_avg)?.into_iter(), split(exp_avg_sq)?.into_iter())
-    }
-
-    fn named_state(
-        &self,
-        exp_avg: impl Iterator<Item = Tensor>,
-        exp_avg_sq: impl Iterator<Item = Tensor>,
-    ) -> Result<HashMap<String, Tensor>, AlgoError> {
         let mut out = HashMap::new();
-        for (((name, _), m), v) in self.params.iter().zip(exp_avg).zip(exp_avg_sq) {
-            out.insert(format!("{name}.exp_avg"), m);
-            out.insert(format!("{name}.exp_avg_sq"), v);
+        for (i, (name, _)) in self.params.iter().enumerate() {
+            out.insert(format!("{name}.exp_avg"), exp_avg[i].clone());
+            out.insert(format!("{name}.exp_avg_sq"), exp_avg_sq[i].clone());
         }
         let (_, device) = self.block_kind();
         out.insert(
@@ -353,37 +314,24 @@ impl AdamW {
         Ok(out)
     }
 
-    /// Writes the state to a safetensors file.
+    /// Writes the whole state to a safetensors file (an unsharded optimizer).
     pub fn save(&self, path: &Path) -> Result<(), AlgoError> {
-        Self::write_state(&self.state()?, path)
-    }
-
-    /// Writes a state ([`AdamW::state`] or [`AdamW::whole_state`]) to a safetensors file.
-    pub fn write_state(state: &HashMap<String, Tensor>, path: &Path) -> Result<(), AlgoError> {
-        candle_core::safetensors::save(state, path)
+        candle_core::safetensors::save(&self.state()?, path)
             .map_err(|e| checkpoint_error(path, e.to_string()))
     }
 
-    /// Restores the state written by [`AdamW::save`] for the same parameter names and shapes
-    /// (whatever the rank count that wrote it: a sharded optimizer keeps its block of it); a
-    /// missing, unknown or misshapen entry is an error naming it.
+    /// Restores the state written by [`AdamW::save`] (a file) or by the ranks'
+    /// [`AdamW::save_block`] (a directory) for the same parameter names and shapes, whatever the
+    /// rank count that wrote it: a sharded optimizer keeps its block of it; a missing, unknown or
+    /// misshapen entry is an error naming it.
     pub fn load(&mut self, path: &Path) -> Result<(), AlgoError> {
-        let device = self
-            .params
-            .first()
-            .map_or(candle_core::Device::Cpu, |(_, v)| v.device().clone());
+        if path.is_dir() {
+            return self.load_blocks(path);
+        }
+        let (_, device) = self.block_kind();
         let mut saved = candle_core::safetensors::load(path, &device)
             .map_err(|e| checkpoint_error(path, e.to_string()))?;
-        let step = saved
-            .remove(STEP_KEY)
-            .ok_or_else(|| checkpoint_error(path, format!("missing `{STEP_KEY}`")))?;
-        let step = step.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
-        let [step] = step.as_slice() else {
-            return Err(checkpoint_error(
-                path,
-                format!("`{STEP_KEY}` must hold one value"),
-            ));
-        };
+        let step = blocks::take_step(&mut saved, path)?;
         let mut exp_avg = Vec::with_capacity(self.params.len());
         let mut exp_avg_sq = Vec::with_capacity(self.params.len());
         for (name, var) in &self.params {
@@ -403,8 +351,7 @@ impl AdamW {
         if let Some(extra) = saved.keys().min() {
             return Err(checkpoint_error(path, format!("unknown entry `{extra}`")));
         }
-        self.step = u64::try_from(*step)
-            .map_err(|_| checkpoint_error(path, format!("negative `{STEP_KEY}`")))?;
+        self.step = step;
         self.moments = match &self.moments {
             Moments::PerParam { .. } => Moments::PerParam {
                 exp_avg,
@@ -949,16 +896,14 @@ mod tests {
         let state = if ranks == 0 {
             whole.state().unwrap()
         } else {
-            let gather = |k: usize| {
-                let parts: Vec<Tensor> = opts
-                    .iter()
-                    .map(|o| {
-                        [o.block_moments().unwrap().0, o.block_moments().unwrap().1][k].clone()
-                    })
-                    .collect();
-                Tensor::cat(&parts, 0).unwrap()
-            };
-            opts[0].whole_state(&gather(0), &gather(1)).unwrap()
+            // The ranks' blocks, read back whole.
+            let dir = tempfile::tempdir().unwrap();
+            for opt in &opts {
+                opt.save_block(dir.path()).unwrap();
+            }
+            let mut reader = AdamW::new(named.clone(), &cfg()).unwrap();
+            reader.load(dir.path()).unwrap();
+            reader.state().unwrap()
         };
         let mut state: Vec<_> = state
             .into_iter()
@@ -982,7 +927,7 @@ mod tests {
     }
 
     #[test]
-    fn a_sharded_optimizer_loads_its_block_of_a_whole_state() {
+    fn a_state_saved_whole_or_as_blocks_is_read_back_at_any_rank_count() {
         let dir = tempfile::tempdir().unwrap();
         let w = Var::from_vec(vec![1f32, 2., 3., 4., 5.], 5, &Device::Cpu).unwrap();
         let named = vec![("w".to_string(), w.clone())];
@@ -993,19 +938,54 @@ mod tests {
             Tensor::new(&[1f32, -1., 2., -2., 3.], &Device::Cpu).unwrap(),
         );
         whole.step(&store, 0.1, None).unwrap();
-        whole.save(&dir.path().join("s.safetensors")).unwrap();
-        let mut second = AdamW::sharded(named, &cfg(), Sharding::Optimizer, (1, 2)).unwrap();
-        second.load(&dir.path().join("s.safetensors")).unwrap();
-        assert_eq!(second.step_count(), 1);
-        let (m, _) = second.block_moments().unwrap();
-        // Rank 1 of 2 holds positions 3..5; after one step m = (1 − β₁)·g.
-        let expect: Vec<f32> = [-2f32, 3.].iter().map(|g| 0.1 * g).collect();
-        let got = m.to_vec1::<f32>().unwrap();
-        assert!(
-            got.iter().zip(&expect).all(|(a, b)| (a - b).abs() < 1e-7),
-            "{got:?}"
-        );
-        assert!(second.state().is_err(), "a block is not the whole state");
+        let file = dir.path().join("whole.safetensors");
+        whole.save(&file).unwrap();
+        let values = |state: HashMap<String, Tensor>| {
+            let mut v: Vec<(String, Vec<f32>)> = state
+                .into_iter()
+                .map(|(k, t)| {
+                    (
+                        k,
+                        t.to_dtype(DType::F32)
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1()
+                            .unwrap(),
+                    )
+                })
+                .collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        let saved = values(whole.state().unwrap());
+        // Two ranks read their blocks of the whole file and save them; three ranks read those
+        // blocks and save theirs (a block all padding among them at 7 ranks); a whole optimizer
+        // reads the last blocks back as they were.
+        let mut source = file;
+        for (round, ranks) in [2usize, 3, 7].into_iter().enumerate() {
+            let blocks = dir.path().join(format!("blocks-{round}"));
+            for rank in 0..ranks {
+                let mut opt =
+                    AdamW::sharded(named.clone(), &cfg(), Sharding::Gradients, (rank, ranks))
+                        .unwrap();
+                opt.load(&source).unwrap();
+                assert_eq!(opt.step_count(), 1);
+                assert!(opt.state().is_err(), "a block is not the whole state");
+                opt.save_block(&blocks).unwrap();
+            }
+            source = blocks;
+        }
+        let mut reader = AdamW::new(named.clone(), &cfg()).unwrap();
+        reader.load(&source).unwrap();
+        assert_eq!(values(reader.state().unwrap()), saved);
+        // Blocks of other parameters are refused, naming the layout.
+        let other = vec![("v".to_string(), w.clone())];
+        let err = AdamW::new(other, &cfg())
+            .unwrap()
+            .load(&source)
+            .unwrap_err();
+        assert!(err.to_string().contains("layout.json"), "{err}");
     }
 
     #[test]

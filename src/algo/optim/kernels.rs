@@ -1,4 +1,4 @@
-//! [`super::optim::AdamW`]'s update of f32 CPU parameters in place: the moments and then the
+//! [`super::AdamW`]'s update of f32 CPU parameters in place: the moments and then the
 //! parameter, each in one pass over its buffer (candle in-place ops), where the tensor-op form
 //! allocates and fills about a dozen parameter-sized temporaries per parameter and step; and the
 //! gradients' sum of squares read straight from their buffers. Other devices and dtypes keep
@@ -7,7 +7,7 @@
 use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::AlgoError;
+use crate::algo::AlgoError;
 
 /// Elements per rayon task.
 const CHUNK: usize = 1 << 14;
