@@ -702,8 +702,9 @@ pub struct Config {
     #[serde(default)]
     pub cpu_threads: usize,
     /// What the data-parallel ranks partition instead of replicating (ZeRO-1/2/3): the AdamW
-    /// moments, also the summed gradients, also the weights. Checkpoints hold whole states
-    /// whatever the mode and rank count, so it may change on `--resume`. A mode that partitions
+    /// moments, also the summed gradients, also the weights. Any rank count and mode reads a
+    /// checkpoint back (a sharded one holds each rank's block of the optimizer state), so it may
+    /// change on `--resume`. A mode that partitions
     /// nothing at one rank is refused there. `docs/guides/data-parallel.md` says which to pick
     /// from `stepppo plan --ranks N --sharding MODE`.
     #[serde(default)]
