@@ -27,7 +27,8 @@
 # ONLY=dist runs the data-parallel checks alone: a bundle built with `nccl` brings Open MPI's
 # Debian packages (.gpu/debs), unpacked under /tmp/mpiroot and relocated there (the machine has no
 # MPI); the `dist_mpi` test runs as one rank under that `mpirun`, its gradient summed by NCCL on the
-# GPU, and a short training run on the GPU as a plain process and as one NCCL rank must end with
+# GPU, and a short training run on the GPU as a plain process, as one NCCL rank and as one NCCL
+# rank with `sharding: gradients` (reduce-scatter and all-gather on the device) must end with
 # the same weights.
 set -uo pipefail
 results=${OUT:-gpu-results}
@@ -101,6 +102,17 @@ from safetensors.torch import load_file
 a, b = (load_file(f"{d}/ckpt-2/policy/model.safetensors") for d in sys.argv[1:])
 worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 print(f"plain CUDA run vs one NCCL rank, policy after 2 steps: {len(a)} tensors, max |diff| {worst:.3g}")
+PY
+  # The sharded optimizer step over NCCL (reduce-scatter, all-gather on the device) as one rank:
+  # the same weights as the unsharded NCCL rank.
+  NCCL_DEBUG=${NCCL_DEBUG:-WARN} part train-cuda-nccl-zero2 120 mpirun -np 1 "$bin" train \
+    --out /tmp/dp-zero2 "${short[@]}" --set sharding=gradients
+  python3 - /tmp/dp-nccl /tmp/dp-zero2 <<'PY' 2>&1 | tee "$out/train-cuda-zero2-compare.log"
+import sys
+from safetensors.torch import load_file
+a, b = (load_file(f"{d}/ckpt-2/policy/model.safetensors") for d in sys.argv[1:])
+worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+print(f"one NCCL rank, sharding none vs gradients, policy after 2 steps: max |diff| {worst:.3g}")
 PY
   exit 0
 fi

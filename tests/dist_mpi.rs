@@ -95,13 +95,45 @@ fn every_collective_gives_the_sum_gather_and_broadcast_on_each_rank() {
     let want = [sum_ranks as f32, size as f32, -2.0 * size as f32];
     assert_eq!(summed.to_vec1::<f32>().unwrap(), want);
 
+    blocks_on(world.as_ref(), &Device::Cpu);
     #[cfg(feature = "nccl")]
     if let Some(ordinal) = ordinal {
         device_sums(world.as_ref(), ordinal);
+        blocks_on(world.as_ref(), &Device::new_cuda(ordinal).unwrap());
     }
 
     world.barrier().unwrap();
     println!("{PASSED} {rank} of {size} ({backend})");
+}
+
+/// Reduce-scatter and all-gather of equal blocks (a sharded optimizer's), on the host and as
+/// tensors on `dev`: rank r contributes `r + i` at position i of `size` blocks of 3, and receives
+/// its block's sums; the gathered blocks come back in rank order.
+fn blocks_on(world: &dyn stepppo::dist::Collective, dev: &Device) {
+    let (rank, size) = (world.rank(), world.size());
+    let mine: Vec<f32> = (0..3 * size).map(|i| (rank + i) as f32).collect();
+    let sum_ranks = (size * (size - 1) / 2) as f32;
+    let want: Vec<f32> = (3 * rank..3 * rank + 3)
+        .map(|i| sum_ranks + (size * i) as f32)
+        .collect();
+    assert_eq!(world.reduce_scatter_f32(&mine).unwrap(), want);
+    let t = Tensor::new(mine.as_slice(), dev).unwrap();
+    let block = world.reduce_scatter_tensor(&t).unwrap();
+    assert!(block.device().same_device(dev));
+    assert_eq!(block.to_vec1::<f32>().unwrap(), want);
+    let part = [rank as f32, -(rank as f32)];
+    let all: Vec<f32> = (0..size).flat_map(|r| [r as f32, -(r as f32)]).collect();
+    assert_eq!(world.all_gather_f32(&part).unwrap(), all);
+    let gathered = world
+        .all_gather_tensor(&Tensor::new(&part, dev).unwrap())
+        .unwrap();
+    assert_eq!(gathered.to_vec1::<f32>().unwrap(), all);
+    if size > 1 {
+        // Every rank sees the same length and refuses before MPI is called.
+        let uneven = vec![1.0f32; 3 * size + 1];
+        let err = world.reduce_scatter_f32(&uneven).unwrap_err().to_string();
+        assert!(err.contains("equal blocks"), "{err}");
+    }
 }
 
 /// This rank's CUDA device when every rank on the node has one: its node-local rank (as Open

@@ -502,8 +502,8 @@ fn ranks_launched_without_the_mpi_feature_are_refused_by_name() {
 fn a_sharding_mode_that_cannot_apply_is_refused_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();
     for (mode, says) in [
-        ("gradients", "this run has one rank"),
-        ("optimizer", "this run has one rank"),
+        ("gradients", "this run is one process"),
+        ("optimizer", "this run is one process"),
         ("parameters", "not available yet"),
     ] {
         let run = dir.path().join(mode);

@@ -180,7 +180,7 @@ impl Trainer {
         dist: Arc<dyn Collective>,
     ) -> Result<Self, TrainError> {
         let device = device_of(cfg.device)?;
-        check_world(&cfg, dist.size())?;
+        check_world(&cfg, dist.as_ref())?;
         check_critic_is_read(&cfg)?;
         let lead = dist.rank() == 0;
         if lead {
@@ -272,7 +272,7 @@ impl Trainer {
         let stored_name = ckpt.join(run_dir::CONFIG_FILE).display().to_string();
         crate::config::check_resume(&stored, &cfg, &stored_name)?;
         let device = device_of(cfg.device)?;
-        check_world(&cfg, dist.size())?;
+        check_world(&cfg, dist.as_ref())?;
         let lead = dist.rank() == 0;
         let rewound = if lead {
             rewind_to(run_dir, &ckpt)?
@@ -1287,7 +1287,8 @@ fn check_critic_is_read(cfg: &Config) -> Result<(), TrainError> {
 
 /// Refuses what several ranks cannot compute as one process would: a loss normalised by the
 /// mask width of each rank's part.
-fn check_world(cfg: &Config, ranks: usize) -> Result<(), TrainError> {
+fn check_world(cfg: &Config, dist: &dyn Collective) -> Result<(), TrainError> {
+    let ranks = dist.size();
     if ranks > 1 && cfg.async_rollout.is_async() {
         return Err(TrainError::Data(format!(
             "async_rollout.staleness: {} runs generation in a thread of one process; set it to \
@@ -1295,7 +1296,7 @@ fn check_world(cfg: &Config, ranks: usize) -> Result<(), TrainError> {
             cfg.async_rollout.staleness
         )));
     }
-    check_sharding(cfg.sharding, ranks)?;
+    check_sharding(cfg.sharding, dist.is_single_process())?;
     let sum_norm = cfg.loss_agg_mode == LossAggMode::SeqMeanTokenSumNorm;
     if ranks > 1 && sum_norm {
         return Err(TrainError::Data(format!(
@@ -1347,8 +1348,10 @@ fn agree<T>(
     }
 }
 
-/// Refuses a `sharding` mode that cannot apply to a world of `ranks` ranks.
-fn check_sharding(sharding: Sharding, ranks: usize) -> Result<(), TrainError> {
+/// Refuses a `sharding` mode that cannot apply: any but `none` in a process on its own (a
+/// launched world of one rank runs it, its one block the whole state, which exercises the
+/// collectives' backend).
+fn check_sharding(sharding: Sharding, single_process: bool) -> Result<(), TrainError> {
     let mode = sharding.name();
     if sharding == Sharding::Parameters {
         return Err(TrainError::Data(
@@ -1357,9 +1360,9 @@ fn check_sharding(sharding: Sharding, ranks: usize) -> Result<(), TrainError> {
                 .into(),
         ));
     }
-    if sharding != Sharding::None && ranks == 1 {
+    if sharding != Sharding::None && single_process {
         return Err(TrainError::Data(format!(
-            "sharding: `{mode}` partitions state across ranks, and this run has one rank: set \
+            "sharding: `{mode}` partitions state across ranks, and this run is one process: set \
              sharding=none, or launch several ranks (mpirun -np N stepppo train …)"
         )));
     }
