@@ -704,9 +704,9 @@ pub struct Config {
     /// What the data-parallel ranks partition instead of replicating (ZeRO-1/2/3): the AdamW
     /// moments, also the summed gradients, also the weights. Any rank count and mode reads a
     /// checkpoint back (a sharded one holds each rank's block of the optimizer state), so it may
-    /// change on `--resume`. A mode that partitions
-    /// nothing at one rank is refused there. `docs/guides/data-parallel.md` says which to pick
-    /// from `stepppo plan --ranks N --sharding MODE`.
+    /// change on `--resume`. A mode other than `none` is refused in a process started without a
+    /// launcher (`mpirun -np 1` runs it, with one block). `docs/guides/data-parallel.md` says
+    /// which to pick from `stepppo plan --ranks N --sharding MODE`.
     #[serde(default)]
     pub sharding: crate::dist::shard::Sharding,
     /// The value model.

@@ -263,7 +263,7 @@ const SEPARATE_CRITIC: &[&str] = &[
     "critic.history_batches=1",
 ];
 
-/// ZeRO-2 on two ranks, resumed as ZeRO-1 on three (an uneven split of the flat parameters),
+/// ZeRO-2 on three ranks (an uneven split of the flat parameters), resumed as ZeRO-1 on two,
 /// then unsharded on one: the weights and the optimizer states of each checkpoint are one rank's.
 /// With activation checkpointing, and the tree forward (the default).
 #[test]
@@ -278,12 +278,12 @@ fn sharded_ranks_train_as_one_rank_and_resume_at_any_rank_count_and_mode() {
     first.push("sharding=gradients");
     train(
         mpirun(),
-        2,
+        3,
         &with_max_steps(args(&sharded, false, &first), 2),
     );
     train(
         mpirun(),
-        3,
+        2,
         &with_max_steps(resume_args(&sharded, &["sharding=optimizer"]), 3),
     );
     train(

@@ -102,9 +102,6 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
     if a.ranks == 0 {
         bail!("--ranks: at least 1");
     }
-    if a.ranks == 1 && !matches!(a.sharding, ShardingArg::None) {
-        bail!("--sharding: partitioning needs --ranks above 1");
-    }
     let batch_tokens = a.batch_tokens;
     let shape = PlanShape {
         policy: TrainedModel {

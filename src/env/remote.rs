@@ -49,9 +49,9 @@ pub struct RemoteConfig {
     pub timeout: f64,
     /// What a rollout does when a request fails.
     pub on_error: OnError,
-    /// Episodes a rollout steps (and resets) at once, each over its own connection: a batch's
-    /// requests overlap instead of waiting for one another; ≥ 1 (1: one after another). The
-    /// records do not depend on it.
+    /// Episodes a rollout steps at once (and groups it resets at once, a group's members in
+    /// turn), each over its own connection: a batch's requests overlap instead of waiting for
+    /// one another; ≥ 1 (1: one after another). The records do not depend on it.
     pub concurrency: usize,
 }
 

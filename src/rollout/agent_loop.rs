@@ -14,9 +14,10 @@
 //! [`RolloutStats::env_errors`] and goes on; when every group fails the first error is returned.
 //! Records reach the sink once the rollout is over, so a dropped group's never do.
 //!
-//! A remote env's episodes are reset and stepped `concurrency` at a time, on scoped threads over
-//! contiguous runs of the batch, their results taken in the batch's order: the records and the
-//! errors reported are those of one episode after another.
+//! A remote env's groups are reset, and its episodes stepped, `concurrency` at a time, on scoped
+//! threads over contiguous runs of the batch, their results taken in the batch's order: the
+//! records and the errors reported are those of one episode after another, and an episode whose
+//! group failed, or any once an error ends the rollout, is not stepped.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -274,10 +275,13 @@ pub fn run_rollout(
             .filter(|(i, _)| active.binary_search(i).is_ok())
             .filter_map(|(_, t)| gens.next().map(|g| (t, g)))
             .collect();
+        let failures = Failures::new(check.on_error);
         let advanced = map_concurrently(work, threads, |(t, g)| {
             let cut = g.finish == FinishReason::Length;
             let step = (turn as u32, last_turn, version);
-            let record = advance(t, step, (g.tokens, g.logprobs), (tok, template, cfg));
+            let record = failures.unless_failed(t.group_id, || {
+                advance(t, step, (g.tokens, g.logprobs), (tok, template, cfg))
+            });
             (t.group_id, cut, record)
         });
         for ((group_id, cut, record), &i) in advanced.into_iter().zip(&active) {
@@ -286,8 +290,11 @@ pub fn run_rollout(
             }
             length_cut += usize::from(cut);
             match record {
-                Ok(record) => trajs[i].records.push(record),
-                Err(e) => dropped.absorb(group_id, e)?,
+                Some(Ok(record)) => trajs[i].records.push(record),
+                Some(Err(e)) => dropped.absorb(group_id, e)?,
+                // Not stepped: a later member of its group failed, or a later error ends the
+                // rollout, as the loop finds below.
+                None => {}
             }
         }
         env_s += t1.elapsed().as_secs_f64();
@@ -379,7 +386,7 @@ impl DroppedGroups {
     /// Takes an error met by a member of `group_id`: under `skip` an env error drops the group;
     /// any other error (and every error under `fail`) is returned.
     fn absorb(&mut self, group_id: u64, err: RolloutError) -> Result<()> {
-        if self.on_error != OnError::Skip || !matches!(err, RolloutError::Env { .. }) {
+        if ends_rollout(self.on_error, &err) {
             return Err(err);
         }
         self.groups.insert(group_id);
@@ -417,16 +424,59 @@ fn start_trajectories(
     let groups: Vec<u64> = (0..cfg.num_groups as u64)
         .map(|g| cfg.first_group_id + g)
         .collect();
+    let failures = Failures::new(dropped.on_error);
     let started = map_concurrently(groups.clone(), threads, |group_id| {
-        start_group(tok, cfg, group_id)
+        failures.unless_failed(group_id, || start_group(tok, cfg, group_id))
     });
     for (group_id, members) in groups.into_iter().zip(started) {
         match members {
-            Ok(members) => trajs.extend(members),
-            Err(e) => dropped.absorb(group_id, e)?,
+            Some(Ok(members)) => trajs.extend(members),
+            Some(Err(e)) => dropped.absorb(group_id, e)?,
+            None => {} // a later group's error ends the rollout, as the loop finds
         }
     }
     Ok(trajs)
+}
+
+/// Whether `err` ends the rollout under `on_error` (else it drops its group).
+fn ends_rollout(on_error: OnError, err: &RolloutError) -> bool {
+    on_error != OnError::Skip || !matches!(err, RolloutError::Env { .. })
+}
+
+/// What the episodes stepped at once know of each other's failures: the groups that failed so
+/// far, and whether an error ended the rollout. An episode of either is not stepped (as one
+/// after another would not have reached it).
+struct Failures {
+    on_error: OnError,
+    groups: std::sync::Mutex<BTreeSet<u64>>,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl Failures {
+    fn new(on_error: OnError) -> Self {
+        Self {
+            on_error,
+            groups: Default::default(),
+            stop: Default::default(),
+        }
+    }
+
+    /// `f`'s result for an episode of `group`, or `None` when it is not to be stepped.
+    fn unless_failed<T>(&self, group: u64, f: impl FnOnce() -> Result<T>) -> Option<Result<T>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let groups = || self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        if self.stop.load(Relaxed) || groups().contains(&group) {
+            return None;
+        }
+        let out = f();
+        if let Err(e) = &out {
+            groups().insert(group);
+            if ends_rollout(self.on_error, e) {
+                self.stop.store(true, Relaxed);
+            }
+        }
+        Some(out)
+    }
 }
 
 /// `f` of every item, in the items' order: on up to `threads` scoped threads, each taking a
@@ -514,11 +564,8 @@ fn request(
     }
 }
 
-/// Applies one response to its trajectory: steps the session, builds the round's record and the
-/// next context.
-#[allow(clippy::too_many_arguments)]
-/// Plays `response` (with its log-probs) in `t`'s env at `(turn, last turn, policy version)`
-/// and returns the round's record.
+/// Applies one response (with its log-probs) to its trajectory at `(turn, last turn, policy
+/// version)`: steps the session, builds the round's record and the next context.
 fn advance(
     t: &mut Trajectory,
     (turn, last_turn, policy_version): (u32, bool, u64),

@@ -47,7 +47,18 @@ impl AdamW {
         else {
             return Err(super::sharded_misuse("save_block"));
         };
-        std::fs::create_dir_all(dir).map_err(|e| checkpoint_error(dir, e.to_string()))?;
+        // The checkpoint rank 0 began must be visible here (a filesystem every rank sees).
+        if !dir.parent().is_some_and(Path::is_dir) {
+            let reason = "its checkpoint directory is not visible on this rank: every rank must \
+                          see the run directory (a shared filesystem)";
+            return Err(checkpoint_error(dir, reason.into()));
+        }
+        match std::fs::create_dir(dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                return Err(checkpoint_error(dir, e.to_string()))
+            }
+            _ => {}
+        }
         if shard.rank == 0 {
             let layout = Layout {
                 ranks: shard.ranks,
@@ -65,16 +76,27 @@ impl AdamW {
         ];
         let path = block_file(dir, shard.rank);
         candle_core::safetensors::save(&tensors.into_iter().collect(), &path)
+            .and_then(|()| Ok(std::fs::File::open(&path)?.sync_all()?))
             .map_err(|e| checkpoint_error(&path, e.to_string()))
+    }
+
+    /// Checks that `dir` holds a layout and every block it names (before a checkpoint with
+    /// them is committed).
+    pub fn check_blocks(dir: &Path) -> Result<(), AlgoError> {
+        let layout = read_layout(dir)?;
+        match (0..layout.ranks).find(|&r| !block_file(dir, r).is_file()) {
+            Some(r) => Err(checkpoint_error(
+                &block_file(dir, r),
+                format!("missing: rank {r} of {} wrote no block here", layout.ranks),
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Restores this optimizer's part of the state that the blocks in `dir` hold.
     pub(super) fn load_blocks(&mut self, dir: &Path) -> Result<(), AlgoError> {
         let layout_path = dir.join(LAYOUT_FILE);
-        let text = std::fs::read(&layout_path)
-            .map_err(|e| checkpoint_error(&layout_path, e.to_string()))?;
-        let layout: Layout = serde_json::from_slice(&text)
-            .map_err(|e| checkpoint_error(&layout_path, e.to_string()))?;
+        let layout = read_layout(dir)?;
         let mine = self.named_lens();
         if layout.params != mine || layout.ranks == 0 {
             let differs = layout.params.iter().zip(&mine).find(|(a, b)| a != b);
@@ -130,6 +152,8 @@ impl AdamW {
     ) -> Result<(u64, Tensor, Tensor), AlgoError> {
         let (dtype, device) = self.block_kind();
         let (mut m, mut v) = (Vec::new(), Vec::new());
+        // Blocks are read on the host; only the wanted range moves to the device.
+        let host = candle_core::Device::Cpu;
         let mut step = None;
         for rank in 0..layout.ranks {
             let theirs = FlatShard::new(rank, layout.ranks, len).range();
@@ -143,7 +167,7 @@ impl AdamW {
                 false => 0..0,
             };
             let path = block_file(dir, rank);
-            let mut saved = candle_core::safetensors::load(&path, &device)
+            let mut saved = candle_core::safetensors::load(&path, &host)
                 .map_err(|e| checkpoint_error(&path, e.to_string()))?;
             let mut take = |key: &str| -> Result<Tensor, AlgoError> {
                 let t = saved
@@ -170,8 +194,9 @@ impl AdamW {
             step = Some(counter);
         }
         let step = step.ok_or_else(|| checkpoint_error(dir, "no block holds any value".into()))?;
+        // A copy of the wanted range alone, so the blocks read are freed here.
         let join = |parts: &[Tensor]| -> Result<Tensor, AlgoError> {
-            Ok(Tensor::cat(parts, 0)?.contiguous()?)
+            Ok(Tensor::cat(parts, 0)?.copy()?.to_device(&device)?)
         };
         Ok((step, join(&m)?, join(&v)?))
     }
@@ -195,6 +220,13 @@ impl AdamW {
         }
         Ok(out)
     }
+}
+
+/// The layout file of block directory `dir`.
+fn read_layout(dir: &Path) -> Result<Layout, AlgoError> {
+    let path = dir.join(LAYOUT_FILE);
+    let text = std::fs::read(&path).map_err(|e| checkpoint_error(&path, e.to_string()))?;
+    serde_json::from_slice(&text).map_err(|e| checkpoint_error(&path, e.to_string()))
 }
 
 /// The step counter of a saved state.

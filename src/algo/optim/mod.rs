@@ -148,6 +148,11 @@ impl AdamW {
         }
     }
 
+    /// The device of its parameters (the CPU without any).
+    pub fn device(&self) -> candle_core::Device {
+        self.block_kind().1
+    }
+
     /// The dtype and device of the flat block: the parameters' (f32 on the CPU without any).
     fn block_kind(&self) -> (DType, candle_core::Device) {
         self.params
@@ -328,8 +333,8 @@ impl AdamW {
         if path.is_dir() {
             return self.load_blocks(path);
         }
-        let (_, device) = self.block_kind();
-        let mut saved = candle_core::safetensors::load(path, &device)
+        // Read on the host: a sharded optimizer moves only its block to the device.
+        let mut saved = candle_core::safetensors::load(path, &candle_core::Device::Cpu)
             .map_err(|e| checkpoint_error(path, e.to_string()))?;
         let step = blocks::take_step(&mut saved, path)?;
         let mut exp_avg = Vec::with_capacity(self.params.len());
@@ -352,10 +357,19 @@ impl AdamW {
             return Err(checkpoint_error(path, format!("unknown entry `{extra}`")));
         }
         self.step = step;
+        let on_devices = |moments: Vec<Tensor>| -> Result<Vec<Tensor>, AlgoError> {
+            let vars = self.params.iter().map(|(_, v)| v);
+            Ok(moments
+                .iter()
+                .zip(vars)
+                .map(|(m, v)| m.to_device(v.device()))
+                .collect::<Result<_, _>>()?)
+        };
+        let (_, device) = self.block_kind();
         self.moments = match &self.moments {
             Moments::PerParam { .. } => Moments::PerParam {
-                exp_avg,
-                exp_avg_sq,
+                exp_avg: on_devices(exp_avg)?,
+                exp_avg_sq: on_devices(exp_avg_sq)?,
             },
             Moments::Block {
                 sharding,
@@ -368,7 +382,9 @@ impl AdamW {
                         .iter()
                         .map(Tensor::flatten_all)
                         .collect::<Result<_, _>>()?;
-                    Ok(narrow(&Tensor::cat(&flat, 0)?, &shard.range())?.contiguous()?)
+                    // A copy of the block alone: the whole state is freed here.
+                    let block = narrow(&Tensor::cat(&flat, 0)?, &shard.range())?.copy()?;
+                    Ok(block.to_device(&device)?)
                 };
                 Moments::Block {
                     sharding: *sharding,
@@ -506,27 +522,12 @@ fn checkpoint_error(path: &Path, reason: String) -> AlgoError {
     }
 }
 
-/// Σ g² of one gradient (or a slice of one) in f64, as [`global_grad_norm`] sums it.
-pub fn sum_of_squares(g: &Tensor) -> Result<f64, AlgoError> {
-    if let Some(sq) = in_place::sum_of_squares(g)? {
-        return Ok(sq);
-    }
-    Ok(g.to_dtype(DType::F64)?
-        .sqr()?
-        .sum_all()?
-        .to_scalar::<f64>()?)
-}
-
-/// sqrt(Σ g²) over the gradients of `vars` present in `grads` (summed on the device, one
-/// scalar read back).
-pub fn global_grad_norm<'a>(
-    vars: impl IntoIterator<Item = &'a Var>,
-    grads: &GradStore,
-) -> Result<f64, AlgoError> {
+/// Σ g² over `tensors` in f64: f32 CPU tensors summed on the host one after another (each by
+/// its chunks, in order), the others on their device, one scalar read back.
+pub fn sum_of_squares<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64, AlgoError> {
     let mut total: Option<Tensor> = None;
     let mut host = 0.0f64;
-    for var in vars {
-        let Some(g) = grads.get(var) else { continue };
+    for g in tensors {
         if let Some(sq) = in_place::sum_of_squares(g)? {
             host += sq;
             continue;
@@ -541,7 +542,15 @@ pub fn global_grad_norm<'a>(
         Some(t) => t.to_scalar::<f64>()?,
         None => 0.0,
     };
-    Ok((host + device_sum).sqrt())
+    Ok(host + device_sum)
+}
+
+/// sqrt(Σ g²) over the gradients of `vars` present in `grads` ([`sum_of_squares`]).
+pub fn global_grad_norm<'a>(
+    vars: impl IntoIterator<Item = &'a Var>,
+    grads: &GradStore,
+) -> Result<f64, AlgoError> {
+    Ok(sum_of_squares(vars.into_iter().filter_map(|v| grads.get(v)))?.sqrt())
 }
 
 /// Scales the gradients of `vars` in place by max/(norm + 1e-6) when their global norm
@@ -855,9 +864,11 @@ mod tests {
                         .unwrap(),
                 )
                 .unwrap();
-            let norm = (sum_of_squares(&flat_grad.narrow(0, 0, 5).unwrap()).unwrap()
-                + sum_of_squares(&flat_grad.narrow(0, 8, 4).unwrap()).unwrap())
-            .sqrt();
+            let reached_grads = [
+                flat_grad.narrow(0, 0, 5).unwrap(),
+                flat_grad.narrow(0, 8, 4).unwrap(),
+            ];
+            let norm = sum_of_squares(&reached_grads).unwrap().sqrt();
             let values = Tensor::cat(
                 &vars
                     .iter()

@@ -266,10 +266,11 @@ fn step_buffers(trained: u64, ranks: usize, sharding: Sharding, device: PlanDevi
         (_, Sharding::Optimizer) => summed_whole + block,
         // Reduce-scattering: this rank's gradients, their host copy, Open MPI's scratch buffer
         // of the whole sum (its reduce-scatter-block reduces the whole vector before it
-        // scatters) and this rank's block of the sum; then the block's gradient and values, and
-        // every rank's updated block gathered.
-        _ if host => (3 * whole + block).max(whole + 3 * block),
-        _ => whole + 2 * block,
+        // scatters) and this rank's block of the sum; then the block's gradient, values and
+        // padded copy, and every rank's updated block gathered (on the host, beside its copy of
+        // this rank's block).
+        _ if host => (3 * whole + block).max(whole + 4 * block),
+        _ => whole + 3 * block,
     }
 }
 

@@ -90,15 +90,16 @@ pub(in crate::train) fn backward(
 
 /// Steps the critic's optimizer on `loss` (this rank's part; `None`: none here), its gradients
 /// summed over ranks; returns whether the update was skipped (a loss or a gradient that is not
-/// finite).
+/// finite). The loss's graph is freed before the step.
 pub(in crate::train) fn step_critic(
     opt: &mut AdamW,
-    loss: Option<&Tensor>,
+    loss: Option<Tensor>,
     (lr, max_grad_norm): (f64, f64),
     dist: &dyn Collective,
     means: &mut Means,
 ) -> Result<bool, TrainError> {
-    let (finite, local) = backward(loss)?;
+    let (finite, local) = backward(loss.as_ref())?;
+    drop(loss);
     let Some(report) = step_over_ranks(opt, local.as_ref(), finite, (lr, max_grad_norm), dist)?
     else {
         return Ok(true);
@@ -161,21 +162,20 @@ fn block_gradient(
     dist: &dyn Collective,
 ) -> Result<(Tensor, f64), TrainError> {
     let range = shard.range();
-    let squares = |t: &Tensor, pieces: &[std::ops::Range<usize>]| -> Result<f64, TrainError> {
-        let mut sum = 0.0;
-        for r in pieces {
-            sum += crate::algo::sum_of_squares(&t.narrow(0, r.start, r.len())?)?;
-        }
-        Ok(sum)
+    // Σ g² of the given slices of `t`, summed as an unsharded step sums its gradients.
+    let squares = |t: &Tensor, slices: &[std::ops::Range<usize>]| -> Result<f64, TrainError> {
+        let parts: Vec<Tensor> = slices
+            .iter()
+            .map(|r| t.narrow(0, r.start, r.len()))
+            .collect::<Result<_, _>>()?;
+        Ok(crate::algo::sum_of_squares(&parts)?)
     };
     let lens = opt.param_lens();
     if sharding == Sharding::Optimizer {
         let summed = dist.all_reduce_tensor(flat)?;
         let whole = FlatShard::new(0, 1, shard.len).pieces(&lens);
-        let norm = squares(
-            &summed,
-            &whole.iter().map(|p| p.in_block.clone()).collect::<Vec<_>>(),
-        )?;
+        let slices: Vec<_> = whole.into_iter().map(|p| p.in_block).collect();
+        let norm = squares(&summed, &slices)?;
         // A copy, so that the whole sum is freed here.
         let block = summed.narrow(0, range.start, range.len())?.copy()?;
         return Ok((block, norm.sqrt()));
@@ -202,7 +202,7 @@ fn block_values(opt: &AdamW, shard: &FlatShard) -> Result<Tensor, TrainError> {
         parts.push(flat.narrow(0, r.start, r.len())?.to_dtype(DType::F32)?);
     }
     Ok(match parts.as_slice() {
-        [] => Tensor::zeros(0, DType::F32, &opt_device(opt))?,
+        [] => Tensor::zeros(0, DType::F32, &opt.device())?,
         [one] => one.copy()?,
         _ => Tensor::cat(&parts, 0)?,
     })
@@ -236,10 +236,4 @@ fn padded_block(block: Tensor, shard: &FlatShard) -> Result<Tensor, TrainError> 
             Tensor::cat(&[block, zeros], 0)?
         }
     })
-}
-
-fn opt_device(opt: &AdamW) -> candle_core::Device {
-    opt.params()
-        .first()
-        .map_or(candle_core::Device::Cpu, |(_, v)| v.device().clone())
 }

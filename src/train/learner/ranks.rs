@@ -246,10 +246,7 @@ pub fn flat_gradients(
         filled += var.elem_count();
     }
     if len > filled {
-        let device = params
-            .first()
-            .map_or(candle_core::Device::Cpu, |(_, v)| v.device().clone());
-        parts.push(Tensor::zeros(len - filled, DType::F32, &device)?);
+        parts.push(Tensor::zeros(len - filled, DType::F32, &opt.device())?);
     }
     dist.all_reduce_f64(&mut flags)?;
     if flags[params.len()] > 0.0 {

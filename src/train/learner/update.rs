@@ -288,7 +288,7 @@ pub fn ppo_update(
                 Some((_, batch)) => Some(learner.critic.values(learners.policy, &batch.input)?),
                 None => None,
             };
-            let local = values.as_ref().zip(part);
+            let local = values.zip(part);
             critic_skipped += usize::from(critic_step(
                 inputs,
                 settings,
@@ -529,6 +529,8 @@ fn actor_step(
         }
     }
     let (finite, local_grads) = backward(loss.as_ref())?;
+    // The graph's activations go before the optimizer step's buffers come.
+    drop((loss, replay));
     let actor_rates = (settings.actor_lr, settings.max_grad_norm);
     let stepped = step_over_ranks(
         learners.actor_opt,
@@ -771,12 +773,12 @@ fn critic_loss(
 fn critic_step(
     inputs: &UpdateInputs,
     settings: &UpdateSettings,
-    local: Option<(&Tensor, (&PackedBatch, &DeviceBatch))>,
+    local: Option<(Tensor, (&PackedBatch, &DeviceBatch))>,
     opt: &mut AdamW,
     means: &mut Means,
 ) -> Result<bool, TrainError> {
     let dist = settings.dist;
-    let norm = local.map_or((0, 0.0), |(_, (p, _))| {
+    let norm = local.as_ref().map_or((0, 0.0), |(_, (p, _))| {
         critic_normaliser(inputs, settings, p)
     });
     let [share] = ranks::shares([norm], dist)?;
@@ -786,7 +788,7 @@ fn critic_step(
     let loss = match local.filter(|_| norm.0 > 0) {
         Some((values, (p, batch))) => {
             let (loss, _) = means.part(&share, |m| {
-                critic_loss(inputs, settings, values, p, batch, m)
+                critic_loss(inputs, settings, &values, p, batch, m)
             })?;
             Some(ranks::scaled(loss, &share, dist)?)
         }
@@ -794,7 +796,7 @@ fn critic_step(
     };
     step_critic(
         opt,
-        loss.as_ref(),
+        loss,
         (settings.critic_lr, settings.max_grad_norm),
         dist,
         means,

@@ -1313,10 +1313,12 @@ fn check_world(cfg: &Config, dist: &dyn Collective) -> Result<(), TrainError> {
 const ACTOR_OPTIMIZER: &str = "optim_actor";
 const CRITIC_OPTIMIZER: &str = "optim_critic";
 
-/// Writes an unsharded optimizer's whole state into checkpoint directory `tmp` as `name`.
+/// Writes an unsharded optimizer's whole state into checkpoint directory `tmp` as `name`; of a
+/// sharded one, checks that every rank's block is there.
 fn save_whole_optimizer(opt: &AdamW, tmp: &Path, name: &str) -> Result<(), TrainError> {
-    if opt.shard().is_none() {
-        opt.save(&tmp.join(format!("{name}.safetensors")))?;
+    match opt.shard() {
+        None => opt.save(&tmp.join(format!("{name}.safetensors")))?,
+        Some(_) => AdamW::check_blocks(&tmp.join(name))?,
     }
     Ok(())
 }

@@ -267,7 +267,7 @@ pub(in crate::train) fn fit_value_mlp(
             // Every rank fits the same rows: no sum over ranks.
             skipped += usize::from(step_critic(
                 opt,
-                Some(&loss),
+                Some(loss),
                 (settings.lr, settings.max_grad_norm),
                 &Single,
                 means,
