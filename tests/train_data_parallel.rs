@@ -136,10 +136,20 @@ fn max_difference(one: &Path, two: &Path, step: u64, part: &str) -> f32 {
         checkpoint_tensors(one, step, part),
         checkpoint_tensors(two, step, part),
     );
-    assert_eq!(a.len(), b.len(), "{part}: tensor counts");
-    assert!(!a.is_empty(), "{part}: no tensors at step {step}");
+    worst_difference(&a, &b, part, step)
+}
+
+/// The largest |Δ| between two lists of named tensors, which must name the same tensors.
+fn worst_difference(
+    a: &[(String, Vec<f32>)],
+    b: &[(String, Vec<f32>)],
+    what: &str,
+    step: u64,
+) -> f32 {
+    assert_eq!(a.len(), b.len(), "{what}: tensor counts");
+    assert!(!a.is_empty(), "{what}: no tensors at step {step}");
     let mut worst = 0f32;
-    for ((na, va), (nb, vb)) in a.iter().zip(&b) {
+    for ((na, va), (nb, vb)) in a.iter().zip(b) {
         assert_eq!(na, nb);
         assert_eq!(va.len(), vb.len(), "{na}");
         for (x, y) in va.iter().zip(vb) {
@@ -195,15 +205,7 @@ fn optimizer_difference(one: &Path, two: &Path, step: u64, name: &str) -> f32 {
         optimizer_tensors(one, step, name),
         optimizer_tensors(two, step, name),
     );
-    assert_eq!(a.len(), b.len(), "{name}: tensor counts");
-    let mut worst = 0f32;
-    for ((na, va), (nb, vb)) in a.iter().zip(&b) {
-        assert_eq!(na, nb);
-        for (x, y) in va.iter().zip(vb) {
-            worst = worst.max((x - y).abs());
-        }
-    }
-    worst
+    worst_difference(&a, &b, name, step)
 }
 
 fn assert_same_weights(one: &Path, two: &Path, step: u64) {
