@@ -24,6 +24,10 @@ for partial progress. That score is the last step's reward (0 before); `success`
 TextArena refuses an invalid move without ending the game (a second one in a row ends it): such
 a step has `action_is_valid: false`.
 
+`--describe-moves` (grid games: FrozenLake) ends each observation with what each listed move leads
+to ("up: the edge, no move; down: a hole; ..."), as stepppo's own FrozenLake render `grid_local`
+does: TextArena's ASCII board alone leaves a small model to learn to read a grid.
+
 Determinism: TextArena seeds the process-wide `random` at reset and draws from it during play.
 Each episode keeps its own state of it (and of numpy's), installed around every call into its
 env (hub_env_common.GlobalRng), so a seed gives the same episode whatever runs concurrently.
@@ -95,18 +99,36 @@ def raw_id(env_id):
     sys.exit(f"{env_id}: not a TextArena id (e.g. GuessTheNumber-v0, TowerOfHanoi-v0)")
 
 
+GRID_CELLS = {"H": "a hole", "G": "the goal"}
+
+
+def move_outcomes(grid, pos):
+    """What each grid move leads to from `pos`: the edge (no move), a hole, the goal or ice."""
+    parts = []
+    for name, (dr, dc) in GRID_MOVES.items():
+        r, c = pos[0] + dr, pos[1] + dc
+        if not (0 <= r < len(grid) and 0 <= c < len(grid[0])):
+            parts.append(f"{name}: the edge, no move")
+        else:
+            parts.append(f"{name}: {GRID_CELLS.get(grid[r][c], 'frozen ice')}")
+    return "What each move leads to: " + "; ".join(parts) + "."
+
+
 class TextArenaBackend(Backend):
-    def __init__(self, env_id, oracle, rules_in_observation):
+    def __init__(self, env_id, oracle, rules_in_observation, describe_moves=False):
         self.env_id = env_id
         self.make_id = raw_id(env_id)
         self.oracle = oracle
         self.rules_in_observation = rules_in_observation
+        self.describe_moves = describe_moves
         self.seed_why = "TextArena seeds Python's random, which takes any seed"
         try:
             probe, prompt, _ = self.make(0)
         except Exception as e:
             sys.exit(f"{env_id}: make/reset failed: {type(e).__name__}: {e}")
         self.kind = type(probe).__name__
+        if describe_moves and self.kind != "FrozenLakeEnv":
+            sys.exit(f"{env_id}: --describe-moves serves grid games (FrozenLake), not {self.kind}")
         self.code_length = getattr(probe, "code_length", 4)
         self.actions = LISTED_ACTIONS.get(self.kind)
         max_turns = getattr(probe.state, "max_turns", None)
@@ -156,6 +178,7 @@ class TextArenaBackend(Backend):
         episode = Episode(env, seed)
         instruction = self.instruction(prompt)
         observation = self.text(messages) or "The game begins: make your first move."
+        observation = self.with_moves(env, observation)
         return episode, self.first_answer(
             episode, instruction, observation, self.rules_in_observation
         )
@@ -195,8 +218,16 @@ class TextArenaBackend(Backend):
             "info": {"success": success, "action_is_valid": not invalid},
         }
         if not done:
+            answer["observation"] = self.with_moves(env, answer["observation"])
             self.add_oracle(episode, answer)
         return answer
+
+    def with_moves(self, env, observation):
+        """`observation`, and with --describe-moves what each move leads to from here."""
+        if not self.describe_moves:
+            return observation
+        game = env.state.game_state
+        return f"{observation}\n{move_outcomes(game['grid'], game['player_pos'])}"
 
     def oracle_action(self, episode):
         env = episode.env
@@ -231,9 +262,16 @@ def main():
     parser.add_argument(
         "--env-id", default="GuessTheNumber-v0", help="a single-player TextArena id"
     )
+    parser.add_argument(
+        "--describe-moves",
+        action="store_true",
+        help="end each observation with what each move leads to (grid games: FrozenLake)",
+    )
     add_server_args(parser)
     args = parser.parse_args()
-    backend = TextArenaBackend(args.env_id, not args.no_oracle, args.rules_in_observation)
+    backend = TextArenaBackend(
+        args.env_id, not args.no_oracle, args.rules_in_observation, args.describe_moves
+    )
     serve(args.env_id, backend, args)
 
 

@@ -153,6 +153,30 @@ fn textarena_frozen_lake_is_won_by_its_oracle_and_played_by_the_random_agent() {
     );
 }
 
+/// `--describe-moves`: every observation ends with what each move leads to, and following it
+/// (never into a hole or off the edge) is what the oracle does.
+#[test]
+fn textarena_frozen_lake_describes_where_each_move_leads() {
+    let Some(python) = hub_python("textarena_describe_moves", "textarena") else {
+        return;
+    };
+    let server = HubServer::start(
+        &python,
+        "textarena_env_server.py",
+        &["--env-id", "FrozenLake-v0", "--describe-moves"],
+    );
+    let mut session = server.session(16);
+    let first = session.reset(3).unwrap();
+    let said = first
+        .lines()
+        .find(|l| l.starts_with("What each move leads to: up: "))
+        .unwrap_or_else(|| panic!("no move description in {first:?}"));
+    assert!(said.contains("right: "), "{said}");
+    // Seed 3's lake: a hole below the start, the edge above and to the left.
+    assert!(said.contains("down: a hole") && said.contains("up: the edge"), "{said}");
+    assert_eq!(success(&mut session, AgentKind::Oracle, &[3, 4, 5]), 1.0);
+}
+
 #[test]
 fn a_textworld_pool_game_is_won_by_its_walkthrough_and_played_among_its_admissible_commands() {
     let Some(python) = hub_python("textworld_pool", "textworld") else {
