@@ -173,7 +173,10 @@ fn textarena_frozen_lake_describes_where_each_move_leads() {
         .unwrap_or_else(|| panic!("no move description in {first:?}"));
     assert!(said.contains("right: "), "{said}");
     // Seed 3's lake: a hole below the start, the edge above and to the left.
-    assert!(said.contains("down: a hole") && said.contains("up: the edge"), "{said}");
+    assert!(
+        said.contains("down: a hole") && said.contains("up: the edge"),
+        "{said}"
+    );
     assert_eq!(success(&mut session, AgentKind::Oracle, &[3, 4, 5]), 1.0);
 }
 
