@@ -203,6 +203,7 @@ impl Metered {
                 Ring::ReduceScatter => (n - 1.0) / n,
                 Ring::AllGather => n - 1.0,
                 Ring::Broadcast => 1.0,
+                Ring::Barrier => 0.0,
             };
         self.ring_bytes
             .fetch_add(ring_bytes.round() as u64, Ordering::Relaxed);
@@ -217,6 +218,7 @@ enum Ring {
     ReduceScatter,
     AllGather,
     Broadcast,
+    Barrier,
 }
 
 impl Collective for Metered {
@@ -262,7 +264,7 @@ impl Collective for Metered {
         self.count(n, Ring::Broadcast, || self.inner.broadcast_bytes(bytes))
     }
     fn barrier(&self) -> Result<(), DistError> {
-        self.count(0, Ring::Broadcast, || self.inner.barrier())
+        self.count(0, Ring::Barrier, || self.inner.barrier())
     }
     fn all_reduce_tensor(&self, flat: &Tensor) -> Result<Tensor, DistError> {
         let n = flat.elem_count() * flat.dtype().size_in_bytes();

@@ -425,10 +425,11 @@ fn start_trajectories(
         .map(|g| cfg.first_group_id + g)
         .collect();
     let failures = Failures::new(dropped.on_error);
-    let started = map_concurrently(groups.clone(), threads, |group_id| {
-        failures.unless_failed(group_id, || start_group(tok, cfg, group_id))
+    let started = map_concurrently(groups, threads, |group_id| {
+        let members = failures.unless_failed(group_id, || start_group(tok, cfg, group_id));
+        (group_id, members)
     });
-    for (group_id, members) in groups.into_iter().zip(started) {
+    for (group_id, members) in started {
         match members {
             Some(Ok(members)) => trajs.extend(members),
             Some(Err(e)) => dropped.absorb(group_id, e)?,

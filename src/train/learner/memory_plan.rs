@@ -609,13 +609,12 @@ mod tests {
         let whole = MemoryPlan::of(&shape(cfg.clone(), None, 64));
         let p = whole.trained_params;
         assert_eq!((whole.optimizer, whole.step_buffers), (8 * p, 0));
-        let at = |ranks: usize, sharding: Sharding| {
-            MemoryPlan::of(&PlanShape {
-                ranks,
-                sharding,
-                ..shape(cfg.clone(), None, 64)
-            })
+        let shape_at = |ranks: usize, sharding: Sharding| PlanShape {
+            ranks,
+            sharding,
+            ..shape(cfg.clone(), None, 64)
         };
+        let at = |ranks: usize, sharding: Sharding| MemoryPlan::of(&shape_at(ranks, sharding));
         let block = p.div_ceil(3) * F32;
         // On the CPU every sum goes through the host: a copy, and MPI's send buffer.
         let replicated = at(3, Sharding::None);
@@ -626,17 +625,8 @@ mod tests {
         let zero2 = at(3, Sharding::Gradients);
         assert_eq!(buffers(&zero2), (2 * block, 12 * p + block));
         assert!(zero2.peak() <= zero1.peak() && zero1.peak() < replicated.peak());
-        assert!(zero2
-            .table(&zero2_shape(&cfg), None)
-            .contains("this rank's 1/3"));
-    }
-
-    fn zero2_shape(cfg: &ModelConfig) -> PlanShape {
-        PlanShape {
-            ranks: 3,
-            sharding: Sharding::Gradients,
-            ..shape(cfg.clone(), None, 64)
-        }
+        let table = zero2.table(&shape_at(3, Sharding::Gradients), None);
+        assert!(table.contains("this rank's 1/3"), "{table}");
     }
 
     #[test]

@@ -1151,10 +1151,10 @@ impl Trainer {
             .collect();
         if !sharded.is_empty() {
             let dist = self.dist.as_ref();
-            let begun = writer.as_ref().map_or(Ok(()), |w| match w {
-                Ok(_) => Ok(()),
-                Err(e) => Err(TrainError::Data(e.to_string())),
-            });
+            let begun = match &writer {
+                Some(Err(e)) => Err(TrainError::Data(e.to_string())),
+                _ => Ok(()),
+            };
             agree(dist, begun, "starting the checkpoint")?;
             let tmp = CheckpointWriter::tmp_path(&self.run_dir, step);
             let written = sharded
