@@ -9,7 +9,13 @@ docs/guides/env-hubs.md lists those that run offline. The agent sends the move i
 "A C", "up", "reveal 3 2", "1 2 3 4"); the server writes it inside `\\boxed{...}` as GEM wants
 (an action that already contains `\\boxed{` is passed as it is). Games with a small fixed move
 set list it in /spec's `actions` (TowerofHanoi: "A B".."C B"; Sokoban, Game2048, FifteenPuzzle:
-"up", "down", "left", "right"); the others take free text.
+"up", "down", "left", "right"; GuessTheNumber with a fixed range of at most 100 numbers: "1".."10"
+for -easy, "1".."50" for -hard), so `constrained_decoding: true` applies; the others take free
+text.
+
+`--describe-state` (GuessTheNumber) ends each observation with the numbers the higher/lower hints
+so far leave ("The hints so far leave 4 to 7."): the game's state, which otherwise has to be read
+off the whole transcript.
 
 `--reward win` pays 1 for the winning move and 0 for every other (GEM's own rewards include
 partial scores at a game's turn limit, which an agent can learn to collect without winning).
@@ -41,6 +47,7 @@ from hub_env_common import (
     GlobalRng,
     add_server_args,
     bisection_guess,
+    hinted_interval,
     hanoi_first_move,
     mastermind_next_guess,
     parser_for,
@@ -70,13 +77,28 @@ INVALID_FEEDBACK = re.compile(
     r"doesn't change|out of bounds|violates|entries but the code|not valid|did not provide"
 )
 FORMAT_ERROR_REWARD = -0.1  # gem.utils.constants.LanguageGameReward.format_error_reward
+# The largest GuessTheNumber range listed as actions (larger ranges take free text).
+MAX_LISTED_NUMBERS = 100
 SEED_MAX = 2**32 - 1  # gem.utils.seeding.set_seed -> np.random.seed: seeds must fit 32 bits
 
 
+def listed_numbers(game, fixed):
+    """GuessTheNumber's guesses when its range is fixed and small: "1".."10" (easy), "1".."50"
+    (hard); None for the `-random` ids, whose range changes per episode."""
+    if type(game).__name__ != "GuessTheNumberEnv" or not fixed:
+        return None
+    if game.max_number - game.min_number + 1 > MAX_LISTED_NUMBERS:
+        return None
+    return [str(n) for n in range(game.min_number, game.max_number + 1)]
+
+
 class GemBackend(Backend):
-    def __init__(self, env_id, make_kwargs, oracle, rules_in_observation, reward="game"):
+    def __init__(
+        self, env_id, make_kwargs, oracle, rules_in_observation, reward="game", describe=False
+    ):
         self.env_id = env_id
         self.reward_mode = reward
+        self.describe_state = describe
         self.make_kwargs = make_kwargs
         self.oracle = oracle
         self.rules_in_observation = rules_in_observation
@@ -86,8 +108,10 @@ class GemBackend(Backend):
         except Exception as e:
             sys.exit(f"{env_id}: gem.make/reset failed: {type(e).__name__}: {e}")
         self.kind = type(probe.unwrapped).__name__
-        self.actions = LISTED_ACTIONS.get(self.kind)
+        if describe and self.kind != "GuessTheNumberEnv":
+            sys.exit(f"{env_id}: --describe-state serves GuessTheNumber, not {self.kind}")
         fixed = not getattr(probe.unwrapped, "_is_random", False)
+        self.actions = LISTED_ACTIONS.get(self.kind) or listed_numbers(probe.unwrapped, fixed)
         max_turns = getattr(probe.unwrapped, "max_turns", None) if fixed else None
         self.spec = {
             "name": env_id,
@@ -128,6 +152,7 @@ class GemBackend(Backend):
         episode = Episode(env, seed)
         instruction = self.instruction(rules)
         observation = board.strip() or "The game begins: make your first move."
+        observation = self.described(episode, observation)
         return episode, self.first_answer(
             episode, instruction, observation, self.rules_in_observation
         )
@@ -162,6 +187,8 @@ class GemBackend(Backend):
         board = (info or {}).get("suffix", "")
         if not done and board:
             observation = f"{observation}\n{board.strip()}"
+        if not done:
+            observation = self.described(episode, observation)
         answer = {
             "observation": observation,
             "reward": reward,
@@ -177,6 +204,16 @@ class GemBackend(Backend):
         if not done:
             self.add_oracle(episode, answer)
         return answer
+
+    def described(self, episode, observation):
+        """`observation`, and with --describe-state the numbers the hints so far leave."""
+        if not self.describe_state:
+            return observation
+        game = episode.env.unwrapped
+        low, high = hinted_interval(
+            game.min_number, game.max_number, game.game_number, game.previous_guesses
+        )
+        return f"{observation}\nThe hints so far leave {low} to {high}."
 
     def oracle_action(self, episode):
         game = episode.env.unwrapped
@@ -213,6 +250,13 @@ def main():
         help="game: GEM's rewards as they are (partial scores, format penalties); "
         "win: 1 when the move wins the game, else 0",
     )
+    parser.add_argument(
+        "--describe-state",
+        action="store_true",
+        help="GuessTheNumber: end each observation with the numbers the hints so far leave "
+        '("The hints so far leave 4 to 7."), so the state is in the observation, not only in '
+        "the transcript",
+    )
     add_server_args(parser)
     args = parser.parse_args()
     backend = GemBackend(
@@ -221,6 +265,7 @@ def main():
         not args.no_oracle,
         args.rules_in_observation,
         args.reward,
+        args.describe_state,
     )
     serve(args.env_id, backend, args)
 

@@ -388,13 +388,19 @@ def parser_for(doc):
 # `oracle_action` (the action text the agent itself would send).
 
 
-def bisection_guess(low, high, target, guesses):
-    """GuessTheNumber: the middle of the interval the higher/lower hints to `guesses` leave."""
+def hinted_interval(low, high, target, guesses):
+    """GuessTheNumber: the numbers (low, high) the higher/lower hints to `guesses` leave."""
     for guess in guesses:
         if guess < target:
             low = max(low, guess + 1)
         elif guess > target:
             high = min(high, guess - 1)
+    return low, high
+
+
+def bisection_guess(low, high, target, guesses):
+    """GuessTheNumber: the middle of the interval the higher/lower hints to `guesses` leave."""
+    low, high = hinted_interval(low, high, target, guesses)
     return (low + high) // 2
 
 

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 
 use serde_json::json;
 use stepppo::env::{
-    build_session, play_episode, response_text, Action, Agent, AgentKind, AgentSession,
+    build_session, play_episode, response_text, Action, ActionSpace, Agent, AgentKind, AgentSession,
 };
 
 /// A hub server on a free port; killed when dropped.
@@ -87,6 +87,12 @@ fn gem_guess_the_number_is_won_by_its_oracle_and_one_seed_is_one_game() {
         &["--env-id", "game:GuessTheNumber-v0-easy"],
     );
     let mut session = server.session(4);
+    // A fixed range of ten numbers is listed, so constrained decoding applies.
+    let numbers: Vec<String> = (1..=10).map(|n| n.to_string()).collect();
+    assert!(
+        matches!(session.env().action_space(), ActionSpace::Named(names) if names == numbers),
+        "the easy game lists 1..10"
+    );
     // Seeds beyond 2^32 − 1 (GEM's range) are sent modulo it, as the rollout's derived seeds are.
     let seeds = [0, 1, 2, u64::MAX, 1 << 40];
     assert_eq!(success(&mut session, AgentKind::Oracle, &seeds), 1.0);
@@ -132,6 +138,45 @@ fn gem_with_win_only_reward_pays_exactly_the_won_games() {
         0 < won && won < 12,
         "an ascending guesser wins some games: {won}"
     );
+}
+
+/// `--describe-state`: each observation ends with the numbers the hints so far leave, and the
+/// bisection oracle halves them every turn.
+#[test]
+fn gem_guess_the_number_describes_the_numbers_the_hints_leave() {
+    let Some(python) = hub_python("gem_describe_state", "gem") else {
+        return;
+    };
+    let server = HubServer::start(
+        &python,
+        "gem_env_server.py",
+        &[
+            "--env-id",
+            "game:GuessTheNumber-v0-easy",
+            "--describe-state",
+        ],
+    );
+    let mut session = server.session(4);
+    let first = session.reset(11).unwrap();
+    assert!(first.contains("The hints so far leave 1 to 10."), "{first}");
+    // Guessing 1 then 10 narrows the range from both ends (unless either wins).
+    let mut seen = Vec::new();
+    let mut guesses = ["1", "10", "5", "6"].into_iter();
+    let episode = play_episode(&mut session, 11, &mut |s| {
+        seen.push(s.state_text().to_string());
+        let think = s.protocol().enable_think;
+        Ok(response_text(
+            &Action::Move(guesses.next().unwrap().into()),
+            think,
+        ))
+    })
+    .unwrap();
+    let narrowed = seen.iter().any(|o| o.contains("leave 2 to 9."));
+    assert!(
+        narrowed || episode.turns.len() < 3,
+        "after guesses 1 and 10: {seen:?}"
+    );
+    assert_eq!(success(&mut session, AgentKind::Oracle, &[11, 12, 13]), 1.0);
 }
 
 #[test]
