@@ -55,6 +55,13 @@ INSTRUCTION = (
 STATUS = re.compile(r"-= (.*?) =-")
 
 
+def game_command(action):
+    """`action` as the game's parser may read it: characters outside printable ASCII (a NUL
+    byte crashes the Z-machine interpreter, the whole server with it) become spaces, runs of
+    spaces one; the parser answers what it cannot read as it answers any unknown command."""
+    return " ".join(re.sub(r"[^\x20-\x7e]", " ", action).split())
+
+
 def clean(text):
     """The game's text without its `>` prompt and status line, the end-of-game menu and runs of
     blank lines."""
@@ -128,7 +135,7 @@ class TextWorldBackend(Backend):
 
     def step(self, episode, action):
         before = episode.extra["state"]
-        command = action.strip()
+        command = game_command(action)
         admissible = {c.lower() for c in before["admissible_commands"] or []}
         state, score, done = episode.env.step(command)
         score = score or 0

@@ -255,4 +255,14 @@ fn a_textworld_pool_game_is_won_by_its_walkthrough_and_played_among_its_admissib
         episode.turns.iter().all(|t| t.outcome.info.action_is_valid),
         "the random agent plays admissible commands only"
     );
+    // A command with a NUL byte and non-ASCII letters (as a sampling model may write) is read as
+    // an unknown command, not passed to the interpreter, which a NUL crashes.
+    let mut odd = ["take\u{0}key é", "\u{0}"].into_iter();
+    let episode = play_episode(&mut session, 1, &mut |s| {
+        let think = s.protocol().enable_think;
+        Ok(response_text(&Action::Move(odd.next().unwrap_or("look").into()), think))
+    });
+    let episode = episode.expect("the server answers every command");
+    assert!(!episode.turns[0].outcome.info.action_is_valid);
+    assert_eq!(success(&mut session, AgentKind::Oracle, &[1]), 1.0);
 }
