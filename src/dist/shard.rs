@@ -1,10 +1,12 @@
 //! Which part of a model's state a rank keeps under sharded data parallelism ([`Sharding`], the
-//! ZeRO stages), and the arithmetic of the split: an optimizer's parameters laid end to end as
-//! one flat vector, padded to a multiple of the rank count and cut into equal blocks, one per
-//! rank ([`FlatShard`]). Blocks ignore parameter boundaries (a parameter may be split between
-//! ranks, and with 3 ranks the split is uneven across parameters); [`FlatShard::pieces`] says
-//! which slice of which parameter falls in a rank's block. It moves nothing: the trainer's
-//! optimizer step does.
+//! ZeRO stages), and the arithmetic of the split. An optimizer's parameters, laid end to end as
+//! one flat vector, are cut into units ([`ShardLayout`]: runs of consecutive parameters, one
+//! decoder layer each, or one parameter outside the layers: [`layer_units`]); each unit is padded to a multiple of the rank count and
+//! cut into equal blocks, one per rank ([`FlatShard`]), so that a step moves one unit at a time
+//! and a rank's block is its block of every unit, end to end. Blocks ignore parameter boundaries
+//! (a parameter may be split between ranks, and with 3 ranks the split is uneven across
+//! parameters); [`ShardLayout::pieces`] says which slice of which parameter falls where in a
+//! rank's block. It moves nothing: the trainer's optimizer step does.
 
 use std::ops::Range;
 
@@ -113,6 +115,134 @@ impl FlatShard {
     }
 }
 
+/// One unit of a [`ShardLayout`]: a run of consecutive parameters split over the ranks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unit {
+    /// Its parameters' indices in the optimizer's order.
+    pub params: Range<usize>,
+    /// Its values' positions in the flat vector of every parameter.
+    pub values: Range<usize>,
+    /// The rank's block of the unit's values.
+    pub shard: FlatShard,
+    /// Where the rank's part of the unit (its `shard.range()`, unpadded) starts in the rank's
+    /// block.
+    pub in_block: usize,
+}
+
+/// A rank's block of an optimizer's parameters cut into units, each split over the ranks on its
+/// own (see the module doc).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardLayout {
+    units: Vec<Unit>,
+    lens: Vec<usize>,
+}
+
+impl ShardLayout {
+    /// The layout of rank `rank` of `ranks` over parameters of `lens` values each, cut into
+    /// units of `unit_params` consecutive parameters each (their sum is `lens.len()`).
+    pub fn new(rank: usize, ranks: usize, lens: &[usize], unit_params: &[usize]) -> Self {
+        assert_eq!(
+            unit_params.iter().sum::<usize>(),
+            lens.len(),
+            "units cover every parameter once"
+        );
+        let (mut param, mut value, mut in_block) = (0, 0, 0);
+        let mut units = Vec::with_capacity(unit_params.len());
+        for &n in unit_params {
+            let len: usize = lens[param..param + n].iter().sum();
+            let shard = FlatShard::new(rank, ranks, len);
+            units.push(Unit {
+                params: param..param + n,
+                values: value..value + len,
+                shard,
+                in_block,
+            });
+            (param, value, in_block) = (param + n, value + len, in_block + shard.range().len());
+        }
+        Self {
+            units,
+            lens: lens.to_vec(),
+        }
+    }
+
+    /// The units, in the flat order.
+    pub fn units(&self) -> &[Unit] {
+        &self.units
+    }
+
+    /// Parameters per unit, in order.
+    pub fn unit_params(&self) -> Vec<usize> {
+        self.units.iter().map(|u| u.params.len()).collect()
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.units.first().map_or(0, |u| u.shard.rank)
+    }
+
+    /// The rank count.
+    pub fn ranks(&self) -> usize {
+        self.units.first().map_or(1, |u| u.shard.ranks)
+    }
+
+    /// Values in the rank's block (padding excluded).
+    pub fn block_len(&self) -> usize {
+        self.units.iter().map(|u| u.shard.range().len()).sum()
+    }
+
+    /// The flat vector's positions the rank's block holds, in block order, each with where it
+    /// starts in the block.
+    pub fn held(&self) -> Vec<(Range<usize>, usize)> {
+        self.units
+            .iter()
+            .map(|u| {
+                let r = u.shard.range();
+                (u.values.start + r.start..u.values.start + r.end, u.in_block)
+            })
+            .filter(|(r, _)| !r.is_empty())
+            .collect()
+    }
+
+    /// The slices of the parameters that fall in this rank's block, in block order.
+    pub fn pieces(&self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        for u in &self.units {
+            for p in u.shard.pieces(&self.lens[u.params.clone()]) {
+                out.push(Piece {
+                    param: u.params.start + p.param,
+                    in_param: p.in_param,
+                    in_block: u.in_block + p.in_block.start..u.in_block + p.in_block.end,
+                });
+            }
+        }
+        out
+    }
+}
+
+/// Units of one decoder layer each over parameters named as in HF checkpoints, in their order:
+/// the runs of consecutive names with the same `layers.N.` (adapters and critics too); a
+/// parameter outside any layer (an embedding, the final norm, a head) is a unit of its own.
+pub fn layer_units<'a>(names: impl IntoIterator<Item = &'a str>) -> Vec<usize> {
+    let mut units: Vec<usize> = Vec::new();
+    let mut last = None;
+    for name in names {
+        let key = layer_of(name);
+        match (last, units.last_mut()) {
+            (Some(Some(k)), Some(n)) if key == Some(k) => *n += 1,
+            _ => units.push(1),
+        }
+        last = Some(key);
+    }
+    units
+}
+
+/// The `…layers.N` prefix of a parameter name, `None` outside any layer.
+fn layer_of(name: &str) -> Option<&str> {
+    let at = name.find("layers.")? + "layers.".len();
+    let digits = name[at..].bytes().take_while(u8::is_ascii_digit).count();
+    (digits > 0).then(|| &name[..at + digits])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -158,5 +288,50 @@ mod tests {
             }
         }
         assert_eq!(covered, [1; 10]);
+    }
+
+    #[test]
+    fn units_split_alone_and_pieces_place_them_end_to_end_in_the_block() {
+        // Parameters of 3, 5 | 2 | 4 values in units of 2, 1 and 1 parameters, over 2 ranks.
+        let lens = [3, 5, 2, 4];
+        let layouts: Vec<_> = (0..2)
+            .map(|r| ShardLayout::new(r, 2, &lens, &[2, 1, 1]))
+            .collect();
+        // Unit 0 (8 values) gives 4 to each rank, unit 1 (2) gives 1, unit 2 (4) gives 2.
+        assert_eq!(layouts[0].block_len(), 7);
+        assert_eq!(layouts[1].held(), vec![(4..8, 0), (9..10, 4), (12..14, 5)]);
+        let mut covered = [0u8; 14];
+        for layout in &layouts {
+            let mut next = 0;
+            for p in layout.pieces() {
+                assert_eq!(p.in_block.start, next, "pieces fill the block in order");
+                next = p.in_block.end;
+                let offset = [0, 3, 8, 10][p.param];
+                for i in p.in_param {
+                    covered[offset + i] += 1;
+                }
+            }
+            assert_eq!(next, layout.block_len());
+        }
+        assert_eq!(covered, [1; 14]);
+        // One unit is the flat split of every parameter at once.
+        let whole = ShardLayout::new(1, 3, &[3, 5, 2], &[3]);
+        assert_eq!(whole.pieces(), FlatShard::new(1, 3, 10).pieces(&[3, 5, 2]));
+    }
+
+    #[test]
+    fn layer_units_group_runs_of_one_layer() {
+        let names = [
+            "lm_head.weight",
+            "model.embed_tokens.weight",
+            "model.layers.0.mlp.up_proj.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.input_layernorm.weight",
+            "model.layers.10.input_layernorm.weight",
+            "model.norm.weight",
+            "score.weight",
+        ];
+        assert_eq!(layer_units(names), vec![1, 1, 2, 1, 1, 1, 1]);
+        assert_eq!(layer_units(std::iter::empty()), Vec::<usize>::new());
     }
 }

@@ -1,9 +1,11 @@
 //! A sharded AdamW's state on disk as its ranks' blocks, so that a sharded run saves without
 //! gathering its moments anywhere: each rank writes the moments of its block
 //! (`block-<rank>.safetensors`: flat `exp_avg` and `exp_avg_sq`, and the step counter), rank 0
-//! the layout (`layout.json`: the rank count and each parameter's name and length, in the flat
-//! order). Any optimizer over the same parameters, sharded over any rank count or whole, reads
-//! the part it keeps from the blocks that hold it ([`AdamW::load`] of the directory).
+//! the layout (`layout.json`: the rank count, each parameter's name and length in the flat
+//! order, and the parameters per unit of the [`ShardLayout`]; without `units`, one unit of
+//! them all). Any optimizer over the same parameters, sharded over any rank count and units or
+//! whole, reads the part it keeps from the blocks that hold it ([`AdamW::load`] of the
+//! directory).
 
 use std::ops::Range;
 use std::path::Path;
@@ -13,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{checkpoint_error, narrow, AdamW, Moments, STEP_KEY};
 use crate::algo::AlgoError;
-use crate::dist::shard::FlatShard;
+use crate::dist::shard::ShardLayout;
 
 /// The layout file of a block directory.
 const LAYOUT_FILE: &str = "layout.json";
@@ -28,6 +30,18 @@ struct Layout {
     ranks: usize,
     /// Each parameter's name and number of values, in the flat order.
     params: Vec<(String, usize)>,
+    /// Parameters per unit, in order (absent: one unit of every parameter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    units: Option<Vec<usize>>,
+}
+
+impl Layout {
+    /// How the blocks cut the flat vector.
+    fn shard_layout(&self, rank: usize) -> ShardLayout {
+        let lens: Vec<usize> = self.params.iter().map(|(_, n)| *n).collect();
+        let units = self.units.clone().unwrap_or_else(|| vec![lens.len()]);
+        ShardLayout::new(rank, self.ranks, &lens, &units)
+    }
 }
 
 fn block_file(dir: &Path, rank: usize) -> std::path::PathBuf {
@@ -39,7 +53,7 @@ impl AdamW {
     /// the layout; an error for an unsharded optimizer ([`AdamW::save`] writes its whole state).
     pub fn save_block(&self, dir: &Path) -> Result<(), AlgoError> {
         let Moments::Block {
-            shard,
+            layout: shard,
             exp_avg,
             exp_avg_sq,
             ..
@@ -59,10 +73,11 @@ impl AdamW {
             }
             _ => {}
         }
-        if shard.rank == 0 {
+        if shard.rank() == 0 {
             let layout = Layout {
-                ranks: shard.ranks,
+                ranks: shard.ranks(),
                 params: self.named_lens(),
+                units: Some(shard.unit_params()),
             };
             let path = dir.join(LAYOUT_FILE);
             let text = serde_json::to_vec_pretty(&layout).expect("a layout serialises");
@@ -74,7 +89,7 @@ impl AdamW {
             (EXP_AVG_SQ, exp_avg_sq.clone()),
             (STEP_KEY, step),
         ];
-        let path = block_file(dir, shard.rank);
+        let path = block_file(dir, shard.rank());
         candle_core::safetensors::save(&tensors.into_iter().collect(), &path)
             .and_then(|()| Ok(std::fs::File::open(&path)?.sync_all()?))
             .map_err(|e| checkpoint_error(&path, e.to_string()))
@@ -113,12 +128,18 @@ impl AdamW {
                 },
             ));
         }
-        let len = mine.iter().map(|(_, n)| n).sum();
-        let wanted = match &self.moments {
-            Moments::Block { shard, .. } => shard.range(),
-            Moments::PerParam { .. } => 0..len,
+        if let Some(units) = layout.units.as_ref() {
+            if units.iter().sum::<usize>() != mine.len() || units.contains(&0) {
+                let reason = format!("units {units:?} do not cut its {} parameters", mine.len());
+                return Err(checkpoint_error(&layout_path, reason));
+            }
+        }
+        let len: usize = mine.iter().map(|(_, n)| n).sum();
+        let wanted: Vec<Range<usize>> = match &self.moments {
+            Moments::Block { layout, .. } => layout.held().into_iter().map(|(r, _)| r).collect(),
+            Moments::PerParam { .. } => std::iter::once(0..len).collect(),
         };
-        let (step, exp_avg, exp_avg_sq) = self.read_range(dir, &layout, len, &wanted)?;
+        let (step, exp_avg, exp_avg_sq) = self.read_held(dir, &layout, &wanted)?;
         self.step = step;
         self.moments = match &self.moments {
             Moments::PerParam { .. } => Moments::PerParam {
@@ -127,12 +148,12 @@ impl AdamW {
             },
             Moments::Block {
                 sharding,
-                shard,
+                layout,
                 pieces,
                 ..
             } => Moments::Block {
                 sharding: *sharding,
-                shard: *shard,
+                layout: layout.clone(),
                 pieces: pieces.clone(),
                 exp_avg,
                 exp_avg_sq,
@@ -141,64 +162,65 @@ impl AdamW {
         Ok(())
     }
 
-    /// The step counter and the flat moments at positions `wanted` of a vector of `len` values,
-    /// read from the blocks that overlap them.
-    fn read_range(
+    /// The step counter and the flat moments at the positions `wanted` (ranges of the flat
+    /// vector, joined in order), read from the saved blocks that hold them.
+    fn read_held(
         &self,
         dir: &Path,
         layout: &Layout,
-        len: usize,
-        wanted: &Range<usize>,
+        wanted: &[Range<usize>],
     ) -> Result<(u64, Tensor, Tensor), AlgoError> {
         let (dtype, device) = self.block_kind();
+        // Blocks are read on the host; only the wanted positions move to the device.
+        let mut blocks: Vec<Option<SavedBlock>> = (0..layout.ranks).map(|_| None).collect();
         let (mut m, mut v) = (Vec::new(), Vec::new());
-        // Blocks are read on the host; only the wanted range moves to the device.
-        let host = candle_core::Device::Cpu;
-        let mut step = None;
-        for rank in 0..layout.ranks {
-            let theirs = FlatShard::new(rank, layout.ranks, len).range();
-            let (start, end) = (theirs.start.max(wanted.start), theirs.end.min(wanted.end));
-            // A rank whose block is all padding still reads the step counter (from block 0).
-            if start >= end && !(rank == 0 && wanted.is_empty()) {
-                continue;
-            }
-            let at = match start < end {
-                true => start - theirs.start..end - theirs.start,
-                false => 0..0,
-            };
-            let path = block_file(dir, rank);
-            let mut saved = candle_core::safetensors::load(&path, &host)
-                .map_err(|e| checkpoint_error(&path, e.to_string()))?;
-            let mut take = |key: &str| -> Result<Tensor, AlgoError> {
-                let t = saved
-                    .remove(key)
-                    .ok_or_else(|| checkpoint_error(&path, format!("missing `{key}`")))?;
-                if t.dims() != [theirs.len()] {
-                    let reason = format!(
-                        "`{key}` holds {:?} values, rank {rank}'s block of {len} over {} ranks {}",
-                        t.dims(),
-                        layout.ranks,
-                        theirs.len()
-                    );
-                    return Err(checkpoint_error(&path, reason));
+        let saved: Vec<Vec<(Range<usize>, usize)>> = (0..layout.ranks)
+            .map(|rank| layout.shard_layout(rank).held())
+            .collect();
+        for want in wanted {
+            // The saved pieces that overlap it, in flat order: (start, rank, positions in block).
+            let mut found = Vec::new();
+            for (rank, held) in saved.iter().enumerate() {
+                for (theirs, at) in held {
+                    let (start, end) = (theirs.start.max(want.start), theirs.end.min(want.end));
+                    if start < end {
+                        let in_block = at + start - theirs.start..at + end - theirs.start;
+                        found.push((start, rank, in_block));
+                    }
                 }
-                Ok(t)
-            };
-            m.push(narrow(&take(EXP_AVG)?, &at)?.to_dtype(dtype)?);
-            v.push(narrow(&take(EXP_AVG_SQ)?, &at)?.to_dtype(dtype)?);
-            let counter = take_step(&mut saved, &path)?;
-            if step.is_some_and(|s| s != counter) {
-                let reason = format!("step {counter}, another block step {}", step.unwrap_or(0));
-                return Err(checkpoint_error(&path, reason));
             }
-            step = Some(counter);
+            found.sort_by_key(|(start, _, _)| *start);
+            for (_, rank, range) in found {
+                let block = match &mut blocks[rank] {
+                    Some(b) => b,
+                    slot => slot.insert(SavedBlock::read(dir, layout, rank)?),
+                };
+                m.push(narrow(&block.exp_avg, &range)?.to_dtype(dtype)?);
+                v.push(narrow(&block.exp_avg_sq, &range)?.to_dtype(dtype)?);
+            }
         }
-        let step = step.ok_or_else(|| checkpoint_error(dir, "no block holds any value".into()))?;
-        // A copy of the wanted range alone, so the blocks read are freed here.
+        // The step counter from block 0 when no wanted position needed a block (a rank whose
+        // block is all padding); every block read must agree on it.
+        if blocks.iter().all(Option::is_none) {
+            blocks[0] = Some(SavedBlock::read(dir, layout, 0)?);
+        }
+        let mut read = blocks
+            .iter()
+            .enumerate()
+            .filter_map(|(r, b)| Some((r, b.as_ref()?)));
+        let (_, first) = read.next().expect("a block was read");
+        if let Some((rank, other)) = read.find(|(_, b)| b.step != first.step) {
+            let reason = format!("step {}, block 0's step {}", other.step, first.step);
+            return Err(checkpoint_error(&block_file(dir, rank), reason));
+        }
         let join = |parts: &[Tensor]| -> Result<Tensor, AlgoError> {
-            Ok(Tensor::cat(parts, 0)?.copy()?.to_device(&device)?)
+            Ok(match parts {
+                [] => Tensor::zeros(0, dtype, &candle_core::Device::Cpu)?,
+                _ => Tensor::cat(parts, 0)?.copy()?,
+            }
+            .to_device(&device)?)
         };
-        Ok((step, join(&m)?, join(&v)?))
+        Ok((first.step, join(&m)?, join(&v)?))
     }
 
     /// Each parameter's name and number of values, in the flat order.
@@ -219,6 +241,46 @@ impl AdamW {
             offset += n;
         }
         Ok(out)
+    }
+}
+
+/// One rank's saved block, checked against the layout.
+struct SavedBlock {
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step: u64,
+}
+
+impl SavedBlock {
+    /// Rank `rank`'s block file in `dir`, each moment holding as many values as `layout` gives
+    /// that rank.
+    fn read(dir: &Path, layout: &Layout, rank: usize) -> Result<Self, AlgoError> {
+        let path = block_file(dir, rank);
+        let mut saved = candle_core::safetensors::load(&path, &candle_core::Device::Cpu)
+            .map_err(|e| checkpoint_error(&path, e.to_string()))?;
+        let expected = layout.shard_layout(rank).block_len();
+        let mut take = |key: &str| -> Result<Tensor, AlgoError> {
+            let t = saved
+                .remove(key)
+                .ok_or_else(|| checkpoint_error(&path, format!("missing `{key}`")))?;
+            if t.dims() != [expected] {
+                let reason = format!(
+                    "`{key}` holds {:?} values where rank {rank}'s block of this layout over {} \
+                     ranks holds {expected}",
+                    t.dims(),
+                    layout.ranks
+                );
+                return Err(checkpoint_error(&path, reason));
+            }
+            Ok(t)
+        };
+        let (exp_avg, exp_avg_sq) = (take(EXP_AVG)?, take(EXP_AVG_SQ)?);
+        let step = take_step(&mut saved, &path)?;
+        Ok(Self {
+            exp_avg,
+            exp_avg_sq,
+            step,
+        })
     }
 }
 

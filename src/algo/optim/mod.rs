@@ -18,7 +18,7 @@ use kernels as in_place;
 
 mod blocks;
 mod kernels;
-use crate::dist::shard::{FlatShard, Piece, Sharding};
+use crate::dist::shard::{layer_units, Piece, ShardLayout, Sharding};
 
 /// Name of the step counter in a saved optimizer state.
 const STEP_KEY: &str = "__adamw_step";
@@ -101,9 +101,10 @@ impl AdamW {
     }
 
     /// [`AdamW::new`] keeping the moments of rank `rank` of `ranks`'s block of the parameters
-    /// laid end to end in their order ([`FlatShard`]), for the ZeRO stage `sharding` (recorded
-    /// for the trainer, which moves the gradients accordingly); stepped with
-    /// [`AdamW::step_block`]. `Sharding::None` is [`AdamW::new`].
+    /// laid end to end in their order, one decoder layer a unit ([`ShardLayout`],
+    /// [`layer_units`] of their names), for the ZeRO stage `sharding` (recorded for the trainer,
+    /// which moves the gradients accordingly); stepped with [`AdamW::step_block`].
+    /// `Sharding::None` is [`AdamW::new`].
     pub fn sharded(
         params: Vec<(String, Var)>,
         cfg: &OptimizerConfig,
@@ -114,16 +115,16 @@ impl AdamW {
             return Self::new(params, cfg);
         }
         let mut opt = Self::new(params, cfg)?;
-        let lens = opt.param_lens();
-        let shard = FlatShard::new(rank, ranks, lens.iter().sum());
+        let units = layer_units(opt.params.iter().map(|(n, _)| n.as_str()));
+        let layout = ShardLayout::new(rank, ranks, &opt.param_lens(), &units);
         let (dtype, device) = opt.block_kind();
-        let zeros = || Tensor::zeros(shard.range().len(), dtype, &device);
+        let zeros = || Tensor::zeros(layout.block_len(), dtype, &device);
         opt.moments = Moments::Block {
             sharding,
-            pieces: shard.pieces(&lens),
-            shard,
+            pieces: layout.pieces(),
             exp_avg: zeros()?,
             exp_avg_sq: zeros()?,
+            layout,
         };
         Ok(opt)
     }
@@ -139,12 +140,12 @@ impl AdamW {
     }
 
     /// The ZeRO stage and this rank's block when the moments are sharded.
-    pub fn shard(&self) -> Option<(Sharding, &FlatShard)> {
+    pub fn shard(&self) -> Option<(Sharding, &ShardLayout)> {
         match &self.moments {
             Moments::PerParam { .. } => None,
             Moments::Block {
-                sharding, shard, ..
-            } => Some((*sharding, shard)),
+                sharding, layout, ..
+            } => Some((*sharding, layout)),
         }
     }
 
@@ -242,7 +243,7 @@ impl AdamW {
     }
 
     /// One update of this rank's block (a sharded optimizer): `values` and `grad` are the
-    /// block's parameter values and summed gradient (its [`FlatShard::range`], laid end to end);
+    /// block's parameter values and summed gradient ([`ShardLayout::held`], end to end);
     /// `has_grad` says which parameters any rank reached (the others are left alone, as
     /// [`AdamW::step`] leaves them); `grad_norm` is the global norm of all ranks' blocks. Returns
     /// the block's new values (`values` itself, updated in place, for f32 on the CPU).
@@ -373,7 +374,7 @@ impl AdamW {
             },
             Moments::Block {
                 sharding,
-                shard,
+                layout,
                 pieces,
                 ..
             } => {
@@ -383,12 +384,12 @@ impl AdamW {
                         .map(Tensor::flatten_all)
                         .collect::<Result<_, _>>()?;
                     // A copy of the block alone: the whole state is freed here.
-                    let block = narrow(&Tensor::cat(&flat, 0)?, &shard.range())?.copy()?;
+                    let block = held_part(&Tensor::cat(&flat, 0)?, layout)?;
                     Ok(block.to_device(&device)?)
                 };
                 Moments::Block {
                     sharding: *sharding,
-                    shard: *shard,
+                    layout: layout.clone(),
                     pieces: pieces.clone(),
                     exp_avg: block(exp_avg)?,
                     exp_avg_sq: block(exp_avg_sq)?,
@@ -460,12 +461,26 @@ enum Moments {
     },
     Block {
         sharding: Sharding,
-        shard: FlatShard,
+        layout: ShardLayout,
         /// The parameters' slices in the block, in order; they cover it.
         pieces: Vec<Piece>,
         exp_avg: Tensor,
         exp_avg_sq: Tensor,
     },
+}
+
+/// The positions of flat tensor `flat` that `layout`'s block holds, end to end, as a new tensor.
+pub fn held_part(flat: &Tensor, layout: &ShardLayout) -> candle_core::Result<Tensor> {
+    let parts: Vec<Tensor> = layout
+        .held()
+        .iter()
+        .map(|(range, _)| narrow(flat, range))
+        .collect::<candle_core::Result<_>>()?;
+    match parts.as_slice() {
+        [] => Tensor::zeros(0, flat.dtype(), flat.device()),
+        [one] => one.copy(),
+        _ => Tensor::cat(&parts, 0),
+    }
 }
 
 /// The positions `range` of a flat tensor.
@@ -827,7 +842,8 @@ mod tests {
                 Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap()
             })
             .collect();
-        let named: Vec<(String, Var)> = ["a", "b", "c"]
+        // Two units: layer 0's `a` and `b`, layer 1's `c`.
+        let named: Vec<(String, Var)> = ["layers.0.a", "layers.0.b", "layers.1.c"]
             .iter()
             .map(|n| n.to_string())
             .zip(vars.clone())
@@ -879,13 +895,8 @@ mod tests {
             .unwrap();
             let mut blocks = Vec::new();
             for opt in &mut opts {
-                let range = opt.shard().unwrap().1.range();
-                let at = |t: &Tensor| {
-                    t.narrow(0, range.start, range.len())
-                        .unwrap()
-                        .copy()
-                        .unwrap()
-                };
+                let layout = opt.shard().unwrap().1.clone();
+                let at = |t: &Tensor| held_part(t, &layout).unwrap();
                 let (_, block) = opt
                     .step_block(
                         at(&values),
@@ -897,7 +908,15 @@ mod tests {
                     .unwrap();
                 blocks.push(block);
             }
-            let all = Tensor::cat(&blocks, 0).unwrap();
+            // Every rank's block written back where its layout holds it.
+            let mut all = vec![0f64; lens.iter().sum()];
+            for (opt, block) in opts.iter().zip(&blocks) {
+                let block: Vec<f64> = block.to_dtype(DType::F64).unwrap().to_vec1().unwrap();
+                for (range, at) in opt.shard().unwrap().1.held() {
+                    all[range.clone()].copy_from_slice(&block[at..at + range.len()]);
+                }
+            }
+            let all = Tensor::new(all, device).unwrap().to_dtype(dtype).unwrap();
             let mut offset = 0;
             for (v, &n) in vars.iter().zip(&lens) {
                 v.set(&all.narrow(0, offset, n).unwrap()).unwrap();
@@ -990,6 +1009,25 @@ mod tests {
         let mut reader = AdamW::new(named.clone(), &cfg()).unwrap();
         reader.load(&source).unwrap();
         assert_eq!(values(reader.state().unwrap()), saved);
+        // A layout written before units (no `units`: one unit of every parameter) reads the
+        // same; units that do not cut the parameters are refused, naming the layout.
+        let layout_path = source.join("layout.json");
+        let mut layout: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&layout_path).unwrap()).unwrap();
+        layout.as_object_mut().unwrap().remove("units");
+        std::fs::write(&layout_path, layout.to_string()).unwrap();
+        let mut reader = AdamW::new(named.clone(), &cfg()).unwrap();
+        reader.load(&source).unwrap();
+        assert_eq!(values(reader.state().unwrap()), saved);
+        layout["units"] = serde_json::json!([2]);
+        std::fs::write(&layout_path, layout.to_string()).unwrap();
+        let err = AdamW::new(named.clone(), &cfg())
+            .unwrap()
+            .load(&source)
+            .unwrap_err();
+        assert!(err.to_string().contains("units [2]"), "{err}");
+        layout.as_object_mut().unwrap().remove("units");
+        std::fs::write(&layout_path, layout.to_string()).unwrap();
         // Blocks of other parameters are refused, naming the layout.
         let other = vec![("v".to_string(), w.clone())];
         let err = AdamW::new(other, &cfg())

@@ -34,7 +34,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::{Config, CriticMode};
-use crate::dist::shard::Sharding;
+use crate::dist::shard::{layer_units, Sharding};
 use crate::model::lora::adapter_param_shapes;
 use crate::model::{LoraSpec, Model, ModelConfig, Precision};
 
@@ -150,15 +150,15 @@ impl MemoryPlan {
             _ => F32,
         };
         let copies = shape.extra_policy_copies as u64 * policy.total_params * F32;
-        let trained = |m: &ModelPlan| m.trained_params;
-        let largest_step = trained(&policy).max(critic.as_ref().map_or(0, trained));
+        let buffers = |m: &ModelPlan| step_buffers(&m.units, shape);
+        let step_buffers = buffers(&policy).max(critic.as_ref().map_or(0, buffers));
         Self {
             weights: both(|m| m.weights) + copies,
             working_weights: both(|m| m.working_weights),
             rollout_weights: policy.rollout_weights,
             gradients,
             optimizer: both(|m| m.optimizer),
-            step_buffers: step_buffers(largest_step, shape.ranks, shape.sharding, shape.device),
+            step_buffers,
             activations,
             logits,
             kv_cache: shape.kv_slots as u64 * kv.num_hidden_layers as u64 * 2 * kv_row * kv_bytes,
@@ -249,29 +249,49 @@ impl MemoryPlan {
     }
 }
 
-/// The most bytes of flat f32 buffers one optimizer step over `trained` parameters holds at a
-/// time across `ranks` ranks. On CUDA (NCCL) a collective reads and writes device buffers; on
-/// the CPU it goes through the host, where MPI sums from a copy of what it is given.
-fn step_buffers(trained: u64, ranks: usize, sharding: Sharding, device: PlanDevice) -> u64 {
-    let whole = trained * F32;
-    let block = trained.div_ceil(ranks as u64) * F32;
-    let host = device == PlanDevice::Cpu;
-    // A whole buffer summed: on the host, its copy and MPI's send buffer besides.
-    let summed_whole = if host { 3 * whole } else { 2 * whole };
-    match (ranks, sharding) {
-        (1, _) => 0,
-        // This rank's gradients and their sum.
-        (_, Sharding::None) => summed_whole,
-        // Then this rank's block of the sum, copied out before the whole sum goes.
-        (_, Sharding::Optimizer) => summed_whole + block,
-        // Reduce-scattering: this rank's gradients, their host copy, Open MPI's scratch buffer
-        // of the whole sum (its reduce-scatter-block reduces the whole vector before it
-        // scatters) and this rank's block of the sum; then the block's gradient, values and
-        // padded copy, and every rank's updated block gathered (on the host, beside its copy of
-        // this rank's block).
-        _ if host => (3 * whole + block).max(whole + 4 * block),
-        _ => whole + 3 * block,
+/// The most bytes of flat f32 buffers one optimizer step holds at a time across the ranks of
+/// `shape`, for trained parameters in `units` (values per unit, in the order the step moves
+/// them). On CUDA (NCCL) a collective reads and writes device buffers; on the CPU it goes
+/// through the host, where MPI sums from a copy of what it is given.
+fn step_buffers(units: &[u64], shape: &PlanShape) -> u64 {
+    let ranks = shape.ranks as u64;
+    if ranks == 1 {
+        return 0;
     }
+    let host = shape.device == PlanDevice::Cpu;
+    // A unit being summed: its gradients laid flat, their host copy and the sum.
+    let summing = |unit: u64| if host { 3 * unit } else { 2 * unit };
+    let block = |unit: u64| unit.div_ceil(ranks);
+    // The most alive while the units are summed one after another, beside what the units before
+    // left behind (`kept` of each).
+    let while_summing = |now: &dyn Fn(u64) -> u64, kept: &dyn Fn(u64) -> u64| -> u64 {
+        let (mut before, mut most) = (0, 0);
+        for &u in units {
+            most = most.max(before + now(u));
+            before += kept(u);
+        }
+        most
+    };
+    let largest = units.iter().copied().max().unwrap_or(0);
+    let padded = |u: u64| block(u) * ranks;
+    // Then the rank's block: its gradient, values and updated values, beside a unit gathered
+    // (and its host copy).
+    let blocks: u64 = units.iter().map(|&u| block(u)).sum();
+    let gathering = 3 * blocks + if host { 2 } else { 1 } * padded(largest);
+    let values = match shape.sharding {
+        // The whole sum, kept unit by unit beside this rank's own gradients.
+        Sharding::None => while_summing(&|u| summing(u), &|u| u),
+        // Each unit's sum, of which this rank keeps its block.
+        Sharding::Optimizer => while_summing(&|u| summing(padded(u)), &block).max(gathering),
+        // Reduce-scattering a unit: its gradients, their host copy and Open MPI's scratch buffer
+        // of the unit's whole sum (its reduce-scatter-block reduces the whole vector before it
+        // scatters), and the rank's block of it.
+        Sharding::Gradients | Sharding::Parameters => {
+            let scatter = |u: u64| if host { 3 * padded(u) } else { padded(u) } + block(u);
+            while_summing(&scatter, &block).max(gathering)
+        }
+    };
+    values * F32
 }
 
 /// A run's plan held against the memory it may use: checked before the first step with the
@@ -425,6 +445,9 @@ struct ModelPlan {
     activations: u64,
     logits: u64,
     trained_params: u64,
+    /// The trained parameters of each unit a step moves at a time (a decoder layer's, or one
+    /// parameter outside the layers: `layer_units`), in the optimizer's order.
+    units: Vec<u64>,
     total_params: u64,
 }
 
@@ -451,17 +474,19 @@ impl ModelPlan {
             Precision::F32 => 0,
             Precision::Bf16 => total_params * BF16,
         };
-        let (trained_params, rollout_weights) = match &m.lora {
-            None => (total_params, whole_copy),
+        let (trained_params, rollout_weights, units) = match &m.lora {
+            None => (total_params, whole_copy, unit_sizes(&params)),
             Some(spec) => {
-                let adapters = adapter_param_shapes(cfg, spec).unwrap_or_default();
-                let head_params = if m.is_critic { count(&head) } else { 0 };
+                let mut trained = adapter_param_shapes(cfg, spec).unwrap_or_default();
                 let rollout = match shape.rollout_precision {
                     // The adapted projections, merged into a copy of their weights.
-                    Precision::F32 => adapted_params(&params, &adapters) * F32,
+                    Precision::F32 => adapted_params(&params, &trained) * F32,
                     Precision::Bf16 => whole_copy,
                 };
-                (count(&adapters) + head_params, rollout)
+                if m.is_critic {
+                    trained.extend(head.iter().cloned());
+                }
+                (count(&trained), rollout, unit_sizes(&trained))
             }
         };
         let tokens = shape.batch_tokens as u64;
@@ -502,9 +527,27 @@ impl ModelPlan {
             activations,
             logits,
             trained_params,
+            units,
             total_params,
         }
     }
+}
+
+/// The values of each unit of `params` as an optimizer step moves them (its parameters in name
+/// order, [`layer_units`]).
+fn unit_sizes(params: &[(String, Vec<usize>)]) -> Vec<u64> {
+    let mut sorted: Vec<(&str, u64)> = params
+        .iter()
+        .map(|(n, s)| (n.as_str(), s.iter().product::<usize>() as u64))
+        .collect();
+    sorted.sort();
+    let mut at = 0;
+    let mut units = Vec::new();
+    for n in layer_units(sorted.iter().map(|(name, _)| *name)) {
+        units.push(sorted[at..at + n].iter().map(|(_, v)| v).sum());
+        at += n;
+    }
+    units
 }
 
 /// The trained parameters whose moments this rank keeps: its block of them when the optimizer
@@ -619,11 +662,40 @@ mod tests {
         // On the CPU every sum goes through the host: a copy, and MPI's send buffer.
         let replicated = at(3, Sharding::None);
         let buffers = |plan: &MemoryPlan| (plan.optimizer, plan.step_buffers);
-        assert_eq!(buffers(&replicated), (8 * p, 12 * p));
+        // Gradients are summed one unit at a time (the embedding, four layers, the final norm,
+        // in name order): on the host each unit's flat copy, host copy and sum (3 units) beside
+        // the sums of the units before it.
+        let params = Model::param_shapes(&cfg);
+        let size = |prefix: &str| -> u64 {
+            let of = |s: &Vec<usize>| s.iter().product::<usize>() as u64;
+            params
+                .iter()
+                .filter(|(n, _)| n.starts_with(prefix))
+                .map(|(_, s)| of(s))
+                .sum()
+        };
+        let (embedding, layer) = (size("model.embed_tokens."), size("model.layers.0."));
+        assert_eq!(p, embedding + 4 * layer + size("model.norm."));
+        let last_layer = (embedding + 3 * layer + 3 * layer) * F32;
+        assert!(
+            3 * embedding < embedding + 6 * layer,
+            "a layer is the largest unit here"
+        );
+        assert_eq!(buffers(&replicated), (8 * p, last_layer));
+        // A sharded step keeps only this rank's block of each unit's sum, then gathers the
+        // updated blocks a unit at a time.
         let zero1 = at(3, Sharding::Optimizer);
-        assert_eq!(buffers(&zero1), (2 * block, 12 * p + block));
         let zero2 = at(3, Sharding::Gradients);
-        assert_eq!(buffers(&zero2), (2 * block, 12 * p + block));
+        assert_eq!((zero1.optimizer, zero2.optimizer), (2 * block, 2 * block));
+        let blocks = [embedding, layer, layer, layer, layer, size("model.norm.")]
+            .map(|u| u.div_ceil(3))
+            .iter()
+            .sum::<u64>();
+        let gathering = (3 * blocks + 2 * layer.div_ceil(3) * 3) * F32;
+        assert_eq!(
+            (zero1.step_buffers, zero2.step_buffers),
+            (gathering, gathering)
+        );
         assert!(zero2.peak() <= zero1.peak() && zero1.peak() < replicated.peak());
         let table = zero2.table(&shape_at(3, Sharding::Gradients), None);
         assert!(table.contains("this rank's 1/3"), "{table}");

@@ -5,8 +5,11 @@
 //! metrics an update logs ([`Means`]), merged over ranks. Shared by the PPO update and the
 //! value-MLP critics' fit.
 
+use std::ops::Range;
+
 use crate::algo::{AdamW, StepReport};
-use crate::dist::shard::{FlatShard, Sharding};
+
+use crate::dist::shard::{FlatShard, ShardLayout, Sharding};
 use crate::dist::Collective;
 use crate::train::learner::ranks;
 use crate::train::Scalars;
@@ -111,6 +114,8 @@ pub(in crate::train) fn step_critic(
 /// Steps `opt` at learning rate `lr` (gradients clipped to `max_grad_norm`) on this rank's
 /// gradients `local` (`None`: nothing back-propagated here; `finite`: whether its loss was
 /// finite), summed over the ranks. `None` when a rank's loss was not finite: every rank skips.
+/// A sharded optimizer's gradients are summed and its weights gathered one unit (a decoder
+/// layer) at a time, so the step's flat buffers hold one unit, not the whole model.
 pub(in crate::train) fn step_over_ranks(
     opt: &mut AdamW,
     local: Option<&GradStore>,
@@ -118,26 +123,24 @@ pub(in crate::train) fn step_over_ranks(
     (lr, max_grad_norm): (f64, f64),
     dist: &dyn Collective,
 ) -> Result<Option<StepReport>, TrainError> {
-    let Some((sharding, shard)) = opt.shard().map(|(mode, shard)| (mode, *shard)) else {
+    let Some((sharding, layout)) = opt.shard().map(|(mode, layout)| (mode, layout.clone())) else {
         let Some(grads) = ranks::summed_gradients(opt, local, finite, dist)? else {
             return Ok(None);
         };
         return Ok(Some(opt.step(&grads, lr, Some(max_grad_norm))?));
     };
-    if shard.ranks != dist.size() {
+    if layout.ranks() != dist.size() {
         return Err(TrainError::Data(format!(
             "an optimizer sharded over {} ranks steps in a world of {}",
-            shard.ranks,
+            layout.ranks(),
             dist.size()
         )));
     }
-    let flat = ranks::flat_gradients(opt, local, finite, shard.padded_len(), dist)?;
-    let Some((flat, reached)) = flat else {
+    let Some(reached) = ranks::reached_params(opt, local, finite, dist)? else {
         return Ok(None);
     };
-    let (grad, grad_norm) = block_gradient(opt, &flat, sharding, &shard, dist)?;
-    drop(flat);
-    let values = block_values(opt, &shard)?;
+    let (grad, grad_norm) = block_gradient(opt, local, sharding, &layout, dist)?;
+    let values = block_values(opt, &layout)?;
     let (report, values) = opt.step_block(
         values,
         &grad,
@@ -146,88 +149,118 @@ pub(in crate::train) fn step_over_ranks(
         (lr, Some(max_grad_norm)),
     )?;
     if !report.skipped {
-        gather_weights(opt, values, &shard, dist)?;
+        gather_weights(opt, &values, &layout, dist)?;
     }
     Ok(Some(report))
 }
 
-/// The summed gradient of this rank's block and the global gradient norm: all-reduced whole
-/// (ZeRO-1, the norm summed as an unsharded step sums it) or reduce-scattered (ZeRO-2, the
-/// norm's squares summed over the ranks' blocks).
+/// The summed gradient of this rank's block and the global gradient norm, unit by unit: each
+/// unit's gradients all-reduced whole (ZeRO-1, the norm summed as an unsharded step sums it) or
+/// reduce-scattered (ZeRO-2, the norm's squares summed over the ranks' blocks).
 fn block_gradient(
     opt: &AdamW,
-    flat: &Tensor,
+    local: Option<&GradStore>,
     sharding: Sharding,
-    shard: &FlatShard,
+    layout: &ShardLayout,
     dist: &dyn Collective,
 ) -> Result<(Tensor, f64), TrainError> {
-    let range = shard.range();
-    // Σ g² of the given slices of `t`, summed as an unsharded step sums its gradients.
-    let squares = |t: &Tensor, slices: &[std::ops::Range<usize>]| -> Result<f64, TrainError> {
-        let parts: Vec<Tensor> = slices
-            .iter()
-            .map(|r| t.narrow(0, r.start, r.len()))
-            .collect::<Result<_, _>>()?;
-        Ok(crate::algo::sum_of_squares(&parts)?)
-    };
     let lens = opt.param_lens();
-    if sharding == Sharding::Optimizer {
-        let summed = dist.all_reduce_tensor(flat)?;
-        let whole = FlatShard::new(0, 1, shard.len).pieces(&lens);
-        let slices: Vec<_> = whole.into_iter().map(|p| p.in_block).collect();
-        let norm = squares(&summed, &slices)?;
-        // A copy, so that the whole sum is freed here.
-        let block = summed.narrow(0, range.start, range.len())?.copy()?;
-        return Ok((block, norm.sqrt()));
+    // Σ g² over slices of `t`, one parameter's slice after another, as an unsharded step sums.
+    let add_squares =
+        |sum: &mut f64, t: &Tensor, slices: &[Range<usize>]| -> Result<(), TrainError> {
+            for r in slices {
+                *sum += crate::algo::sum_of_squares([&t.narrow(0, r.start, r.len())?])?;
+            }
+            Ok(())
+        };
+    let mut squares = 0.0;
+    let mut blocks = Vec::with_capacity(layout.units().len());
+    for unit in layout.units() {
+        let flat = ranks::flat_gradient(opt, local, unit.params.clone(), unit.shard.padded_len())?;
+        let range = unit.shard.range();
+        let unit_lens = &lens[unit.params.clone()];
+        if sharding == Sharding::Optimizer {
+            let summed = dist.all_reduce_tensor(&flat)?;
+            drop(flat);
+            let whole = FlatShard::new(0, 1, unit.shard.len).pieces(unit_lens);
+            let slices: Vec<_> = whole.into_iter().map(|p| p.in_block).collect();
+            add_squares(&mut squares, &summed, &slices)?;
+            // A copy, so that the unit's whole sum is freed here.
+            blocks.push(summed.narrow(0, range.start, range.len())?.copy()?);
+            continue;
+        }
+        let scattered = dist.reduce_scatter_tensor(&flat)?;
+        drop(flat);
+        let block = scattered.narrow(0, 0, range.len())?.copy()?;
+        let mine: Vec<_> = unit
+            .shard
+            .pieces(unit_lens)
+            .into_iter()
+            .map(|p| p.in_block)
+            .collect();
+        add_squares(&mut squares, &block, &mine)?;
+        blocks.push(block);
     }
-    let scattered = dist.reduce_scatter_tensor(flat)?;
-    let block = scattered.narrow(0, 0, range.len())?.contiguous()?;
-    let mine: Vec<_> = shard
-        .pieces(&lens)
-        .into_iter()
-        .map(|p| p.in_block)
-        .collect();
-    let mut sum = [squares(&block, &mine)?];
-    dist.all_reduce_f64(&mut sum)?;
-    Ok((block, sum[0].sqrt()))
+    if sharding != Sharding::Optimizer {
+        let mut sum = [squares];
+        dist.all_reduce_f64(&mut sum)?;
+        squares = sum[0];
+    }
+    Ok((joined(blocks, &opt.device())?, squares.sqrt()))
 }
 
-/// This rank's block of `opt`'s parameters laid end to end, as a new f32 tensor.
-fn block_values(opt: &AdamW, shard: &FlatShard) -> Result<Tensor, TrainError> {
-    let params = opt.params();
-    let mut parts = Vec::new();
-    for piece in shard.pieces(&opt.param_lens()) {
-        let flat = params[piece.param].1.as_tensor().flatten_all()?;
-        let r = piece.in_param;
-        parts.push(flat.narrow(0, r.start, r.len())?.to_dtype(DType::F32)?);
-    }
+/// Flat tensors end to end (an empty f32 tensor on `device` for none).
+fn joined(parts: Vec<Tensor>, device: &candle_core::Device) -> Result<Tensor, TrainError> {
+    let parts: Vec<Tensor> = parts.into_iter().filter(|t| t.elem_count() > 0).collect();
     Ok(match parts.as_slice() {
-        [] => Tensor::zeros(0, DType::F32, &opt.device())?,
-        [one] => one.copy()?,
+        [] => Tensor::zeros(0, DType::F32, device)?,
+        [one] => one.clone(),
         _ => Tensor::cat(&parts, 0)?,
     })
 }
 
-/// Every rank's updated block all-gathered, and written into `opt`'s parameters.
+/// This rank's block of `opt`'s parameters laid end to end, as a new f32 tensor.
+fn block_values(opt: &AdamW, layout: &ShardLayout) -> Result<Tensor, TrainError> {
+    let params = opt.params();
+    let pieces = layout.pieces();
+    let mut parts = Vec::with_capacity(pieces.len());
+    for piece in &pieces {
+        let flat = params[piece.param].1.as_tensor().flatten_all()?;
+        let r = &piece.in_param;
+        parts.push(flat.narrow(0, r.start, r.len())?.to_dtype(DType::F32)?);
+    }
+    let values = joined(parts, &opt.device())?;
+    // A copy of its own when one slice is all of it: the update writes into it.
+    Ok(match pieces.len() {
+        1 => values.copy()?,
+        _ => values,
+    })
+}
+
+/// Every rank's updated block all-gathered unit by unit, and written into `opt`'s parameters.
 fn gather_weights(
     opt: &AdamW,
-    block: Tensor,
-    shard: &FlatShard,
+    block: &Tensor,
+    layout: &ShardLayout,
     dist: &dyn Collective,
 ) -> Result<(), TrainError> {
-    let all = dist.all_gather_tensor(&padded_block(block, shard)?)?;
-    let mut offset = 0;
-    for (_, var) in opt.params() {
-        let n = var.elem_count();
-        let values = all.narrow(0, offset, n)?.reshape(var.shape())?;
-        var.set(&values.to_dtype(var.dtype())?)?;
-        offset += n;
+    let params = opt.params();
+    for unit in layout.units() {
+        let mine = block.narrow(0, unit.in_block, unit.shard.range().len())?;
+        let all = dist.all_gather_tensor(&padded_block(mine, &unit.shard)?)?;
+        let mut offset = 0;
+        for (_, var) in &params[unit.params.clone()] {
+            let n = var.elem_count();
+            let values = all.narrow(0, offset, n)?.reshape(var.shape())?;
+            var.set(&values.to_dtype(var.dtype())?)?;
+            offset += n;
+        }
     }
     Ok(())
 }
 
-/// A rank's block (its [`FlatShard::range`]) with zeros after it up to a whole block, as the
-/// collectives move it.
+/// A rank's block of a unit (its [`FlatShard::range`]) with zeros after it up to a whole block,
+/// as the collectives move it.
 fn padded_block(block: Tensor, shard: &FlatShard) -> Result<Tensor, TrainError> {
     Ok(match shard.block() - block.elem_count() {
         0 => block,

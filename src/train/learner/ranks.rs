@@ -14,6 +14,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 
 use crate::algo::AdamW;
+use crate::dist::shard::layer_units;
 use crate::dist::Collective;
 use crate::rollout::engine::CacheCounters;
 use crate::store::StepRecord;
@@ -202,45 +203,72 @@ pub fn summed_gradients<'a>(
     if dist.is_single_process() {
         return Ok(local.filter(|_| finite).map(Gradients::Local));
     }
-    let lens = opt.param_lens();
-    let Some((flat, reached)) = flat_gradients(opt, local, finite, lens.iter().sum(), dist)? else {
+    let Some(reached) = reached_params(opt, local, finite, dist)? else {
         return Ok(None);
     };
-    let summed = dist.all_reduce_tensor(&flat)?;
+    // One unit (a decoder layer) at a time, so the flat buffers hold one unit's gradients.
+    let params = opt.params();
     let mut out = GradStore::default();
-    let mut offset = 0;
-    for ((_, var), (&n, reached)) in opt.params().iter().zip(lens.iter().zip(reached)) {
-        if reached {
-            let g = summed.narrow(0, offset, n)?.reshape(var.shape())?;
-            out.insert(var.as_tensor(), g.to_dtype(var.dtype())?);
+    let mut first = 0;
+    for n in layer_units(params.iter().map(|(name, _)| name.as_str())) {
+        let unit = first..first + n;
+        let len = params[unit.clone()]
+            .iter()
+            .map(|(_, v)| v.elem_count())
+            .sum();
+        let summed = dist.all_reduce_tensor(&flat_gradient(opt, local, unit.clone(), len)?)?;
+        let mut offset = 0;
+        for (i, (_, var)) in params[unit].iter().enumerate() {
+            let n = var.elem_count();
+            if reached[first + i] {
+                let g = summed.narrow(0, offset, n)?.reshape(var.shape())?;
+                out.insert(var.as_tensor(), g.to_dtype(var.dtype())?);
+            }
+            offset += n;
         }
-        offset += n;
+        first += n;
     }
     Ok(Some(Gradients::Summed(out)))
 }
 
-/// This rank's gradients of `opt`'s parameters laid end to end in f32 (zeros where it has none,
-/// then zeros up to `len`, the padding of a sharded vector), and for each parameter whether any
-/// rank reached it. `None` when a rank's loss was not finite: every rank then skips.
-pub fn flat_gradients(
+/// Which of `opt`'s parameters any rank reached (has a gradient of, in `local`), agreed over the
+/// ranks; `None` when a rank's loss was not finite (`finite`: this rank's).
+pub fn reached_params(
     opt: &AdamW,
     local: Option<&GradStore>,
     finite: bool,
-    len: usize,
     dist: &dyn Collective,
-) -> Result<Option<(Tensor, Vec<bool>)>, TrainError> {
+) -> Result<Option<Vec<bool>>, TrainError> {
     let params = opt.params();
     let mut flags = vec![0f64; params.len() + 1];
     flags[params.len()] = f64::from(u8::from(!finite));
+    if let Some(grads) = local.filter(|_| finite) {
+        for (flag, (_, var)) in flags.iter_mut().zip(params) {
+            *flag = f64::from(u8::from(grads.get(var).is_some()));
+        }
+    }
+    dist.all_reduce_f64(&mut flags)?;
+    if flags[params.len()] > 0.0 {
+        return Ok(None);
+    }
+    Ok(Some(
+        flags[..params.len()].iter().map(|&f| f > 0.0).collect(),
+    ))
+}
+
+/// This rank's gradients (`local`) of `opt`'s parameters `params` laid end to end as one f32
+/// vector of `len` values: zeros where a parameter has none, and after the last one.
+pub fn flat_gradient(
+    opt: &AdamW,
+    local: Option<&GradStore>,
+    params: std::ops::Range<usize>,
+    len: usize,
+) -> Result<Tensor, TrainError> {
     let mut parts = Vec::with_capacity(params.len() + 1);
     let mut filled = 0;
-    for (i, (_, var)) in params.iter().enumerate() {
-        let grad = local.filter(|_| finite).and_then(|g| g.get(var));
-        parts.push(match grad {
-            Some(g) => {
-                flags[i] = 1.0;
-                g.to_dtype(DType::F32)?.flatten_all()?
-            }
+    for (_, var) in &opt.params()[params] {
+        parts.push(match local.and_then(|g| g.get(var)) {
+            Some(g) => g.to_dtype(DType::F32)?.flatten_all()?,
             None => Tensor::zeros(var.elem_count(), DType::F32, var.device())?,
         });
         filled += var.elem_count();
@@ -248,12 +276,7 @@ pub fn flat_gradients(
     if len > filled {
         parts.push(Tensor::zeros(len - filled, DType::F32, &opt.device())?);
     }
-    dist.all_reduce_f64(&mut flags)?;
-    if flags[params.len()] > 0.0 {
-        return Ok(None);
-    }
-    let reached = flags[..params.len()].iter().map(|&f| f > 0.0).collect();
-    Ok(Some((Tensor::cat(&parts, 0)?, reached)))
+    Ok(Tensor::cat(&parts, 0)?)
 }
 
 /// Running sums and counts of the update's metrics, merged over ranks.
