@@ -260,7 +260,10 @@ fn a_textworld_pool_game_is_won_by_its_walkthrough_and_played_among_its_admissib
     let mut odd = ["take\u{0}key é", "\u{0}"].into_iter();
     let episode = play_episode(&mut session, 1, &mut |s| {
         let think = s.protocol().enable_think;
-        Ok(response_text(&Action::Move(odd.next().unwrap_or("look").into()), think))
+        Ok(response_text(
+            &Action::Move(odd.next().unwrap_or("look").into()),
+            think,
+        ))
     });
     let episode = episode.expect("the server answers every command");
     assert!(!episode.turns[0].outcome.info.action_is_valid);

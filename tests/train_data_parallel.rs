@@ -170,10 +170,12 @@ fn optimizer_tensors(run: &Path, step: u64, name: &str) -> Vec<(String, Vec<f32>
     }
     let layout: serde_json::Value =
         serde_json::from_slice(&std::fs::read(blocks.join("layout.json")).unwrap()).unwrap();
-    let params: Vec<(String, candle_core::Var)> = layout["params"]
+    // Each unit's parameters (name, values), in the flat order.
+    let params: Vec<(String, candle_core::Var)> = layout["units"]
         .as_array()
         .unwrap()
         .iter()
+        .flat_map(|unit| unit.as_array().unwrap())
         .map(|p| {
             let len = p[1].as_u64().unwrap() as usize;
             let var = candle_core::Var::zeros(len, candle_core::DType::F32, &Device::Cpu);

@@ -36,7 +36,9 @@ pub use config::{
 pub use decoupled::ProximalCorrection;
 pub use filter::{uncertainty_filter, zero_signal, FilterOutcome, ZeroSignal};
 pub use loss::{kl_reward_penalty, policy_loss, value_loss, PolicyMetrics, ValueMetrics};
-pub use optim::{clip_grad_norm, sum_of_squares, AdamW, LrSchedule, StepReport};
+pub use optim::{
+    clip_grad_norm, sum_of_squares, sum_of_squares_after, AdamW, LrSchedule, StepReport,
+};
 
 /// Errors of the algorithm module; each names the record, key or file involved.
 #[derive(Debug, thiserror::Error)]

@@ -133,6 +133,8 @@ pub struct Unit {
 /// own (see the module doc).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShardLayout {
+    rank: usize,
+    ranks: usize,
     units: Vec<Unit>,
     lens: Vec<usize>,
 }
@@ -141,6 +143,7 @@ impl ShardLayout {
     /// The layout of rank `rank` of `ranks` over parameters of `lens` values each, cut into
     /// units of `unit_params` consecutive parameters each (their sum is `lens.len()`).
     pub fn new(rank: usize, ranks: usize, lens: &[usize], unit_params: &[usize]) -> Self {
+        assert!(ranks > 0 && rank < ranks, "rank {rank} of {ranks}");
         assert_eq!(
             unit_params.iter().sum::<usize>(),
             lens.len(),
@@ -160,6 +163,8 @@ impl ShardLayout {
             (param, value, in_block) = (param + n, value + len, in_block + shard.range().len());
         }
         Self {
+            rank,
+            ranks,
             units,
             lens: lens.to_vec(),
         }
@@ -170,19 +175,14 @@ impl ShardLayout {
         &self.units
     }
 
-    /// Parameters per unit, in order.
-    pub fn unit_params(&self) -> Vec<usize> {
-        self.units.iter().map(|u| u.params.len()).collect()
-    }
-
     /// This rank.
     pub fn rank(&self) -> usize {
-        self.units.first().map_or(0, |u| u.shard.rank)
+        self.rank
     }
 
     /// The rank count.
     pub fn ranks(&self) -> usize {
-        self.units.first().map_or(1, |u| u.shard.ranks)
+        self.ranks
     }
 
     /// Values in the rank's block (padding excluded).
@@ -317,6 +317,9 @@ mod tests {
         // One unit is the flat split of every parameter at once.
         let whole = ShardLayout::new(1, 3, &[3, 5, 2], &[3]);
         assert_eq!(whole.pieces(), FlatShard::new(1, 3, 10).pieces(&[3, 5, 2]));
+        // No parameters: no units, the rank still known.
+        let empty = ShardLayout::new(1, 2, &[], &[]);
+        assert_eq!((empty.rank(), empty.ranks(), empty.block_len()), (1, 2, 0));
     }
 
     #[test]

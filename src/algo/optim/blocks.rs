@@ -1,9 +1,9 @@
 //! A sharded AdamW's state on disk as its ranks' blocks, so that a sharded run saves without
 //! gathering its moments anywhere: each rank writes the moments of its block
 //! (`block-<rank>.safetensors`: flat `exp_avg` and `exp_avg_sq`, and the step counter), rank 0
-//! the layout (`layout.json`: the rank count, each parameter's name and length in the flat
-//! order, and the parameters per unit of the [`ShardLayout`]; without `units`, one unit of
-//! them all). Any optimizer over the same parameters, sharded over any rank count and units or
+//! the layout (`layout.json`: the rank count and each unit of the [`ShardLayout`] as its
+//! parameters' names and lengths, in the flat order; the first format's `params`, one unit of
+//! them all, is read too). Any optimizer over the same parameters, sharded over any rank count and units or
 //! whole, reads the part it keeps from the blocks that hold it ([`AdamW::load`] of the
 //! directory).
 
@@ -23,23 +23,66 @@ const LAYOUT_FILE: &str = "layout.json";
 const EXP_AVG: &str = "exp_avg";
 const EXP_AVG_SQ: &str = "exp_avg_sq";
 
-/// How the blocks of a directory cut the flat parameter vector.
+/// How the blocks of a directory cut the flat parameter vector: as this build writes it, each
+/// unit's parameters (`units`); as the first format wrote it, every parameter in one unit
+/// (`params`, read only). A reader that knows only `params` (a build before units) refuses the
+/// units form, where it would misread the blocks.
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
 struct Layout {
     /// Ranks that wrote a block each.
     ranks: usize,
-    /// Each parameter's name and number of values, in the flat order.
-    params: Vec<(String, usize)>,
-    /// Parameters per unit, in order (absent: one unit of every parameter).
+    /// Each unit's parameters, each with its name and number of values, in the flat order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    units: Option<Vec<usize>>,
+    units: Option<Vec<Vec<(String, usize)>>>,
+    /// The first format: each parameter's name and number of values, one unit of them all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    params: Option<Vec<(String, usize)>>,
 }
 
 impl Layout {
-    /// How the blocks cut the flat vector.
+    /// The layout of `layout`'s units of the parameters `named` (name, values) in their order.
+    fn of(layout: &ShardLayout, named: &[(String, usize)]) -> Self {
+        let units = layout
+            .units()
+            .iter()
+            .map(|u| named[u.params.clone()].to_vec())
+            .collect();
+        Self {
+            ranks: layout.ranks(),
+            units: Some(units),
+            params: None,
+        }
+    }
+
+    /// Every parameter's name and number of values, in the flat order.
+    fn params(&self) -> Vec<(String, usize)> {
+        match (&self.units, &self.params) {
+            (Some(units), _) => units.concat(),
+            (None, Some(params)) => params.clone(),
+            (None, None) => Vec::new(),
+        }
+    }
+
+    /// What is wrong with the layout itself, if anything.
+    fn problem(&self) -> Option<String> {
+        match (&self.units, &self.params) {
+            _ if self.ranks == 0 => Some("names 0 ranks".into()),
+            (Some(_), Some(_)) => Some("has both `units` and `params`".into()),
+            (None, None) => Some("has neither `units` nor `params`".into()),
+            (Some(units), None) if units.iter().any(Vec::is_empty) => {
+                Some("has an empty unit".into())
+            }
+            _ => None,
+        }
+    }
+
+    /// How the blocks cut the flat vector, as rank `rank` saw it.
     fn shard_layout(&self, rank: usize) -> ShardLayout {
-        let lens: Vec<usize> = self.params.iter().map(|(_, n)| *n).collect();
-        let units = self.units.clone().unwrap_or_else(|| vec![lens.len()]);
+        let lens: Vec<usize> = self.params().iter().map(|(_, n)| *n).collect();
+        let units = match &self.units {
+            Some(units) => units.iter().map(Vec::len).collect(),
+            None => vec![lens.len()],
+        };
         ShardLayout::new(rank, self.ranks, &lens, &units)
     }
 }
@@ -74,11 +117,7 @@ impl AdamW {
             _ => {}
         }
         if shard.rank() == 0 {
-            let layout = Layout {
-                ranks: shard.ranks(),
-                params: self.named_lens(),
-                units: Some(shard.unit_params()),
-            };
+            let layout = Layout::of(shard, &self.named_lens());
             let path = dir.join(LAYOUT_FILE);
             let text = serde_json::to_vec_pretty(&layout).expect("a layout serialises");
             std::fs::write(&path, text).map_err(|e| checkpoint_error(&path, e.to_string()))?;
@@ -112,27 +151,24 @@ impl AdamW {
     pub(super) fn load_blocks(&mut self, dir: &Path) -> Result<(), AlgoError> {
         let layout_path = dir.join(LAYOUT_FILE);
         let layout = read_layout(dir)?;
-        let mine = self.named_lens();
-        if layout.params != mine || layout.ranks == 0 {
-            let differs = layout.params.iter().zip(&mine).find(|(a, b)| a != b);
+        if let Some(problem) = layout.problem() {
+            return Err(checkpoint_error(&layout_path, problem));
+        }
+        let (saved, mine) = (layout.params(), self.named_lens());
+        if saved != mine {
+            let differs = saved.iter().zip(&mine).find(|(a, b)| a != b);
             return Err(checkpoint_error(
                 &layout_path,
                 match differs {
                     Some((saved, here)) => format!("holds {saved:?} where this model has {here:?}"),
                     None => format!(
                         "lays out {} parameters over {} ranks, this model has {}",
-                        layout.params.len(),
+                        saved.len(),
                         layout.ranks,
                         mine.len()
                     ),
                 },
             ));
-        }
-        if let Some(units) = layout.units.as_ref() {
-            if units.iter().sum::<usize>() != mine.len() || units.contains(&0) {
-                let reason = format!("units {units:?} do not cut its {} parameters", mine.len());
-                return Err(checkpoint_error(&layout_path, reason));
-            }
         }
         let len: usize = mine.iter().map(|(_, n)| n).sum();
         let wanted: Vec<Range<usize>> = match &self.moments {
@@ -163,7 +199,8 @@ impl AdamW {
     }
 
     /// The step counter and the flat moments at the positions `wanted` (ranges of the flat
-    /// vector, joined in order), read from the saved blocks that hold them.
+    /// vector, joined in order), read from the saved blocks that hold them one block at a time,
+    /// so that besides what it keeps a rank holds one saved block at most.
     fn read_held(
         &self,
         dir: &Path,
@@ -171,56 +208,63 @@ impl AdamW {
         wanted: &[Range<usize>],
     ) -> Result<(u64, Tensor, Tensor), AlgoError> {
         let (dtype, device) = self.block_kind();
-        // Blocks are read on the host; only the wanted positions move to the device.
-        let mut blocks: Vec<Option<SavedBlock>> = (0..layout.ranks).map(|_| None).collect();
+        let mut out_at = Vec::with_capacity(wanted.len());
+        let mut total = 0;
+        for w in wanted {
+            out_at.push(total);
+            total += w.len();
+        }
+        // (position in what is kept, moments) pieces, from each saved block in turn.
         let (mut m, mut v) = (Vec::new(), Vec::new());
-        let saved: Vec<Vec<(Range<usize>, usize)>> = (0..layout.ranks)
-            .map(|rank| layout.shard_layout(rank).held())
-            .collect();
-        for want in wanted {
-            // The saved pieces that overlap it, in flat order: (start, rank, positions in block).
-            let mut found = Vec::new();
-            for (rank, held) in saved.iter().enumerate() {
-                for (theirs, at) in held {
+        let mut step: Option<(usize, u64)> = None;
+        for rank in 0..layout.ranks {
+            let mut overlaps = Vec::new();
+            for (theirs, at) in layout.shard_layout(rank).held() {
+                for (want, &out) in wanted.iter().zip(&out_at) {
                     let (start, end) = (theirs.start.max(want.start), theirs.end.min(want.end));
                     if start < end {
                         let in_block = at + start - theirs.start..at + end - theirs.start;
-                        found.push((start, rank, in_block));
+                        overlaps.push((out + start - want.start, in_block));
                     }
                 }
             }
-            found.sort_by_key(|(start, _, _)| *start);
-            for (_, rank, range) in found {
-                let block = match &mut blocks[rank] {
-                    Some(b) => b,
-                    slot => slot.insert(SavedBlock::read(dir, layout, rank)?),
-                };
-                m.push(narrow(&block.exp_avg, &range)?.to_dtype(dtype)?);
-                v.push(narrow(&block.exp_avg_sq, &range)?.to_dtype(dtype)?);
+            // Block 0 gives the step counter when no block holds anything wanted.
+            if overlaps.is_empty() && !(rank == 0 && total == 0) {
+                continue;
+            }
+            // Blocks are read on the host; only the kept positions move to the device.
+            let block = SavedBlock::read(dir, layout, rank)?;
+            match step {
+                Some((first, s)) if s != block.step => {
+                    let reason = format!("step {}, rank {first}'s block step {s}", block.step);
+                    return Err(checkpoint_error(&block_file(dir, rank), reason));
+                }
+                _ => step = step.or(Some((rank, block.step))),
+            }
+            for (out, range) in overlaps {
+                // Copies of the kept positions alone, so the block read is freed here.
+                m.push((
+                    out,
+                    narrow(&block.exp_avg, &range)?.copy()?.to_dtype(dtype)?,
+                ));
+                v.push((
+                    out,
+                    narrow(&block.exp_avg_sq, &range)?.copy()?.to_dtype(dtype)?,
+                ));
             }
         }
-        // The step counter from block 0 when no wanted position needed a block (a rank whose
-        // block is all padding); every block read must agree on it.
-        if blocks.iter().all(Option::is_none) {
-            blocks[0] = Some(SavedBlock::read(dir, layout, 0)?);
-        }
-        let mut read = blocks
-            .iter()
-            .enumerate()
-            .filter_map(|(r, b)| Some((r, b.as_ref()?)));
-        let (_, first) = read.next().expect("a block was read");
-        if let Some((rank, other)) = read.find(|(_, b)| b.step != first.step) {
-            let reason = format!("step {}, block 0's step {}", other.step, first.step);
-            return Err(checkpoint_error(&block_file(dir, rank), reason));
-        }
-        let join = |parts: &[Tensor]| -> Result<Tensor, AlgoError> {
-            Ok(match parts {
+        let step = step.map(|(_, s)| s);
+        let step = step.ok_or_else(|| checkpoint_error(dir, "no block holds any value".into()))?;
+        let join = |mut parts: Vec<(usize, Tensor)>| -> Result<Tensor, AlgoError> {
+            parts.sort_by_key(|(out, _)| *out);
+            let parts: Vec<Tensor> = parts.into_iter().map(|(_, t)| t).collect();
+            Ok(match parts.as_slice() {
                 [] => Tensor::zeros(0, dtype, &candle_core::Device::Cpu)?,
-                _ => Tensor::cat(parts, 0)?.copy()?,
+                _ => Tensor::cat(&parts, 0)?,
             }
             .to_device(&device)?)
         };
-        Ok((first.step, join(&m)?, join(&v)?))
+        Ok((step, join(m)?, join(v)?))
     }
 
     /// Each parameter's name and number of values, in the flat order.

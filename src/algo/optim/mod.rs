@@ -1,8 +1,8 @@
 //! AdamW with named, checkpointable moments (candle's AdamW keeps them private), global
 //! gradient-norm clipping, and the warmup + constant/cosine learning-rate schedule. Actor and
 //! critic each get their own `AdamW` with their own learning rate. Under sharded data
-//! parallelism an `AdamW` keeps the moments of its rank's block of the flat parameter vector
-//! only ([`AdamW::sharded`]), updates that block ([`AdamW::step_block`]) and saves it as one of
+//! parallelism an `AdamW` keeps the moments of its rank's block of the parameters (its part of
+//! every unit of their [`ShardLayout`]) only ([`AdamW::sharded`]), updates that block ([`AdamW::step_block`]) and saves it as one of
 //! the ranks' block files ([`blocks`]), which any rank count reads back. It does not decide when
 //! to step, what moves between ranks, or where checkpoints live.
 
@@ -453,7 +453,7 @@ impl Update {
 }
 
 /// AdamW's first and second moments: one pair of tensors per parameter, or (sharded) one flat
-/// pair over the rank's block of the parameters laid end to end.
+/// pair over the rank's block of the parameters (its part of every unit, end to end).
 enum Moments {
     PerParam {
         exp_avg: Vec<Tensor>,
@@ -540,8 +540,17 @@ fn checkpoint_error(path: &Path, reason: String) -> AlgoError {
 /// Σ g² over `tensors` in f64: f32 CPU tensors summed on the host one after another (each by
 /// its chunks, in order), the others on their device, one scalar read back.
 pub fn sum_of_squares<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64, AlgoError> {
+    sum_of_squares_after(0.0, tensors)
+}
+
+/// `start` plus [`sum_of_squares`] of `tensors`, added on the host one tensor after another from
+/// `start` (so a sum split over calls adds in the order of one call), with one device read.
+pub fn sum_of_squares_after<'a>(
+    start: f64,
+    tensors: impl IntoIterator<Item = &'a Tensor>,
+) -> Result<f64, AlgoError> {
     let mut total: Option<Tensor> = None;
-    let mut host = 0.0f64;
+    let mut host = start;
     for g in tensors {
         if let Some(sq) = in_place::sum_of_squares(g)? {
             host += sq;
@@ -1009,25 +1018,33 @@ mod tests {
         let mut reader = AdamW::new(named.clone(), &cfg()).unwrap();
         reader.load(&source).unwrap();
         assert_eq!(values(reader.state().unwrap()), saved);
-        // A layout written before units (no `units`: one unit of every parameter) reads the
-        // same; units that do not cut the parameters are refused, naming the layout.
+        // The first format (`params`, one unit of every parameter; one unit here too) reads the
+        // same; a layout with both forms, or neither, is refused naming the file.
         let layout_path = source.join("layout.json");
-        let mut layout: serde_json::Value =
+        let written: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&layout_path).unwrap()).unwrap();
-        layout.as_object_mut().unwrap().remove("units");
-        std::fs::write(&layout_path, layout.to_string()).unwrap();
+        let units = written["units"].as_array().unwrap().clone();
+        assert_eq!(units.len(), 1, "one parameter, one unit");
+        let first = serde_json::json!({"ranks": written["ranks"], "params": units[0]});
+        std::fs::write(&layout_path, first.to_string()).unwrap();
         let mut reader = AdamW::new(named.clone(), &cfg()).unwrap();
         reader.load(&source).unwrap();
         assert_eq!(values(reader.state().unwrap()), saved);
-        layout["units"] = serde_json::json!([2]);
-        std::fs::write(&layout_path, layout.to_string()).unwrap();
-        let err = AdamW::new(named.clone(), &cfg())
-            .unwrap()
-            .load(&source)
-            .unwrap_err();
-        assert!(err.to_string().contains("units [2]"), "{err}");
-        layout.as_object_mut().unwrap().remove("units");
-        std::fs::write(&layout_path, layout.to_string()).unwrap();
+        for (bad, says) in [
+            (
+                serde_json::json!({"ranks": 7, "params": units[0], "units": units}),
+                "both",
+            ),
+            (serde_json::json!({"ranks": 7}), "neither"),
+        ] {
+            std::fs::write(&layout_path, bad.to_string()).unwrap();
+            let err = AdamW::new(named.clone(), &cfg())
+                .unwrap()
+                .load(&source)
+                .unwrap_err();
+            assert!(err.to_string().contains(says), "{err}");
+        }
+        std::fs::write(&layout_path, written.to_string()).unwrap();
         // Blocks of other parameters are refused, naming the layout.
         let other = vec![("v".to_string(), w.clone())];
         let err = AdamW::new(other, &cfg())

@@ -114,8 +114,9 @@ pub(in crate::train) fn step_critic(
 /// Steps `opt` at learning rate `lr` (gradients clipped to `max_grad_norm`) on this rank's
 /// gradients `local` (`None`: nothing back-propagated here; `finite`: whether its loss was
 /// finite), summed over the ranks. `None` when a rank's loss was not finite: every rank skips.
-/// A sharded optimizer's gradients are summed and its weights gathered one unit (a decoder
-/// layer) at a time, so the step's flat buffers hold one unit, not the whole model.
+/// Gradients are summed one unit (a decoder layer, or a parameter outside the layers) at a time,
+/// so the flat buffers of a sum hold one unit; a sharded optimizer also gathers its weights a
+/// unit at a time and holds its whole block (gradient, values, update) beside them.
 pub(in crate::train) fn step_over_ranks(
     opt: &mut AdamW,
     local: Option<&GradStore>,
@@ -165,12 +166,15 @@ fn block_gradient(
     dist: &dyn Collective,
 ) -> Result<(Tensor, f64), TrainError> {
     let lens = opt.param_lens();
-    // Σ g² over slices of `t`, one parameter's slice after another, as an unsharded step sums.
+    // Σ g² over slices of `t` added to `sum`, one parameter's slice after another, as an
+    // unsharded step sums.
     let add_squares =
         |sum: &mut f64, t: &Tensor, slices: &[Range<usize>]| -> Result<(), TrainError> {
-            for r in slices {
-                *sum += crate::algo::sum_of_squares([&t.narrow(0, r.start, r.len())?])?;
-            }
+            let parts: Vec<Tensor> = slices
+                .iter()
+                .map(|r| t.narrow(0, r.start, r.len()))
+                .collect::<Result<_, _>>()?;
+            *sum = crate::algo::sum_of_squares_after(*sum, &parts)?;
             Ok(())
         };
     let mut squares = 0.0;
