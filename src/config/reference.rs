@@ -73,6 +73,11 @@ pub const READY_CONFIGS: &[(&str, &str)] = &[
          yet: docs/experiments/env-hubs.md)",
     ),
     (
+        "textworld_tw5.yaml",
+        "TextWorld games (5 rooms, held-out validation games) through the env bridge after a \
+         walkthrough warm start (does not learn yet: docs/experiments/env-hubs.md)",
+    ),
+    (
         "hotpotqa_steppo.yaml",
         "search QA from an oracle warm start",
     ),
