@@ -211,6 +211,18 @@ fn plan_prints_each_part_and_lora_shrinks_the_peak() {
     let bad = stepppo(&["plan", "--model", "no/such/dir"]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("no/such/dir"));
+    // The built-in sizes by name, as `stepppo bench` takes them; `builtin` is `small`.
+    let plan_of = |model: &str| {
+        let out = stepppo(&["plan", "--model", model, "--memory-gib", "8"]);
+        assert!(
+            out.status.success(),
+            "{model}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(plan_of("builtin"), plan_of("small"));
+    assert_ne!(plan_of("tiny"), plan_of("small"));
 }
 
 /// Every shape in `configs/models/` plans with the parameter count its model card publishes.

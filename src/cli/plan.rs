@@ -13,8 +13,8 @@ use stepppo::train::learner::memory_plan::{MemoryPlan, PlanDevice, PlanShape, Tr
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
-    /// `builtin` (the `small` model), an HF model directory, or a model config JSON file
-    /// (e.g. `configs/models/qwen2.5-0.5b.json`).
+    /// `builtin` (the `small` model), `tiny` or `small`, an HF model directory, or a model config
+    /// JSON file (e.g. `configs/models/qwen2.5-0.5b.json`).
     #[arg(long, default_value = "builtin")]
     model: String,
     /// Train LoRA adapters of this rank on every projection instead of the weights.
@@ -151,10 +151,13 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The model shape `spec` names.
+/// The model shape `spec` names: `builtin` (the `small` size), a built-in size by name (`tiny`,
+/// `small`, as `stepppo bench` takes them), an HF model directory or a config file.
 fn model_config(spec: &str) -> anyhow::Result<ModelConfig> {
-    if spec == "builtin" {
-        return Ok(ModelConfig::small(Tokenizer::builtin().vocab_size()));
+    let tok = Tokenizer::builtin();
+    let named = if spec == "builtin" { "small" } else { spec };
+    if let Some(config) = ModelConfig::named(named, &tok) {
+        return Ok(config);
     }
     let path = Path::new(spec);
     let file = if path.is_dir() {
