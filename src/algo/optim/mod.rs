@@ -2,8 +2,9 @@
 //! gradient-norm clipping, and the warmup + constant/cosine learning-rate schedule. Actor and
 //! critic each get their own `AdamW` with their own learning rate. Under sharded data
 //! parallelism an `AdamW` keeps the moments of its rank's block of the parameters (its part of
-//! every unit of their [`ShardLayout`]) only ([`AdamW::sharded`]), updates that block ([`AdamW::step_block`]) and saves it as one of
-//! the ranks' block files ([`blocks`]), which any rank count reads back. It does not decide when
+//! every unit of their [`ShardLayout`]) only ([`AdamW::sharded`]), updates that block
+//! ([`AdamW::step_block`]) and saves it as one of the ranks' block files ([`blocks`]), which any
+//! rank count reads back. It does not decide when
 //! to step, what moves between ranks, or where checkpoints live.
 
 use std::collections::{HashMap, HashSet};
@@ -115,8 +116,7 @@ impl AdamW {
             return Self::new(params, cfg);
         }
         let mut opt = Self::new(params, cfg)?;
-        let units = layer_units(opt.params.iter().map(|(n, _)| n.as_str()));
-        let layout = ShardLayout::new(rank, ranks, &opt.param_lens(), &units);
+        let layout = opt.layer_layout(rank, ranks);
         let (dtype, device) = opt.block_kind();
         let zeros = || Tensor::zeros(layout.block_len(), dtype, &device);
         opt.moments = Moments::Block {
@@ -127,6 +127,14 @@ impl AdamW {
             layout,
         };
         Ok(opt)
+    }
+
+    /// Rank `rank` of `ranks`'s block of its parameters, one decoder layer a unit
+    /// ([`layer_units`] of their names): the layout a sharded optimizer keeps, and the units in
+    /// which a step sums gradients.
+    pub fn layer_layout(&self, rank: usize, ranks: usize) -> ShardLayout {
+        let units = layer_units(self.params.iter().map(|(n, _)| n.as_str()));
+        ShardLayout::new(rank, ranks, &self.param_lens(), &units)
     }
 
     /// The parameters it steps, in its order.
@@ -470,7 +478,7 @@ enum Moments {
 }
 
 /// The positions of flat tensor `flat` that `layout`'s block holds, end to end, as a new tensor.
-pub fn held_part(flat: &Tensor, layout: &ShardLayout) -> candle_core::Result<Tensor> {
+fn held_part(flat: &Tensor, layout: &ShardLayout) -> candle_core::Result<Tensor> {
     let parts: Vec<Tensor> = layout
         .held()
         .iter()

@@ -8,7 +8,6 @@
 use std::ops::Range;
 
 use crate::algo::{AdamW, StepReport};
-
 use crate::dist::shard::{FlatShard, ShardLayout, Sharding};
 use crate::dist::Collective;
 use crate::train::learner::ranks;

@@ -14,7 +14,6 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 
 use crate::algo::AdamW;
-use crate::dist::shard::layer_units;
 use crate::dist::Collective;
 use crate::rollout::engine::CacheCounters;
 use crate::store::StepRecord;
@@ -209,24 +208,20 @@ pub fn summed_gradients<'a>(
     // One unit (a decoder layer) at a time, so the flat buffers hold one unit's gradients.
     let params = opt.params();
     let mut out = GradStore::default();
-    let mut first = 0;
-    for n in layer_units(params.iter().map(|(name, _)| name.as_str())) {
-        let unit = first..first + n;
-        let len = params[unit.clone()]
-            .iter()
-            .map(|(_, v)| v.elem_count())
-            .sum();
-        let summed = dist.all_reduce_tensor(&flat_gradient(opt, local, unit.clone(), len)?)?;
+    for unit in opt.layer_layout(0, 1).units() {
+        let len = unit.values.len();
+        let summed =
+            dist.all_reduce_tensor(&flat_gradient(opt, local, unit.params.clone(), len)?)?;
         let mut offset = 0;
-        for (i, (_, var)) in params[unit].iter().enumerate() {
+        for i in unit.params.clone() {
+            let var = &params[i].1;
             let n = var.elem_count();
-            if reached[first + i] {
+            if reached[i] {
                 let g = summed.narrow(0, offset, n)?.reshape(var.shape())?;
                 out.insert(var.as_tensor(), g.to_dtype(var.dtype())?);
             }
             offset += n;
         }
-        first += n;
     }
     Ok(Some(Gradients::Summed(out)))
 }
