@@ -10,7 +10,8 @@
 #     CUDA against the CPU in f32 and in bf16, and against transformers' bf16 on the same GPU;
 #   - decode attention's bandwidth (Qwen2.5-0.5B's heads, head_dim 64 and 128, batch 64 x 4,096
 #     and 8 x 32,768 tokens of context) against a device copy, and PyTorch's SDPA on the same
-#     shapes;
+#     shapes; decode tokens/s of G 16 sharing a 4,096-token prompt with cascade attention and
+#     without (the paged decode kernel alone);
 #   - prefill attention, our paged kernel next to candle-flash-attn (a bundle built with
 #     `flash-attn`) on the same pool: a group's 1,024-token prompts, a turn's 64 tokens over a
 #     2,048-token cached context, one 4,096-token prompt;
@@ -176,6 +177,10 @@ for shape in "8 1024 1024 64" "8 2048 64 64" "1 4096 4096 64" "8 1024 1024 128";
     --prefill "$3" --head-dim "$4" --iters 20 --json
 done
 part torch-decode 40 python3 scripts/torch_decode_bench.py --shapes 64x4096,8x32768 --head-dims 64,128
+# Cascade decode (the group's shared prompt as one matrix product) against the paged decode
+# kernel alone: G 16 sharing a 4,096-token prompt, the Qwen2.5-0.5B shape in bf16.
+part decode-cascade 60 "$bin" bench decode --device cuda --model configs/models/qwen2.5-0.5b.json \
+  --group 16 --prompt 4096 --new 32 --json
 part prefix 80 "$bin" bench prefix --device cuda --model configs/models/qwen2.5-0.5b.json --spec "$spec" --json
 part hf-rollout 80 python3 scripts/hf_rollout_bench.py --spec "$spec" --json
 # The embedded default trained on the GPU for a few steps (its step time next to the CPU's).

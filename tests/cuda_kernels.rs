@@ -1,9 +1,9 @@
 //! GPU tests of our CUDA kernels (feature `cuda`): scatter + paged attention over the radix
 //! pool against the CPU pool's f32 attention on the same bf16-rounded inputs, across context
 //! lengths, batch sizes, GQA ratios, head dims and both pool dtypes (bf16, f32), in both the
-//! prefill and the split-context decode kernels; built with `flash-attn`, candle-flash-attn's
-//! prefill against the same reference. Without a CUDA device each test prints why it skipped and
-//! passes.
+//! prefill and the split-context decode kernels, and cascade decode over a shared prompt; built
+//! with `flash-attn`, candle-flash-attn's prefill against the same reference. Without a CUDA
+//! device each test prints why it skipped and passes.
 #![cfg(feature = "cuda")]
 
 #[path = "common/cuda.rs"]
@@ -73,7 +73,7 @@ fn case(
 ) -> f32 {
     case_with(
         dev,
-        (dtype, PrefillAttention::Paged),
+        (dtype, PrefillAttention::Paged, true),
         heads,
         lens,
         news,
@@ -82,10 +82,10 @@ fn case(
     )
 }
 
-/// [`case`] with the GPU pool's prefill kernel chosen.
+/// [`case`] with the GPU pool's prefill kernel chosen, and cascade attention on or off.
 fn case_with(
     dev: &Device,
-    (dtype, prefill): (DType, PrefillAttention),
+    (dtype, prefill, cascade): (DType, PrefillAttention, bool),
     heads: (usize, usize, usize),
     lens: &[usize],
     news: &[usize],
@@ -120,6 +120,7 @@ fn case_with(
 
     let mut gpu = KvPool::with_dtype(&cfg, pool_slots, dev, dtype).unwrap();
     gpu.set_prefill_attention(prefill).unwrap();
+    gpu.set_cascade(cascade);
     let everything = [SeqSlots {
         slots: &all,
         num_new: all.len(),
@@ -194,6 +195,41 @@ fn decode_kernel_matches_reference_attention() {
     }
 }
 
+/// Decode calls whose sequences share a prompt of at least 256 positions: cascade attention
+/// (the shared prompt as one matrix product over the whole group, merged with each sequence's
+/// own positions) and the paged decode kernel alone, each against the reference.
+#[test]
+fn cascade_decode_matches_reference_attention_and_the_paged_kernel() {
+    let Some(dev) = cuda() else { return };
+    for (dtype, bound) in DTYPES {
+        for (i, heads) in HEADS.iter().enumerate() {
+            for (lens, shared) in [
+                (vec![1100; 16], 1024),
+                (vec![300, 2000, 700], 290),
+                (vec![4096; 8], 4000),
+            ] {
+                let news = vec![1; lens.len()];
+                for cascade in [true, false] {
+                    let err = case_with(
+                        &dev,
+                        (dtype, PrefillAttention::Paged, cascade),
+                        *heads,
+                        &lens,
+                        &news,
+                        shared,
+                        41 + i as u64,
+                    );
+                    assert!(
+                        err < bound,
+                        "decode (cascade {cascade}) {dtype:?} {heads:?} lens {lens:?} shared \
+                         {shared}: relative error {err}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn prefill_kernel_matches_reference_attention() {
     let Some(dev) = cuda() else { return };
@@ -230,7 +266,7 @@ fn flash_prefill_matches_reference_attention() {
         ] {
             let err = case_with(
                 &dev,
-                (DType::BF16, PrefillAttention::Flash),
+                (DType::BF16, PrefillAttention::Flash, true),
                 *heads,
                 &lens,
                 &news,

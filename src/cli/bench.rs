@@ -23,7 +23,8 @@ pub enum BenchCommand {
     /// and radix without cascade attention (radix_no_cascade).
     Prefix(PrefixArgs),
     /// Decode of a group sharing one long prompt, with and without cascade attention, each
-    /// beside its memory-traffic limit.
+    /// beside its memory-traffic limit (the CPU's read bandwidth, or a CUDA device's copy
+    /// bandwidth).
     Decode(DecodeArgs),
     /// CUDA decode-attention bandwidth against a device copy, or (`--prefill N`) prefill
     /// attention, ours next to flash-attention (needs `--features cuda` and a GPU).
@@ -212,7 +213,10 @@ fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     let model = Model::new(&cfg, a.seed, &device)?;
     let name = format!("g{}_p{}", a.group, a.prompt);
     let w = Workload::new(&name, 1, a.group, 1, a.prompt, 1, a.new);
-    let bandwidth = read_bandwidth();
+    let bandwidth = match device.is_cpu() {
+        true => read_bandwidth(),
+        false => stepppo::kv::kernel_bench::copy_bandwidth(&device)?,
+    };
     for cascade_attention in [true, false] {
         let engine_cfg = EngineConfig {
             cascade_attention,

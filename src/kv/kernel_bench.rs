@@ -103,6 +103,14 @@ pub fn decode(shape: &KernelShape, device: &Device) -> Result<DecodeReport, KvEr
     })
 }
 
+/// Bytes a plain device-to-device copy of 256 MiB moves per second on `device` (read and
+/// written): the memory bandwidth a device's traffic limits assume.
+pub fn copy_bandwidth(device: &Device) -> Result<f64, KvError> {
+    let src = Tensor::zeros(128 << 20, DType::BF16, device)?;
+    let copy_s = time(device, 10, || Ok(src.copy()?))?;
+    Ok(2.0 * (src.elem_count() * 2) as f64 / copy_s)
+}
+
 /// Times prefill attention of the last `new` tokens of each sequence at `shape` on `device`.
 pub fn prefill(shape: &KernelShape, new: usize, device: &Device) -> Result<PrefillReport, KvError> {
     let (mut pool, all) = filled_pool(shape, device)?;

@@ -12,6 +12,8 @@ use serde::{Deserialize, Serialize};
 pub mod cascade;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(any(feature = "cuda", test))]
+pub mod device_cascade;
 #[cfg(feature = "flash-attn")]
 pub mod flash;
 pub mod kernel_bench;

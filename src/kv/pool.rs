@@ -41,11 +41,14 @@ struct CudaLayerKv {
 pub struct AttentionPlan<'a> {
     seqs: &'a [SeqSlots<'a>],
     new_slots: Vec<u32>,
-    /// The sharing tree a CPU pool runs cascade attention over (none without shared slots or
-    /// with cascade off).
+    /// The sharing tree a CPU pool runs cascade attention over (none without shared slots, with
+    /// cascade off, or on CUDA).
     cascade: Option<CascadePlan<'a>>,
     #[cfg(feature = "cuda")]
     cuda: Option<(super::cuda::DeviceAttention, Tensor)>,
+    /// The sharing tree of a decode call on a CUDA pool, as device tables.
+    #[cfg(feature = "cuda")]
+    device_cascade: Option<super::device_cascade::DeviceCascade>,
 }
 
 /// One layer's keys and values, `capacity × row` floats each.
@@ -65,7 +68,8 @@ pub struct KvPool {
     free: Vec<u32>,
     in_use: Vec<bool>,
     prefill_attention: PrefillAttention,
-    /// Whether a CPU pool reads context slots shared by several sequences once per call.
+    /// Whether context slots shared by several sequences are read once per call (a CPU pool's
+    /// every call, a CUDA pool's decode calls).
     cascade: bool,
     /// Since last taken: calls planned with cascade attention, and the context positions they
     /// did not read again (per span: its length × its readers beyond the first).
@@ -134,7 +138,9 @@ impl KvPool {
 
     /// Turns cascade attention on or off (on by default): with it, a CPU pool reads the context
     /// slots that several sequences of a call share once for all their new tokens
-    /// ([`super::cascade`]); without it, once per token and head. CUDA pools ignore it.
+    /// ([`super::cascade`]); without it, once per token and head. A CUDA pool does so in its
+    /// decode calls, as matrix products ([`super::device_cascade`]); its prefill calls keep the
+    /// paged prefill kernel.
     pub fn set_cascade(&mut self, on: bool) {
         self.cascade = on;
     }
@@ -449,21 +455,36 @@ impl KvPool {
         };
         #[cfg(not(feature = "cuda"))]
         let _ = scale;
-        let cpu = matches!(self.storage, KvStorage::Cpu(_));
-        let cascade = (cpu && self.cascade)
+        let shared = self
+            .cascade
             .then(|| CascadePlan::new(seqs, CASCADE_MIN_SPAN))
             .flatten();
-        if let Some(plan) = &cascade {
+        #[cfg(feature = "cuda")]
+        let device_cascade = match (&self.storage, &shared) {
+            (KvStorage::Cuda(layers), Some(p)) => {
+                super::device_cascade::DeviceCascade::new(p, seqs, layers[0].k.device())?
+            }
+            _ => None,
+        };
+        #[cfg(feature = "cuda")]
+        let on_device = device_cascade.is_some();
+        #[cfg(not(feature = "cuda"))]
+        let on_device = false;
+        let cpu = matches!(self.storage, KvStorage::Cpu(_));
+        if let Some(p) = shared.as_ref().filter(|_| cpu || on_device) {
             let [calls, saved] = &self.cascade_counts;
             calls.fetch_add(1, Ordering::Relaxed);
-            saved.fetch_add(plan.positions_saved(seqs), Ordering::Relaxed);
+            saved.fetch_add(p.positions_saved(seqs), Ordering::Relaxed);
         }
+        let cascade = shared.filter(|_| cpu);
         Ok(AttentionPlan {
             seqs,
             new_slots,
             cascade,
             #[cfg(feature = "cuda")]
             cuda,
+            #[cfg(feature = "cuda")]
+            device_cascade,
         })
     }
 
@@ -534,7 +555,10 @@ impl KvPool {
                 })?;
                 let kv = &layers[layer];
                 check_dtype(&kv.k, q, "attend_rows(q)")?;
-                Ok(op.apply(q, &kv.k, &kv.v)?)
+                match &plan.device_cascade {
+                    Some(cascade) => cascade.attend(q, &kv.k, &kv.v, scale),
+                    None => Ok(op.apply(q, &kv.k, &kv.v)?),
+                }
             }
         }
     }
