@@ -70,6 +70,7 @@ fn records() -> Vec<StepRecord> {
                 state_hash,
                 info: outcome.info,
                 critic_state: Vec::new(),
+                admissible_actions: Vec::new(),
             });
             if outcome.next_user_message.is_none() {
                 break;

@@ -764,7 +764,9 @@ pub struct Config {
     /// no gradient) and the model only chooses the actions. The rollout samples, and the update
     /// scores every response token, over the allowed tokens only, so a negative advantage moves
     /// probability to the other actions and never out of the format. Needs envs with named
-    /// actions (not `hotpotqa`, nor a `remote` env that answers free text).
+    /// actions (not `hotpotqa`), or a `remote` env whose answers offer each state's
+    /// `admissible_actions`: the response then names one of those, and the step keeps the list
+    /// so that the update scores it under the same grammar.
     #[serde(default)]
     pub constrained_decoding: bool,
     /// The rollout engine's KV cache.

@@ -180,6 +180,10 @@ fn step(traj_id: u64, step_index: u32, last: bool) -> StepRecord {
         reward: if last { 1.0 } else { 0.0 },
         terminated: last,
         critic_state: vec![0.5, 2.0],
+        admissible_actions: match traj_id % 2 {
+            0 => vec!["open chest".into(), "take key from chest".into()],
+            _ => Vec::new(),
+        },
         info: StepInfo {
             action_is_valid: true,
             tool_call_error: traj_id == 3,

@@ -3,7 +3,9 @@
 //! and offers an `oracle_action` and the `admissible_actions` of each state. Larger seeds reach it
 //! modulo its range, the first message carries the episode's instruction, the oracle agent plays
 //! the offered action and solves every episode, and the random agent draws among the admissible
-//! ones; a server that offers neither leaves both agents with an error saying so.
+//! ones; a server that offers neither leaves both agents with an error saying so. Constrained
+//! decoding samples among each state's admissible actions, keeps them with the step, and the
+//! update scores the step under the same grammar.
 
 use std::sync::{Arc, Mutex};
 
@@ -12,8 +14,17 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use candle_core::Device;
 use serde_json::{json, Value};
 use stepppo::env::{build_session, play_episode, Agent, AgentKind};
+use stepppo::model::{Model, ModelConfig};
+use stepppo::rollout::agent_loop::{run_rollout, ContextLayout, RolloutConfig};
+use stepppo::rollout::engine::{Engine, EngineConfig};
+use stepppo::tokenizer::{ChatTemplate, Tokenizer};
+use stepppo::train::learner::batch::trajectories;
+use stepppo::train::learner::masks::ResponseMasks;
+use stepppo::train::learner::scoring::response_logprobs;
+use stepppo::train::BatchLayout;
 
 /// The largest seed the game takes.
 const SEED_MAX: u64 = 99;
@@ -218,4 +229,97 @@ fn without_offers_the_oracle_and_the_random_agent_say_what_is_missing() {
             .to_string();
         assert!(err.contains(missing), "{kind:?}: {err}");
     }
+}
+
+/// A rollout of the tiny random model under constrained decoding (`remote` env, Concat layout).
+fn constrained_rollout(
+    server: &GuessServer,
+) -> Result<(Vec<stepppo::store::StepRecord>, Tokenizer, Model), String> {
+    let tok = Tokenizer::builtin();
+    let cfg = ModelConfig::tiny(tok.vocab_size());
+    let model = Model::new(&cfg, 3, &Device::Cpu).unwrap();
+    let mut engine = Engine::new(&cfg, EngineConfig::default(), &Device::Cpu).unwrap();
+    let rollout_cfg = RolloutConfig {
+        env_name: "remote".into(),
+        env_config: server.config(),
+        num_groups: 3,
+        group_size: 2,
+        base_seed: 11,
+        max_new_tokens: 16,
+        max_turns: 4,
+        layout: ContextLayout::Concat,
+        constrained_decoding: true,
+        ..RolloutConfig::default()
+    };
+    let out = run_rollout(
+        &mut engine,
+        &model,
+        &tok,
+        &ChatTemplate,
+        &rollout_cfg,
+        &mut |_| Ok(()),
+    )
+    .map_err(|e| e.to_string())?;
+    Ok((out.records, tok, model))
+}
+
+/// Constrained decoding over a free-text env that offers each state's admissible actions: every
+/// response names one of them, the record keeps the list, and the update scores the response
+/// under the grammar of that list (the rollout's log-probs again), which the whole vocabulary
+/// does not give.
+#[test]
+fn constrained_decoding_samples_among_each_state_s_admissible_actions() {
+    let server = GuessServer::start(true);
+    let (records, tok, model) = constrained_rollout(&server).unwrap();
+    assert!(records.len() > 6, "{} steps", records.len());
+    let secrets: Vec<u64> = (server.shared.games.lock().unwrap().iter())
+        .map(|g| g.secret)
+        .collect();
+    for r in &records {
+        let text = tok.decode(&r.response_ids);
+        let guess = text
+            .strip_prefix("<answer>")
+            .and_then(|t| t.strip_suffix("</answer>"))
+            .unwrap_or_else(|| panic!("not an answer: {text:?}"));
+        assert!(r.admissible_actions.iter().any(|a| a == guess), "{text:?}");
+        assert!(
+            secrets
+                .iter()
+                .any(|&s| admissible(s) == r.admissible_actions),
+            "{:?}",
+            r.admissible_actions
+        );
+    }
+    let session = build_session("remote", &server.config()).unwrap();
+    let tag = records[0].env_tag.clone();
+    let vocab = model.config().vocab_size;
+    let masks = ResponseMasks::for_envs(&tok, [(tag, session)], vocab).unwrap();
+    let seqs = trajectories(&records);
+    let layout = BatchLayout {
+        pad_id: tok.pad_id(),
+        tree: true,
+    };
+    let scored = response_logprobs(&model, &records, &seqs, (4, layout), 1.0, &masks).unwrap();
+    let free = ResponseMasks::default();
+    let unmasked = response_logprobs(&model, &records, &seqs, (4, layout), 1.0, &free).unwrap();
+    let mut lower = 0;
+    for (r, (lp, free)) in records.iter().zip(scored.iter().zip(&unmasked)) {
+        for (j, (&a, &b)) in r.response_logprobs.iter().zip(lp).enumerate() {
+            assert!((a - b).abs() < 1e-4, "token {j}: rollout {a} update {b}");
+        }
+        lower += free.iter().zip(lp).filter(|(f, c)| *f < *c).count();
+    }
+    assert!(
+        lower > 0,
+        "over the whole vocabulary the tokens score lower"
+    );
+}
+
+#[test]
+fn constrained_decoding_over_free_text_without_admissible_actions_is_an_error() {
+    let server = GuessServer::start(false);
+    let err = constrained_rollout(&server)
+        .err()
+        .expect("nothing to choose among");
+    assert!(err.contains("offered no `admissible_actions`"), "{err}");
 }

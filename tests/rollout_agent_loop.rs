@@ -4,7 +4,6 @@ use candle_core::Device;
 use stepppo::model::{Model, ModelConfig};
 use stepppo::rollout::agent_loop::{run_rollout, ContextLayout, Rollout, RolloutConfig};
 use stepppo::rollout::engine::{CacheMode, Engine, EngineConfig};
-use stepppo::rollout::grammar::ResponseGrammar;
 use stepppo::store::StepRecord;
 use stepppo::tokenizer::{ChatTemplate, Tokenizer};
 use stepppo::train::learner::batch::trajectories;
@@ -190,10 +189,9 @@ fn constrained_decoding_answers_with_an_action_and_the_update_scores_it_alike() 
     // The update recomputes the rollout's log-probs under the same grammar (ratio 1); without
     // it the action tokens score lower, over the whole vocabulary.
     let session = stepppo::env::build_session("frozen_lake", &cfg.env_config).unwrap();
-    let grammar = ResponseGrammar::for_session(&s.tok, &session).unwrap();
     let tag = out.records[0].env_tag.clone();
     let vocab = s.model.config().vocab_size;
-    let masks = ResponseMasks::new([(tag, grammar)].into(), vocab);
+    let masks = ResponseMasks::for_envs(&s.tok, [(tag, session)], vocab).unwrap();
     let seqs = trajectories(&out.records);
     let layout = BatchLayout {
         pad_id: s.tok.pad_id(),

@@ -47,6 +47,7 @@ fn trajectory(traj_id: u64, group_id: u64, turns: u32, new_tokens: u32) -> Vec<S
                 critic_state: (0..(group_id % 3) as usize)
                     .map(|i| i as f32 - 0.5)
                     .collect(),
+                admissible_actions: (0..t % 3).map(|i| format!("go {i} ✓ {traj_id}")).collect(),
             };
             context_len += new_tokens + new_tokens / 2;
             record

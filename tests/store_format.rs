@@ -1,4 +1,4 @@
-//! The on-disk format stays readable: segments written by format versions 1 to 5 are pinned
+//! The on-disk format stays readable: segments written by format versions 1 to 6 are pinned
 //! here byte for byte (records of versions before 5 read with `tool_call_error` and
 //! `context_rebuilt` false); arbitrary or mutated bytes never make the reader panic or return a
 //! changed record (backward text references included); appending to a dataset whose last segment is an
@@ -38,6 +38,7 @@ fn pinned_record() -> StepRecord {
             context_rebuilt: false,
         },
         critic_state: Vec::new(),
+        admissible_actions: Vec::new(),
     }
 }
 
@@ -290,6 +291,71 @@ fn version_5_segments_stay_readable_and_are_still_written_identically() {
     assert_eq!(flags, [none, none, none, none, tool, both]);
 }
 
+/// The records of the pinned version-6 segment: those of version 5, then two steps sampled
+/// among their state's admissible actions (the same list twice, then another).
+fn pinned_records_v6() -> Vec<StepRecord> {
+    let actions = |list: &[&str]| list.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let seventh = StepRecord {
+        traj_id: 10,
+        env_tag: "textworld".into(),
+        admissible_actions: actions(&["go east", "open chest", "take key from chest"]),
+        ..pinned_record()
+    };
+    let eighth = StepRecord {
+        step_index: 2,
+        admissible_actions: actions(&["go west", "unlock door with key"]),
+        ..seventh.clone()
+    };
+    let mut records = pinned_records_v5();
+    records.extend([seventh, eighth]);
+    records
+}
+
+/// `seg-000000.stp` holding [`pinned_records_v6`], as written by format version 6.
+const V6_SEGMENT: &str = "\
+    535450504f534547060000000000000053545046640000006a277c7000050201\
+    090302020a000000000000bf000000c00a00000b00005b50020000002a00005d\
+    50027a000823505f23263c616e737765723e55703c2f616e737765723e07736f\
+    6b6f62616e4d00000000000000efcdab89674523010302cdccccbdcdccccbd00\
+    53545046440000003ee35990010602010901020208000000000000bf000000c0\
+    0c0000002a00005d50027a00030307736f6b6f62616e4d00000000000000efcd\
+    ab896745230103020000803fcdccccbd5354504650000000f7917dc102070201\
+    0901020204000000000040bf01000080070000002c01ffff1a00052a3c616e73\
+    7765723e446f776e3c2f616e737765723e07736f6b6f62616e4d000000000000\
+    00efcdab89674523010302005354504660000000f6c0f31e0308020109030202\
+    0a000000000000bf000000c00a00000b00005b50020000002a00005d5002fa00\
+    070707736f6b6f62616e4d00000000000000efcdab89674523010302cdccccbd\
+    cdccccbd040000803f00000000000000bf01000080000000535450464c000000\
+    67968c1e04090201090302020a000000000000bf000000c00a00000b00005b50\
+    020000002a00005d50027201090907736f6b6f62616e4d00000000000000efcd\
+    ab89674523010302cdccccbdcdccccbd535450464c0000003cb7a1e205090202\
+    000302020a000000000000bf000000c00a00000b00005b50020000002a00005d\
+    500272030b0b07736f6b6f62616e4d00000000000000efcdab89674523010302\
+    cdccccbdcdccccbd5354504678000000b674d768060a0201090302020a000000\
+    000000bf000000c00a00000b00005b50020000002a00005d50027a040d0d0974\
+    657874776f726c644d00000000000000efcdab89674523010302cdccccbdcdcc\
+    ccbd0307676f20656173740a6f70656e2063686573741374616b65206b657920\
+    66726f6d2063686573740000535450466c000000828af329070a020209030202\
+    0a000000000000bf000000c00a00000b00005b50020000002a00005d50027a04\
+    0f0f0974657874776f726c644d00000000000000efcdab89674523010302cdcc\
+    ccbdcdccccbd0207676f207765737414756e6c6f636b20646f6f722077697468\
+    206b657953545053080000000000000005000000000000001000000000000000\
+    060000000000000080000000000000000700000000000000d000000000000000\
+    08000000000000002c0100000000000009000000000000009801000000000000\
+    0900000000000000f0010000000000000a000000000000004802000000000000\
+    0a00000000000000cc020000000000002a9142e58800000053545045\
+";
+
+#[test]
+fn version_6_segments_stay_readable_and_are_still_written_identically() {
+    let (bytes, scan) = check_pinned(V6_SEGMENT, 6, &pinned_records_v6());
+    let lists: Vec<usize> = (scan.frames.iter())
+        .map(|f| scan.view(&bytes, f).meta_view().unwrap())
+        .map(|m| m.admissible_actions().len())
+        .collect();
+    assert_eq!(lists, [0, 0, 0, 0, 0, 0, 3, 2]);
+}
+
 #[test]
 fn appending_after_an_unsealed_version_1_segment_seals_it_and_continues_in_a_new_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -402,6 +468,23 @@ proptest! {
         }
         bytes.truncate(cut.index(bytes.len() + 1));
         let originals = pinned_records_v5();
+        for record in read_all(&bytes).into_iter().flatten() {
+            prop_assert!(originals.contains(&record), "{record:?}");
+        }
+    }
+
+    #[test]
+    fn mutated_version_6_segments_never_return_a_changed_record(
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let mut bytes = unhex(V6_SEGMENT);
+        for (at, value) in edits {
+            let i = at.index(bytes.len());
+            bytes[i] = value;
+        }
+        bytes.truncate(cut.index(bytes.len() + 1));
+        let originals = pinned_records_v6();
         for record in read_all(&bytes).into_iter().flatten() {
             prop_assert!(originals.contains(&record), "{record:?}");
         }

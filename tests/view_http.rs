@@ -61,6 +61,7 @@ fn record(traj: u64, group: u64, step: u32, version: u64, last: bool, action: &s
             context_rebuilt: false,
         },
         critic_state: Vec::new(),
+        admissible_actions: Vec::new(),
     }
 }
 

@@ -152,6 +152,12 @@ pub trait Env: Send {
     fn critic_state(&self) -> Option<Vec<f32>> {
         None
     }
+    /// The actions the current state admits, where the env says so (a remote env whose last
+    /// answer offered `admissible_actions`): what constrained decoding samples among, one per
+    /// turn. `None` where it does not.
+    fn admissible_actions(&self) -> Option<&[String]> {
+        None
+    }
     /// What the searcher agent plays: the oracle's searches, then an answer guessed without
     /// knowing it (the question's own options, or a name the searches returned). Only search
     /// envs have one.

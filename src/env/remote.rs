@@ -413,6 +413,13 @@ impl Env for RemoteEnv {
         }
     }
 
+    fn admissible_actions(&self) -> Option<&[String]> {
+        self.offers
+            .admissible_actions
+            .as_deref()
+            .filter(|actions| !actions.is_empty())
+    }
+
     fn random_action(&self, rng: &mut ChaCha8Rng) -> Result<Action, EnvError> {
         let names = self
             .actions

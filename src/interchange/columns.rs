@@ -8,7 +8,7 @@
 //! `terminated` bool, `truncated` bool, `state_hash` u64, `success` bool, `action_is_valid`
 //! bool, `action_is_effective` bool, `format_penalty` f32, `num_actions` u32,
 //! `observation_text` string, `action_text` string, `tool_call_error` bool, `context_rebuilt`
-//! bool, `critic_state` list<f32>.
+//! bool, `critic_state` list<f32>, `admissible_actions` list<string>.
 //!
 //! Trajectory marks (derived, not read back): `open` bool, `incomplete` bool, `missing_step`
 //! u32 (null unless incomplete). Optional derived columns: `obs_text` and `response_text` (the
@@ -18,7 +18,8 @@
 //! The import reads the record columns by name, casting any integer or float type that holds the
 //! values (what pandas or polars may write back) and failing on a missing column, a type that
 //! does not cast, a null, or a value out of range, naming the column and the row.
-//! `tool_call_error`, `context_rebuilt` and `critic_state` may be absent (false, empty).
+//! `tool_call_error`, `context_rebuilt`, `critic_state` and `admissible_actions` may be absent
+//! (false, empty).
 
 use std::sync::Arc;
 
@@ -96,6 +97,7 @@ pub fn schema(extras: Extras) -> SchemaRef {
         required("tool_call_error", Boolean),
         required("context_rebuilt", Boolean),
         required("critic_state", list_of(Float32)),
+        required("admissible_actions", list_of(Utf8)),
         required("open", Boolean),
         required("incomplete", Boolean),
         Field::new("missing_step", UInt32, true),
@@ -112,6 +114,7 @@ pub fn schema(extras: Extras) -> SchemaRef {
 
 type IdList = ListBuilder<UInt32Builder>;
 type FloatList = ListBuilder<Float32Builder>;
+type StringList = ListBuilder<StringBuilder>;
 
 fn id_list() -> IdList {
     ListBuilder::new(UInt32Builder::new()).with_field(list_item(DataType::UInt32))
@@ -119,6 +122,10 @@ fn id_list() -> IdList {
 
 fn float_list() -> FloatList {
     ListBuilder::new(Float32Builder::new()).with_field(list_item(DataType::Float32))
+}
+
+fn string_list() -> StringList {
+    ListBuilder::new(StringBuilder::new()).with_field(list_item(DataType::Utf8))
 }
 
 /// Rows of an export batch, column by column.
@@ -129,6 +136,7 @@ pub struct RowBuilder {
     u32s: [UInt32Builder; 3],
     token_lists: [IdList; 2],
     float_lists: [FloatList; 2],
+    admissible_actions: StringList,
     f32s: [Float32Builder; 2],
     bools: [BooleanBuilder; 9],
     strings: [StringBuilder; 3],
@@ -147,6 +155,7 @@ impl RowBuilder {
             u32s: Default::default(),
             token_lists: [id_list(), id_list()],
             float_lists: [float_list(), float_list()],
+            admissible_actions: string_list(),
             f32s: Default::default(),
             bools: Default::default(),
             strings: Default::default(),
@@ -207,6 +216,10 @@ impl RowBuilder {
             b.values().append_slice(v);
             b.append(true);
         }
+        for action in &r.admissible_actions {
+            self.admissible_actions.values().append_value(action);
+        }
+        self.admissible_actions.append(true);
         for (b, v) in self.f32s.iter_mut().zip([r.reward, info.format_penalty]) {
             b.append_value(v);
         }
@@ -280,6 +293,7 @@ impl RowBuilder {
             Arc::new(tool_error.finish()),
             Arc::new(rebuilt.finish()),
             Arc::new(critic.finish()),
+            Arc::new(self.admissible_actions.finish()),
             Arc::new(open.finish()),
             Arc::new(incomplete.finish()),
             Arc::new(self.missing_step.finish()),
@@ -381,6 +395,24 @@ impl Columns<'_> {
             .collect())
     }
 
+    /// An optional list<string> column (empty lists when absent).
+    fn string_lists(&self, name: &str) -> anyhow::Result<Vec<Vec<String>>> {
+        let Some(column) = self.get(name, &list_of(DataType::Utf8), true)? else {
+            return Ok(vec![Vec::new(); self.batch.num_rows()]);
+        };
+        let list = column.as_list::<i32>();
+        let values = list.values().as_string::<i32>();
+        Ok(list
+            .offsets()
+            .windows(2)
+            .map(|w| {
+                (w[0]..w[1])
+                    .map(|i| values.value(i as usize).to_string())
+                    .collect()
+            })
+            .collect())
+    }
+
     fn lists<T: ArrowPrimitiveType>(
         &self,
         name: &str,
@@ -422,6 +454,7 @@ pub fn records_of_batch(batch: &RecordBatch, first_row: u64) -> anyhow::Result<V
     let response = c.lists::<UInt32Type>("response_ids", false)?;
     let logprobs = c.lists::<Float32Type>("response_logprobs", false)?;
     let critic = c.lists::<Float32Type>("critic_state", true)?;
+    let mut admissible = c.string_lists("admissible_actions")?.into_iter();
     let bools = |name| c.bools(name, false);
     let (terminated, truncated) = (bools("terminated")?, bools("truncated")?);
     let (success, valid, effective) = (
@@ -464,6 +497,7 @@ pub fn records_of_batch(batch: &RecordBatch, first_row: u64) -> anyhow::Result<V
                 context_rebuilt: rebuilt[i],
             },
             critic_state,
+            admissible_actions: admissible.next().unwrap_or_default(),
         });
     }
     Ok(out)

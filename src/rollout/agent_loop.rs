@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::env::{build_session, check_config, AgentSession, EnvError, OnError};
+use crate::env::{build_session, check_config, ActionSpace, AgentSession, EnvError, OnError};
 use crate::model::Model;
 use crate::rollout::engine::{
     CacheCounters, Engine, EngineError, FinishReason, GenRequest, Generation,
@@ -216,6 +216,9 @@ struct Trajectory {
     done: bool,
     /// Tool mode (`tools: true`): the conversation the context renders.
     conversation: Option<ToolConversation>,
+    /// The admissible actions the coming step's response is sampled among (constrained
+    /// decoding over a state's actions), stored with its record; empty otherwise.
+    admissible_actions: Vec<String>,
 }
 
 /// Runs one rollout: builds and resets every session (group g's members share the env seed
@@ -243,10 +246,8 @@ pub fn run_rollout(
     if trajs.first().is_some_and(|t| t.session.protocol().tools) {
         check_tool_mode(cfg)?;
     }
-    let grammar = match trajs.first() {
-        Some(t) if cfg.constrained_decoding => {
-            Some(Arc::new(ResponseGrammar::for_session(tok, &t.session)?))
-        }
+    let fixed_grammar = match trajs.first() {
+        Some(t) if cfg.constrained_decoding => env_grammar(tok, &t.session)?,
         _ => None,
     };
     let mut generate_s = 0.0;
@@ -258,10 +259,14 @@ pub fn run_rollout(
         if active.is_empty() {
             break;
         }
-        let requests: Vec<GenRequest> = active
-            .iter()
-            .map(|&i| request(&trajs[i], turn as u32, tok, cfg, grammar.clone()))
-            .collect();
+        let mut requests: Vec<GenRequest> = Vec::with_capacity(active.len());
+        for &i in &active {
+            let grammar = match cfg.constrained_decoding {
+                true => Some(turn_grammar(&mut trajs[i], tok, fixed_grammar.as_ref())?),
+                false => None,
+            };
+            requests.push(request(&trajs[i], turn as u32, tok, cfg, grammar));
+        }
         let t0 = Instant::now();
         let gens = engine.generate(model, tok, &requests)?;
         generate_s += t0.elapsed().as_secs_f64();
@@ -539,9 +544,42 @@ fn start_group(tok: &Tokenizer, cfg: &RolloutConfig, group_id: u64) -> Result<Ve
             records: Vec::new(),
             metric_sums: BTreeMap::new(),
             done: false,
+            admissible_actions: Vec::new(),
         });
     }
     Ok(members)
+}
+
+/// The grammar of every answer of the env of `session` under constrained decoding: its named
+/// actions; `None` for an env that answers free text (its states must offer admissible actions,
+/// [`turn_grammar`]).
+fn env_grammar(tok: &Tokenizer, session: &AgentSession) -> Result<Option<Arc<ResponseGrammar>>> {
+    match session.env().action_space() {
+        ActionSpace::FreeText => Ok(None),
+        _ => Ok(Some(Arc::new(ResponseGrammar::for_session(tok, session)?))),
+    }
+}
+
+/// The grammar `t`'s coming response samples under: one of the actions its state admits where
+/// the env offers them (kept in `t` for the step's record), else the env's `fixed` grammar.
+fn turn_grammar(
+    t: &mut Trajectory,
+    tok: &Tokenizer,
+    fixed: Option<&Arc<ResponseGrammar>>,
+) -> Result<Arc<ResponseGrammar>> {
+    let env = t.session.env();
+    t.admissible_actions = env.admissible_actions().unwrap_or_default().to_vec();
+    if !t.admissible_actions.is_empty() {
+        let protocol = t.session.protocol();
+        let grammar =
+            ResponseGrammar::for_actions(tok, (env.tag(), protocol), &t.admissible_actions)?;
+        return Ok(Arc::new(grammar));
+    }
+    fixed.cloned().ok_or_else(|| {
+        RolloutError::Grammar(GrammarError::NoActionsOffered {
+            env: env.tag().to_string(),
+        })
+    })
 }
 
 fn request(
@@ -617,6 +655,7 @@ fn advance(
         state_hash,
         info,
         critic_state,
+        admissible_actions: std::mem::take(&mut t.admissible_actions),
     };
     match outcome.followup().filter(|_| !record.is_last()) {
         Some(followup) => {

@@ -16,7 +16,7 @@
 //! log-prob 0 and no gradient, and a negative advantage moves probability to the other actions,
 //! never out of the format.
 
-use crate::env::{ActionSpace, AgentSession};
+use crate::env::{ActionSpace, AgentSession, ProtocolConfig};
 use crate::tokenizer::Tokenizer;
 
 /// Why a grammar cannot be built for an env.
@@ -25,6 +25,12 @@ pub enum GrammarError {
     /// The env has no named action space (its answers are free text).
     #[error("env `{env}` answers free text (search or answer), which constrained decoding cannot enumerate; set constrained_decoding: false")]
     FreeTextAnswers {
+        /// Tag of the env.
+        env: String,
+    },
+    /// The env answers free text and its state offered no admissible actions to choose among.
+    #[error("env `{env}` answers free text and its state offered no `admissible_actions` to choose among; set constrained_decoding: false, or serve the actions each state admits")]
+    NoActionsOffered {
         /// Tag of the env.
         env: String,
     },
@@ -115,22 +121,44 @@ pub struct ResponseGrammar {
 impl ResponseGrammar {
     /// The grammar of `session`'s env and protocol, with pieces encoded by `tok`.
     pub fn for_session(tok: &Tokenizer, session: &AgentSession) -> Result<Self, GrammarError> {
-        let env = session.env().tag().to_string();
+        let env = session.env().tag();
         let ActionSpace::Named(names) = session.env().action_space() else {
-            return Err(GrammarError::FreeTextAnswers { env });
+            return Err(GrammarError::FreeTextAnswers {
+                env: env.to_string(),
+            });
         };
+        let protocol = session.protocol();
+        Self::answering(tok, (env, protocol), &names, protocol.max_actions_per_turn)
+    }
+
+    /// The grammar of an answer naming one of `actions` (the actions a state admits, which hold
+    /// for one action: one per turn) in the protocol of `env`.
+    pub fn for_actions(
+        tok: &Tokenizer,
+        (env, protocol): (&str, &ProtocolConfig),
+        actions: &[String],
+    ) -> Result<Self, GrammarError> {
+        Self::answering(tok, (env, protocol), actions, 1)
+    }
+
+    /// `<answer>` with up to `max_actions` of `names`, thoughts first where `protocol` asks.
+    fn answering(
+        tok: &Tokenizer,
+        (env, protocol): (&str, &ProtocolConfig),
+        names: &[String],
+        max_actions: usize,
+    ) -> Result<Self, GrammarError> {
         let encode = |text: &str| {
             let ids = tok.encode(text);
             if ids.is_empty() {
                 Err(GrammarError::EmptyPiece {
-                    env: env.clone(),
+                    env: env.to_string(),
                     text: text.to_string(),
                 })
             } else {
                 Ok(ids)
             }
         };
-        let protocol = session.protocol();
         let pieces = Pieces {
             think: if protocol.enable_think {
                 Some((encode("<think>")?, encode("</think>")?))
@@ -141,7 +169,7 @@ impl ResponseGrammar {
             close: encode("</answer>")?,
             separator: encode("||")?,
             actions: names.iter().map(|n| encode(n)).collect::<Result<_, _>>()?,
-            max_actions: protocol.max_actions_per_turn,
+            max_actions,
         };
         Ok(Self::build(&pieces, tok.eos_id()))
     }

@@ -1,7 +1,7 @@
 //! Byte layout of one stored record (the payload of a segment frame) and the borrowed views over
 //! it. This is the only module that calls bincode (formats 1 and 2 only).
 //!
-//! Format version 5 (written by this build), little-endian, payload 4-byte aligned when the frame
+//! Format version 6 (written by this build), little-endian, payload 4-byte aligned when the frame
 //! is:
 //!
 //! | bytes | content |
@@ -13,15 +13,16 @@
 //! | response ids | `n_response` ids of the response width |
 //! | metadata | to the end of the payload (see below), then 0 to 3 zero bytes of padding |
 //!
-//! Version-5 metadata: one flag byte (bit 0 terminated, 1 truncated, 2 success,
+//! Version-6 metadata: one flag byte (bit 0 terminated, 1 truncated, 2 success,
 //! 3 action_is_valid, 4 action_is_effective, 5 `reward` stored, 6 `format_penalty` stored,
 //! 7 `critic_state` stored; a float that is not stored is +0.0, a critic state that is not
-//! stored is empty); a second flag byte (bit 0 tool_call_error, bit 1 context_rebuilt, bits 2-7
-//! zero: a set unknown bit is an error); two text entries `observation_text`, `action_text`;
-//! `env_tag` (varint length, UTF-8 bytes); `seed: u64`, `state_hash: u64`; varints
-//! `policy_version`, `num_actions`; then `reward: f32` and `format_penalty: f32` when their
-//! flag is set; then, when its flag is set, `critic_state` as a varint count and that many
-//! `f32`. A text entry starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes
+//! stored is empty); a second flag byte (bit 0 tool_call_error, bit 1 context_rebuilt, bit 2
+//! `admissible_actions` stored, bits 3-7 zero: a set unknown bit is an error); two text entries
+//! `observation_text`, `action_text`; `env_tag` (varint length, UTF-8 bytes); `seed: u64`,
+//! `state_hash: u64`; varints `policy_version`, `num_actions`; then `reward: f32` and
+//! `format_penalty: f32` when their flag is set; then, when its flag is set, `critic_state` as a
+//! varint count and that many `f32`; then, when its flag is set, `admissible_actions` as a
+//! varint count and that many strings (varint length, UTF-8 bytes). A text entry starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes
 //! following; odd = a backward reference: the frame numbered `v / 2` (1 to
 //! [`REFERENCE_WINDOW`]) before this one in the same segment holds the identical text inline in
 //! the same field (the writer keeps a text → frame cache per segment, compares texts, not
@@ -45,7 +46,8 @@
 //!   `action_text`; a reference holds the byte offset of the earlier frame instead of a frame
 //!   count) followed by bincode of every other field (`info` flattened);
 //! - version 3: as version 4, with flag bit 7 zero (no critic state);
-//! - version 4: as version 5 without the second flag byte (the text entries follow the first).
+//! - version 4: as version 5 without the second flag byte (the text entries follow the first);
+//! - version 5: as version 6 with bit 2 of the second flag byte zero (no admissible actions).
 //!
 //! Versions 1 to 4 do not store `tool_call_error` and `context_rebuilt`: their records read
 //! with both false.
@@ -73,7 +75,7 @@ pub const REFERENCE_WINDOW: u64 = 256;
 /// segments written before the rule have them.
 pub const REFERENCE_BLOCK: u64 = 32;
 /// Segment format version written by this build.
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
 /// Segment format versions whose payloads this build decodes.
 pub const SUPPORTED_VERSIONS: std::ops::RangeInclusive<u32> = 1..=FORMAT_VERSION;
 
@@ -152,6 +154,9 @@ pub struct StepMetaView<'a> {
     pub tool_call_error: bool,
     /// `info.context_rebuilt` (false before format version 5).
     pub context_rebuilt: bool,
+    /// `admissible_actions` as stored: a varint count, then each action as a varint length
+    /// and UTF-8 bytes, checked when the view was made (empty before format version 6).
+    pub admissible_actions: &'a [u8],
 }
 
 impl StepMetaView<'_> {
@@ -160,6 +165,20 @@ impl StepMetaView<'_> {
         self.critic_state
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    /// The record's admissible actions (empty when none were stored).
+    pub fn admissible_actions(&self) -> Vec<String> {
+        let mut cursor = Cursor {
+            rest: self.admissible_actions,
+        };
+        let count = match self.admissible_actions {
+            [] => 0,
+            _ => cursor.varint("").unwrap_or(0),
+        };
+        (0..count)
+            .map_while(|_| cursor.str("").ok().map(str::to_string))
             .collect()
     }
 
@@ -232,7 +251,7 @@ struct FieldsV2<'a> {
 }
 
 /// A stored text: inline (UTF-8 not yet checked), or a reference to an earlier frame (format 2:
-/// its byte offset; formats 3 to 5: how many frame numbers back).
+/// its byte offset; formats 3 to 6: how many frame numbers back).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) enum StoredText<'a> {
     Inline(&'a [u8]),
@@ -279,10 +298,17 @@ const FLAG_EFFECTIVE: u8 = 1 << 4;
 const FLAG_REWARD: u8 = 1 << 5;
 const FLAG_PENALTY: u8 = 1 << 6;
 const FLAG_CRITIC_STATE: u8 = 1 << 7;
-/// Bits of the second flag byte (format version 5).
+/// Bits of the second flag byte (format version 5; bit 2 from version 6).
 const FLAG2_TOOL_CALL_ERROR: u8 = 1;
 const FLAG2_CONTEXT_REBUILT: u8 = 1 << 1;
-const FLAGS2_KNOWN: u8 = FLAG2_TOOL_CALL_ERROR | FLAG2_CONTEXT_REBUILT;
+const FLAG2_ADMISSIBLE_ACTIONS: u8 = 1 << 2;
+/// The bits of the second flag byte each version knows.
+fn flags2_known(version: u32) -> u8 {
+    match version {
+        ..=5 => FLAG2_TOOL_CALL_ERROR | FLAG2_CONTEXT_REBUILT,
+        _ => FLAG2_TOOL_CALL_ERROR | FLAG2_CONTEXT_REBUILT | FLAG2_ADMISSIBLE_ACTIONS,
+    }
+}
 
 fn encode_varint(mut v: u64, out: &mut Vec<u8>) {
     while v >= 0x80 {
@@ -346,6 +372,17 @@ impl<'a> Cursor<'a> {
         }
         let len = usize::try_from(v >> 1).unwrap_or(usize::MAX);
         Ok(StoredText::Inline(self.take(len, field.name())?))
+    }
+
+    /// The bytes of a list of admissible actions (a varint count, then length-prefixed
+    /// strings), each checked.
+    fn admissible_actions(&mut self) -> Result<&'a [u8], CodecError> {
+        let start = self.rest;
+        let count = self.varint("the admissible actions' count")?;
+        for i in 0..count {
+            self.str(&format!("admissible action {i}"))?;
+        }
+        Ok(&start[..start.len() - self.rest.len()])
     }
 
     /// A length-prefixed string.
@@ -527,6 +564,10 @@ fn encode_meta(record: &StepRecord, refs: TextRefs, out: &mut Vec<u8>) -> Result
     let flags2 = [
         (info.tool_call_error, FLAG2_TOOL_CALL_ERROR),
         (info.context_rebuilt, FLAG2_CONTEXT_REBUILT),
+        (
+            !record.admissible_actions.is_empty(),
+            FLAG2_ADMISSIBLE_ACTIONS,
+        ),
     ];
     let byte = |bits: &[(bool, u8)]| {
         bits.iter()
@@ -550,6 +591,13 @@ fn encode_meta(record: &StepRecord, refs: TextRefs, out: &mut Vec<u8>) -> Result
     if !record.critic_state.is_empty() {
         encode_varint(record.critic_state.len() as u64, out);
         extend_le_f32(out, &record.critic_state);
+    }
+    if !record.admissible_actions.is_empty() {
+        encode_varint(record.admissible_actions.len() as u64, out);
+        for action in &record.admissible_actions {
+            encode_varint(action.len() as u64, out);
+            out.extend_from_slice(action.as_bytes());
+        }
     }
     Ok(())
 }
@@ -817,7 +865,7 @@ impl<'a> StepView<'a> {
         match self.format_version {
             1 => self.meta_v1(),
             2 => self.meta_v2(),
-            3..=5 => self.meta_v3(),
+            3..=FORMAT_VERSION => self.meta_v3(),
             other => Err(self.corrupt(format!(
                 "segment format version {other} is not supported by this build"
             ))),
@@ -849,6 +897,7 @@ impl<'a> StepView<'a> {
             critic_state: &[],
             tool_call_error: false,
             context_rebuilt: false,
+            admissible_actions: &[],
         })
     }
 
@@ -884,10 +933,12 @@ impl<'a> StepView<'a> {
             critic_state: &[],
             tool_call_error: false,
             context_rebuilt: false,
+            admissible_actions: &[],
         })
     }
 
-    /// Versions 3 to 5 (4 adds the critic state behind flag bit 7, 5 the second flag byte).
+    /// Versions 3 to 6 (4 adds the critic state behind flag bit 7, 5 the second flag byte, 6 the
+    /// admissible actions behind its bit 2).
     fn meta_v3(&self) -> Result<StepMetaView<'a>, StoreError> {
         self.decode_v3().map_err(|e| self.corrupt(e.0))
     }
@@ -904,8 +955,9 @@ impl<'a> StepView<'a> {
             ..=4 => 0,
             _ => cursor.array::<1>("the second flag byte")?[0],
         };
-        if flags2 & !FLAGS2_KNOWN != 0 {
-            let unknown = flags2 & !FLAGS2_KNOWN;
+        let known = flags2_known(self.format_version);
+        if flags2 & !known != 0 {
+            let unknown = flags2 & !known;
             return Err(CodecError(format!(
                 "unknown flag bits {unknown:#x} in the second flag byte"
             )));
@@ -936,6 +988,10 @@ impl<'a> StepView<'a> {
                 cursor.take(bytes.unwrap_or(usize::MAX), "critic_state")?
             }
         };
+        let admissible_actions = match flags2 & FLAG2_ADMISSIBLE_ACTIONS {
+            0 => &[][..],
+            _ => cursor.admissible_actions()?,
+        };
         if cursor.rest.len() > 3 || cursor.rest.iter().any(|&b| b != 0) {
             let n = cursor.rest.len();
             return Err(CodecError(format!("metadata has {n} trailing bytes")));
@@ -959,11 +1015,12 @@ impl<'a> StepView<'a> {
             critic_state,
             tool_call_error: flags2 & FLAG2_TOOL_CALL_ERROR != 0,
             context_rebuilt: flags2 & FLAG2_CONTEXT_REBUILT != 0,
+            admissible_actions,
         })
     }
 
     /// The validated frame before this one that a reference points at: format 2 by byte offset,
-    /// formats 3 to 5 by frame number (`earlier` numbers back; found at once when no damaged
+    /// formats 3 to 6 by frame number (`earlier` numbers back; found at once when no damaged
     /// frame was skipped in between, else by binary search).
     fn referenced_frame(&self, earlier: u64) -> Option<&'a Frame> {
         let before = self.frames.get(..self.index)?;
@@ -1008,6 +1065,7 @@ impl<'a> StepView<'a> {
     pub fn to_record(&self) -> Result<StepRecord, StoreError> {
         let view = self.meta_view()?;
         let critic_state = view.critic_state();
+        let admissible_actions = view.admissible_actions();
         let meta = view.to_meta();
         Ok(StepRecord {
             traj_id: self.traj_id,
@@ -1026,6 +1084,7 @@ impl<'a> StepView<'a> {
             state_hash: meta.state_hash,
             info: meta.info,
             critic_state,
+            admissible_actions,
         })
     }
 }
@@ -1062,6 +1121,7 @@ mod tests {
                 context_rebuilt: false,
             },
             critic_state: Vec::new(),
+            admissible_actions: Vec::new(),
         }
     }
 
@@ -1141,6 +1201,30 @@ mod tests {
         assert!(error.contains("critic_state"), "{error}");
     }
 
+    #[test]
+    fn admissible_actions_round_trip_and_are_unknown_to_version_5() {
+        let mut record = sample();
+        record.admissible_actions = vec!["go east".into(), "take café key".into(), "".into()];
+        let bytes = encoded(&record, [None; 2]);
+        let view = StepView::parse(&bytes, FORMAT_VERSION).unwrap();
+        assert_eq!(view.to_record().unwrap(), record);
+        let v5 = StepView::parse(&bytes, 5).unwrap();
+        let error = v5.to_record().unwrap_err().to_string();
+        assert!(error.contains("unknown flag bits 0x4"), "{error}");
+        // A length past the end of the metadata is an error naming the action (the last one is
+        // empty: its length is the metadata's last byte).
+        let mut cut = bytes.clone();
+        let mut meta = Vec::new();
+        encode_meta(&record, [None; 2], &mut meta).unwrap();
+        cut[meta_start(&bytes) + meta.len() - 1] = 0x7f;
+        let error = StepView::parse(&cut, FORMAT_VERSION)
+            .unwrap()
+            .to_record()
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("admissible action 2"), "{error}");
+    }
+
     /// The payload of `record` as format version 4 wrote it: that of the current version
     /// without the second flag byte.
     fn as_version_4(record: &StepRecord) -> Vec<u8> {
@@ -1197,7 +1281,7 @@ mod tests {
     fn unknown_bits_of_the_second_flag_byte_are_an_error_naming_them() {
         let mut bytes = encoded(&sample(), [None; 2]);
         let at = meta_start(&bytes) + 1;
-        for (byte, named) in [(0x04, "0x4"), (0x83, "0x80"), (0xff, "0xfc")] {
+        for (byte, named) in [(0x08, "0x8"), (0x83, "0x80"), (0xff, "0xf8")] {
             bytes[at] = byte;
             let error = StepView::parse(&bytes, FORMAT_VERSION)
                 .unwrap()

@@ -183,6 +183,7 @@ pub fn agent_episode(
             state_hash,
             info: outcome.info.clone(),
             critic_state: Vec::new(),
+            admissible_actions: Vec::new(),
         };
         context_len += (record.obs_ids.len() + record.response_ids.len()) as u32;
         let followup = followup.filter(|_| !record.is_last());

@@ -11,14 +11,15 @@
 //! of every shard, writers and readers; opens from the segment files when the manifest is
 //! damaged), `verify` (verify / repair).
 //!
-//! Format version 5 (what the writer writes) stores each token id array at the narrowest
+//! Format version 6 (what the writer writes) stores each token id array at the narrowest
 //! width that holds its largest id (3 bytes for a 151k vocabulary; read in place through
 //! [`TokenIds`]), varint ids and counts, flags in two bytes (the second, new in version 5, holds
 //! the gateway's `tool_call_error` and `context_rebuilt`), and every text (env tag, observation,
 //! action) already in the same block of [`REFERENCE_BLOCK`] frames of the segment as a backward
-//! reference counted in frames (so one damaged frame costs at most one block), and the env's
-//! critic state when the record carries one. Versions 1 to 4 stay readable (their records read
-//! with both version-5 flags false).
+//! reference counted in frames (so one damaged frame costs at most one block), the env's
+//! critic state when the record carries one, and (new in version 6) the admissible actions its
+//! response was sampled among. Versions 1 to 5 stay readable (records of versions 1 to 4 read
+//! with both version-5 flags false; of versions 1 to 5, with no admissible actions).
 //! [`StepView::meta_view`] decodes metadata without allocating.
 //! `WriterOptions::durable` (default true) decides whether sealing and manifest replacement fsync.
 //!

@@ -49,6 +49,11 @@ pub struct StepRecord {
     /// none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub critic_state: Vec<f32>,
+    /// The actions the env offered as admissible at the start of the step, stored when the
+    /// response was sampled under a grammar of them (constrained decoding over each state's
+    /// actions), so the update scores it under the same grammar; empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub admissible_actions: Vec<String>,
 }
 
 impl StepRecord {

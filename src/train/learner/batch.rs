@@ -73,16 +73,17 @@ impl PackedBatch {
     /// tags before the model's first free choice are forced, so the position before them predicts
     /// a constant and carries no trained state features, while the position of the first free
     /// choice is where the policy reads the state.
-    pub fn read_values_after_forced(
+    pub fn read_values_after_forced<E>(
         &mut self,
         records: &[StepRecord],
-        forced: impl Fn(&StepRecord) -> usize,
-    ) {
+        forced: impl Fn(&StepRecord) -> Result<usize, E>,
+    ) -> Result<(), E> {
         for (row, &r) in self.record_of_row.iter().enumerate() {
             let len = records[r].response_ids.len();
-            let shift = forced(&records[r]).min(len.saturating_sub(1));
+            let shift = forced(&records[r])?.min(len.saturating_sub(1));
             self.value_index[row] += shift as u32;
         }
+        Ok(())
     }
 
     /// Total response tokens of the batch.
@@ -279,7 +280,9 @@ mod tests {
         let mut shifted = p.clone();
         // Two forced tokens move the first row's value position by two; the second row's one-token
         // response can only be read where it stands.
-        shifted.read_values_after_forced(&records, |_| 2);
+        shifted
+            .read_values_after_forced(&records, |_| Ok::<_, ()>(2))
+            .unwrap();
         let lens: Vec<usize> = shifted
             .record_of_row
             .iter()

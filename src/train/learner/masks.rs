@@ -5,48 +5,122 @@
 //! a forward pass is the model's.
 
 use crate::config::Config;
-use crate::env::build_session;
+use crate::env::{build_session, ActionSpace, AgentSession, ProtocolConfig};
 use crate::rollout::grammar::{Allowed, ResponseGrammar};
 use crate::store::StepRecord;
 use crate::tokenizer::Tokenizer;
 use crate::train::learner::batch::PackedBatch;
 use crate::train::TrainError;
 use candle_core::{Device, Tensor};
-use std::collections::BTreeMap;
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 /// The update side of constrained decoding: per env tag, the answer grammar the rollout sampled
 /// under, so each response token is scored over the same allowed tokens (a `-1e9` logit bias on
-/// the others). Empty when constrained decoding is off.
+/// the others). A record that stores the admissible actions of its state was sampled among
+/// those: its grammar is built from them (and kept for the records that share the list). Empty
+/// when constrained decoding is off.
 #[derive(Default)]
 pub struct ResponseMasks {
-    grammars: BTreeMap<String, ResponseGrammar>,
+    envs: BTreeMap<String, EnvGrammar>,
     vocab: usize,
+    /// What encodes a record's admissible actions (set when constrained decoding is on).
+    tok: Option<Tokenizer>,
+    /// Grammars of admissible-action lists met so far, by env tag and list.
+    of_actions: Mutex<HashMap<ActionList, Arc<ResponseGrammar>>>,
+}
+
+/// An env tag and the admissible actions of one of its states.
+type ActionList = (String, Vec<String>);
+
+/// One env tag's side of constrained decoding.
+struct EnvGrammar {
+    /// The grammar of every answer (its named actions); `None` for an env that answers free
+    /// text, whose records carry their state's admissible actions.
+    fixed: Option<Arc<ResponseGrammar>>,
+    protocol: ProtocolConfig,
 }
 
 /// Logit bias of a token the grammar forbids: its probability underflows to exactly 0.
 const FORBIDDEN_LOGIT: f32 = -1e9;
 
+/// Admissible-action lists whose grammars are kept at once (a run's states rarely exceed it;
+/// past it the table starts over).
+const KEPT_ACTION_LISTS: usize = 4096;
+
 impl ResponseMasks {
-    /// Masks for the env tags in `grammars` over a model vocabulary of `vocab` logits.
-    pub fn new(grammars: BTreeMap<String, ResponseGrammar>, vocab: usize) -> Self {
-        Self { grammars, vocab }
+    /// Masks for the env of each `(tag, session)` (its protocol and, with named actions, its
+    /// answer grammar) over a model vocabulary of `vocab` logits, with action names encoded by
+    /// `tok`.
+    pub fn for_envs(
+        tok: &Tokenizer,
+        sessions: impl IntoIterator<Item = (String, AgentSession)>,
+        vocab: usize,
+    ) -> Result<Self, TrainError> {
+        let mut envs = BTreeMap::new();
+        for (tag, session) in sessions {
+            let fixed = match session.env().action_space() {
+                ActionSpace::FreeText => None,
+                _ => Some(Arc::new(
+                    ResponseGrammar::for_session(tok, &session)
+                        .map_err(|e| TrainError::Data(format!("custom_envs.{tag}: {e}")))?,
+                )),
+            };
+            let protocol = session.protocol().clone();
+            envs.insert(tag, EnvGrammar { fixed, protocol });
+        }
+        Ok(Self {
+            envs,
+            vocab,
+            tok: Some(tok.clone()),
+            of_actions: Mutex::default(),
+        })
     }
 
-    /// The answer grammar of every env tag (empty when constrained decoding is off), for a
-    /// rollout source outside the trainer to sample under.
+    /// The answer grammar of every env tag with named actions, for a rollout source outside
+    /// the trainer to sample under (tags answering free text have none).
     pub fn grammars(&self) -> BTreeMap<String, Arc<ResponseGrammar>> {
-        self.grammars
+        self.envs
             .iter()
-            .map(|(tag, g)| (tag.clone(), Arc::new(g.clone())))
+            .filter_map(|(tag, g)| Some((tag.clone(), g.fixed.clone()?)))
             .collect()
     }
 
+    /// The grammar `rec`'s response was sampled under (`None`: none, unconstrained).
+    fn grammar_of(&self, rec: &StepRecord) -> Result<Option<Arc<ResponseGrammar>>, TrainError> {
+        let Some(env) = self.envs.get(&rec.env_tag) else {
+            return Ok(None);
+        };
+        let (Some(tok), false) = (&self.tok, rec.admissible_actions.is_empty()) else {
+            return Ok(env.fixed.clone());
+        };
+        let key = (rec.env_tag.clone(), rec.admissible_actions.clone());
+        if let Some(g) = self.of_actions.lock().get(&key) {
+            return Ok(Some(g.clone()));
+        }
+        let g = ResponseGrammar::for_actions(tok, (&rec.env_tag, &env.protocol), &key.1).map_err(
+            |e| {
+                TrainError::Data(format!(
+                    "trajectory {} step {}: its admissible actions: {e}",
+                    rec.traj_id, rec.step_index
+                ))
+            },
+        )?;
+        let g = Arc::new(g);
+        let mut kept = self.of_actions.lock();
+        if kept.len() >= KEPT_ACTION_LISTS {
+            kept.clear();
+        }
+        kept.insert(key, g.clone());
+        Ok(Some(g))
+    }
+
     /// How many leading tokens of `rec`'s response the grammar forced (exactly one token
-    /// allowed): 0 when constrained decoding is off or the tag has no grammar.
-    pub fn forced_prefix(&self, rec: &StepRecord) -> usize {
-        let Some(grammar) = self.grammars.get(&rec.env_tag) else {
-            return 0;
+    /// allowed): 0 when constrained decoding is off or the record has no grammar.
+    pub fn forced_prefix(&self, rec: &StepRecord) -> Result<usize, TrainError> {
+        let Some(grammar) = self.grammar_of(rec)? else {
+            return Ok(0);
         };
         let mut forced = 0;
         for allowed in grammar.allowed_per_token(&rec.response_ids) {
@@ -55,7 +129,7 @@ impl ResponseMasks {
                 _ => break,
             }
         }
-        forced
+        Ok(forced)
     }
 
     /// `[rows * width, vocab]` bias of a packed batch, `None` when no response token of it is
@@ -70,7 +144,7 @@ impl ResponseMasks {
         let mut bias: Vec<f32> = Vec::new();
         for (row, &r) in p.record_of_row.iter().enumerate() {
             let rec = &records[r];
-            let Some(grammar) = self.grammars.get(&rec.env_tag) else {
+            let Some(grammar) = self.grammar_of(rec)? else {
                 continue;
             };
             for (j, allowed) in grammar
@@ -115,13 +189,11 @@ pub fn response_masks(
     if !cfg.constrained_decoding {
         return Ok(ResponseMasks::default());
     }
-    let mut grammars = BTreeMap::new();
+    let mut sessions = Vec::new();
     for (tag, spec) in &cfg.custom_envs {
-        let at = |e: String| TrainError::Data(format!("custom_envs.{tag}: {e}"));
-        let session =
-            build_session(&spec.env_type, &spec.env_config).map_err(|e| at(e.to_string()))?;
-        let grammar = ResponseGrammar::for_session(tok, &session).map_err(|e| at(e.to_string()))?;
-        grammars.insert(tag.clone(), grammar);
+        let session = build_session(&spec.env_type, &spec.env_config)
+            .map_err(|e| TrainError::Data(format!("custom_envs.{tag}: {e}")))?;
+        sessions.push((tag.clone(), session));
     }
-    Ok(ResponseMasks::new(grammars, vocab))
+    ResponseMasks::for_envs(tok, sessions, vocab)
 }

@@ -81,7 +81,7 @@ pub(in crate::train) fn for_each_chunk(
     }
     for seqs in sorted.chunks(chunk.max(1)) {
         let mut p = pack(records, seqs)?;
-        p.read_values_after_forced(records, |r| masks.forced_prefix(r));
+        p.read_values_after_forced(records, |r| masks.forced_prefix(r))?;
         if p.rows > 0 {
             let batch = DeviceBatch::laid_out(&p, (records, seqs), layout, device)?;
             visit(&p, &batch.constrained(&p, records, bias_masks)?)?;

@@ -383,7 +383,7 @@ fn local_batch(
         return Ok(None);
     }
     let mut packed = pack(inputs.records, seqs)?;
-    packed.read_values_after_forced(inputs.records, |r| settings.masks.forced_prefix(r));
+    packed.read_values_after_forced(inputs.records, |r| settings.masks.forced_prefix(r))?;
     if packed.rows == 0 {
         return Ok(None);
     }
