@@ -61,7 +61,10 @@ fn record(traj: u64, group: u64, step: u32, version: u64, last: bool, action: &s
             context_rebuilt: false,
         },
         critic_state: Vec::new(),
-        admissible_actions: Vec::new(),
+        admissible_actions: match traj {
+            1 => vec!["go east".into(), HOSTILE_OBS.into()],
+            _ => Vec::new(),
+        },
     }
 }
 
@@ -253,6 +256,11 @@ fn pages_lists_and_trajectories_are_served_escaped_and_read_only() {
         "{traj}"
     );
     assert!(traj.contains("&lt;img src=x onerror=alert(2)&gt;"));
+    // What a constrained step was sampled among, escaped.
+    assert!(
+        traj.contains("sampled among 2 admissible actions</h3><ul class=\"choices\"><li><code>go east</code></li><li><code>&lt;img src=x"),
+        "{traj}"
+    );
     // Everything the model saw at a context's start, template markers included, shown open.
     assert!(
         traj.contains("<details class=\"context\" open><summary>the ")

@@ -10,6 +10,7 @@ use super::index::{Snapshot, SortKey, TrajSummary};
 use super::query::{estimator_name, sort_name, Colour, ListQuery, TrajQuery, ESTIMATORS};
 use super::source::Source;
 use super::trajectory::{short_action, Scoring, StepDetail, TrajectoryDetail};
+use crate::store::StepRecord;
 
 fn shell<'a>(kind: PageKind, title: &'a str, root: &'a str, snap: &Snapshot) -> Shell<'a> {
     Shell {
@@ -354,7 +355,7 @@ fn step_section(step: &StepDetail) -> String {
         "<section class=\"step\" id=\"step-{i}\" data-advantage=\"{adv}\"><h2>Step {i}</h2>\
          <p class=\"facts\">reward <b>{reward}</b>{scores} · {flags} · tokens: context {ctx}, obs {obs}, response {resp}</p>{trainer}\
          <h3>observation</h3><pre class=\"obs\">{obs_text}</pre>{context}\
-         <h3>response</h3><div class=\"tokens\">{tokens}</div>{calls}</section>",
+         <h3>response</h3><div class=\"tokens\">{tokens}</div>{calls}{choices}</section>",
         i = r.step_index,
         adv = if adv.is_finite() { adv } else { 0.0 },
         reward = num(f64::from(r.reward), 3),
@@ -367,6 +368,22 @@ fn step_section(step: &StepDetail) -> String {
         context = context_block(step),
         tokens = token_spans(step),
         calls = calls_block(step),
+        choices = choices_block(r),
+    )
+}
+
+/// The admissible actions the response was sampled among (constrained decoding over a state's
+/// actions), when the step keeps them.
+fn choices_block(r: &StepRecord) -> String {
+    if r.admissible_actions.is_empty() {
+        return String::new();
+    }
+    let items: String = (r.admissible_actions.iter())
+        .map(|a| format!("<li><code>{}</code></li>", esc(a)))
+        .collect();
+    format!(
+        "<h3>sampled among {} admissible actions</h3><ul class=\"choices\">{items}</ul>",
+        r.admissible_actions.len()
     )
 }
 
