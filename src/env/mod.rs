@@ -240,6 +240,12 @@ pub enum EnvError {
         /// Why the request failed (transport error, status or unreadable answer).
         reason: String,
     },
+    /// Constrained decoding over a free-text env whose state offered no admissible actions.
+    #[error("env `{env}` answers free text and its state offered no `admissible_actions` to choose among (constrained_decoding: true); serve the actions each state admits, or set constrained_decoding: false")]
+    NoAdmissibleActions {
+        /// The env's tag.
+        env: String,
+    },
     /// The env cannot play the moves of the named scripted agent.
     #[error("env `{env}` has no {agent} agent: {reason}")]
     NoAgent {

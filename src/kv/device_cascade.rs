@@ -47,7 +47,10 @@ struct State {
 
 impl DeviceCascade {
     /// The tables of `plan` over `seqs` on `dev`; `None` unless every sequence brings at most
-    /// one new token (a decode call: prefill calls keep the paged prefill kernel).
+    /// one new token (a decode call: prefill calls keep the paged prefill kernel), and when
+    /// padding the tokens' own positions to the longest would more than double them (a token
+    /// that shares nothing and has a long context: the paged decode kernel reads each
+    /// sequence's own length instead).
     pub fn new(
         plan: &CascadePlan,
         seqs: &[SeqSlots],
@@ -62,6 +65,10 @@ impl DeviceCascade {
             .map(|(v, &start)| &v[start..])
             .collect();
         let width = own.iter().map(|o| o.len()).max().unwrap_or(1);
+        let own_total: usize = own.iter().map(|o| o.len()).sum();
+        if n * width > 2 * own_total {
+            return Ok(None);
+        }
         let mut own_slots = Vec::with_capacity(n * width);
         let mut own_mask = Vec::with_capacity(n * width);
         for slots in &own {
@@ -289,6 +296,27 @@ mod tests {
     fn matches_the_per_row_kernel_in_bf16_to_the_output_s_rounding() {
         // The kernel reads the same bf16 values exactly; only the bf16 output rounds.
         check(DType::BF16, 8e-3);
+    }
+
+    #[test]
+    fn a_long_unshared_context_is_left_to_the_paged_kernel() {
+        let (lists, ..) = case();
+        let long: Vec<u32> = (0..1600).rev().collect();
+        let mut seqs: Vec<SeqSlots> = lists
+            .iter()
+            .map(|s| SeqSlots {
+                slots: s,
+                num_new: 1,
+            })
+            .collect();
+        seqs.push(SeqSlots {
+            slots: &long,
+            num_new: 1,
+        });
+        let plan = CascadePlan::new(&seqs, 256).unwrap();
+        assert!(DeviceCascade::new(&plan, &seqs, &Device::Cpu)
+            .unwrap()
+            .is_none());
     }
 
     #[test]

@@ -455,8 +455,10 @@ impl KvPool {
         };
         #[cfg(not(feature = "cuda"))]
         let _ = scale;
-        let shared = self
-            .cascade
+        let cpu = matches!(self.storage, KvStorage::Cpu(_));
+        // A CUDA pool runs cascade attention in decode calls only.
+        let decode = seqs.iter().all(|s| s.num_new <= 1);
+        let shared = (self.cascade && (cpu || decode))
             .then(|| CascadePlan::new(seqs, CASCADE_MIN_SPAN))
             .flatten();
         #[cfg(feature = "cuda")]
@@ -470,7 +472,6 @@ impl KvPool {
         let on_device = device_cascade.is_some();
         #[cfg(not(feature = "cuda"))]
         let on_device = false;
-        let cpu = matches!(self.storage, KvStorage::Cpu(_));
         if let Some(p) = shared.as_ref().filter(|_| cpu || on_device) {
             let [calls, saved] = &self.cascade_counts;
             calls.fetch_add(1, Ordering::Relaxed);

@@ -259,14 +259,30 @@ pub fn run_rollout(
         if active.is_empty() {
             break;
         }
-        let mut requests: Vec<GenRequest> = Vec::with_capacity(active.len());
+        let mut grammars = Vec::with_capacity(active.len());
         for &i in &active {
             let grammar = match cfg.constrained_decoding {
-                true => Some(turn_grammar(&mut trajs[i], tok, fixed_grammar.as_ref())?),
+                true => match turn_grammar(&mut trajs[i], tok, fixed_grammar.as_ref(), cfg) {
+                    Ok(grammar) => Some(grammar),
+                    Err(e) => {
+                        dropped.absorb(trajs[i].group_id, e)?;
+                        None
+                    }
+                },
                 false => None,
             };
-            requests.push(request(&trajs[i], turn as u32, tok, cfg, grammar));
+            grammars.push(grammar);
         }
+        // A member whose state offered nothing to choose among drops its group.
+        let (active, grammars): (Vec<usize>, Vec<_>) = (active.into_iter().zip(grammars))
+            .filter(|(i, _)| !dropped.contains(trajs[*i].group_id))
+            .unzip();
+        if active.is_empty() {
+            break;
+        }
+        let requests: Vec<GenRequest> = (active.iter().zip(grammars))
+            .map(|(&i, grammar)| request(&trajs[i], turn as u32, tok, cfg, grammar))
+            .collect();
         let t0 = Instant::now();
         let gens = engine.generate(model, tok, &requests)?;
         generate_s += t0.elapsed().as_secs_f64();
@@ -561,11 +577,13 @@ fn env_grammar(tok: &Tokenizer, session: &AgentSession) -> Result<Option<Arc<Res
 }
 
 /// The grammar `t`'s coming response samples under: one of the actions its state admits where
-/// the env offers them (kept in `t` for the step's record), else the env's `fixed` grammar.
+/// the env offers them (kept in `t` for the step's record), else the env's `fixed` grammar; an
+/// env error (which `on_error: skip` turns into a dropped group) when there is neither.
 fn turn_grammar(
     t: &mut Trajectory,
     tok: &Tokenizer,
     fixed: Option<&Arc<ResponseGrammar>>,
+    cfg: &RolloutConfig,
 ) -> Result<Arc<ResponseGrammar>> {
     let env = t.session.env();
     t.admissible_actions = env.admissible_actions().unwrap_or_default().to_vec();
@@ -575,11 +593,10 @@ fn turn_grammar(
             ResponseGrammar::for_actions(tok, (env.tag(), protocol), &t.admissible_actions)?;
         return Ok(Arc::new(grammar));
     }
-    fixed.cloned().ok_or_else(|| {
-        RolloutError::Grammar(GrammarError::NoActionsOffered {
-            env: env.tag().to_string(),
-        })
-    })
+    let tag = env.tag().to_string();
+    fixed
+        .cloned()
+        .ok_or_else(|| env_error(cfg, EnvError::NoAdmissibleActions { env: tag }))
 }
 
 fn request(

@@ -28,12 +28,6 @@ pub enum GrammarError {
         /// Tag of the env.
         env: String,
     },
-    /// The env answers free text and its state offered no admissible actions to choose among.
-    #[error("env `{env}` answers free text and its state offered no `admissible_actions` to choose among; set constrained_decoding: false, or serve the actions each state admits")]
-    NoActionsOffered {
-        /// Tag of the env.
-        env: String,
-    },
     /// A tag, separator, action name or tool-call opening tokenizes to nothing.
     #[error("env `{env}`: `{text}` encodes to no tokens")]
     EmptyPiece {

@@ -379,8 +379,14 @@ impl<'a> Cursor<'a> {
     fn admissible_actions(&mut self) -> Result<&'a [u8], CodecError> {
         let start = self.rest;
         let count = self.varint("the admissible actions' count")?;
+        if count == 0 {
+            return Err(CodecError(
+                "the admissible actions' flag is set on an empty list".into(),
+            ));
+        }
         for i in 0..count {
-            self.str(&format!("admissible action {i}"))?;
+            self.str("an admissible action")
+                .map_err(|e| CodecError(format!("{} (action {i})", e.0)))?;
         }
         Ok(&start[..start.len() - self.rest.len()])
     }
@@ -1222,7 +1228,7 @@ mod tests {
             .to_record()
             .unwrap_err()
             .to_string();
-        assert!(error.contains("admissible action 2"), "{error}");
+        assert!(error.contains("admissible action (action 2)"), "{error}");
     }
 
     /// The payload of `record` as format version 4 wrote it: that of the current version

@@ -27,12 +27,12 @@ pub struct ResponseMasks {
     vocab: usize,
     /// What encodes a record's admissible actions (set when constrained decoding is on).
     tok: Option<Tokenizer>,
-    /// Grammars of admissible-action lists met so far, by env tag and list.
-    of_actions: Mutex<HashMap<ActionList, Arc<ResponseGrammar>>>,
+    /// Grammars of admissible-action lists met so far, by env tag, then list.
+    of_actions: Mutex<HashMap<String, ActionGrammars>>,
 }
 
-/// An env tag and the admissible actions of one of its states.
-type ActionList = (String, Vec<String>);
+/// The grammars of one env tag's admissible-action lists, by list.
+type ActionGrammars = HashMap<Vec<String>, Arc<ResponseGrammar>>;
 
 /// One env tag's side of constrained decoding.
 struct EnvGrammar {
@@ -45,8 +45,8 @@ struct EnvGrammar {
 /// Logit bias of a token the grammar forbids: its probability underflows to exactly 0.
 const FORBIDDEN_LOGIT: f32 = -1e9;
 
-/// Admissible-action lists whose grammars are kept at once (a run's states rarely exceed it;
-/// past it the table starts over).
+/// Admissible-action lists of one env tag whose grammars are kept at once (a run's states
+/// rarely exceed it; past it the tag's table starts over).
 const KEPT_ACTION_LISTS: usize = 4096;
 
 impl ResponseMasks {
@@ -95,11 +95,14 @@ impl ResponseMasks {
         let (Some(tok), false) = (&self.tok, rec.admissible_actions.is_empty()) else {
             return Ok(env.fixed.clone());
         };
-        let key = (rec.env_tag.clone(), rec.admissible_actions.clone());
-        if let Some(g) = self.of_actions.lock().get(&key) {
-            return Ok(Some(g.clone()));
+        let actions = rec.admissible_actions.as_slice();
+        let known = |kept: &HashMap<String, ActionGrammars>| {
+            kept.get(&rec.env_tag).and_then(|m| m.get(actions)).cloned()
+        };
+        if let Some(g) = known(&self.of_actions.lock()) {
+            return Ok(Some(g));
         }
-        let g = ResponseGrammar::for_actions(tok, (&rec.env_tag, &env.protocol), &key.1).map_err(
+        let g = ResponseGrammar::for_actions(tok, (&rec.env_tag, &env.protocol), actions).map_err(
             |e| {
                 TrainError::Data(format!(
                     "trajectory {} step {}: its admissible actions: {e}",
@@ -109,10 +112,11 @@ impl ResponseMasks {
         )?;
         let g = Arc::new(g);
         let mut kept = self.of_actions.lock();
-        if kept.len() >= KEPT_ACTION_LISTS {
-            kept.clear();
+        let of_tag = kept.entry(rec.env_tag.clone()).or_default();
+        if of_tag.len() >= KEPT_ACTION_LISTS {
+            of_tag.clear();
         }
-        kept.insert(key, g.clone());
+        of_tag.insert(actions.to_vec(), g.clone());
         Ok(Some(g))
     }
 

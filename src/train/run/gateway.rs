@@ -7,8 +7,10 @@
 //! next request is served by the new policy version (the engine's cache was flushed with it).
 //! A session spanning an update holds steps of two versions; the stored behaviour log-probs
 //! are what the update's ratio is taken against, and `gateway/staleness` reports the lag. With
-//! `constrained_decoding: true`, a session whose env tag (`metadata.env`) names a config env is
-//! sampled under that env's answer grammar, the one the update scores its tokens under.
+//! `constrained_decoding: true`, a session whose env tag (`metadata.env`) names a config env with
+//! named actions is sampled under that env's answer grammar, the one the update scores its tokens
+//! under (a free-text env's sessions decode freely: its grammars come from states the gateway does
+//! not see).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
