@@ -585,6 +585,18 @@ impl Trunk {
         }
     }
 
+    /// Heads `[n, heads, D]` of `n` new tokens rotated by their tables `cos`, `sin` `[n, 1, D]`:
+    /// one fused op where it applies (the same products and sums as [`apply_rope`], so the same
+    /// bits), else the op-by-op rotation.
+    fn rope_rows(&self, x: &Tensor, (cos, sin): (&Tensor, &Tensor)) -> Result<Tensor> {
+        if !self.fused(x) {
+            return apply_rope(x, cos, sin);
+        }
+        let (n, heads, d) = x.dims3()?;
+        let rows = x.reshape((n, 1, heads, d))?;
+        Ok(fused::rope_heads(&rows, cos, sin)?.reshape((n, heads, d))?)
+    }
+
     /// Final hidden states `[B, T, hidden]` of a padded batch `input_ids [B, T]` (u32) with
     /// `attention_mask [B, T]` (1 = real token, any dtype); positions count real tokens only, so
     /// left and right padding both work.
@@ -830,8 +842,8 @@ impl Trunk {
                 b.q.forward_with(&h, self.ops)?.reshape((n, nh, hd))?,
                 b.k.forward_with(&h, self.ops)?.reshape((n, nkv, hd))?,
             )?;
-            let q = apply_rope(&q, &cos, &sin)?;
-            let k = apply_rope(&k, &cos, &sin)?;
+            let q = self.rope_rows(&q, (&cos, &sin))?;
+            let k = self.rope_rows(&k, (&cos, &sin))?;
             let v = b.v.forward_with(&h, self.ops)?.reshape((n, nkv, hd))?;
             pool.write_rows(layer, &plan, &k, &v)?;
             let o = pool
@@ -1044,6 +1056,33 @@ mod tests {
         // Nothing else holds a gradient: candle's matmul and add would keep one for the
         // weight's and the bias's views.
         assert_eq!(grads.get_ids().count(), 1);
+    }
+
+    /// The incremental forward's fused RoPE of `[n, heads, D]` rows gives the composed
+    /// rotation's bits.
+    #[test]
+    fn incremental_rope_is_bit_identical_fused_and_composed() {
+        let dev = Device::Cpu;
+        let values = |n: usize, f: f32| (0..n).map(|i| (i as f32 * f).sin() * 3.0).collect();
+        let x = Tensor::from_vec(values(5 * 4 * 8, 0.37), (5, 4, 8), &dev).unwrap();
+        let cos = Tensor::from_vec(values(5 * 8, 0.11), (5, 1, 8), &dev).unwrap();
+        let sin = Tensor::from_vec(values(5 * 8, 0.23), (5, 1, 8), &dev).unwrap();
+        let trunk = Trunk::from_named(&crate::model::ModelConfig::tiny(16), &|name: &str| {
+            let shape = trunk_param_shapes(&crate::model::ModelConfig::tiny(16))
+                .into_iter()
+                .find(|(n, _)| n == name)
+                .unwrap()
+                .1;
+            Ok(Tensor::zeros(shape, DType::F32, &dev)?)
+        })
+        .unwrap();
+        let bits = |t: Tensor| -> Vec<u32> {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.into_iter().map(f32::to_bits).collect()
+        };
+        let fused = trunk.rope_rows(&x, (&cos, &sin)).unwrap();
+        assert_eq!(fused.dims(), [5, 4, 8]);
+        assert_eq!(bits(fused), bits(apply_rope(&x, &cos, &sin).unwrap()));
     }
 
     #[test]
