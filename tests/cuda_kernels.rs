@@ -80,9 +80,11 @@ fn case(
         shared,
         seed,
     )
+    .0
 }
 
-/// [`case`] with the GPU pool's prefill kernel chosen, and cascade attention on or off.
+/// [`case`] with the GPU pool's prefill kernel chosen, and cascade attention on or off; also
+/// how many of the GPU pool's calls ran cascade attention.
 fn case_with(
     dev: &Device,
     (dtype, prefill, cascade): (DType, PrefillAttention, bool),
@@ -91,7 +93,7 @@ fn case_with(
     news: &[usize],
     shared: usize,
     seed: u64,
-) -> f32 {
+) -> (f32, u64) {
     let (qh, kvh, hd) = heads;
     let cfg = shape(qh, kvh, hd);
     let pool_slots = lens.iter().sum::<usize>() + shared;
@@ -148,7 +150,7 @@ fn case_with(
         .unwrap()
         .to_vec1()
         .unwrap();
-    relative_error(&got, &want)
+    (relative_error(&got, &want), gpu.take_cascade_counts().0)
 }
 
 /// (query heads, KV heads, head_dim): GQA groups of 2, 7, 1, 4 and 16 (a decode block serves
@@ -195,9 +197,10 @@ fn decode_kernel_matches_reference_attention() {
     }
 }
 
-/// Decode calls whose sequences share a prompt of at least 256 positions: cascade attention
-/// (the shared prompt as one matrix product over the whole group, merged with each sequence's
-/// own positions) and the paged decode kernel alone, each against the reference.
+/// Decode calls whose sequences share a prompt of at least 256 positions and own tails of
+/// similar lengths (so the call is planned as cascade): cascade attention (the shared prompt as
+/// one matrix product over the whole group, merged with each sequence's own positions) and the
+/// paged decode kernel alone, each against the reference.
 #[test]
 fn cascade_decode_matches_reference_attention_and_the_paged_kernel() {
     let Some(dev) = cuda() else { return };
@@ -205,12 +208,12 @@ fn cascade_decode_matches_reference_attention_and_the_paged_kernel() {
         for (i, heads) in HEADS.iter().enumerate() {
             for (lens, shared) in [
                 (vec![1100; 16], 1024),
-                (vec![300, 2000, 700], 290),
+                (vec![600, 900, 700], 500),
                 (vec![4096; 8], 4000),
             ] {
                 let news = vec![1; lens.len()];
                 for cascade in [true, false] {
-                    let err = case_with(
+                    let (err, cascade_calls) = case_with(
                         &dev,
                         (dtype, PrefillAttention::Paged, cascade),
                         *heads,
@@ -224,6 +227,7 @@ fn cascade_decode_matches_reference_attention_and_the_paged_kernel() {
                         "decode (cascade {cascade}) {dtype:?} {heads:?} lens {lens:?} shared \
                          {shared}: relative error {err}"
                     );
+                    assert_eq!(cascade_calls, u64::from(cascade), "lens {lens:?}");
                 }
             }
         }
@@ -264,7 +268,7 @@ fn flash_prefill_matches_reference_attention() {
             (vec![1500, 300], vec![129, 1], 0),
             (vec![600, 600, 600, 600], vec![64, 64, 64, 64], 512),
         ] {
-            let err = case_with(
+            let (err, _) = case_with(
                 &dev,
                 (DType::BF16, PrefillAttention::Flash, true),
                 *heads,
