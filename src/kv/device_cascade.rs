@@ -239,6 +239,16 @@ mod tests {
         (lists, q, k, v)
     }
 
+    /// A decode call: every sequence of `lists` brings its last position.
+    fn decode_call(lists: &[Vec<u32>]) -> Vec<SeqSlots<'_>> {
+        (lists.iter())
+            .map(|s| SeqSlots {
+                slots: s,
+                num_new: 1,
+            })
+            .collect()
+    }
+
     /// The per-row CPU kernel's answer on the same rows.
     fn per_row(lists: &[Vec<u32>], q: &Tensor, k: &Tensor, v: &Tensor) -> Vec<f32> {
         let cfg = crate::model::ModelConfig::tiny(16);
@@ -247,13 +257,7 @@ mod tests {
         let flat = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
         let (kf, vf) = (flat(k).to_vec1().unwrap(), flat(v).to_vec1().unwrap());
         pool.write(0, &all, &kf, &vf).unwrap();
-        let seqs: Vec<SeqSlots> = lists
-            .iter()
-            .map(|s| SeqSlots {
-                slots: s,
-                num_new: 1,
-            })
-            .collect();
+        let seqs = decode_call(lists);
         let q = flat(q).to_vec1::<f32>().unwrap();
         pool.attend(0, &q, &seqs, 4, 0.3).unwrap()
     }
@@ -261,13 +265,7 @@ mod tests {
     fn check(dtype: DType, bound: f32) {
         let (lists, q, k, v) = case();
         let [q, k, v] = [q, k, v].map(|t| t.to_dtype(dtype).unwrap());
-        let seqs: Vec<SeqSlots> = lists
-            .iter()
-            .map(|s| SeqSlots {
-                slots: s,
-                num_new: 1,
-            })
-            .collect();
+        let seqs = decode_call(&lists);
         let plan = CascadePlan::new(&seqs, 256).expect("shared runs");
         assert_eq!(plan.spans.len(), 2, "the prompt, then the turn inside it");
         let cascade = DeviceCascade::new(&plan, &seqs, &Device::Cpu)
@@ -300,19 +298,9 @@ mod tests {
 
     #[test]
     fn a_long_unshared_context_is_left_to_the_paged_kernel() {
-        let (lists, ..) = case();
-        let long: Vec<u32> = (0..1600).rev().collect();
-        let mut seqs: Vec<SeqSlots> = lists
-            .iter()
-            .map(|s| SeqSlots {
-                slots: s,
-                num_new: 1,
-            })
-            .collect();
-        seqs.push(SeqSlots {
-            slots: &long,
-            num_new: 1,
-        });
+        let (mut lists, ..) = case();
+        lists.push((0..1600).rev().collect());
+        let seqs = decode_call(&lists);
         let plan = CascadePlan::new(&seqs, 256).unwrap();
         assert!(DeviceCascade::new(&plan, &seqs, &Device::Cpu)
             .unwrap()
