@@ -4,10 +4,9 @@
 //! decoder layer each, or one parameter outside the layers: [`layer_units`]); each unit is
 //! padded to a multiple of the rank count and cut into equal blocks, one per rank
 //! ([`FlatShard`]), so that a step moves one unit at a time and a rank's block is its block of
-//! every unit, end to end. Blocks ignore parameter boundaries
-//! (a parameter may be split between ranks, and with 3 ranks the split is uneven across
-//! parameters); [`ShardLayout::pieces`] says which slice of which parameter falls where in a
-//! rank's block. It moves nothing: the trainer's optimizer step does.
+//! every unit, end to end. Blocks ignore parameter boundaries (a parameter may be split between
+//! ranks, and with 3 ranks the split is uneven across parameters); [`ShardLayout::pieces`] says
+//! which slice of which parameter falls where in a rank's block. It moves nothing: the trainer's optimizer step does.
 
 use std::ops::Range;
 

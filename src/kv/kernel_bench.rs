@@ -86,15 +86,9 @@ pub fn decode(shape: &KernelShape, device: &Device) -> Result<DecodeReport, KvEr
     // What decode must read: every K and V row once.
     let kv_bytes =
         2.0 * (all.len() * shape.kv_heads * shape.head_dim * shape.dtype.size_in_bytes()) as f64;
-    let copy_src = Tensor::zeros(
-        all.len() * shape.kv_heads * shape.head_dim * 2,
-        DType::BF16,
-        device,
-    )?;
-    let copy_s = time(device, shape.iters, || Ok(copy_src.copy()?))?;
-    let copy_bytes = 2.0 * (copy_src.elem_count() * 2) as f64;
+    let copy_elems = all.len() * shape.kv_heads * shape.head_dim * 2;
     let decode_gb_s = kv_bytes / decode_s / 1e9;
-    let copy_gb_s = copy_bytes / copy_s / 1e9;
+    let copy_gb_s = copy_rate(device, copy_elems, shape.iters)? / 1e9;
     Ok(DecodeReport {
         decode_ms: decode_s * 1e3,
         decode_gb_s,
@@ -106,9 +100,15 @@ pub fn decode(shape: &KernelShape, device: &Device) -> Result<DecodeReport, KvEr
 /// Bytes a plain device-to-device copy of 256 MiB moves per second on `device` (read and
 /// written): the memory bandwidth a device's traffic limits assume.
 pub fn copy_bandwidth(device: &Device) -> Result<f64, KvError> {
-    let src = Tensor::zeros(128 << 20, DType::BF16, device)?;
-    let copy_s = time(device, 10, || Ok(src.copy()?))?;
-    Ok(2.0 * (src.elem_count() * 2) as f64 / copy_s)
+    copy_rate(device, 128 << 20, 10)
+}
+
+/// Bytes per second (read and written) of a device copy of `elems` bf16 values, over `iters`
+/// timed copies.
+fn copy_rate(device: &Device, elems: usize, iters: usize) -> Result<f64, KvError> {
+    let src = Tensor::zeros(elems, DType::BF16, device)?;
+    let copy_s = time(device, iters, || Ok(src.copy()?))?;
+    Ok(2.0 * (elems * 2) as f64 / copy_s)
 }
 
 /// Times prefill attention of the last `new` tokens of each sequence at `shape` on `device`.

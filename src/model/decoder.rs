@@ -1067,19 +1067,14 @@ mod tests {
         let x = Tensor::from_vec(values(5 * 4 * 8, 0.37), (5, 4, 8), &dev).unwrap();
         let cos = Tensor::from_vec(values(5 * 8, 0.11), (5, 1, 8), &dev).unwrap();
         let sin = Tensor::from_vec(values(5 * 8, 0.23), (5, 1, 8), &dev).unwrap();
-        let trunk = Trunk::from_named(&crate::model::ModelConfig::tiny(16), &|name: &str| {
-            let shape = trunk_param_shapes(&crate::model::ModelConfig::tiny(16))
-                .into_iter()
-                .find(|(n, _)| n == name)
-                .unwrap()
-                .1;
-            Ok(Tensor::zeros(shape, DType::F32, &dev)?)
-        })
-        .unwrap();
+        let model =
+            crate::model::Model::new(&crate::model::ModelConfig::tiny(16), 1, &dev).unwrap();
+        let trunk = &model.trunk;
         let bits = |t: Tensor| -> Vec<u32> {
             let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             v.into_iter().map(f32::to_bits).collect()
         };
+        assert!(trunk.fused(&x), "the CPU trunk takes the fused path");
         let fused = trunk.rope_rows(&x, (&cos, &sin)).unwrap();
         assert_eq!(fused.dims(), [5, 4, 8]);
         assert_eq!(bits(fused), bits(apply_rope(&x, &cos, &sin).unwrap()));

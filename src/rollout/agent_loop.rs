@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::env::{build_session, check_config, ActionSpace, AgentSession, EnvError, OnError};
+use crate::env::{build_session, check_config, AgentSession, EnvError, OnError};
 use crate::model::Model;
 use crate::rollout::engine::{
     CacheCounters, Engine, EngineError, FinishReason, GenRequest, Generation,
@@ -247,7 +247,9 @@ pub fn run_rollout(
         check_tool_mode(cfg)?;
     }
     let fixed_grammar = match trajs.first() {
-        Some(t) if cfg.constrained_decoding => env_grammar(tok, &t.session)?,
+        Some(t) if cfg.constrained_decoding => {
+            ResponseGrammar::for_env(tok, &t.session)?.map(Arc::new)
+        }
         _ => None,
     };
     let mut generate_s = 0.0;
@@ -564,16 +566,6 @@ fn start_group(tok: &Tokenizer, cfg: &RolloutConfig, group_id: u64) -> Result<Ve
         });
     }
     Ok(members)
-}
-
-/// The grammar of every answer of the env of `session` under constrained decoding: its named
-/// actions; `None` for an env that answers free text (its states must offer admissible actions,
-/// [`turn_grammar`]).
-fn env_grammar(tok: &Tokenizer, session: &AgentSession) -> Result<Option<Arc<ResponseGrammar>>> {
-    match session.env().action_space() {
-        ActionSpace::FreeText => Ok(None),
-        _ => Ok(Some(Arc::new(ResponseGrammar::for_session(tok, session)?))),
-    }
 }
 
 /// The grammar `t`'s coming response samples under: one of the actions its state admits where

@@ -125,6 +125,16 @@ impl ResponseGrammar {
         Self::answering(tok, (env, protocol), &names, protocol.max_actions_per_turn)
     }
 
+    /// The grammar of every answer of `session`'s env under constrained decoding: its named
+    /// actions' ([`Self::for_session`]); `None` for an env that answers free text, whose states
+    /// offer the actions to choose among ([`Self::for_actions`] each turn).
+    pub fn for_env(tok: &Tokenizer, session: &AgentSession) -> Result<Option<Self>, GrammarError> {
+        match session.env().action_space() {
+            ActionSpace::FreeText => Ok(None),
+            _ => Self::for_session(tok, session).map(Some),
+        }
+    }
+
     /// The grammar of an answer naming one of `actions` (the actions a state admits, which hold
     /// for one action: one per turn) in the protocol of `env`.
     pub fn for_actions(

@@ -22,8 +22,8 @@
 //! `state_hash: u64`; varints `policy_version`, `num_actions`; then `reward: f32` and
 //! `format_penalty: f32` when their flag is set; then, when its flag is set, `critic_state` as a
 //! varint count and that many `f32`; then, when its flag is set, `admissible_actions` as a
-//! varint count and that many strings (varint length, UTF-8 bytes). A text entry starts with a varint `v`: even = the text inline, `v / 2` UTF-8 bytes
-//! following; odd = a backward reference: the frame numbered `v / 2` (1 to
+//! varint count and that many strings (varint length, UTF-8 bytes). A text entry starts with a
+//! varint `v`: even = the text inline, `v / 2` UTF-8 bytes following; odd = a backward reference: the frame numbered `v / 2` (1 to
 //! [`REFERENCE_WINDOW`]) before this one in the same segment holds the identical text inline in
 //! the same field (the writer keeps a text → frame cache per segment, compares texts, not
 //! hashes, and refers only to frames of the same block of [`REFERENCE_BLOCK`] frames, storing a

@@ -4,8 +4,8 @@
 //! parallelism an `AdamW` keeps the moments of its rank's block of the parameters (its part of
 //! every unit of their [`ShardLayout`]) only ([`AdamW::sharded`]), updates that block
 //! ([`AdamW::step_block`]) and saves it as one of the ranks' block files ([`blocks`]), which any
-//! rank count reads back. It does not decide when
-//! to step, what moves between ranks, or where checkpoints live.
+//! rank count reads back. It does not decide when to step, what moves between ranks, or where
+//! checkpoints live.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;

@@ -5,7 +5,7 @@
 //! a forward pass is the model's.
 
 use crate::config::Config;
-use crate::env::{build_session, ActionSpace, AgentSession, ProtocolConfig};
+use crate::env::{build_session, AgentSession, ProtocolConfig};
 use crate::rollout::grammar::{Allowed, ResponseGrammar};
 use crate::store::StepRecord;
 use crate::tokenizer::Tokenizer;
@@ -60,13 +60,9 @@ impl ResponseMasks {
     ) -> Result<Self, TrainError> {
         let mut envs = BTreeMap::new();
         for (tag, session) in sessions {
-            let fixed = match session.env().action_space() {
-                ActionSpace::FreeText => None,
-                _ => Some(Arc::new(
-                    ResponseGrammar::for_session(tok, &session)
-                        .map_err(|e| TrainError::Data(format!("custom_envs.{tag}: {e}")))?,
-                )),
-            };
+            let fixed = ResponseGrammar::for_env(tok, &session)
+                .map_err(|e| TrainError::Data(format!("custom_envs.{tag}: {e}")))?
+                .map(Arc::new);
             let protocol = session.protocol().clone();
             envs.insert(tag, EnvGrammar { fixed, protocol });
         }
